@@ -1,0 +1,31 @@
+# `make demo` and `make test` each set up .venv on a fresh machine, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jzero train configs/zero2.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check jzero tests examples benchmarks
+	$(VENV)/bin/ruff format --check jzero tests examples benchmarks
+	$(PY) -m pytest -q
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format jzero tests examples benchmarks
+	$(VENV)/bin/ruff check --fix jzero tests examples benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/stages.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

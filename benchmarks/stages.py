@@ -1,0 +1,181 @@
+"""ZeRO stages 0-3 on a GPT-like scanned model: memory, communication and step time per stage.
+
+Run: ``python benchmarks/stages.py`` (8 virtual CPU devices are set up when no accelerator is
+present). Every figure comes from the compiled program or from live arrays:
+
+* params / opt state: bytes of the live arrays resident on device 0 (``addressable_shards``);
+* grads: the gradient accumulator per device from the plan (it is a temporary of the step);
+* args / temp: ``compiled.memory_analysis()`` (per device);
+* ZeRO: the closed forms for fp32 Adam (params 4, grads 4, moments 8 bytes a parameter):
+  stage 0 16 Psi, stage 1 4 Psi + 4 Psi + 8 Psi/N, stage 2 4 Psi + 12 Psi/N, stage 3 16 Psi/N;
+* collectives: full-buffer bytes per step by kind, from the compiled HLO (loops counted by
+  trip count), against ZeRO's volumes in units of Psi (parameter bytes);
+* time: median step time relative to stage 0 and to a hand-written plain JAX data-parallel
+  step (replicated params, batch sharded over ``data``, the same optax update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jzero  # noqa: E402
+from jzero.hlo import collectives  # noqa: E402
+from jzero.models import gpt  # noqa: E402
+
+MB = 1 << 20
+
+
+def device0_bytes(tree) -> int:
+    d0 = jax.devices()[0]
+    total = 0
+    for x in jax.tree.leaves(tree):
+        for s in x.addressable_shards:
+            if s.device == d0:
+                total += s.data.nbytes
+    return total
+
+
+def median_time(fn, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def plain_dp_step(params, tx, loss, mesh, batch, steps):
+    """The floor: replicated params, batch over `data`, one all-reduce, the same update."""
+    rep = NamedSharding(mesh, P())
+    params = jax.device_put(params, rep)
+    opt_state = jax.device_put(tx.init(params), rep)
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        loss_value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_value
+
+    state = [params, opt_state]
+
+    def run():
+        state[0], state[1], lv = step(state[0], state[1], batch)
+        return lv
+
+    run()
+    return median_time(run, steps)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    cfg = gpt.GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq_len,
+        num_layers=args.layers,
+        num_heads=4,
+        d_model=args.d_model,
+        d_ff=4 * args.d_model,
+    )
+    params = gpt.init_params(jax.random.key(0), cfg)
+    loss = lambda p, b: gpt.loss_fn(p, b, cfg)
+    n = jax.device_count()
+    tbs = args.micro_batch * n
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, 256, (tbs, args.seq_len + 1), dtype=np.int32)}
+    psi_elems = sum(x.size for x in jax.tree.leaves(params))
+    psi = psi_elems * 4
+    print(
+        f"GPT: {args.layers} layers, d_model {args.d_model}, {psi_elems:,} parameters "
+        f"(Psi = {psi / MB:.2f} MiB fp32), {n} {jax.devices()[0].platform} devices, "
+        f"global batch {tbs} x {args.seq_len} tokens, AdamW"
+    )
+    zero = {
+        0: (16, "2 Psi all-reduce"),
+        1: (8 + 8 / n, "Psi RS + Psi AG"),
+        2: (4 + 12 / n, "Psi RS + Psi AG"),
+        3: (16 / n, "3 Psi (2 AG + RS)"),
+    }
+    rows, times = [], {}
+    for stage in range(4):
+        config = {
+            "train_batch_size": tbs,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
+        compiled = engine.lower(batch).compile()
+        mem = compiled.memory_analysis()
+        coll = collectives(compiled)
+        grads = engine.plan.model_state_bytes()["grads"]
+        p_b, o_b = device0_bytes(engine.params), device0_bytes(engine.opt_state)
+        engine.train_step(batch)
+        times[stage] = median_time(lambda e=engine: e.train_step(batch)["loss"], args.steps)
+        rows.append(
+            (
+                stage,
+                p_b / MB,
+                grads / MB,
+                o_b / MB,
+                (p_b + grads + o_b) / MB,
+                zero[stage][0] * psi_elems / MB,
+                mem.argument_size_in_bytes / MB,
+                mem.temp_size_in_bytes / MB,
+                coll["all-reduce"].wire_bytes / psi,
+                coll["reduce-scatter"].bytes / psi,
+                coll["all-gather"].bytes / psi,
+                zero[stage][1],
+            )
+        )
+    floor = plain_dp_step(params, optax.adamw(1e-3), loss, engine.mesh, batch, args.steps)
+
+    print("\nPer-device memory (MiB)")
+    hdr = "stage  params   grads  opt state  model state  ZeRO formula     args     temp"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r[0]:>5}  {r[1]:6.2f}  {r[2]:6.2f}  {r[3]:9.2f}  {r[4]:11.2f}  {r[5]:12.2f}"
+            f"  {r[6]:7.2f}  {r[7]:7.2f}"
+        )
+    print("\nCollective bytes per step, in units of Psi (all-reduce counted twice, as on the wire)")
+    hdr = "stage  all-reduce  reduce-scatter  all-gather  total  ZeRO"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(
+            f"{r[0]:>5}  {r[8]:10.3f}  {r[9]:14.3f}  {r[10]:10.3f}  {r[8] + r[9] + r[10]:5.2f}"
+            f"  {r[11]}"
+        )
+    print(f"\nStep time (median of {args.steps} steps)")
+    hdr = "stage  ms/step  vs stage 0  vs plain JAX DP"
+    print(hdr)
+    print("-" * len(hdr))
+    print(f"{'plain':>5}  {floor * 1e3:7.1f}  {floor / times[0]:10.2f}  {1.0:14.2f}")
+    for s, t in times.items():
+        print(f"{s:>5}  {t * 1e3:7.1f}  {t / times[0]:10.2f}  {t / floor:14.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

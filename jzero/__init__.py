@@ -1,0 +1,37 @@
+"""jzero: DeepSpeed's ZeRO stages, host offload and sharded checkpoints for JAX.
+
+The public surface fits on one screen:
+
+* :func:`initialize` builds an :class:`Engine` from params (or ``init_fn``), a loss function,
+  an optax optimizer (or the config's) and a DeepSpeed-style config.
+* The pure pieces for users who run their own loop: :func:`make_mesh`, :func:`make_plan`,
+  :func:`make_train_step`, :class:`TrainState`, :func:`load_config`.
+"""
+
+from jzero.config import Config as Config
+from jzero.config import ConfigError as ConfigError
+from jzero.config import load_config as load_config
+from jzero.engine import Engine as Engine
+from jzero.engine import initialize as initialize
+from jzero.mesh import make_mesh as make_mesh
+from jzero.plan import Plan as Plan
+from jzero.plan import make_plan as make_plan
+from jzero.stages import STAGES as STAGES
+from jzero.step import TrainState as TrainState
+from jzero.step import make_train_step as make_train_step
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Engine",
+    "Plan",
+    "STAGES",
+    "TrainState",
+    "initialize",
+    "load_config",
+    "make_mesh",
+    "make_plan",
+    "make_train_step",
+]
+
+__version__ = "0.1.0"

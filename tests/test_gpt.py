@@ -1,0 +1,143 @@
+"""The built-in GPT: shapes, the two forms agree, init loss, the stage-3 scan contract, training."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jzero.models import GPT, GPTConfig, apply, init_params, loss_fn, nnx_loss_fn
+
+CFG = GPTConfig(seq_len=16, num_layers=2, num_heads=2, d_model=32, d_ff=64)
+
+
+def _batch(seed: int = 0, batch_size: int = 4, cfg: GPTConfig = CFG) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"tokens": jnp.asarray(rng.integers(0, 256, (batch_size, cfg.seq_len + 1)), jnp.int32)}
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[dict, list[float]]:
+    """Functional init, then six Adam steps on one fixed batch: (initial params, losses)."""
+    batch = _batch()
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params: dict, opt_state: optax.OptState) -> tuple[dict, optax.OptState, jax.Array]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, CFG)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    initial = jax.jit(init_params, static_argnums=1)(jax.random.key(0), CFG)
+    params, opt_state, losses = initial, opt.init(initial), []
+    for _ in range(6):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    return initial, losses
+
+
+def _nnx_with(params: dict, cfg: GPTConfig = CFG) -> GPT:
+    """An NNX GPT holding ``params``, built abstractly (no init computation, no compile)."""
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(1)))
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    return model
+
+
+def _scan_xs_sources(closed_jaxpr) -> list:
+    """The top-level scans' scanned operands, each traced back through at most one dtype cast."""
+    jaxpr = closed_jaxpr.jaxpr
+    producer = {out: eqn for eqn in jaxpr.eqns for out in eqn.outvars}
+    scans = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "scan"]
+    assert len(scans) == 1, [eqn.primitive.name for eqn in jaxpr.eqns]
+    (scan,) = scans
+    assert scan.params["num_consts"] == 0, "stacked weights must not be closure constants"
+    sources = []
+    for var in scan.invars[scan.params["num_consts"] + scan.params["num_carry"] :]:
+        eqn = producer.get(var)
+        if eqn is not None and eqn.primitive.name == "convert_element_type":
+            var = eqn.invars[0]
+        sources.append(var)
+    return sources
+
+
+def _block_inputs(closed_jaxpr, tree) -> list:
+    """The jaxpr input variables that stand for the leaves under ``tree["blocks"]``."""
+    leaves = jax.tree.leaves_with_path(tree)
+    assert len(leaves) == len(closed_jaxpr.jaxpr.invars)
+    return [
+        var
+        for var, (path, _) in zip(closed_jaxpr.jaxpr.invars, leaves, strict=True)
+        if jax.tree_util.keystr(path).startswith("['blocks']")
+    ]
+
+
+def test_config_from_dict_rejects_unknown_key():
+    assert GPTConfig.from_dict({"num_layers": 3}).num_layers == 3
+    with pytest.raises(ValueError, match=r"\['n_layers'\].*num_layers"):
+        GPTConfig.from_dict({"n_layers": 3})
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        GPTConfig(d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="dtype"):
+        GPTConfig(dtype="int8")
+
+
+def test_functional_init_and_adam_steps_reduce_loss(trained):
+    params, losses = trained
+    assert all(x.shape[0] == CFG.num_layers for x in jax.tree.leaves(params["blocks"]))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    assert abs(float(losses[0]) - math.log(256)) < 0.05  # random init: near-uniform predictions
+    assert float(losses[-1]) < float(losses[0]) - 0.5, losses
+
+
+def test_forms_agree_on_the_same_weights(trained):
+    params, losses = trained
+    batch = _batch()
+    inputs = batch["tokens"][:, :-1]
+
+    @jax.jit
+    def both_forms(params: dict) -> tuple[jax.Array, ...]:
+        model = _nnx_with(params)
+        return (
+            apply(params, inputs, CFG),
+            loss_fn(params, batch, CFG),
+            model(inputs),
+            nnx_loss_fn(model, batch),
+        )
+
+    logits, loss, nnx_logits, nnx_loss = both_forms(params)
+    for out in (logits, nnx_logits):
+        assert out.shape == (4, CFG.seq_len, 256) and out.dtype == jnp.float32
+        assert bool(jnp.isfinite(out).all())
+    np.testing.assert_allclose(logits, nnx_logits, atol=1e-5)
+    assert abs(float(loss) - float(losses[0])) < 1e-5
+    assert abs(float(nnx_loss) - float(loss)) < 1e-5
+
+
+def test_nnx_init_builds_the_functional_tree():
+    model = nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0)))  # traces init, computes nothing
+    nnx_params = nnx.state(model, nnx.Param).to_pure_dict()
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), CFG))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), nnx_params) == jax.tree.map(
+        lambda x: (x.shape, x.dtype), params
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scan_xs_are_the_stacked_params(dtype):
+    cfg = GPTConfig(seq_len=8, num_layers=2, num_heads=2, d_model=16, d_ff=32, dtype=dtype)
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    batch = _batch(cfg=cfg)
+
+    # Functional form: the jaxpr's inputs are the flattened params, in tree order.
+    jaxpr = jax.make_jaxpr(lambda p: loss_fn(p, batch, cfg))(params)
+    assert _scan_xs_sources(jaxpr) == _block_inputs(jaxpr, params)
+
+    # NNX form: the same contract for the module's state.
+    graphdef, state = nnx.split(_nnx_with(params, cfg))
+    jaxpr = jax.make_jaxpr(lambda s: nnx_loss_fn(nnx.merge(graphdef, s), batch))(state)
+    assert _scan_xs_sources(jaxpr) == _block_inputs(jaxpr, state)
