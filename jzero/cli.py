@@ -60,11 +60,13 @@ def _train(args: argparse.Namespace) -> int:
     cfg = jzero.load_config(args.config, overrides=args.set or ())
     model_cfg = gpt.GPTConfig.from_dict(dict(cfg.model))
     steps = args.steps if args.steps is not None else cfg.train.steps
+    from flax import nnx
+
+    # The built-in GPT is a Flax NNX module, built directly into its shards.
     engine = jzero.initialize(
-        None,
-        lambda p, b: gpt.loss_fn(p, b, model_cfg),
+        model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
+        loss_fn=gpt.nnx_loss_fn,
         config=cfg,
-        init_fn=lambda key: gpt.init_params(key, model_cfg),
     )
     source = dict(cfg.data)
     tokens = data_lib.load_tokens(

@@ -58,6 +58,8 @@ class Engine:
         optimizer: optax.GradientTransformation,
         learning_rate: Callable[[jax.Array], jax.Array] | None,
         batch_sizes: tuple[int, int, int],
+        stateful: bool = False,
+        to_model: Callable[[PyTree, PyTree], Any] | None = None,
     ):
         self.config = config
         self.plan = plan
@@ -66,6 +68,8 @@ class Engine:
         self.optimizer = optimizer
         self.learning_rate = learning_rate
         self.train_batch_size, self.micro_batch_size, self.accumulation_steps = batch_sizes
+        self.stateful = stateful
+        self._to_model = to_model
         self._steps: dict[bool, Callable[..., Any]] = {}
         self._evals: dict[bool, Callable[..., Any]] = {}
 
@@ -74,6 +78,16 @@ class Engine:
     def params(self) -> PyTree:
         """The current parameters, sharded per the plan."""
         return self.state.params
+
+    @property
+    def model(self) -> Any:
+        """The trained Flax model: an NNX module (or Linen variables) over the current arrays."""
+        if self._to_model is None:
+            raise AttributeError(
+                "engine.model exists for Flax models (jzero.initialize(model=...)); "
+                "this engine trains a plain pytree: use engine.params."
+            )
+        return self._to_model(self.state.params, self.state.extra)
 
     @property
     def opt_state(self) -> PyTree:
@@ -110,6 +124,8 @@ class Engine:
                 )
 
     def _has_aux(self, batch: PyTree) -> bool:
+        if self.stateful:
+            return False
         micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
             batch,
@@ -134,6 +150,7 @@ class Engine:
                 accumulation_steps=self.accumulation_steps,
                 gradient_clipping=self.config.gradient_clipping,
                 has_aux=has_aux,
+                stateful=self.stateful,
                 learning_rate=self.learning_rate,
             )
         return self._steps[has_aux]
@@ -161,8 +178,10 @@ class Engine:
             )
         has_aux = self._has_aux(batch)
         if has_aux not in self._evals:
-            self._evals[has_aux] = make_eval_step(self.plan, self.loss_fn, has_aux=has_aux)
-        return self._evals[has_aux](self.state.params, batch)
+            self._evals[has_aux] = make_eval_step(
+                self.plan, self.loss_fn, has_aux=has_aux, stateful=self.stateful
+            )
+        return self._evals[has_aux](self.state.params, self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
@@ -209,6 +228,8 @@ def initialize(
     config: str | Mapping[str, Any] | config_lib.Config | None = None,
     init_fn: Callable[[jax.Array], PyTree] | None = None,
     *,
+    model: Any = None,
+    init_args: tuple = (),
     mesh: jax.sharding.Mesh | None = None,
     param_specs: PyTree | None = None,
 ) -> Engine:
@@ -226,6 +247,11 @@ def initialize(
         shards, so no device ever holds the full model at stage 3.
       mesh: a mesh to use instead of the config's ``mesh`` section.
       param_specs: your own ``PartitionSpec`` per parameter leaf on other mesh axes.
+      model: a Flax NNX module (or a function that builds one; it is then built directly
+        in its shards) with ``loss_fn(model, batch)``, or a Linen module with ``init_args``
+        (see :mod:`jzero.flax_adapter`). Non-trainable state (BatchNorm statistics) is
+        carried through the step and never sharded as parameters.
+      init_args: example inputs for a Linen module's ``init``.
 
     Returns:
       The :class:`Engine`.
@@ -234,6 +260,18 @@ def initialize(
     config_lib.check_supported(cfg)
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
+    extra: PyTree = ()
+    adapted = None
+    if model is not None:
+        from jzero import flax_adapter  # Flax is needed only for Flax models
+
+        if params is not None or init_fn is not None:
+            raise ValueError("Pass either model=... or params/init_fn, not both.")
+        adapted = flax_adapter.adapt(model, loss_fn, init_args)
+        params, loss_fn = adapted.abstract_params, adapted.loss_fn
+        init_fn = (lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None
+        if adapted.values is not None:
+            params, extra = adapted.values
     if params is None and init_fn is None:
         raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
     mesh = mesh if mesh is not None else make_mesh(dict(vars(cfg.mesh)))
@@ -270,12 +308,17 @@ def initialize(
     else:
         # A copy, so the user's arrays survive the step's buffer donation.
         values = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=plan.params)(params)
+    if adapted is not None and adapted.values is None:
+        extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
+    elif extra:
+        extra = jax.jit(lambda e: jax.tree.map(jnp.copy, e), out_shardings=plan.replicated)(extra)
     shardings = state_shardings(plan)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(values)
     state = TrainState(
         step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated),
         params=values,
         opt_state=opt_state,
+        extra=extra,
     )
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(
@@ -294,4 +337,6 @@ def initialize(
         optimizer=tx,
         learning_rate=schedule,
         batch_sizes=sizes,
+        stateful=adapted is not None,
+        to_model=None if adapted is None else adapted.to_model,
     )

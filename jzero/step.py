@@ -53,16 +53,21 @@ class TrainState(NamedTuple):
       step: the number of optimizer updates applied so far (int32 scalar).
       params: the parameters, sharded per ``plan.params``.
       opt_state: the optax state, sharded per ``plan.opt_state``.
+      extra: non-trainable model state (e.g. BatchNorm statistics, RNG counters), replicated
+        and never sharded as parameters; empty for a plain loss function.
     """
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
+    extra: PyTree = ()
 
 
 def state_shardings(plan: Plan) -> TrainState:
     """The sharding of every leaf of the :class:`TrainState` for ``plan``."""
-    return TrainState(step=plan.replicated, params=plan.params, opt_state=plan.opt_state)
+    return TrainState(
+        step=plan.replicated, params=plan.params, opt_state=plan.opt_state, extra=plan.replicated
+    )
 
 
 def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
@@ -87,10 +92,27 @@ def _spec(mesh_axis: str, ndim: int, dim: int | None) -> P:
     return P(*entries)
 
 
-def _with_aux(loss_fn: LossFn, has_aux: bool) -> LossFn:
-    if has_aux:
+def _stateful(loss_fn: LossFn, has_aux: bool, stateful: bool) -> LossFn:
+    """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``."""
+    if stateful:
         return loss_fn
-    return lambda params, batch: (loss_fn(params, batch), {})
+    if has_aux:
+        return lambda params, extra, batch: (lambda o: (o[0], (o[1], extra)))(
+            loss_fn(params, batch)
+        )
+    return lambda params, extra, batch: (loss_fn(params, batch), ({}, extra))
+
+
+def _mean_extra(extra: PyTree, axis: str) -> PyTree:
+    """Averages floating non-trainable state over devices (running statistics); the rest
+    (counters, RNG keys) advances identically on every device and is kept."""
+
+    def mean(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return jax.lax.pmean(x, axis)
+        return x
+
+    return jax.tree.map(mean, extra)
 
 
 def _float_aux(aux: PyTree) -> PyTree:
@@ -105,31 +127,35 @@ def _local_loss(plan: Plan, loss_fn: LossFn) -> LossFn:
 
 
 def make_eval_step(
-    plan: Plan, loss_fn: LossFn, *, has_aux: bool = False
-) -> Callable[[PyTree, PyTree], jax.Array]:
-    """Builds the jitted ``(params, batch) -> mean loss`` over a global batch, for evaluation.
+    plan: Plan, loss_fn: LossFn, *, has_aux: bool = False, stateful: bool = False
+) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
+    """Builds the jitted ``(params, extra, batch) -> mean loss`` over a global batch.
 
     At stage 3 the parameters are gathered layer by layer, as in the train step.
     """
-    full_loss = _with_aux(loss_fn, has_aux)
+    full_loss = _stateful(loss_fn, has_aux, stateful)
     treedef = jax.tree.structure(plan.abstract_params)
     in_specs = treedef.unflatten(
         [_spec(plan.axis, len(leaf.shape), leaf.param_dim) for leaf in plan.leaves]
     )
     local = _local_loss(plan, full_loss)
 
-    def loss(params: PyTree, batch: PyTree) -> jax.Array:
-        return jax.lax.pmean(local(params, batch)[0], plan.axis)
+    def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
+        return jax.lax.pmean(local(params, extra, batch)[0], plan.axis)
 
     fn = jax.shard_map(
         loss,
         mesh=plan.mesh,
-        in_specs=(in_specs, P(plan.axis)),
+        in_specs=(in_specs, P(), P(plan.axis)),
         out_specs=P(),
         axis_names={plan.axis},
         check_vma=False,
     )
-    return jax.jit(fn, in_shardings=(plan.params, plan.batch), out_shardings=plan.replicated)
+    return jax.jit(
+        fn,
+        in_shardings=(plan.params, plan.replicated, plan.batch),
+        out_shardings=plan.replicated,
+    )
 
 
 def make_train_step(
@@ -140,6 +166,7 @@ def make_train_step(
     accumulation_steps: int = 1,
     gradient_clipping: float = 0.0,
     has_aux: bool = False,
+    stateful: bool = False,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
@@ -157,6 +184,9 @@ def make_train_step(
         DeepSpeed's ``gradient_clipping``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are averaged over the
         global batch and returned in the metrics.
+      stateful: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))`` carries
+        non-trainable state (``TrainState.extra``) through the micro-batches; floating leaves
+        of the new state are averaged over the data axis.
       learning_rate: the schedule, for the ``lr`` metric; else read from an
         ``inject_hyperparams`` state when present.
       donate: donate the incoming state's buffers to the new state.
@@ -171,7 +201,7 @@ def make_train_step(
     param_dims = plan.param_dims
     grad_dims = plan.grad_dims()
     treedef = jax.tree.structure(plan.abstract_params)
-    full_loss = _with_aux(loss_fn, has_aux)
+    full_loss = _stateful(loss_fn, has_aux, stateful)
     stage = plan.stage
 
     param_in_specs = treedef.unflatten(
@@ -193,30 +223,31 @@ def make_train_step(
                 out.append(jax.lax.psum(g, axis))
         return treedef.unflatten(out)
 
-    def local_grads(params: PyTree, batch: PyTree) -> tuple[jax.Array, PyTree, PyTree]:
+    def local_grads(params: PyTree, extra: PyTree, batch: PyTree) -> tuple[Any, ...]:
         grad_fn = jax.value_and_grad(_local_loss(plan, full_loss), has_aux=True)
         # Stages 2-3 reduce every micro-batch; 0-1 only at the accumulation boundary.
         reduce_each = stage.shard_grads
 
-        def micro(mb: PyTree) -> tuple[jax.Array, PyTree, PyTree]:
-            (loss, aux), g = grad_fn(params, mb)
+        def micro(extra: PyTree, mb: PyTree) -> tuple[PyTree, tuple[Any, ...]]:
+            (loss, (aux, extra)), g = grad_fn(params, extra, mb)
             if reduce_each:
                 g = reduce(g, now_sharded=True)
-            return loss, _float_aux(aux), g
+            return extra, (loss, _float_aux(aux), g)
 
         if accum == 1:
-            loss, aux, g = micro(batch)
+            extra, (loss, aux, g) = micro(extra, batch)
         else:
             mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
             first = jax.tree.map(lambda x: x[0], mbs)
-            shapes = jax.eval_shape(micro, first)
+            shapes = jax.eval_shape(micro, extra, first)[1]
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
             def body(carry: Any, mb: PyTree) -> tuple[Any, None]:
-                out = micro(mb)
-                return jax.tree.map(jnp.add, carry, out), None
+                extra, sums = carry
+                extra, out = micro(extra, mb)
+                return (extra, jax.tree.map(jnp.add, sums, out)), None
 
-            (loss, aux, g), _ = jax.lax.scan(body, zeros, mbs)
+            (extra, (loss, aux, g)), _ = jax.lax.scan(body, (extra, zeros), mbs)
             loss = loss / accum
             aux = jax.tree.map(lambda a: a / accum, aux)
         if not reduce_each:
@@ -224,19 +255,19 @@ def make_train_step(
         g = jax.tree.map(lambda x: x / (accum * n), g)
         loss = jax.lax.pmean(loss, axis)
         aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
-        return loss, aux, g
+        return loss, aux, g, _mean_extra(extra, axis)
 
     grads_fn = jax.shard_map(
         local_grads,
         mesh=plan.mesh,
-        in_specs=(param_in_specs, P(axis)),
-        out_specs=(P(), P(), grad_out_specs),
+        in_specs=(param_in_specs, P(), P(axis)),
+        out_specs=(P(), P(), grad_out_specs, P()),
         axis_names={axis},
         check_vma=False,
     )
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, aux, grads = grads_fn(state.params, batch)
+        loss, aux, grads, extra = grads_fn(state.params, state.extra, batch)
         grads = jax.lax.with_sharding_constraint(grads, plan.grads)
         grad_norm = optax.global_norm(grads)
         if gradient_clipping and gradient_clipping > 0:
@@ -256,7 +287,7 @@ def make_train_step(
             found = find_learning_rate(state.opt_state)
             lr = jnp.asarray(jnp.nan if found is None else found, jnp.float32)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **aux}
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = TrainState(state.step + 1, params, opt_state, extra)
         return new_state, metrics
 
     shardings = state_shardings(plan)
