@@ -34,6 +34,11 @@ def _abstract(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.result_type(x)), tree)
 
 
+def _copy_into(tree: PyTree, shardings: Any) -> PyTree:
+    """Fresh buffers laid out by ``shardings``, so the user's arrays survive buffer donation."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
 def _is_abstract(tree: PyTree) -> bool:
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
 
@@ -193,10 +198,6 @@ class Engine:
         return self.plan.describe()
 
 
-def _batch_sizes(cfg: config_lib.Config, dp: int) -> tuple[int, int, int]:
-    return tuple(config_lib.resolve_batch_sizes(cfg, dp))  # type: ignore[return-value]
-
-
 def _optimizer(
     cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
 ) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
@@ -288,7 +289,7 @@ def initialize(
         persistence_threshold=cfg.zero_optimization.stage3_param_persistence_threshold,
         param_specs=param_specs,
     )
-    sizes = _batch_sizes(cfg, plan.num_shards)
+    sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)
     if init_fn is not None:
         made = jax.eval_shape(init_fn, key)
         if jax.tree.structure(made) != jax.tree.structure(abstract) or any(
@@ -306,12 +307,11 @@ def initialize(
             "Pass init_fn(key) -> params, or concrete arrays."
         )
     else:
-        # A copy, so the user's arrays survive the step's buffer donation.
-        values = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=plan.params)(params)
+        values = _copy_into(params, plan.params)
     if adapted is not None and adapted.values is None:
         extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
     elif extra:
-        extra = jax.jit(lambda e: jax.tree.map(jnp.copy, e), out_shardings=plan.replicated)(extra)
+        extra = _copy_into(extra, plan.replicated)
     shardings = state_shardings(plan)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(values)
     state = TrainState(
