@@ -11,7 +11,13 @@ present). Every figure comes from the compiled program or from live arrays:
 * collectives: full-buffer bytes per step by kind, from the compiled HLO (loops counted by
   trip count), against ZeRO's volumes in units of Psi (parameter bytes);
 * time: median step time relative to stage 0 and to a hand-written plain JAX data-parallel
-  step (replicated params, batch sharded over ``data``, the same optax update).
+  step (replicated params, batch sharded over ``data``, the same optax update);
+* mixed precision (``bf16: {enabled: true}``): the live bytes per device of the 16-bit params,
+  the float32 master weights and the moments, plus the 16-bit gradient, against the ZeRO
+  paper's K = 12 formulas (16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N with Psi the
+  parameter count); and the collective bytes with ``communication_data_type`` bf16 against
+  fp32, read from the program after SPMD partitioning (the CPU compiler later widens 16-bit
+  collectives to float32 because it has no 16-bit ones; a GPU runs them as they are).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero.hlo import collectives  # noqa: E402
+from jzero.hlo import collectives, program_text  # noqa: E402
 from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
@@ -88,6 +94,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--no-bf16", action="store_true", help="skip the mixed-precision tables")
     args = ap.parse_args(argv)
 
     cfg = gpt.GPTConfig(
@@ -175,6 +182,61 @@ def main(argv=None) -> None:
     for s, t in times.items():
         print(f"{s:>5}  {t * 1e3:7.1f}  {t / times[0]:10.2f}  {t / floor:14.2f}")
     sys.stdout.flush()
+    if not args.no_bf16:
+        mixed_precision(params, loss, batch, tbs, psi_elems, n)
+
+
+def mixed_precision(params, loss, batch, tbs, psi_elems, n) -> None:
+    """Per-device bytes under bf16 against K = 12, and collective bytes by communication dtype."""
+    k12 = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}
+    mem_rows, comm_rows = [], []
+    for stage in range(4):
+        by_comm = {}
+        for comm in ("bf16", "fp32"):
+            config = {
+                "train_batch_size": tbs,
+                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                "bf16": {"enabled": True},
+                "communication_data_type": comm,
+            }
+            engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
+            by_comm[comm] = collectives(program_text(engine.lower(batch)))
+            if comm == "bf16":
+                st = engine.state
+                live = [device0_bytes(t) for t in (st.params, st.master, st.opt_state)]
+                grads = engine.plan.model_state_bytes()["grads"]
+                total = sum(live) + grads
+                mem_rows.append((stage, *[b / MB for b in live], grads / MB, total / MB))
+        kinds = ("all-reduce", "reduce-scatter", "all-gather")
+        wide, narrow = by_comm["fp32"], by_comm["bf16"]
+        comm_rows.append(
+            (
+                stage,
+                *[wide[k].wire_bytes / MB for k in kinds],
+                *[narrow[k].wire_bytes / MB for k in kinds],
+            )
+        )
+    print("\nMixed precision (bf16, AdamW): per-device memory (MiB) against K = 12")
+    hdr = "stage  params  master  moments   grads  measured  K=12 formula"
+    print(hdr)
+    print("-" * len(hdr))
+    for stage, p_b, m_b, o_b, g_b, total in mem_rows:
+        formula = k12[stage] * psi_elems / MB
+        print(
+            f"{stage:>5}  {p_b:6.2f}  {m_b:6.2f}  {o_b:7.2f}  {g_b:6.2f}  {total:8.2f}"
+            f"  {formula:12.2f}"
+        )
+    print("\nCollective bytes per step (MiB, all-reduce counted twice), bf16 compute")
+    hdr = "stage  comm fp32: AR     RS     AG  |  comm bf16: AR     RS     AG  | bf16/fp32"
+    print(hdr)
+    print("-" * len(hdr))
+    for stage, *b in comm_rows:
+        ratio = sum(b[3:]) / sum(b[:3])
+        print(
+            f"{stage:>5}  {b[0]:13.2f} {b[1]:6.2f} {b[2]:6.2f}  |  {b[3]:13.2f} {b[4]:6.2f}"
+            f" {b[5]:6.2f}  | {ratio:9.2f}"
+        )
+    print("(stage 3 gathers the 16-bit parameters it holds whatever the setting)")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,10 @@ DS_CONFIG = {
         "type": "WarmupDecayLR",
         "params": {"warmup_num_steps": 5, "total_num_steps": args.steps, "warmup_max_lr": 3e-3},
     },
+    "bf16": {"enabled": True},  # bf16 compute, fp32 master weights in the optimizer shards
     "zero_optimization": {
         "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},  # host memory
         "overlap_comm": True,
         "reduce_bucket_size": 5e8,
         "contiguous_gradients": True,
@@ -59,6 +61,8 @@ print(
     f"train_batch_size {engine.train_batch_size} = micro {engine.micro_batch_size} x "
     f"accumulation {engine.accumulation_steps} x data-parallel {engine.plan.num_shards}"
 )
+host = sum(engine.plan.host_state_bytes().values())
+print(f"optimizer state and master weights in host memory: {host:,} bytes per device")
 rng = np.random.default_rng(0)
 for step in range(1, args.steps + 1):
     x = rng.normal(size=(engine.train_batch_size, 16)).astype(np.float32)

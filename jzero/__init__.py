@@ -5,19 +5,26 @@ The public surface fits on one screen:
 * :func:`initialize` builds an :class:`Engine` from params (or ``init_fn``), a loss function,
   an optax optimizer (or the config's) and a DeepSpeed-style config.
 * The pure pieces for users who run their own loop: :func:`make_mesh`, :func:`make_plan`,
-  :func:`make_train_step`, :class:`TrainState`, :func:`load_config`.
+  :func:`make_train_step`, :func:`init_train_state`, :class:`TrainState`, :class:`Precision`,
+  :func:`load_config`.
+* :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
+  processes; DeepSpeed's name).
 """
 
 from jzero.config import Config as Config
 from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
+from jzero.distributed import init_distributed as init_distributed
 from jzero.engine import Engine as Engine
 from jzero.engine import initialize as initialize
+from jzero.memory import estimate as estimate
 from jzero.mesh import make_mesh as make_mesh
 from jzero.plan import Plan as Plan
 from jzero.plan import make_plan as make_plan
+from jzero.precision import Precision as Precision
 from jzero.stages import STAGES as STAGES
 from jzero.step import TrainState as TrainState
+from jzero.step import init_train_state as init_train_state
 from jzero.step import make_train_step as make_train_step
 
 __all__ = [
@@ -27,6 +34,10 @@ __all__ = [
     "Plan",
     "STAGES",
     "TrainState",
+    "Precision",
+    "estimate",
+    "init_distributed",
+    "init_train_state",
     "initialize",
     "load_config",
     "make_mesh",

@@ -19,7 +19,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +42,39 @@ def _use_virtual_cpu_devices(count: int) -> None:
         pass
 
 
+class _StopOnInterrupt:
+    """The first Ctrl-C asks the loop to stop after the current step; a second one stops now."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _peak_bytes(engine: Any, batches: Any) -> Any:
+    """The measured peak memory per device: the allocator's figure on an accelerator, else
+    (CPU) the compiled step's peak from ``memory_analysis()``, computed once."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if device.memory_stats() is not None:
+        return lambda: device.memory_stats().get("peak_bytes_in_use", 0)
+    position = batches.state()
+    probe = batches.next()  # a real batch to compile with; the data position is put back
+    batches.restore(position)
+    compiled = engine.memory_report(probe).rows[0].peak
+    return lambda: compiled
+
+
 def _format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -58,7 +93,13 @@ def _train(args: argparse.Namespace) -> int:
     from jzero.models import gpt
 
     cfg = jzero.load_config(args.config, overrides=args.set or ())
-    model_cfg = gpt.GPTConfig.from_dict(dict(cfg.model))
+    from jzero import distributed
+
+    distributed.init_distributed(cfg.distributed)  # before any JAX call
+    main_process = distributed.is_main_process()  # only process 0 logs and writes files
+    if not main_process:
+        logger.setLevel(logging.WARNING)
+    model_cfg = gpt.config_for(cfg)
     steps = args.steps if args.steps is not None else cfg.train.steps
     from flax import nnx
 
@@ -73,22 +114,36 @@ def _train(args: argparse.Namespace) -> int:
         source.get("source", "stdlib"), source.get("path"), source.get("max_bytes")
     )
     train_tokens, eval_tokens = data_lib.split_train_eval(tokens, source.get("eval_fraction", 0.05))
+    rank = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     batches = data_lib.BatchIterator(
-        train_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.seed
+        train_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.seed, **rank
     )
     eval_set = data_lib.eval_batches(
-        eval_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.train.eval_batches
+        eval_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.train.eval_batches, **rank
     )
+    engine.data_iterator = batches  # checkpoints carry the data position
+    resumed = None
+    if cfg.checkpoint.directory and not args.no_resume:
+        resumed = engine.latest_checkpoint()
+        if resumed is not None:
+            engine.restore(resumed)
+            logger.info("resumed from checkpoint %d in %s", resumed, cfg.checkpoint.directory)
+    first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     state_bytes = sum(engine.plan.model_state_bytes().values())
+    host_bytes = sum(engine.plan.host_state_bytes().values())
+    peak = _peak_bytes(engine, batches)
     tokens_per_step = engine.train_batch_size * model_cfg.seq_len
     logger.info("\n%s", engine.describe())
     logger.info(
-        "training %d steps, %d tokens a step, model state %s per device",
+        "training %d steps, %d tokens a step, per device: model state %s in device memory "
+        "(%s in host memory), peak %s",
         steps,
         tokens_per_step,
         _format_bytes(state_bytes),
+        _format_bytes(host_bytes),
+        _format_bytes(peak()),
     )
 
     def evaluate() -> float:
@@ -98,13 +153,23 @@ def _train(args: argparse.Namespace) -> int:
     if first_eval is not None:
         logger.info("step 0: eval loss %.4f", first_eval)
     last_eval = first_eval
-    metrics_file = (log_dir / "metrics.jsonl").open("w")
-    bar = tqdm(total=steps, desc="jzero", unit="step", disable=args.quiet, dynamic_ncols=True)
+    metrics_path = log_dir / "metrics.jsonl" if main_process else Path(os.devnull)
+    metrics_file = metrics_path.open("a" if resumed is not None else "w")
+    bar = tqdm(
+        total=steps,
+        initial=first_step - 1,
+        desc="jzero",
+        unit="step",
+        disable=args.quiet or not main_process,
+        dynamic_ncols=True,
+    )
     t_start = time.perf_counter()
-    t_last, done, loss = t_start, 0, float("nan")
+    t_last, done, loss = t_start, first_step - 1, float("nan")
+    mixed = engine.plan.precision.mixed
     interrupted = False
+    stop = _StopOnInterrupt()
     try:
-        for step in range(1, steps + 1):
+        for step in range(first_step, steps + 1):
             m = engine.train_step(batches.next())
             loss = float(m["loss"])
             now = time.perf_counter()
@@ -118,12 +183,14 @@ def _train(args: argparse.Namespace) -> int:
                 record["eval_loss"] = last_eval
                 logger.info("step %d: eval loss %.4f", step, last_eval)
             metrics_file.write(json.dumps(record) + "\n")
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                tok_s=f"{record['tokens_per_s']:,.0f}",
-                mem=_format_bytes(state_bytes),
-                refresh=False,
-            )
+            postfix = {
+                "loss": f"{loss:.3f}",
+                "tok_s": f"{record['tokens_per_s']:,.0f}",
+                "peak": _format_bytes(peak()),
+            }
+            if mixed:  # skipped steps are never silent
+                postfix["skipped"] = int(engine.state.loss_scale.skipped)
+            bar.set_postfix(postfix, refresh=False)
             bar.update(1)
             if cfg.steps_per_print and step % cfg.steps_per_print == 0:
                 logger.info(
@@ -133,12 +200,21 @@ def _train(args: argparse.Namespace) -> int:
                     record["grad_norm"],
                     record["lr"],
                 )
-    except KeyboardInterrupt:
+            if stop.requested:
+                interrupted = True
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
         interrupted = True
     finally:
+        stop.restore()
         bar.close()
         metrics_file.close()
     elapsed = time.perf_counter() - t_start
+    if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C too
+        engine.save()
+        engine.close()
+        logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
+    ran = done - (first_step - 1)
     summary = {
         "steps": done,
         "interrupted": interrupted,
@@ -146,14 +222,18 @@ def _train(args: argparse.Namespace) -> int:
         "first_eval_loss": first_eval,
         "eval_loss": last_eval,
         "seconds": round(elapsed, 2),
-        "tokens_per_s": round(done * tokens_per_step / max(elapsed, 1e-9), 1),
+        "tokens_per_s": round(ran * tokens_per_step / max(elapsed, 1e-9), 1),
+        "resumed_from": resumed,
         "stage": engine.plan.stage.stage,
         "devices": engine.plan.num_shards,
         "model_state_bytes_per_device": state_bytes,
+        "host_state_bytes_per_device": host_bytes,
+        "peak_bytes_per_device": peak(),
         "metrics": str(log_dir / "metrics.jsonl"),
     }
-    (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(("interrupted: " if interrupted else "done: ") + json.dumps(summary))
+    if main_process:
+        (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(("interrupted: " if interrupted else "done: ") + json.dumps(summary))
     del jax
     return 130 if interrupted else 0
 
@@ -178,7 +258,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="virtual CPU devices when there is no accelerator (default 8)",
     )
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start fresh even if checkpoint.directory holds a checkpoint",
+    )
     train.set_defaults(func=_train)
+    from jzero import cli_checkpoint, cli_memory, launch
+
+    cli_checkpoint.add_commands(sub)
+    cli_memory.add_commands(sub)
+    launch.add_commands(sub)
     return ap
 
 

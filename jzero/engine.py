@@ -8,21 +8,28 @@ control calls those directly.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jzero import config as config_lib
-from jzero import optim
+from jzero import distributed, offload, optim, precision
 from jzero.mesh import make_mesh
-from jzero.plan import Plan, make_plan
-from jzero.step import TrainState, make_eval_step, make_train_step, state_shardings
+from jzero.plan import Plan, make_plan, on_device
+from jzero.step import (
+    TrainState,
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+    state_shardings,
+)
 
 __all__ = ["Engine", "initialize"]
 
@@ -31,12 +38,12 @@ PyTree = Any
 
 
 def _abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(tuple(np.shape(x)), np.result_type(x)), tree)
-
-
-def _copy_into(tree: PyTree, shardings: Any) -> PyTree:
-    """Fresh buffers laid out by ``shardings``, so the user's arrays survive buffer donation."""
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            tuple(np.shape(x)), x.dtype if hasattr(x, "dtype") else np.result_type(x)
+        ),
+        tree,
+    )
 
 
 def _is_abstract(tree: PyTree) -> bool:
@@ -77,6 +84,11 @@ class Engine:
         self._to_model = to_model
         self._steps: dict[bool, Callable[..., Any]] = {}
         self._evals: dict[bool, Callable[..., Any]] = {}
+        self.iteration = 0
+        """Train steps run so far, skipped ones included: the number checkpoints are saved as."""
+        self.data_iterator: Any = None
+        """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
+        self._ckpt: Any = None
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -116,10 +128,19 @@ class Engine:
             raise ValueError(
                 "The batch is empty; pass a pytree of arrays with a leading batch dim."
             )
+        expected = distributed.local_batch_size(self.train_batch_size)
         for path, x in flat:
             lead = np.shape(x)[0] if np.ndim(x) else None
-            if lead != self.train_batch_size:
+            if lead != expected:
                 name = jax.tree_util.keystr(path, simple=True, separator=".") or "<batch>"
+                if expected != self.train_batch_size:  # several processes: each passes its rows
+                    raise ValueError(
+                        f"Batch leaf {name!r} has leading dim {lead}, but each of the "
+                        f"{jax.process_count()} processes passes its {expected} rows of the "
+                        f"global train_batch_size {self.train_batch_size}. Pass this "
+                        f"process's slice of {expected} rows (jzero.data.BatchIterator with "
+                        "process_index/process_count yields it)."
+                    )
                 raise ValueError(
                     f"Batch leaf {name!r} has leading dim {lead} but train_batch_size is "
                     f"{self.train_batch_size} (= train_micro_batch_size_per_gpu "
@@ -167,7 +188,12 @@ class Engine:
           The metrics: ``loss``, ``grad_norm``, ``lr`` and any aux values, as JAX scalars.
         """
         self._check_batch(batch)
+        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
         self.state, metrics = self._step_fn(batch)(self.state, batch)
+        self.iteration += 1
+        interval = self.config.checkpoint.save_interval_steps
+        if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
+            self.save()
         return metrics
 
     def evaluate(self, batch: PyTree) -> jax.Array:
@@ -176,11 +202,14 @@ class Engine:
         The batch's leading dim must be divisible by the data-parallel size.
         """
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
-        if len(lead) != 1 or next(iter(lead)) % self.plan.num_shards:
+        count = jax.process_count()  # several processes: each passes its rows
+        if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.num_shards:
             raise ValueError(
                 f"An evaluation batch needs one leading dim divisible by the data-parallel size "
-                f"{self.plan.num_shards}, but its leaves have leading dims {sorted(lead)}."
+                f"{self.plan.num_shards} (over all {count} process(es)), but its leaves have "
+                f"leading dims {sorted(lead)} on this process. Pass a batch of that size."
             )
+        batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
         has_aux = self._has_aux(batch)
         if has_aux not in self._evals:
             self._evals[has_aux] = make_eval_step(
@@ -191,11 +220,121 @@ class Engine:
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
         self._check_batch(batch)
+        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
         return self._step_fn(batch).lower(self.state, batch)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _checkpointer(self) -> Any:
+        if self._ckpt is None:
+            c = self.config.checkpoint
+            if not c.directory:
+                raise ValueError(
+                    "This engine has no checkpoint directory. Set checkpoint.directory in the "
+                    "config, e.g. checkpoint: {directory: runs/ckpt}."
+                )
+            from jzero.checkpoint import Checkpointer  # Orbax is needed only for checkpoints
+
+            self._ckpt = Checkpointer(c.directory, max_to_keep=c.max_to_keep, async_save=c.async_)
+            _OPEN_ENGINES.add(self)
+        return self._ckpt
+
+    def save(self, step: int | None = None) -> bool:
+        """Saves a checkpoint (asynchronously unless ``checkpoint.async`` is false).
+
+        What is saved: params, optimizer state (with the float32 master weights), the step
+        count, the loss-scale state, non-trainable model state (RNG counters included), the
+        data position of ``engine.data_iterator`` and the resolved config, so a restored run
+        continues exactly. Every process writes only its own shards.
+
+        Args:
+          step: the checkpoint's number; default ``engine.iteration`` (train steps run).
+
+        Returns:
+          Whether a save started (``False`` when this step was already saved).
+        """
+        step = self.iteration if step is None else int(step)
+        data = self.data_iterator.state() if self.data_iterator is not None else None
+        meta = {
+            "config": self.config.to_dict(),
+            "iteration": self.iteration,
+            "data": data,
+            "stage": self.plan.stage.stage,
+            "devices": self.plan.num_shards,
+        }
+        # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
+        # overwrites a tag it saves again.
+        return self._checkpointer().save(step, self.state, meta=meta, force=True, overwrite=True)
+
+    def restore(self, step: int | None = None) -> dict[str, Any]:
+        """Restores a checkpoint (the latest by default) into this engine's plan.
+
+        The checkpoint may come from any stage, with or without offload, and any device count
+        the shapes allow: the state is read straight into this plan's shardings. The data
+        position is restored into ``engine.data_iterator`` when both exist.
+
+        Returns:
+          The checkpoint's meta: ``config``, ``iteration``, ``data``, ``stage``, ``devices``.
+        """
+        from jzero.checkpoint import abstract_target
+
+        target = abstract_target(self.state, state_shardings(self.plan))
+        self.state, meta = self._checkpointer().restore(target, step)
+        self.iteration = int(meta.get("iteration", self.global_step))
+        if self.data_iterator is not None and meta.get("data") is not None:
+            self.data_iterator.restore(meta["data"])
+        return meta
+
+    def latest_checkpoint(self) -> int | None:
+        """The newest complete checkpoint step in ``checkpoint.directory``, or ``None``."""
+        if not self.config.checkpoint.directory:
+            return None
+        return self._checkpointer().latest_step()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every checkpoint save in flight is on disk."""
+        if self._ckpt is not None:
+            self._ckpt.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for checkpoint saves in flight, then releases the checkpointer; idempotent.
+
+        Also called at interpreter exit and when a ``with jzero.initialize(...) as engine:``
+        block ends.
+        """
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+        _OPEN_ENGINES.discard(self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def memory_report(
+        self, batch: PyTree = None, device_memory: Any = None, devices: int | None = None
+    ) -> Any:
+        """Per-device memory of this engine's stage (see :func:`jzero.memory.memory_report`):
+        model state from the plan, device vs host, and, given a batch, the compiled step's
+        activations and temporaries."""
+        from jzero import memory
+
+        return memory.memory_report(self, batch, device_memory=device_memory, devices=devices)
 
     def describe(self) -> str:
         """The plan report: every leaf's shape, spec per category and per-device bytes."""
         return self.plan.describe()
+
+
+_OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """Lets in-flight checkpoint saves finish before the interpreter exits."""
+    for engine in list(_OPEN_ENGINES):
+        engine.close()
 
 
 def _optimizer(
@@ -258,7 +397,7 @@ def initialize(
       The :class:`Engine`.
     """
     cfg = config_lib.load_config(config)
-    config_lib.check_supported(cfg)
+    distributed.ensure_initialized(cfg.distributed)  # before any JAX call
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
     extra: PyTree = ()
@@ -270,17 +409,21 @@ def initialize(
             raise ValueError("Pass either model=... or params/init_fn, not both.")
         adapted = flax_adapter.adapt(model, loss_fn, init_args)
         params, loss_fn = adapted.abstract_params, adapted.loss_fn
+        param_specs = adapted.param_specs if param_specs is None else param_specs
         init_fn = (lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None
         if adapted.values is not None:
             params, extra = adapted.values
     if params is None and init_fn is None:
         raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
-    mesh = mesh if mesh is not None else make_mesh(dict(vars(cfg.mesh)))
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh.sizes())
     key = jax.random.key(cfg.seed)
     if params is None:
         params = jax.eval_shape(init_fn, key)
     abstract = _abstract(params)
     tx, schedule = _optimizer(cfg, optimizer)
+    opt_kind, param_kind = offload.memory_kinds_from_config(
+        cfg.zero_optimization, mesh.devices.flat
+    )
     plan = make_plan(
         abstract,
         tx,
@@ -288,6 +431,9 @@ def initialize(
         cfg.zero_optimization.stage,
         persistence_threshold=cfg.zero_optimization.stage3_param_persistence_threshold,
         param_specs=param_specs,
+        precision=precision.from_config(cfg),
+        offload_optimizer=opt_kind,
+        offload_params=param_kind,
     )
     sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)
     if init_fn is not None:
@@ -300,26 +446,17 @@ def initialize(
                 "init_fn(key) creates parameters that differ from the params given: "
                 f"{made} vs {abstract}. Pass params=None to take init_fn's shapes."
             )
-        values = jax.jit(init_fn, out_shardings=plan.params)(key)
+        values = jax.jit(init_fn, out_shardings=on_device(plan.params))(key)
     elif _is_abstract(params):
         raise ValueError(
             "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
             "Pass init_fn(key) -> params, or concrete arrays."
         )
     else:
-        values = _copy_into(params, plan.params)
+        values = params
     if adapted is not None and adapted.values is None:
         extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
-    elif extra:
-        extra = _copy_into(extra, plan.replicated)
-    shardings = state_shardings(plan)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(values)
-    state = TrainState(
-        step=jax.device_put(jnp.zeros((), jnp.int32), plan.replicated),
-        params=values,
-        opt_state=opt_state,
-        extra=extra,
-    )
+    state = init_train_state(plan, values, tx, extra)
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(
         "jzero: stage %d, %s parameters, data-parallel %d, batch %d = %d x %d x %d",

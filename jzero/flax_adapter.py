@@ -14,6 +14,13 @@ Decisions:
   collection the loss is ``loss_fn(params, batch)``; with others (``batch_stats``) it is
   ``loss_fn(params, state, batch) -> (loss, new_state)`` where ``state`` holds the other
   collections, Flax's usual ``apply(..., mutable=[...])`` pattern.
+* Partition annotations are read, not applied: NNX ``sharding`` metadata
+  (``nnx.Param(..., sharding=("model", None))``, ``nnx.with_partitioning``) through
+  ``nnx.get_partition_spec``, Linen ``nn.with_partitioning`` boxes through
+  ``nn.get_partition_spec``. They become ``param_specs`` for the plan, which adds the data axis
+  on a dimension they leave free. NNX's eager sharding is switched off while jzero builds and
+  rebuilds a model (the plan's ``out_shardings`` place the arrays), so a constructor needs no
+  mesh context; Linen boxes are unboxed, so the loss sees plain arrays.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any
 
 import jax
 from flax import linen, nnx
+from jax.sharding import PartitionSpec
 
 __all__ = ["Adapted", "adapt"]
 
@@ -42,6 +50,8 @@ class Adapted:
       loss_fn: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))``.
       to_model: ``to_model(params, extra)`` rebuilds the user's model object.
       values: ``(params, extra)`` when the model already held concrete arrays, else ``None``.
+      param_specs: the model's own ``PartitionSpec`` per parameter (``PartitionSpec()`` where
+        it has none), or ``None`` when no parameter is annotated.
     """
 
     abstract_params: PyTree
@@ -50,12 +60,22 @@ class Adapted:
     loss_fn: Callable[[PyTree, PyTree, PyTree], Any]
     to_model: Callable[[PyTree, PyTree], Any]
     values: tuple[PyTree, PyTree] | None = None
+    param_specs: PyTree | None = None
 
 
 def _split_aux(out: Any) -> tuple[Any, Any]:
     if isinstance(out, tuple) and len(out) == 2:
         return out
     return out, {}
+
+
+def _specs_or_none(specs: PyTree) -> PyTree | None:
+    """``specs`` with every leaf a ``PartitionSpec``, or ``None`` when none names an axis."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    specs = jax.tree.map(lambda s: s if is_spec(s) else PartitionSpec(), specs, is_leaf=is_spec)
+    if all(s == PartitionSpec() for s in jax.tree.leaves(specs, is_leaf=is_spec)):
+        return None
+    return specs
 
 
 def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
@@ -68,24 +88,29 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
             del key  # the module already holds its values
             return values
 
-        abstract = nnx.eval_shape(lambda: nnx.merge(graphdef, params, extra))
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: nnx.merge(graphdef, params, extra))
     else:
         constructor = model
 
         def init_fn(key: jax.Array) -> tuple[PyTree, PyTree]:
             del key  # the constructor seeds its own nnx.Rngs
-            _, p, e = nnx.split(constructor(), nnx.Param, ...)
+            with nnx.use_eager_sharding(False):
+                _, p, e = nnx.split(constructor(), nnx.Param, ...)
             return p.to_pure_dict(), e.to_pure_dict()
 
-        abstract = nnx.eval_shape(constructor)
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(constructor)
     graphdef, p_template, e_template = nnx.split(abstract, nnx.Param, ...)
+    param_specs = _specs_or_none(nnx.get_partition_spec(p_template).to_pure_dict())
 
     def to_model(params: PyTree, extra: PyTree) -> Any:
-        p = jax.tree.map(lambda x: x, p_template)
-        e = jax.tree.map(lambda x: x, e_template)
-        nnx.replace_by_pure_dict(p, params)
-        nnx.replace_by_pure_dict(e, extra)
-        return nnx.merge(graphdef, p, e)
+        with nnx.use_eager_sharding(False):
+            p = jax.tree.map(lambda x: x, p_template)
+            e = jax.tree.map(lambda x: x, e_template)
+            nnx.replace_by_pure_dict(p, params)
+            nnx.replace_by_pure_dict(e, extra)
+            return nnx.merge(graphdef, p, e)
 
     def stateful(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
         module = to_model(params, extra)
@@ -100,15 +125,18 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
         loss_fn=stateful,
         to_model=to_model,
         values=values,
+        param_specs=param_specs,
     )
 
 
 def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tuple) -> Adapted:
     def init_fn(key: jax.Array) -> tuple[PyTree, PyTree]:
-        variables = dict(model.init(key, *init_args))
+        variables = dict(linen.meta.unbox(model.init(key, *init_args)))
         params = variables.pop("params", {})
         return params, variables
 
+    boxed = jax.eval_shape(lambda key: model.init(key, *init_args), jax.random.key(0))
+    param_specs = _specs_or_none(linen.get_partition_spec(boxed).get("params", {}))
     abstract_params, abstract_extra = jax.eval_shape(init_fn, jax.random.key(0))
     takes_state = len(inspect.signature(loss_fn).parameters) >= 3
     if abstract_extra and not takes_state:
@@ -130,7 +158,9 @@ def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tu
     def to_model(params: PyTree, extra: PyTree) -> Any:
         return {"params": params, **extra}
 
-    return Adapted(abstract_params, abstract_extra, init_fn, stateful, to_model)
+    return Adapted(
+        abstract_params, abstract_extra, init_fn, stateful, to_model, param_specs=param_specs
+    )
 
 
 def adapt(model: Any, loss_fn: Callable[..., Any], init_args: tuple = ()) -> Adapted:

@@ -8,7 +8,8 @@ modules at run time, only a traced program, so jzero rewrites the program:
 * The user's loss is traced once (``jax.make_jaxpr``) with full-size abstract parameters.
 * The trace is replayed with each sharded parameter standing as a *pending gather* (its local
   shard plus the dimension it is split on). A pending gather passes through dtype casts
-  (so a bf16 copy is gathered in bf16, at half the bytes) and into nested ``jit`` calls.
+  that do not widen it (so a bf16 copy is gathered in bf16, at half the bytes, and a bf16
+  parameter the model upcasts is still gathered in bf16) and into nested ``jit`` calls.
 * When a ``scan`` consumes a pending gather as a scanned operand (stacked layers, layer dim
   leading), the shard itself is scanned and the all-gather is placed *inside* the scan body,
   which is re-traced under ``jax.checkpoint`` with a policy that saves only matmul outputs,
@@ -16,6 +17,8 @@ modules at run time, only a traced program, so jzero rewrites the program:
   each layer again and reduce-scatters its gradient (the transpose of an all-gather):
   ZeRO-3's 3x volume, with one layer's full weights live at a time.
 * Any other use gathers the whole leaf right before that use (e.g. embeddings, final norm).
+* The transpose of each gather (the gradient's reduce-scatter) runs in the communication dtype
+  when one is given (``communication_data_type``), else in the parameter's dtype.
 
 The rewrite happens at trace time only; the compiled step contains no interpreter. The result
 is a function of the shards with exactly the numerics of the original function of the full
@@ -31,7 +34,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-__all__ = ["gathered", "checkpoint_policy"]
+__all__ = ["all_gather", "checkpoint_policy", "gathered"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +43,38 @@ class _Pending:
 
     shard: Any
     dim: int
+    dtype: Any = None  # a widening cast applied after the gather (the gather stays narrow)
+
+    def gather(self, axis_name: str, grad_dtype: Any, shard: Any = None, dim: int | None = None):
+        x = all_gather(
+            self.shard if shard is None else shard,
+            axis_name,
+            self.dim if dim is None else dim,
+            grad_dtype,
+        )
+        return x if self.dtype is None else x.astype(self.dtype)
 
 
-def _gather(p: _Pending, axis_name: str) -> jax.Array:
-    return jax.lax.all_gather(p.shard, axis_name, axis=p.dim, tiled=True)
+def all_gather(x: jax.Array, axis_name: str, dim: int, grad_dtype: Any = None) -> jax.Array:
+    """A tiled all-gather whose transpose reduce-scatters in ``grad_dtype`` (default: x's)."""
+    if grad_dtype is None or jax.numpy.dtype(grad_dtype) == x.dtype:
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    @jax.custom_vjp
+    def gather(x: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    def fwd(x: jax.Array) -> tuple[jax.Array, None]:
+        return gather(x), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        reduced = jax.lax.psum_scatter(
+            ct.astype(grad_dtype), axis_name, scatter_dimension=dim, tiled=True
+        )
+        return (reduced.astype(x.dtype),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(x)
 
 
 # Matmul outputs (the activations) are kept for the backward pass; everything else in a
@@ -67,8 +98,9 @@ def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 class _Replay:
     """Replays a jaxpr, moving the gathers of pending parameters as late as their uses allow."""
 
-    def __init__(self, axis_name: str):
+    def __init__(self, axis_name: str, grad_dtype: Any = None):
         self.axis_name = axis_name
+        self.grad_dtype = grad_dtype
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = {}
@@ -91,13 +123,20 @@ class _Replay:
         return [read(v) for v in jaxpr.outvars]
 
     def materialize(self, x: Any) -> Any:
-        return _gather(x, self.axis_name) if isinstance(x, _Pending) else x
+        if isinstance(x, _Pending):
+            return x.gather(self.axis_name, self.grad_dtype)
+        return x
 
     def _eqn(self, eqn: Any, invals: list[Any]) -> list[Any]:
         name = eqn.primitive.name
         if name == "convert_element_type" and isinstance(invals[0], _Pending):
             p = invals[0]
-            return [_Pending(_bind(eqn, [p.shard])[0], p.dim)]
+            # Narrowing (or same-width) casts run on the shard, so the gather moves fewer
+            # bytes; a widening cast (a bf16 parameter upcast by the model) runs after it.
+            new = jax.numpy.dtype(eqn.params["new_dtype"])
+            if new.itemsize <= p.shard.dtype.itemsize:
+                return [_Pending(p.shard.astype(new), p.dim)]
+            return [_Pending(p.shard, p.dim, new)]
         if name in ("pjit", "jit", "closed_call"):
             inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
             if hasattr(inner, "jaxpr"):
@@ -117,14 +156,14 @@ class _Replay:
         if not any(isinstance(x, _Pending) for x in xs):
             return _bind(eqn, [*consts, *init, *xs])
         body_closed = p["jaxpr"]
-        pending_dims = [x.dim - 1 if isinstance(x, _Pending) else None for x in xs]
+        pending = [x if isinstance(x, _Pending) else None for x in xs]
         xs_vals = [x.shard if isinstance(x, _Pending) else x for x in xs]
-        axis_name = self.axis_name
+        axis_name, grad_dtype = self.axis_name, self.grad_dtype
 
         def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             x = [
-                xi if d is None else jax.lax.all_gather(xi, axis_name, axis=d, tiled=True)
-                for xi, d in zip(x, pending_dims, strict=True)
+                xi if p is None else p.gather(axis_name, grad_dtype, shard=xi, dim=p.dim - 1)
+                for xi, p in zip(x, pending, strict=True)
             ]
             outs = jax.core.eval_jaxpr(body_closed.jaxpr, body_closed.consts, *consts, *carry, *x)
             return list(outs[:num_carry]), list(outs[num_carry:])
@@ -146,6 +185,7 @@ def gathered(
     dims: Sequence[int | None],
     full_shapes: Any,
     axis_name: str,
+    grad_dtype: Any = None,
 ) -> Callable[..., Any]:
     """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
 
@@ -157,6 +197,7 @@ def gathered(
         sharded on, or ``None`` for a leaf that is already whole on every device.
       full_shapes: a pytree like ``params`` of ``jax.ShapeDtypeStruct`` with the full shapes.
       axis_name: the mesh axis the shards are split over.
+      grad_dtype: the dtype the gradients' reduce-scatter runs in; ``None``: the shard's.
 
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
@@ -170,7 +211,7 @@ def gathered(
             for x, d in zip(jax.tree.leaves(shards), dims, strict=True)
         ]
         flat_args = jax.tree.leaves(args)
-        replay = _Replay(axis_name)
+        replay = _Replay(axis_name, grad_dtype)
         outs = replay.run(closed.jaxpr, closed.consts, [*flat_params, *flat_args])
         outs = [replay.materialize(o) for o in outs]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -17,13 +17,16 @@ an all-reduce twice (a reduce-scatter plus an all-gather), as the ZeRO paper doe
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CollectiveStats", "collectives", "summary", "KINDS"]
+__all__ = ["CollectiveStats", "KINDS", "collectives", "program_text", "summary"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -75,9 +78,20 @@ def _group_size(line: str) -> int:
     return 1
 
 
-def _trip_count(line: str) -> int:
+def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    return int(m.group(1)) if m else 1
+    if m:
+        return int(m.group(1))
+    # Before XLA annotates trip counts, read a scan's loop bound from its condition: a
+    # counter from 0 compared "less than" a constant.
+    cond = re.search(r"condition=%?([\w.\-]+)", line)
+    body = comps.get(cond.group(1), []) if cond else []
+    if any("direction=LT" in b for b in body):
+        bounds = [re.search(r"s32\[\] constant\((\d+)\)", b) for b in body]
+        found = [int(b.group(1)) for b in bounds if b]
+        if len(found) == 1:
+            return found[0]
+    return 1
 
 
 def _text(compiled: Any) -> str:
@@ -135,13 +149,39 @@ def collectives(compiled: Any) -> dict[str, CollectiveStats]:
                         size *= _group_size(line)
                     stats[base].count += times
                     stats[base].bytes += size * times
-            inner = times * (_trip_count(line) if op == "while" else 1)
+            inner = times * (_trip_count(line, comps) if op == "while" else 1)
             for callee in _CALLEES.findall(line):
                 for c in re.findall(r"%?([\w.\-]+)", callee):
                     visit(c, inner, depth + 1)
 
     visit(entry, 1)
     return stats
+
+
+def program_text(lowered: Any) -> str:
+    """The HLO of a lowered step after SPMD partitioning, with the collectives' own dtypes.
+
+    The CPU backend has no 16-bit collectives: after partitioning, its compiler widens each
+    bf16/fp16 all-reduce, reduce-scatter and all-gather to float32 (``all-reduce-promotion``),
+    so its final program would hide a 16-bit ``communication_data_type``. This returns the
+    module just before that rewrite (the program jzero emits, as a GPU runs it); on backends
+    without the rewrite it is the compiled program itself.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` (e.g. ``engine.lower(batch)``).
+
+    Returns:
+      HLO text for :func:`collectives`.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = lowered.compile(
+            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
+        )
+        found = sorted(glob.glob(os.path.join(tmp, "*before_all-reduce-promotion*.txt")))
+        if not found:
+            return compiled.as_text()
+        with open(found[-1]) as f:
+            return f.read()
 
 
 def summary(stats: dict[str, CollectiveStats]) -> str:

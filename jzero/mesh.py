@@ -6,8 +6,12 @@ Decisions:
   functions fail; jzero always asks for Auto axes.
 * ``data: -1`` takes every device. Asking for more devices than exist is an error that says
   how to get more virtual devices on CPU.
-* Extra axes (e.g. ``model: 2``) may be listed after ``data`` for a user's own partition specs;
-  their product times ``data`` must equal the number of devices used.
+* Extra axes (e.g. ``model: 2``) may be listed beside ``data`` for a user's own partition
+  specs (``nnx.with_partitioning``, ``nn.with_partitioning``, ``param_specs=``). The axes keep
+  the order given; the config puts ``data`` first, so one model-parallel group is made of
+  neighbouring devices. One axis may be ``-1``: the devices the others leave.
+* The product of the sizes must equal the number of devices: a mesh that silently left
+  devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
 """
 
 from __future__ import annotations
@@ -32,11 +36,21 @@ def make_mesh(
 
     Args:
       axes: the data-parallel size (``-1`` for every device), or a mapping of axis name to size
-        that contains ``data`` (one axis may be ``-1``: the devices left over).
+        that contains ``data``, e.g. ``{"data": 4, "model": 2}`` (one axis may be ``-1``: the
+        devices left over). The product of the sizes must be the number of devices.
       devices: the devices to use; all of ``jax.devices()`` by default.
 
     Returns:
-      A ``Mesh`` whose axes are all ``AxisType.Auto``.
+      A ``Mesh`` whose axes are all ``AxisType.Auto``, in the order given.
+
+    Raises:
+      ValueError: for a size that is not a positive integer or -1, more than one -1, or sizes
+        whose product is not the number of devices.
+
+    Example:
+      >>> mesh = make_mesh({"data": -1, "model": 2})  # on 8 devices
+      >>> dict(mesh.shape)
+      {'data': 4, 'model': 2}
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = dict(axes) if isinstance(axes, Mapping) else {DATA_AXIS: axes}
@@ -64,6 +78,13 @@ def make_mesh(
             )
         sizes[free[0]] = len(devices) // fixed
     total = math.prod(sizes.values())
+    if total < len(devices):
+        raise ValueError(
+            f"mesh {sizes} uses {total} devices but {len(devices)} are available; the product "
+            f"of the axis sizes must be {len(devices)}. Set one axis to -1 to take the devices "
+            "left, or pass devices=jax.devices()[:N] to jzero.make_mesh (mesh=... to "
+            "jzero.initialize) to train on fewer."
+        )
     if total > len(devices):
         platform = devices[0].platform if devices else "cpu"
         hint = (
@@ -81,5 +102,5 @@ def make_mesh(
         tuple(sizes.values()),
         names,
         axis_types=(AxisType.Auto,) * len(names),
-        devices=devices[:total],
+        devices=devices,
     )

@@ -27,17 +27,43 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.precision import Precision, cast_floating
 from jzero.stages import StageSpec, stage_spec
 
-__all__ = ["DATA_AXIS", "LeafPlan", "Plan", "make_plan", "shard_dim"]
+__all__ = [
+    "DATA_AXIS",
+    "HOST_MEMORY_KINDS",
+    "LeafPlan",
+    "Plan",
+    "is_host",
+    "make_plan",
+    "on_device",
+    "shard_dim",
+]
 
 DATA_AXIS = "data"
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 PyTree = Any
+
+
+def is_host(sharding: Any) -> bool:
+    """Whether a sharding places its array in host memory (offload)."""
+    return getattr(sharding, "memory_kind", None) in HOST_MEMORY_KINDS
+
+
+def on_device(shardings: PyTree) -> PyTree:
+    """The same shardings in device memory (how the step computes on offloaded state)."""
+    return jax.tree.map(
+        lambda s: s.with_memory_kind("device") if is_host(s) else s,
+        shardings,
+        is_leaf=lambda s: isinstance(s, NamedSharding),
+    )
 
 
 def shard_dim(
@@ -120,6 +146,13 @@ class Plan:
       opt_state: shardings of the optimizer state.
       batch: sharding of every batch leaf (leading dim over the data axis).
       replicated: a replicated sharding (scalars, metrics).
+      precision: the run's dtypes (see :mod:`jzero.precision`).
+      master: under mixed precision, shardings of the float32 master weights (the update
+        layout, like the optimizer state, and in the same memory); ``None`` otherwise.
+      base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
+
+    Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
+    computes on :func:`on_device` copies of them.
     """
 
     stage: StageSpec
@@ -134,6 +167,8 @@ class Plan:
     opt_state: PyTree
     batch: NamedSharding
     replicated: NamedSharding
+    precision: Precision = field(default_factory=Precision)
+    master: PyTree = None
     base_specs: tuple[P, ...] = field(default=())
 
     @property
@@ -163,17 +198,50 @@ class Plan:
             total += int(math.prod(shard)) * np.dtype(x.dtype).itemsize
         return total
 
-    def model_state_bytes(self) -> dict[str, int]:
-        """Per-device bytes of params, gradient accumulator and optimizer state.
+    @property
+    def compute_params(self) -> PyTree:
+        """The params as the step computes with them (``ShapeDtypeStruct``, compute dtype)."""
+        if not self.precision.mixed:
+            return self.abstract_params
+        return cast_floating(self.abstract_params, self.precision.compute_dtype)
 
-        The gradient accumulator is full-size at stages 0-1 and one shard at stages 2-3.
-        """
+    def _state_trees(self, accumulation_steps: int) -> list[tuple[str, PyTree, PyTree]]:
+        """(category, abstract tree, shardings) of everything a device keeps for training."""
         grad_acc = self.grads if self.stage.shard_grads else self.params_replicated()
-        return {
-            "params": self.per_device_bytes(self.abstract_params, self.params),
-            "grads": self.per_device_bytes(self.abstract_params, grad_acc),
-            "opt_state": self.per_device_bytes(self.abstract_opt_state, self.opt_state),
-        }
+        grads = self.compute_params
+        if accumulation_steps > 1:
+            grads = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, self.precision.accumulator(x.dtype)),
+                self.abstract_params,
+            )
+        parts = [("params", self.compute_params, self.params), ("grads", grads, grad_acc)]
+        if self.precision.mixed:
+            parts.append(("master_params", self.abstract_params, self.master))
+        parts.append(("opt_state", self.abstract_opt_state, self.opt_state))
+        return parts
+
+    def _bytes_where(self, host: bool, accumulation_steps: int) -> dict[str, int]:
+        out = {}
+        for name, tree, shardings in self._state_trees(accumulation_steps):
+            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+            kept = [(x, s) for x, s in pairs if is_host(s) == host]
+            out[name] = self.per_device_bytes([x for x, _ in kept], [s for _, s in kept])
+        return out
+
+    def model_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
+        """Per-device bytes in *device* memory of params, gradients, master weights (mixed
+        precision only) and optimizer state.
+
+        Params are counted in the compute dtype. The gradient is full-size at stages 0-1 and one
+        shard at stages 2-3, in the compute dtype, or in the accumulator dtype when
+        ``accumulation_steps > 1``. Offloaded state is counted by :meth:`host_state_bytes`.
+        """
+        return self._bytes_where(False, accumulation_steps)
+
+    def host_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
+        """Per-device bytes in *host* memory (offloaded), with the keys of
+        :meth:`model_state_bytes`."""
+        return self._bytes_where(True, accumulation_steps)
 
     def params_replicated(self) -> PyTree:
         """Shardings that keep every parameter whole (other mesh axes still honoured)."""
@@ -194,14 +262,15 @@ class Plan:
         rows = [("leaf", "shape", "dtype", "params", "grads", "opt state", "bytes/device")]
         flat_p = jax.tree.leaves(self.params)
         flat_g = jax.tree.leaves(self.grads)
-        for leaf, sp, sg in zip(self.leaves, flat_p, flat_g, strict=True):
-            nbytes = math.prod(sp.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        flat_c = jax.tree.leaves(self.compute_params)
+        for leaf, sp, sg, c in zip(self.leaves, flat_p, flat_g, flat_c, strict=True):
+            nbytes = math.prod(sp.shard_shape(leaf.shape)) * np.dtype(c.dtype).itemsize
             rows.append(
                 (
                     leaf.path,
                     "x".join(map(str, leaf.shape)) or "()",
-                    np.dtype(leaf.dtype).name,
-                    str(tuple(sp.spec)),
+                    np.dtype(c.dtype).name,
+                    str(tuple(sp.spec)) + (" host" if is_host(sp) else ""),
                     str(tuple(sg.spec)),
                     str(tuple(sg.spec)) if self.stage.shard_opt_state else "()",
                     f"{nbytes:,}",
@@ -216,13 +285,23 @@ class Plan:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        totals = self.model_state_bytes()
         lines.append("")
-        lines.append(
-            "per-device model state: "
-            + ", ".join(f"{k} {v:,} B" for k, v in totals.items())
-            + f", total {sum(totals.values()):,} B"
-        )
+        for where, totals in (
+            ("device", self.model_state_bytes()),
+            ("host", self.host_state_bytes()),
+        ):
+            if where == "host" and not any(totals.values()):
+                continue
+            lines.append(
+                f"per-device model state in {where} memory: "
+                + ", ".join(f"{k} {v:,} B" for k, v in totals.items())
+                + f", total {sum(totals.values()):,} B"
+            )
+        if self.precision.mixed:
+            lines.append(
+                f"mixed precision: compute {np.dtype(self.precision.compute_dtype).name}, "
+                "float32 master weights laid out with the optimizer state"
+            )
         whole = [leaf for leaf in self.leaves if leaf.note]
         if whole:
             lines.append("leaves ZeRO left whole on every device:")
@@ -271,6 +350,9 @@ def make_plan(
     axis: str = DATA_AXIS,
     persistence_threshold: int = 100_000,
     param_specs: PyTree | None = None,
+    precision: Precision | None = None,
+    offload_optimizer: str | None = None,
+    offload_params: str | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -283,11 +365,29 @@ def make_plan(
       persistence_threshold: stage 3 keeps parameters with fewer elements whole
         (DeepSpeed's ``stage3_param_persistence_threshold``).
       param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
+      precision: the run's dtypes; under mixed precision the float32 master weights get the
+        optimizer state's layout.
+      offload_optimizer: a host memory kind (``"pinned_host"``) for the optimizer state and the
+        master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
+      offload_params: a host memory kind for the parameters at rest, at stage 3 only
+        (DeepSpeed's ``offload_param``).
 
     Returns:
       The :class:`Plan`.
     """
     spec = stage if isinstance(stage, StageSpec) else stage_spec(stage)
+    precision = precision if precision is not None else Precision()
+    if offload_optimizer is not None and not spec.shard_opt_state:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3, but the stage is "
+            f"{spec.stage}. Set zero_optimization.stage to 1 or higher, or offload_optimizer."
+            "device to none."
+        )
+    if offload_params is not None and not spec.shard_params:
+        raise ValueError(
+            f"zero_optimization.offload_param needs ZeRO stage 3, but the stage is {spec.stage}. "
+            "Set zero_optimization.stage to 3, or offload_param.device to none."
+        )
     if axis not in mesh.shape:
         raise ValueError(
             f"The mesh has no axis {axis!r}; its axes are {list(mesh.shape)}. "
@@ -296,12 +396,22 @@ def make_plan(
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), abstract_params
     )
+    if precision.mixed:  # the master weights are float32 whatever the user's params were
+        abstract_params = cast_floating(abstract_params, jnp.float32)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     if param_specs is None:
         bases = tuple(P() for _ in flat)
     else:
         bases = tuple(treedef.flatten_up_to(param_specs))
         for (path, _), b in zip(flat, bases, strict=True):
+            missing = [a for a in jax.tree.leaves(tuple(b)) if a not in mesh.shape]
+            if missing:
+                raise ValueError(
+                    f"The partition spec {b} of {_path_str(path)} names mesh axes {missing}, but "
+                    f"the mesh has {list(mesh.shape)}. Add them to the config's mesh section "
+                    f"(e.g. mesh: {{data: -1, {missing[0]}: 2}}) or remove them from the "
+                    "annotation."
+                )
             if axis in jax.tree.leaves(tuple(b)):
                 raise ValueError(
                     f"The partition spec {b} of {_path_str(path)} already uses the data axis "
@@ -322,7 +432,7 @@ def make_plan(
         )
 
     state_dims = [leaf.state_dim for leaf in leaves]
-    params_sh = shardings([leaf.param_dim for leaf in leaves])
+    params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), offload_params)
     update_sh = shardings(state_dims)
     grads_sh = update_sh if spec.reduce_scatter else shardings([None] * len(leaves))
     replicated = NamedSharding(mesh, P())
@@ -351,6 +461,7 @@ def make_plan(
         opt_sh,
         abstract_opt_state,
     )
+    opt_sh = _with_kind(opt_sh, offload_optimizer)
     return Plan(
         stage=spec,
         mesh=mesh,
@@ -364,5 +475,17 @@ def make_plan(
         opt_state=opt_sh,
         batch=NamedSharding(mesh, P(axis)),
         replicated=replicated,
+        precision=precision,
+        master=_with_kind(update_sh, offload_optimizer) if precision.mixed else None,
         base_specs=bases,
+    )
+
+
+def _with_kind(shardings: PyTree, memory_kind: str | None) -> PyTree:
+    if memory_kind is None:
+        return shardings
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(memory_kind),
+        shardings,
+        is_leaf=lambda s: isinstance(s, NamedSharding),
     )

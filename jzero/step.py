@@ -23,6 +23,7 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,11 +33,13 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.gather import gathered
-from jzero.plan import Plan
+from jzero.plan import Plan, is_host, on_device
+from jzero.precision import LossScaleState, cast_floating, next_loss_scale
 
 __all__ = [
     "TrainState",
     "find_learning_rate",
+    "init_train_state",
     "make_eval_step",
     "make_train_step",
     "state_shardings",
@@ -50,24 +53,74 @@ class TrainState(NamedTuple):
     """Everything a step reads and writes; donated to the step.
 
     Attributes:
-      step: the number of optimizer updates applied so far (int32 scalar).
-      params: the parameters, sharded per ``plan.params``.
+      step: the number of optimizer updates applied so far (int32 scalar); a skipped step
+        (fp16 overflow) does not count, so the schedule does not advance either.
+      params: the parameters the model computes with, sharded per ``plan.params`` (16-bit
+        under mixed precision).
       opt_state: the optax state, sharded per ``plan.opt_state``.
       extra: non-trainable model state (e.g. BatchNorm statistics, RNG counters), replicated
         and never sharded as parameters; empty for a plain loss function.
+      master: under mixed precision the float32 master weights, sharded per ``plan.master``;
+        empty otherwise.
+      loss_scale: the :class:`jzero.precision.LossScaleState`.
     """
 
     step: jax.Array
     params: PyTree
     opt_state: PyTree
     extra: PyTree = ()
+    master: PyTree = ()
+    loss_scale: LossScaleState | tuple = ()
 
 
 def state_shardings(plan: Plan) -> TrainState:
     """The sharding of every leaf of the :class:`TrainState` for ``plan``."""
+    r = plan.replicated
     return TrainState(
-        step=plan.replicated, params=plan.params, opt_state=plan.opt_state, extra=plan.replicated
+        step=r,
+        params=plan.params,
+        opt_state=plan.opt_state,
+        extra=r,
+        master=plan.master if plan.precision.mixed else (),
+        loss_scale=LossScaleState(r, r, r, r, r),
     )
+
+
+def init_train_state(
+    plan: Plan,
+    params: PyTree,
+    optimizer: optax.GradientTransformation,
+    extra: PyTree = (),
+) -> TrainState:
+    """The :class:`TrainState` before the first step, every leaf in its plan's sharding.
+
+    Args:
+      plan: the sharding plan.
+      params: the initial parameters (full precision; under mixed precision they become the
+        float32 master weights and the 16-bit copy is made from them).
+      optimizer: the optax transformation the plan was made for.
+      extra: non-trainable model state, if any.
+
+    Returns:
+      A fresh state; the caller's arrays are copied, never donated.
+    """
+    prec = plan.precision
+    sh = state_shardings(plan)
+
+    def init(params: PyTree, extra: PyTree) -> TrainState:
+        master = jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, plan.abstract_params)
+        opt_state = optimizer.init(master)
+        compute = cast_floating(master, prec.compute_dtype) if prec.mixed else master
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree.map(jnp.copy, compute),
+            opt_state=opt_state,
+            extra=jax.tree.map(jnp.copy, extra),
+            master=master if prec.mixed else (),
+            loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
+        )
+
+    return jax.jit(init, out_shardings=sh)(params, extra)
 
 
 def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
@@ -122,8 +175,23 @@ def _float_aux(aux: PyTree) -> PyTree:
 def _local_loss(plan: Plan, loss_fn: LossFn) -> LossFn:
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily."""
     if any(d is not None for d in plan.param_dims):
-        return gathered(loss_fn, plan.param_dims, plan.abstract_params, plan.axis)
+        return gathered(
+            loss_fn,
+            plan.param_dims,
+            plan.compute_params,
+            plan.axis,
+            grad_dtype=plan.precision.comm_dtype,
+        )
     return loss_fn
+
+
+def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Brings offloaded (host-memory) leaves into device memory inside the step."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, jax.memory.Space.Device) if is_host(s) else x,
+        tree,
+        shardings,
+    )
 
 
 def make_eval_step(
@@ -141,7 +209,10 @@ def make_eval_step(
     local = _local_loss(plan, full_loss)
 
     def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
-        return jax.lax.pmean(local(params, extra, batch)[0], plan.axis)
+        value = local(params, extra, batch)[0]
+        if plan.precision.mixed:
+            value = value.astype(jnp.float32)
+        return jax.lax.pmean(value, plan.axis)
 
     fn = jax.shard_map(
         loss,
@@ -152,7 +223,7 @@ def make_eval_step(
         check_vma=False,
     )
     return jax.jit(
-        fn,
+        lambda params, extra, batch: fn(_to_device(params, plan.params), extra, batch),
         in_shardings=(plan.params, plan.replicated, plan.batch),
         out_shardings=plan.replicated,
     )
@@ -173,7 +244,8 @@ def make_train_step(
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
     Args:
-      plan: the sharding plan (see :func:`jzero.plan.make_plan`).
+      plan: the sharding plan (see :func:`jzero.plan.make_plan`); its ``precision`` decides
+        the compute, communication and accumulation dtypes and the loss scaling.
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
         the mean loss of the batch it is given, written for full parameters.
       optimizer: the optax transformation the plan was made for. Gradient clipping is done by
@@ -192,17 +264,22 @@ def make_train_step(
       donate: donate the incoming state's buffers to the new state.
 
     Returns:
-      The jitted step. Its metrics: ``loss``, ``grad_norm``, ``lr`` and the aux leaves.
+      The jitted step, taking a state from :func:`init_train_state`. Its metrics: ``loss``,
+      ``grad_norm``, ``lr``, the aux leaves and, under mixed precision, ``loss_scale``,
+      ``skipped`` (1 when this step's update was skipped) and ``nonfinite`` (1 when its
+      gradients were not finite).
     """
     axis = plan.axis
     n = plan.num_shards
     accum = int(accumulation_steps)
+    prec = plan.precision
     leaves = plan.leaves
     param_dims = plan.param_dims
     grad_dims = plan.grad_dims()
     treedef = jax.tree.structure(plan.abstract_params)
     full_loss = _stateful(loss_fn, has_aux, stateful)
     stage = plan.stage
+    master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
 
     param_in_specs = treedef.unflatten(
         [_spec(axis, len(leaf.shape), d) for leaf, d in zip(leaves, param_dims, strict=True)]
@@ -212,26 +289,49 @@ def make_train_step(
     )
 
     def reduce(grads: PyTree, *, now_sharded: bool) -> PyTree:
-        """Sums local gradients over the data axis, scattering where the plan shards."""
+        """Sums local gradients over the data axis in the communication dtype, scattering
+        where the plan shards. Leaves come back in the dtype they went in."""
         out = []
         for g, pd, gd in zip(jax.tree.leaves(grads), param_dims, grad_dims, strict=True):
             if pd is not None:
                 out.append(g)  # reduce-scattered already by the all-gather's transpose
-            elif gd is not None and now_sharded:
-                out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=gd, tiled=True))
+                continue
+            c = g.astype(prec.communication(g.dtype))
+            if gd is not None and now_sharded:
+                c = jax.lax.psum_scatter(c, axis, scatter_dimension=gd, tiled=True)
             else:
-                out.append(jax.lax.psum(g, axis))
+                c = jax.lax.psum(c, axis)
+            out.append(c.astype(g.dtype))
         return treedef.unflatten(out)
 
-    def local_grads(params: PyTree, extra: PyTree, batch: PyTree) -> tuple[Any, ...]:
-        grad_fn = jax.value_and_grad(_local_loss(plan, full_loss), has_aux=True)
+    def accumulate(grads: PyTree) -> PyTree:
+        return treedef.unflatten(
+            [
+                g.astype(prec.accumulator(m))
+                for g, m in zip(jax.tree.leaves(grads), master_dtypes, strict=True)
+            ]
+        )
+
+    def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        local = _local_loss(plan, full_loss)
+
+        def scaled(params: PyTree, extra: PyTree, batch: PyTree) -> tuple[jax.Array, Any]:
+            loss, (aux, extra) = local(params, extra, batch)
+            if not prec.mixed:
+                return loss, (loss, aux, extra)
+            loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
+            return (loss * scale if prec.scaled else loss), (loss, aux, extra)
+
+        grad_fn = jax.grad(scaled, has_aux=True)
         # Stages 2-3 reduce every micro-batch; 0-1 only at the accumulation boundary.
         reduce_each = stage.shard_grads
 
         def micro(extra: PyTree, mb: PyTree) -> tuple[PyTree, tuple[Any, ...]]:
-            (loss, (aux, extra)), g = grad_fn(params, extra, mb)
+            g, (loss, aux, extra) = grad_fn(params, extra, mb)
             if reduce_each:
                 g = reduce(g, now_sharded=True)
+            if accum > 1:
+                g = accumulate(g)
             return extra, (loss, _float_aux(aux), g)
 
         if accum == 1:
@@ -252,7 +352,12 @@ def make_train_step(
             aux = jax.tree.map(lambda a: a / accum, aux)
         if not reduce_each:
             g = reduce(g, now_sharded=stage.reduce_scatter)
-        g = jax.tree.map(lambda x: x / (accum * n), g)
+        g = treedef.unflatten(
+            [
+                x.astype(m) / (accum * n)
+                for x, m in zip(jax.tree.leaves(g), master_dtypes, strict=True)
+            ]
+        )
         loss = jax.lax.pmean(loss, axis)
         aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
         return loss, aux, g, _mean_extra(extra, axis)
@@ -260,34 +365,66 @@ def make_train_step(
     grads_fn = jax.shard_map(
         local_grads,
         mesh=plan.mesh,
-        in_specs=(param_in_specs, P(), P(axis)),
+        in_specs=(param_in_specs, P(), P(), P(axis)),
         out_specs=(P(), P(), grad_out_specs, P()),
         axis_names={axis},
         check_vma=False,
     )
+    update_dev = on_device(plan.update)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, aux, grads, extra = grads_fn(state.params, state.extra, batch)
-        grads = jax.lax.with_sharding_constraint(grads, plan.grads)
+        if not isinstance(state.loss_scale, LossScaleState):
+            raise ValueError(
+                "The TrainState has no loss-scale state; build it with "
+                "jzero.step.init_train_state(plan, params, optimizer)."
+            )
+        params = _to_device(state.params, plan.params)
+        opt_state = _to_device(state.opt_state, plan.opt_state)
+        ls = state.loss_scale
+        loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
+        grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
+        if prec.scaled:
+            grads = jax.tree.map(lambda g: g / ls.scale, grads)
         grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm)
         if gradient_clipping and gradient_clipping > 0:
             # DeepSpeed's rule: scale by max_norm / (norm + 1e-6) when that is below one.
             coef = jnp.minimum(1.0, gradient_clipping / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: (g * coef).astype(g.dtype), grads)
-        # The update runs on the local shard: cut the params to the update layout (no
-        # communication from a replicated array), update, then lay them out at rest (an
-        # all-gather at stages 1-2, nothing at stage 3).
-        params = jax.lax.with_sharding_constraint(state.params, plan.update)
-        updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        params = optax.apply_updates(params, updates)
-        params = jax.lax.with_sharding_constraint(params, plan.params)
+        # The update runs on the local shard of the master weights (the params themselves
+        # without mixed precision, cut to the update layout with no communication), then the
+        # params are laid out at rest: an all-gather at stages 1-2, nothing at stage 3.
+        if prec.mixed:
+            master = _to_device(state.master, plan.master)
+        else:
+            master = jax.lax.with_sharding_constraint(params, update_dev)
+        updates, new_opt_state = optimizer.update(grads, opt_state, master)
+        new_master = optax.apply_updates(master, updates)
+        if prec.skips:  # a skipped step leaves every bit of the state as it was
+            keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
+            new_master, new_opt_state = keep(new_master, master), keep(new_opt_state, opt_state)
+        new_params = _params_at_rest(plan, new_master)
+        applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
         if learning_rate is not None:
             lr = jnp.asarray(learning_rate(state.step), jnp.float32)
         else:
             found = find_learning_rate(state.opt_state)
             lr = jnp.asarray(jnp.nan if found is None else found, jnp.float32)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **aux}
-        new_state = TrainState(state.step + 1, params, opt_state, extra)
+        if prec.mixed:
+            metrics.update(
+                loss_scale=ls.scale,
+                skipped=(1 - applied).astype(jnp.float32),
+                nonfinite=(~finite).astype(jnp.float32),
+            )
+        new_state = TrainState(
+            step=state.step + applied,
+            params=new_params,
+            opt_state=new_opt_state,
+            extra=extra,
+            master=new_master if prec.mixed else (),
+            loss_scale=next_loss_scale(prec, ls, finite),
+        )
         return new_state, metrics
 
     shardings = state_shardings(plan)
@@ -297,3 +434,55 @@ def make_train_step(
         out_shardings=(shardings, plan.replicated),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
+    """The params the next step computes with, from the updated master shards.
+
+    Leaves that rest whole but are updated in shards are all-gathered explicitly (inside
+    ``shard_map``, so the collective's dtype is exactly the one chosen here). Under mixed
+    precision the 16-bit copy is the rounding of the masters: a 16-bit communication dtype
+    rounds each shard before the all-gather (half the bytes), a float32 one gathers the masters
+    and rounds after. Both give the same bits.
+    """
+    prec = plan.precision
+    axis = plan.axis
+    compute = prec.compute_dtype
+    comm = prec.comm_dtype if prec.comm_dtype is not None else compute
+    round_first = prec.mixed and jnp.dtype(comm).itemsize <= jnp.dtype(compute).itemsize
+    if round_first:
+        master = cast_floating(master, compute)
+    treedef = jax.tree.structure(plan.abstract_params)
+    leaves = plan.leaves
+    gather_dims = [
+        leaf.state_dim if leaf.param_dim is None and leaf.state_dim is not None else None
+        for leaf in leaves
+    ]
+    if any(d is not None for d in gather_dims):
+        in_specs = treedef.unflatten(
+            [_spec(axis, len(leaf.shape), leaf.state_dim) for leaf in leaves]
+        )
+        out_specs = treedef.unflatten(
+            [_spec(axis, len(leaf.shape), leaf.param_dim) for leaf in leaves]
+        )
+
+        def gather(tree: PyTree) -> PyTree:
+            return treedef.unflatten(
+                [
+                    x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
+                    for x, d in zip(jax.tree.leaves(tree), gather_dims, strict=True)
+                ]
+            )
+
+        master = jax.shard_map(
+            gather,
+            mesh=plan.mesh,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            axis_names={axis},
+            check_vma=False,
+        )(master)
+    master = jax.lax.with_sharding_constraint(master, on_device(plan.params))
+    if prec.mixed and not round_first:
+        master = cast_floating(master, compute)
+    return master

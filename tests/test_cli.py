@@ -1,8 +1,11 @@
-"""`jzero train` end to end on a tiny model, and its handling of a bad config."""
+"""`jzero train` end to end on a tiny model, its handling of a bad config, and of Ctrl-C."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 from jzero import cli
 
@@ -26,13 +29,11 @@ TINY = [
 ]
 
 
-def test_train_runs_end_to_end_and_writes_metrics(tmp_path, capsys):
-    log_dir = tmp_path / "run"
-    rc = cli.main(
-        ["train", "configs/zero2.yaml", "--steps", "6", "--quiet", *TINY]
-        + ["--set", f"train.log_dir={log_dir}"]
-    )
-    assert rc == 0
+def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
+    log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = ["train", "configs/zero2.yaml", "--quiet", *TINY]
+    args += ["--set", f"train.log_dir={log_dir}", "--set", f"checkpoint.directory={ckpt}"]
+    assert cli.main([*args, "--steps", "6"]) == 0
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
@@ -41,7 +42,25 @@ def test_train_runs_end_to_end_and_writes_metrics(tmp_path, capsys):
     summary = json.loads((log_dir / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["stage"] == 3 and summary["devices"] == 8
     assert summary["eval_loss"] < summary["first_eval_loss"]
+    assert summary["resumed_from"] is None
+    # The measured peak (compiled step on CPU) exceeds the model state alone.
+    assert summary["peak_bytes_per_device"] > summary["model_state_bytes_per_device"] > 0
     assert "done:" in capsys.readouterr().out
+    # A final checkpoint was written; the next run picks up at step 7 and appends.
+    assert cli.main([*args, "--steps", "8"]) == 0
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
+    summary = json.loads((log_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == 6 and summary["steps"] == 8
+    capsys.readouterr()
+    assert cli.main(["checkpoint", "inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "6" in out and "8" in out and "params" in out
+    # --no-resume starts again from step 1, beside the checkpoints already there.
+    assert cli.main([*args, "--steps", "1", "--no-resume"]) == 0
+    first = json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1
+    assert json.loads((log_dir / "summary.json").read_text())["resumed_from"] is None
 
 
 def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
@@ -56,3 +75,39 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "jzero: error: zero_optimization.stage: 7" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_after_the_step_and_writes_the_summary(tmp_path):
+    log_dir = tmp_path / "run"
+    metrics = log_dir / "metrics.jsonl"
+    args = ["train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
+    args += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jzero.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        # The metrics file is block-buffered: wait until its first lines reach the disk.
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no metrics line within 240 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert "interrupted: " in out
+    summary = json.loads((log_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert summary["interrupted"] is True
+    assert 1 <= summary["steps"] < 100000
+    assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))

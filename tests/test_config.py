@@ -7,15 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from jzero import config as config_module
 from jzero.config import (
     Config,
     ConfigError,
     JzeroConfigWarning,
-    check_supported,
     load_config,
     resolve_batch_sizes,
-    unsupported_features,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,21 +42,13 @@ def test_shipped_configs_load_without_warnings(name):
     assert load_config(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("name", STAGE_CONFIGS[:4])
-def test_stage_configs_are_supported(name):
-    check_supported(load_config(ROOT / "configs" / name))
-
-
-def test_offload_config_is_reported_as_not_yet_supported():
+def test_offload_config_asks_for_host_memory():
     cfg = load_config(ROOT / "configs" / "zero2_offload.yaml")
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
-    assert unsupported_features(cfg) == [
-        "zero_optimization.offload_optimizer.device: 'cpu' (optimizer-state offload to host "
-        "memory) is not implemented yet; set none"
-    ]
+    assert cfg.zero_optimization.offload_optimizer.pin_memory
 
 
-def test_deepspeed_example_loads_warns_once_and_is_checked():
+def test_deepspeed_example_loads_and_warns_once():
     with pytest.warns(JzeroConfigWarning) as record:
         cfg = load_config(FIXTURE)
     assert len(record) == 1
@@ -75,44 +64,8 @@ def test_deepspeed_example_loads_warns_once_and_is_checked():
     )
     assert cfg.train_batch_size == 256
     assert cfg.optimizer.params["lr"] == 3e-5  # a JSON float, not the string "3e-5"
-    with pytest.raises(ConfigError) as info:
-        check_supported(cfg)
-    assert str(info.value) == (
-        "This config uses settings jzero does not support yet:\n"
-        "  - zero_optimization.offload_optimizer.device: 'cpu' (optimizer-state offload to "
-        "host memory) is not implemented yet; set none.\n"
-        "  - communication_data_type: 'bf16' is not implemented yet; set fp32 or remove it.\n"
-        "Change or remove them to train."
-    )
-    assert "not a known key" not in str(info.value)
-
-
-def test_not_yet_supported_set_can_shrink(monkeypatch):
-    cfg = load_config({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
-    assert [line.split(":")[0] for line in unsupported_features(cfg)] == [
-        "fp16.enabled",
-        "data_types.grad_accum_dtype",
-    ]
-    monkeypatch.setattr(config_module, "NOT_YET_SUPPORTED", {"data_types.grad_accum_dtype"})
-    assert unsupported_features(cfg) == [
-        "data_types.grad_accum_dtype: 'fp32' is not implemented yet; remove it"
-    ]
-
-
-def test_all_unsupported_features_are_listed():
-    cfg = load_config(
-        {
-            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
-            "bf16": {"enabled": True},
-            "communication_data_type": "FP32",
-        }
-    )
-    assert cfg.communication_data_type == "fp32"
-    assert unsupported_features(cfg) == [
-        "zero_optimization.offload_param.device: 'cpu' (parameter offload to host memory) is "
-        "not implemented yet; set none",
-        "bf16.enabled: true (bf16 mixed precision) is not implemented yet; set it to false",
-    ]
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.communication_data_type == "bf16"
 
 
 # --- DeepSpeed's defaults ----------------------------------------------------------------
@@ -288,6 +241,57 @@ def test_deprecated_key_names_its_replacement():
 )
 def test_wrong_values_name_path_value_and_what_is_allowed(raw, message):
     assert error_of(raw) == message
+
+
+# --- the mesh section: data plus other named axes ----------------------------------------
+
+
+def test_mesh_takes_other_named_axes_after_data():
+    cfg = load_config({"mesh": {"model": 2, "data": 4}}, ["mesh.expert=1"])
+    assert cfg.mesh.data == 4 and dict(cfg.mesh.axes) == {"model": 2, "expert": 1}
+    assert cfg.mesh.sizes() == {"data": 4, "model": 2, "expert": 1}
+    assert list(cfg.mesh.sizes()) == ["data", "model", "expert"]  # data first
+    assert cfg.to_dict()["mesh"] == {"data": 4, "model": 2, "expert": 1}
+    assert load_config(cfg.to_dict()) == cfg
+    assert hash(cfg) == hash(load_config(cfg.to_dict()))
+    assert load_config({}).mesh.sizes() == {"data": -1}
+
+
+@pytest.mark.parametrize(
+    "mesh, message",
+    [
+        (
+            {"dta": 8},
+            "mesh.dta looks like a misspelling of mesh.data (did you mean 'data'?); fix its "
+            "name, or name the new mesh axis differently.",
+        ),
+        (
+            {"model": 0},
+            "mesh.model: 0 is not allowed; it must be -1 (all devices) or >= 1.",
+        ),
+        (
+            {"model": "two"},
+            "mesh.model: 'two' is not allowed; a mesh axis size must be an integer, -1 (the "
+            "devices left) or >= 1.",
+        ),
+        (
+            {"model": -2},
+            "mesh.model: -2 is not allowed; it must be >= -1.",
+        ),
+        (
+            {"model-parallel": 2},
+            "mesh.model-parallel: 'model-parallel' is not a valid mesh axis name; name an axis "
+            "with letters, digits and underscores, e.g. model.",
+        ),
+        (
+            {"data": -1, "model": -1},
+            "mesh: data: -1, model: -1 are all -1, but only one axis can take the devices left "
+            "over; give every other axis a size.",
+        ),
+    ],
+)
+def test_bad_mesh_axes_are_clear_errors(mesh, message):
+    assert error_of({"mesh": mesh}) == message
 
 
 @pytest.mark.parametrize(

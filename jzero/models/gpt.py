@@ -116,6 +116,17 @@ class GPTConfig:
 # Shared pieces: per-layer init and the block function, used by both forms.
 
 
+def config_for(cfg: Any) -> GPTConfig:
+    """The built-in GPT of a :class:`jzero.config.Config`'s ``model`` section.
+
+    Under ``bf16`` or ``fp16`` the model computes in that dtype unless ``model.dtype`` is set.
+    """
+    model = dict(cfg.model)
+    if "dtype" not in model and (cfg.bf16.enabled or cfg.fp16.enabled):
+        model["dtype"] = "bfloat16" if cfg.bf16.enabled else "float16"
+    return GPTConfig.from_dict(model)
+
+
 def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
     return std * jax.random.normal(key, shape, jnp.float32)
 

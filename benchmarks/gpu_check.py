@@ -1,0 +1,254 @@
+"""GPU check of host offload: ZeRO stage 2 in bf16 with and without ``offload_optimizer``.
+
+Run on one accelerator through ``benchmarks/gpu_check.sh`` (it builds a fresh venv), or directly:
+``python benchmarks/gpu_check.py`` (a GPT of about 300 M parameters) or ``--smoke`` (a tiny
+GPT, seconds on CPU; the test suite runs it so that the script cannot rot).
+
+Decisions:
+
+* Each variant (``none``: everything in device memory; ``optimizer``: optimizer state and fp32
+  master weights in ``pinned_host``) runs in its own Python process, because a device's
+  ``peak_bytes_in_use`` only ever grows within a process: one process per variant gives each
+  its own peak. The parent gathers their JSON, prints one table and writes it to
+  ``$OUT/gpu_check.json`` when ``OUT`` is set.
+* Device memory is read three ways: the live allocator (``memory_stats()``: ``bytes_in_use``
+  after the timed steps and ``peak_bytes_in_use``), the compiled step's ``memory_analysis()``
+  (device and host argument, output and temp bytes) and jzero's plan (``model_state_bytes`` /
+  ``host_state_bytes``). A CPU backend has no allocator statistics (shown as ``n/a``) and does
+  not split host from device bytes in ``memory_analysis`` (its ``host_*`` fields are 0).
+* Step time is the median over ``--steps`` steps after ``--warmup`` steps, each step waited for
+  in full (the new state too, so the copies back to host memory are inside the time).
+* The losses of the two variants are reported side by side: on CPU they are bit-identical; on a
+  GPU, XLA may pick non-deterministic reductions, so the script reports the largest difference
+  instead of failing on it.
+* ``--smoke`` also lowers the CPU code generator's optimisation level in the child processes:
+  it checks that the script runs, and compile time dominates a tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+VARIANTS = ("none", "optimizer")
+FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
+SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
+SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="a tiny GPT and 2 steps (for CPU)")
+    ap.add_argument("--layers", type=int, help=f"transformer blocks (default {FULL['layers']})")
+    ap.add_argument("--d-model", type=int, help=f"model width (default {FULL['d_model']})")
+    ap.add_argument("--heads", type=int, help=f"attention heads (default {FULL['heads']})")
+    ap.add_argument("--seq-len", type=int, help=f"tokens a sequence (default {FULL['seq_len']})")
+    ap.add_argument(
+        "--micro-batch", type=int, help=f"sequences per device (default {FULL['micro_batch']})"
+    )
+    ap.add_argument("--steps", type=int, help="timed steps (default 5, smoke 2)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    ap.add_argument(
+        "--variant-timeout", type=float, default=170.0, help="seconds per variant process"
+    )
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
+    ap.add_argument("--result", help=argparse.SUPPRESS)  # child process: where its JSON goes
+    args = ap.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.steps is None:
+        args.steps = 2 if args.smoke else 5
+    if args.smoke:
+        args.warmup = min(args.warmup, 1)
+    return args
+
+
+def _stats(device: Any) -> dict[str, int | None]:
+    stats = device.memory_stats() or {}
+    return {k: stats.get(k) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")}
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains one variant and returns its measurements (runs in a child process)."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jzero
+    from jzero.models import gpt
+
+    device = jax.devices()[0]
+    cfg = gpt.GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq_len,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        d_model=args.d_model,
+        d_ff=4 * args.d_model,
+        dtype="bfloat16",
+    )
+    n = jax.device_count()
+    zero: dict[str, Any] = {"stage": 2}
+    if args.variant == "optimizer":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_batch_size": args.micro_batch * n,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
+    engine = jzero.initialize(
+        loss_fn=lambda p, b: gpt.loss_fn(p, b, cfg),
+        optimizer=optax.adamw(1e-4),
+        config=config,
+        init_fn=lambda key: gpt.init_params(key, cfg),
+    )
+    rng = np.random.default_rng(0)
+    batches = [
+        {"tokens": rng.integers(0, 256, (args.micro_batch * n, args.seq_len + 1), dtype=np.int32)}
+        for _ in range(2)
+    ]
+    compiled = engine.lower(batches[0]).compile()
+    mem = compiled.memory_analysis()
+    analysis = {
+        k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "temp", "host_argument", "host_output", "host_temp")
+    }
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        metrics = engine.train_step(batches[i % 2])
+        jax.block_until_ready((metrics, engine.state))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(float(metrics["loss"]))
+    kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(engine.state.opt_state)})
+    return {
+        "variant": args.variant,
+        "params": sum(math.prod(leaf.shape) for leaf in engine.plan.leaves),
+        "devices": n,
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "jax": jax.__version__,
+        "opt_state_memory_kinds": kinds,
+        "memory_stats": _stats(device),
+        "memory_analysis": analysis,
+        "plan_device_bytes": sum(engine.plan.model_state_bytes().values()),
+        "plan_host_bytes": sum(engine.plan.host_state_bytes().values()),
+        "step_seconds_median": statistics.median(times),
+        "losses": losses,
+    }
+
+
+def _child_argv(args: argparse.Namespace, variant: str, result: Path) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve())]
+    for key in ("layers", "d_model", "heads", "seq_len", "micro_batch", "steps", "warmup"):
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return argv + ["--variant", variant, "--result", str(result)]
+
+
+def _mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:.1f}"
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """The one table: a row per variant, MiB per device and the step-time ratio."""
+    cols = (
+        "variant",
+        "opt state in",
+        "in use",
+        "peak",
+        "args",
+        "out",
+        "temp",
+        "host args",
+        "host out",
+        "host temp",
+        "plan dev",
+        "plan host",
+        "ms/step",
+        "vs none",
+    )
+    base = results["none"]["step_seconds_median"]
+    rows = [cols]
+    for name, r in results.items():
+        a, s = r["memory_analysis"], r["memory_stats"]
+        rows.append(
+            (
+                name,
+                ",".join(r["opt_state_memory_kinds"]),
+                _mib(s["bytes_in_use"]),
+                _mib(s["peak_bytes_in_use"]),
+                *(_mib(a[k]) for k in ("argument", "output", "temp")),
+                *(_mib(a[k]) for k in ("host_argument", "host_output", "host_temp")),
+                _mib(r["plan_device_bytes"]),
+                _mib(r["plan_host_bytes"]),
+                f"{r['step_seconds_median'] * 1e3:.1f}",
+                f"{r['step_seconds_median'] / base:.2f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.variant:
+        Path(args.result).write_text(json.dumps(run_variant(args)))
+        return 0
+    env = dict(os.environ)
+    if args.smoke:  # a crash check: cheaper CPU code generation (compile time rules there)
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in VARIANTS:
+            result = Path(tmp) / f"{variant}.json"
+            proc = subprocess.run(
+                _child_argv(args, variant, result), timeout=args.variant_timeout, env=env
+            )
+            if proc.returncode != 0 or not result.exists():
+                print(f"variant {variant!r} failed with exit status {proc.returncode}")
+                return 1
+            results[variant] = json.loads(result.read_text())
+    first = results["none"]
+    print(
+        f"jzero host-offload check: GPT {args.layers} layers, d_model {args.d_model}, "
+        f"{first['params']:,} parameters, bf16 with fp32 masters, ZeRO stage 2, AdamW, "
+        f"{first['devices']} x {first['device_kind']} ({first['platform']}), jax {first['jax']}"
+    )
+    print(
+        f"global batch {args.micro_batch * first['devices']} x {args.seq_len} tokens; "
+        f"ms/step is the median of {args.steps} steps after {args.warmup}; memory in MiB per device"
+    )
+    print(table(results))
+    a, b = results["none"]["losses"], results["optimizer"]["losses"]
+    diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
+    print(f"losses without offload {a}\nlosses with offload    {b}\nlargest difference {diff:g}")
+    if not any(r["memory_analysis"]["host_argument"] for r in results.values()):
+        print(
+            "memory_analysis() reports no host bytes on this backend: its device/host split "
+            "is not measured here; 'plan dev' / 'plan host' give it."
+        )
+    out = os.environ.get("OUT")
+    if out:
+        summary = {"args": vars(args), "variants": results, "largest_loss_difference": diff}
+        (Path(out) / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+        print(f"wrote {Path(out) / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

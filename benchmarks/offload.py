@@ -1,0 +1,191 @@
+"""Host offload at ZeRO stages 1-3: device and host bytes per device, and the step-time cost.
+
+Run: ``python benchmarks/offload.py`` (8 virtual CPU devices are set up when no accelerator is
+present; about a minute or two on 2 CPU cores). For every stage it trains the built-in GPT
+without offload and with ``offload_optimizer: {device: cpu}`` (optimizer state, and the fp32
+master weights under ``--bf16``, in ``pinned_host``), and at stage 3 also with
+``offload_param`` on top. Figures per device:
+
+* plan device / plan host: :meth:`jzero.plan.Plan.model_state_bytes` and
+  :meth:`~jzero.plan.Plan.host_state_bytes` (params, grads, masters, optimizer state);
+* args / out / temp and host args / host out / host temp: the compiled step's
+  ``memory_analysis()``;
+* params in / opt in: the memory kinds the live arrays rest in after the steps;
+* ms/step: the median of ``--steps`` steps after ``--warmup``, each waited for with its new
+  state (so the copies back to host memory are inside the time), and its ratio to the same
+  stage without offload.
+
+On CPU, host and device memory are the same RAM: the compiler counts offloaded arguments among
+the device arguments and reports 0 for every ``host_*`` field. The script detects that and says
+so; the device/host split then comes from the plan alone, and only an accelerator
+(``benchmarks/gpu_check.sh``) measures the saving in device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import textwrap
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jzero  # noqa: E402
+from jzero.models import gpt  # noqa: E402
+
+MIB = 1 << 20
+HOST = {"device": "cpu", "pin_memory": True}
+VARIANTS = (
+    (1, "none"),
+    (1, "optimizer"),
+    (2, "none"),
+    (2, "optimizer"),
+    (3, "none"),
+    (3, "optimizer"),
+    (3, "optimizer+param"),
+)
+FIELDS = ("argument", "output", "temp", "host_argument", "host_output", "host_temp")
+
+
+def _kinds(tree) -> str:
+    return ",".join(sorted({x.sharding.memory_kind for x in jax.tree.leaves(tree)}))
+
+
+def measure(stage: int, variant: str, params, loss, batch, args) -> dict:
+    """Builds, compiles and times one (stage, offload) configuration."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if "optimizer" in variant:
+        zero["offload_optimizer"] = HOST
+    if "param" in variant:
+        zero["offload_param"] = HOST
+    config = {
+        "train_batch_size": batch["tokens"].shape[0],
+        "bf16": {"enabled": args.bf16},
+        "zero_optimization": zero,
+    }
+    engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
+    mem = engine.lower(batch).compile().memory_analysis()
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        jax.block_until_ready((engine.train_step(batch), engine.state))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return {
+        "stage": stage,
+        "variant": variant,
+        "params_in": _kinds(engine.state.params),
+        "opt_in": _kinds(engine.state.opt_state),
+        "plan_device": sum(engine.plan.model_state_bytes().values()),
+        "plan_host": sum(engine.plan.host_state_bytes().values()),
+        **{f: int(getattr(mem, f"{f}_size_in_bytes", 0) or 0) for f in FIELDS},
+        "seconds": statistics.median(times),
+    }
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    ap.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens a sequence (default 64)")
+    ap.add_argument("--micro-batch", type=int, default=2, help="sequences per device (default 2)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters offloaded too")
+    args = ap.parse_args(argv)
+
+    cfg = gpt.GPTConfig(
+        vocab_size=256,
+        seq_len=args.seq_len,
+        num_layers=args.layers,
+        num_heads=4,
+        d_model=args.d_model,
+        d_ff=4 * args.d_model,
+        dtype="bfloat16" if args.bf16 else "float32",
+    )
+    params = gpt.init_params(jax.random.key(0), cfg)
+    loss = lambda p, b: gpt.loss_fn(p, b, cfg)
+    n = jax.device_count()
+    platform = jax.devices()[0].platform
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (args.micro_batch * n, args.seq_len + 1), dtype=np.int32)
+    batch = {"tokens": tokens}
+    psi = sum(x.size for x in jax.tree.leaves(params))
+    print(
+        f"GPT: {args.layers} layers, d_model {args.d_model}, {psi:,} parameters, "
+        f"{'bf16 compute with fp32 masters' if args.bf16 else 'fp32'}, AdamW, {n} {platform} "
+        f"devices, global batch {args.micro_batch * n} x {args.seq_len} tokens"
+    )
+    rows = [measure(stage, variant, params, loss, batch, args) for stage, variant in VARIANTS]
+
+    print("\nPer-device memory (MiB): the plan's split, then the compiled step's memory_analysis()")
+    header = ("stage", "offload", "params in", "opt in", "plan device", "plan host")
+    header += ("args", "out", "temp", "host args", "host out", "host temp")
+    print(
+        _table(
+            header,
+            [
+                (
+                    str(r["stage"]),
+                    r["variant"],
+                    r["params_in"],
+                    r["opt_in"],
+                    *(f"{r[k] / MIB:.2f}" for k in ("plan_device", "plan_host", *FIELDS)),
+                )
+                for r in rows
+            ],
+        )
+    )
+    base = {r["stage"]: r for r in rows if r["variant"] == "none"}
+    if not any(r[f] for r in rows for f in FIELDS if f.startswith("host_")):
+        same = all(r["argument"] == base[r["stage"]]["argument"] for r in rows)
+        note = (
+            f"Note: on {platform} the compiler reports 0 for every host_* field, offloaded or "
+            "not; offloaded state is counted in 'args' like device state"
+            + (" (args are equal with and without offload at every stage)" if same else "")
+            + ". This run therefore measures no device-memory saving: the device/host split "
+            "above is the plan's. Run benchmarks/gpu_check.sh on an accelerator to measure it."
+        )
+        print("\n" + textwrap.fill(note, 100))
+
+    print(f"\nStep time (median of {args.steps} steps after {args.warmup})")
+    print(
+        _table(
+            ("stage", "offload", "ms/step", "vs no offload"),
+            [
+                (
+                    str(r["stage"]),
+                    r["variant"],
+                    f"{r['seconds'] * 1e3:.1f}",
+                    f"{r['seconds'] / base[r['stage']]['seconds']:.2f}",
+                )
+                for r in rows
+            ],
+        )
+    )
+    if platform == "cpu":
+        print(
+            "On cpu a copy between memory kinds is a copy within the same RAM: these ratios "
+            "say nothing about an accelerator's host link."
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

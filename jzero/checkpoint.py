@@ -1,0 +1,410 @@
+"""Sharded, asynchronous, atomic checkpoints over Orbax; restore anywhere; inspect; export.
+
+This is the only jzero module that imports Orbax. What a step holds on disk, its file record
+and the restore targets are in :mod:`jzero.checkpoint_layout`; inspect and export in
+:mod:`jzero.checkpoint_info`. Every name of both that callers use is re-exported here.
+
+Decisions:
+
+* Saves are asynchronous: ``save`` returns once the arrays are copied off the devices, and the
+  write finishes in the background. ``async_save=False`` waits for it.
+* Atomicity is Orbax's: a step is written under ``<step>.orbax-checkpoint-tmp`` and renamed to
+  ``<step>`` only after every process has finished. :meth:`Checkpointer.all_steps` and
+  :func:`list_steps` read the directory and list renamed (finalized) steps only, so a save that
+  is still running, or one killed mid-write, is never listed or restored. A writer removes
+  left-over temporary directories when it first saves.
+* Before the rename, process 0 writes the step's file record (``_seal``, looked up in this
+  module when the hook runs); restore checks the files against it before reading.
+* Restore goes into a target whose leaves carry the new plan's shardings; Orbax reshards and
+  places each restored shard in the sharding's memory kind (``pinned_host`` too) directly.
+* Inspect and export read Orbax's metadata and single leaves through the helpers here
+  (:func:`_tree_metadata`, :func:`_read_json`, :func:`_leaf_reader`), so they need no Orbax
+  import of their own.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+
+from jzero.checkpoint_info import CheckpointInfo as CheckpointInfo
+from jzero.checkpoint_info import LeafInfo as LeafInfo
+from jzero.checkpoint_info import export as export
+from jzero.checkpoint_info import format_info as format_info
+from jzero.checkpoint_info import inspect as inspect
+from jzero.checkpoint_info import read_info as read_info
+from jzero.checkpoint_layout import (
+    FORMAT_VERSION,
+    JZERO,
+    META,
+    STATE,
+    PyTree,
+    _as_target,
+    _damage,
+    _damaged,
+    _match,
+    _path_str,
+    _require_dir,
+    _seal,
+)
+from jzero.checkpoint_layout import CheckpointError as CheckpointError
+from jzero.checkpoint_layout import abstract_target as abstract_target
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "LeafInfo",
+    "abstract_target",
+    "export",
+    "format_info",
+    "inspect",
+    "list_steps",
+    "read_info",
+]
+
+logger = logging.getLogger(__name__)
+TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX
+
+
+# -- the directory: steps, partial saves, integrity ------------------------------------------
+def list_steps(directory: str | os.PathLike) -> list[int]:
+    """The complete (finalized) steps in ``directory``, ascending; ``[]`` if it does not exist."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(ocp.path.step.checkpoint_steps(epath.Path(d)))
+
+
+def _partial_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    names = [p.name for p in directory.iterdir() if p.is_dir() and TMP_SUFFIX in p.name]
+    return sorted(int(n.split(TMP_SUFFIX)[0].split("_")[-1]) for n in names)
+
+
+def _resolve_step(directory: Path, step: int | None) -> int:
+    _require_dir(directory)
+    steps = list_steps(directory)
+    partial = _partial_steps(directory)
+    note = f" (step(s) {partial} were never completed and are ignored)" if partial else ""
+    if not steps:
+        raise CheckpointError(
+            f"The checkpoint directory {str(directory)!r} holds no complete checkpoint{note}. "
+            "Pass a directory a training run has saved into."
+        )
+    if step is None:
+        return steps[-1]
+    if int(step) not in steps:
+        raise CheckpointError(
+            f"Step {step} is not a complete checkpoint in {str(directory)!r}; the steps there "
+            f"are {steps}{note}. Pass one of them."
+        )
+    return int(step)
+
+
+def _verified_step_dir(directory: Path, step: int) -> Path:
+    step_dir = directory / str(step)
+    problem = _damage(step_dir)
+    if problem:
+        others = [s for s in list_steps(directory) if s != step]
+        hint = f"Restore another step ({others}) or delete it." if others else "Delete it."
+        raise CheckpointError(
+            f"Checkpoint step {step} in {str(directory)!r} is damaged: {problem}. {hint}"
+        )
+    return step_dir
+
+
+def _drop_abandoned_reads() -> None:
+    """Collects the shard reads Orbax abandoned when one read of a damaged step failed.
+
+    Orbax gathers one coroutine per shard; when one raises, the others are left unfinished and
+    each raises again ("Encountered error while reading array index") whenever the garbage
+    collector closes it, far from the restore. The failure is already reported as one
+    :class:`CheckpointError`, so these echoes are collected here, silently, at once.
+    """
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda _: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+
+
+def _tree_metadata(directory: Path, step: int, step_dir: Path) -> PyTree:
+    try:
+        return ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir / STATE)).tree
+    except Exception as e:  # Orbax raises several types for unreadable metadata
+        raise _damaged(step, directory, e) from e
+
+
+def _read_json(step_dir: Path, item: str) -> dict[str, Any]:
+    if not (step_dir / item).is_dir():
+        return {}
+    return dict(ocp.JsonCheckpointHandler().restore(epath.Path(step_dir / item)) or {})
+
+
+def _leaf_reader(
+    directory: Path, step: int, step_dir: Path, saved: PyTree
+) -> Callable[[tuple[Any, ...]], np.ndarray]:
+    """Reads one leaf of a step's state at a time, as a host numpy array.
+
+    Args:
+      directory: the checkpoint directory, for error messages.
+      step: the step, for error messages.
+      step_dir: the step's verified directory.
+      saved: the step's state metadata (:func:`_tree_metadata`).
+
+    Returns:
+      A function from a leaf's key path in ``saved`` to its array; only that leaf is read.
+    """
+    handler = ocp.PyTreeCheckpointHandler()
+
+    def read(want: tuple[Any, ...]) -> np.ndarray:
+        def pick(value: Callable[[], Any]) -> Callable[..., Any]:
+            return lambda p, _: value() if p == want else ocp.PLACEHOLDER
+
+        item = jax.tree_util.tree_map_with_path(pick(lambda: 0), saved)
+        args = jax.tree_util.tree_map_with_path(
+            pick(lambda: ocp.RestoreArgs(restore_type=np.ndarray)), saved
+        )
+        try:
+            out = handler.restore(
+                epath.Path(step_dir / STATE), args=ocp.args.PyTreeRestore(item, restore_args=args)
+            )
+        except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
+            _drop_abandoned_reads()
+            raise _damaged(step, directory, e) from e
+        for k in want:
+            out = out[k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key]
+        return out
+
+    return read
+
+
+# -- the checkpointer ------------------------------------------------------------------------
+class Checkpointer:
+    """Saves and restores training state in one directory, one sub-directory per step.
+
+    Args:
+      directory: where the steps live; created on the first save.
+      max_to_keep: complete checkpoints kept on disk (the oldest are deleted); ``None`` keeps
+        all.
+      save_interval_steps: ``save`` writes only steps divisible by this (unless ``force``);
+        0 writes every step it is called with (the caller decides when).
+      async_save: write in the background while training continues; ``False`` makes ``save``
+        wait until the step is on disk.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 0,
+        async_save: bool = True,
+    ):
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep < 1):
+            raise CheckpointError(
+                f"max_to_keep={max_to_keep!r} is invalid; it must be a positive integer or None "
+                "(keep every checkpoint)."
+            )
+        if isinstance(save_interval_steps, bool) or int(save_interval_steps) < 0:
+            raise CheckpointError(
+                f"save_interval_steps={save_interval_steps!r} is invalid; it must be 0 (save "
+                "whenever save is called) or a positive number of steps."
+            )
+        self.directory = Path(directory).absolute()
+        self.max_to_keep = max_to_keep
+        self.save_interval_steps = int(save_interval_steps)
+        self.async_save = bool(async_save)
+        self._manager: ocp.CheckpointManager | None = None
+        self._inflight: int | None = None
+        self._saved: set[int] = set()
+        self._closed = False
+
+    def _writer(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.max_to_keep,
+                save_interval_steps=1,
+                create=True,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written),
+            )
+            self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+        return self._manager
+
+    def _on_written(self) -> None:
+        """Orbax's hook after every process has written, before the rename (process 0 only)."""
+        step = self._inflight
+        tmp = self.directory / f"{step}{TMP_SUFFIX}"
+        _seal(tmp if tmp.is_dir() else self.directory / str(step))
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step, ...)`` without ``force`` would write."""
+        interval = self.save_interval_steps
+        return (interval == 0 or int(step) % interval == 0) and int(step) not in self._saved
+
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        meta: dict[str, Any] | None = None,
+        force: bool = False,
+        overwrite: bool = False,
+    ) -> bool:
+        """Starts saving ``state`` (any pytree of arrays) and ``meta`` as checkpoint ``step``.
+
+        Args:
+          step: the step number, the name of the checkpoint.
+          state: e.g. ``{"step", "params", "opt_state", "extra"}`` or a ``TrainState``.
+          meta: a JSON-serialisable dict (resolved config, data position, seed, ...), given
+            back by :meth:`restore`.
+          force: save even when ``step`` is off the save interval.
+          overwrite: replace a complete step of that number written by an earlier run (a run
+            resumed from an older step saves over the steps that followed it); otherwise that
+            is an error.
+
+        Returns:
+          Whether a save was started (``False`` off the interval, or when this checkpointer
+          already saved ``step``).
+        """
+        if self._closed:
+            raise CheckpointError(
+                f"The checkpointer for {str(self.directory)!r} is closed. Create a new one."
+            )
+        if isinstance(step, bool) or int(step) < 0:
+            raise CheckpointError(f"step={step!r} is invalid; a step is an integer >= 0.")
+        step = int(step)
+        if step in self._saved or not (force or self.should_save(step)):
+            return False
+        meta = {} if meta is None else meta
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"meta is not JSON-serialisable ({e}). Pass plain str/int/float/bool/list/dict "
+                "values, e.g. the config as a dict."
+            ) from e
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+            if not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
+                raise CheckpointError(
+                    f"State leaf {_path_str(path)!r} is a {type(x).__name__}; a checkpoint "
+                    "holds arrays and numbers only. Put other values into meta."
+                )
+        manager = self._writer()
+        manager.wait_until_finished()  # one save in flight: the hook knows which step it seals
+        if step in list_steps(self.directory) and overwrite:
+            logger.warning("jzero: replacing checkpoint step %d of an earlier run", step)
+            if jax.process_index() == 0:
+                shutil.rmtree(self.directory / str(step))
+            if jax.process_count() > 1:  # nobody reloads before process 0 has deleted it
+                multihost_utils.sync_global_devices(f"jzero-overwrite-{step}")
+            manager.reload()
+        if step in list_steps(self.directory):
+            raise CheckpointError(
+                f"Checkpoint step {step} already exists in {str(self.directory)!r} from an "
+                "earlier run. Delete that step directory, or save into another directory."
+            )
+        self._inflight = step
+        info = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "process_count": jax.process_count(),
+            "device_count": jax.device_count(),
+            "jax": jax.__version__,
+        }
+        args = ocp.args.Composite(
+            **{
+                STATE: ocp.args.StandardSave(state),
+                META: ocp.args.JsonSave(meta),
+                JZERO: ocp.args.JsonSave(info),
+            }
+        )
+        manager.save(step, args=args, force=True)
+        self._saved.add(step)
+        if not self.async_save:
+            self.wait_until_finished()
+        logger.info("jzero: checkpoint step %d %s", step, "started" if self.async_save else "saved")
+        return True
+
+    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict[str, Any]]:
+        """Restores a step into ``target``'s shardings (any stage, any device count).
+
+        Args:
+          target: the state's structure with ``jax.ShapeDtypeStruct`` leaves carrying the new
+            plan's shardings (see :func:`abstract_target`); concrete arrays work too.
+          step: the step to restore; the latest complete one by default.
+
+        Returns:
+          ``(state, meta)``: the state laid out as ``target`` says, and the saved meta dict.
+        """
+        step = _resolve_step(self.directory, step)
+        step_dir = _verified_step_dir(self.directory, step)
+        target = _as_target(target)
+        _match(_tree_metadata(self.directory, step, step_dir), target, step, self.directory)
+        try:
+            state = ocp.StandardCheckpointHandler().restore(
+                epath.Path(step_dir / STATE), args=ocp.args.StandardRestore(target)
+            )
+            meta = _read_json(step_dir, META)
+        except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
+            _drop_abandoned_reads()
+            raise _damaged(step, self.directory, e) from e
+        logger.info("jzero: restored checkpoint step %d from %s", step, self.directory)
+        return state, meta
+
+    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The meta dict of a step (the latest by default), without loading arrays."""
+        step = _resolve_step(self.directory, step)
+        return _read_json(_verified_step_dir(self.directory, step), META)
+
+    def latest_step(self) -> int | None:
+        """The newest complete step on disk, or ``None``; a save in flight is not counted."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def all_steps(self) -> list[int]:
+        """Every complete step on disk, ascending; saves in flight or killed are not listed."""
+        return list_steps(self.directory)
+
+    def partial_steps(self) -> list[int]:
+        """Steps whose save never completed (temporary directories), which are ignored."""
+        return _partial_steps(self.directory)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the save in flight (if any) is on disk."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases Orbax's threads; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

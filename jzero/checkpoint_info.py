@@ -1,0 +1,216 @@
+"""Inspect and export: what a checkpoint directory holds, and its parameters as one file.
+
+Decisions:
+
+* Both read Orbax's metadata and never load a whole tree: inspect loads no array; export
+  restores one leaf at a time as a host numpy array, so host memory stays near the largest leaf
+  (see :mod:`jzero.export` for the file formats).
+* Both check a step's files against its file record first; inspect reports a damaged step
+  (``DAMAGED: ...``) instead of failing, export refuses it with a :class:`CheckpointError`.
+* Orbax is reached only through :mod:`jzero.checkpoint`, the one module that imports it. That
+  module re-exports every name here, so it is imported inside the functions: importing either
+  module first works.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+from jzero import export as export_lib
+from jzero.checkpoint_layout import JZERO, META, CheckpointError, _damage, _flat, _path_parts
+
+__all__ = ["CheckpointInfo", "LeafInfo", "export", "format_info", "inspect", "read_info"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """One saved leaf: dotted path, shape, dtype, bytes and the saved partition spec."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    spec: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint directory holds, read from metadata only.
+
+    Attributes:
+      directory: the directory.
+      steps: complete steps; ``partial_steps``: unfinished saves (ignored).
+      step: the step described below (the latest unless asked otherwise).
+      trees: per top-level tree of the state, its leaves.
+      meta: the saved meta dict; ``jzero``: the format record (device count, ...).
+      problem: why the step is damaged, or ``None``.
+    """
+
+    directory: str
+    steps: list[int]
+    partial_steps: list[int]
+    step: int
+    trees: dict[str, list[LeafInfo]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    jzero: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None
+
+
+def read_info(directory: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
+    """Reads a checkpoint directory's steps and one step's leaves and meta (no arrays)."""
+    from jzero.checkpoint import (
+        _partial_steps,
+        _read_json,
+        _resolve_step,
+        _tree_metadata,
+        list_steps,
+    )
+
+    d = Path(directory).absolute()
+    step = _resolve_step(d, step)
+    step_dir = d / str(step)
+    problem = _damage(step_dir)
+    trees: dict[str, list[LeafInfo]] = {}
+    meta: dict[str, Any] = {}
+    info: dict[str, Any] = {}
+    try:
+        for key, (_, md) in _flat(_tree_metadata(d, step, step_dir)).items():
+            shape = tuple(int(n) for n in md.shape)
+            dtype = np.dtype(md.dtype)
+            spec = getattr(getattr(md, "sharding", None), "partition_spec", None)
+            trees.setdefault(key.split(".")[0], []).append(
+                LeafInfo(
+                    key,
+                    shape,
+                    dtype.name,
+                    int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+                    str(tuple(spec)) if spec is not None else "()",
+                )
+            )
+        meta, info = _read_json(step_dir, META), _read_json(step_dir, JZERO)
+    except (CheckpointError, ValueError, OSError) as e:
+        problem = problem or str(e)
+    return CheckpointInfo(
+        str(d), list_steps(d), _partial_steps(d), step, trees, meta, info, problem
+    )
+
+
+def format_info(info: CheckpointInfo) -> str:
+    """The report :func:`inspect` prints."""
+    lines = [f"checkpoint directory {info.directory}", f"complete steps: {info.steps}"]
+    if info.partial_steps:
+        lines.append(f"unfinished saves (ignored): {info.partial_steps}")
+    saved_on = info.jzero.get("device_count")
+    lines.append(
+        f"step {info.step}" + (f" (saved on {saved_on} devices)" if saved_on else "") + ":"
+    )
+    if info.problem:
+        lines.append(f"  DAMAGED: {info.problem}")
+    for name, leaves in info.trees.items():
+        total = sum(leaf.nbytes for leaf in leaves)
+        lines.append(f"  tree {name}: {len(leaves)} leaves, {total:,} bytes")
+        rows = [("leaf", "shape", "dtype", "bytes", "saved spec")]
+        rows += [
+            (x.path, "x".join(map(str, x.shape)) or "()", x.dtype, f"{x.nbytes:,}", x.spec)
+            for x in leaves
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        for r in rows:
+            cells = (c.ljust(w) for c, w in zip(r, widths, strict=True))
+            lines.append(("    " + "  ".join(cells)).rstrip())
+    lines.append("  meta:")
+    text = json.dumps(info.meta, indent=2, sort_keys=True) if info.meta else "{}"
+    lines += ["    " + line for line in text.splitlines()]
+    return "\n".join(lines)
+
+
+def inspect(directory: str | os.PathLike, step: int | None = None) -> str:
+    """A report of a checkpoint directory: steps, every leaf of one step, and its meta."""
+    return format_info(read_info(directory, step))
+
+
+# -- export --------------------------------------------------------------------------------
+_DTYPES = {
+    "float32": np.float32,
+    "fp32": np.float32,
+    "bfloat16": jnp.bfloat16,
+    "bf16": jnp.bfloat16,
+}
+
+
+def export(
+    directory: str | os.PathLike,
+    step: int | None,
+    out_path: str | os.PathLike,
+    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
+    tree: str = "params",
+) -> Path:
+    """Writes one tree of a step (the full parameters) as one safetensors or ``.npz`` file.
+
+    Leaves are read from the checkpoint one at a time, so host memory stays near the largest
+    leaf. Floating leaves are cast to ``dtype``; others keep theirs. Read it back with
+    :func:`jzero.export.load_exported`.
+
+    Args:
+      directory: the checkpoint directory.
+      step: the step to export; ``None`` for the latest.
+      out_path: the file; ``.npz`` writes numpy's format, anything else safetensors.
+      dtype: ``float32`` or ``bfloat16`` (``fp32``/``bf16``).
+      tree: the saved tree (a dotted path into the state), ``params`` by default.
+
+    Returns:
+      The written path.
+    """
+    from jzero.checkpoint import _leaf_reader, _resolve_step, _tree_metadata, _verified_step_dir
+
+    if dtype not in _DTYPES:
+        raise CheckpointError(
+            f"Export dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}."
+        )
+    out_dtype = np.dtype(_DTYPES[dtype])
+    d = Path(directory).absolute()
+    step = _resolve_step(d, step)
+    step_dir = _verified_step_dir(d, step)
+    saved = _tree_metadata(d, step, step_dir)
+    prefix = tuple(tree.split(".")) if tree else ()
+    selected = [
+        (p, md)
+        for p, md in _flat(saved).values()
+        if tuple(str(x) for x in _path_parts(p)[: len(prefix)]) == prefix
+    ]
+    if not selected:
+        tops = sorted({k.split(".")[0] for k in _flat(saved)})
+        raise CheckpointError(
+            f"Step {step} of {str(d)!r} has no tree {tree!r}; its trees are {tops}. "
+            "Pass one of them as tree."
+        )
+    entries = []
+    for p, md in selected:
+        rel = _path_parts(p)[len(prefix) :] or (_path_parts(p)[-1],)
+        keep = not jnp.issubdtype(md.dtype, jnp.floating)
+        entries.append(
+            export_lib.ExportEntry(
+                ".".join(map(str, rel)),
+                rel,
+                tuple(int(n) for n in md.shape),
+                np.dtype(md.dtype) if keep else out_dtype,
+            )
+        )
+    read = _leaf_reader(d, step, step_dir, saved)
+
+    def fetch(i: int) -> np.ndarray:
+        return read(selected[i][0])
+
+    written = export_lib.write_leaves(out_path, entries, fetch)
+    logger.info("jzero: exported %d leaves of step %d to %s", len(entries), step, written)
+    return written

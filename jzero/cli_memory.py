@@ -1,0 +1,157 @@
+"""``jzero estimate`` and ``jzero plan``: the memory planner on the command line.
+
+Decisions:
+
+* :func:`add_commands` adds both subcommands to the ``jzero`` parser; each sets ``func(args)``
+  returning the exit status. Bad values (sizes, counts, configs) raise ``ValueError`` from the
+  library with the full message, and the ``jzero`` entry point prints it and exits with 2.
+* ``estimate`` is pure arithmetic and never starts JAX. ``plan`` compiles the config's built-in
+  GPT once per stage; with no accelerator it asks for ``--cpu-devices`` virtual CPU devices
+  first, as ``jzero train`` does.
+* The table goes to stdout; ``--plot FILE.png`` also writes the stacked-bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_commands"]
+
+_ESTIMATE_HELP = """\
+Per-device memory of the model states at ZeRO stages 0-3, closed-form.
+Device memory without offload: the ZeRO paper with mixed-precision Adam (K = 12 bytes of
+optimizer state per parameter): stage 0 16 Psi, stage 1 4 Psi + 12 Psi/N, stage 2
+2 Psi + 14 Psi/N, stage 3 16 Psi/N bytes (Psi = --params, N = --devices), plus at stage 3
+4 bytes per parameter of the largest layer (gathered at once).
+Offload and host memory: DeepSpeed's estimate_zero2_model_states_mem_needs and
+estimate_zero3_model_states_mem_needs with additional_buffer_factor 1.5, host memory per node:
+stages 1-2 with optimizer offload 2 Psi on the device, Psi x max(4 N, 16) x 1.5 on the host;
+stage 3 with optimizer offload 2 Psi/N + 4 LL on the device, 16 Psi / nodes x 1.5 on the host;
+stage 3 with optimizer and parameter offload 4 LL on the device, 18 Psi / nodes x 1.5 on the
+host (LL = --largest-layer-params); without offload the host holds 4 Psi x devices per node x
+1.5 while the model loads (stage 3: the largest layer only).
+Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
+all-gather), stage 3 3 Psi. GB = 10^9 bytes. Activations are not counted: use `jzero plan`."""
+
+_PLAN_HELP = """\
+Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
+gradients and optimizer state (device and host) from the plan, the largest layer stage 3
+gathers at once, and the compiled step's memory_analysis() (arguments, temporaries, peak).
+With --device-memory: the lowest stage whose peak fits, keeping --margin free, with offload
+only if no stage fits without it."""
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from jzero import memory
+
+    result = memory.estimate(
+        args.params,
+        args.devices,
+        args.devices_per_node,
+        args.device_memory,
+        args.offload,
+        largest_layer_params=args.largest_layer_params or 0,
+        margin=args.margin,
+    )
+    print(result.table())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jzero.cli import _use_virtual_cpu_devices
+
+    _use_virtual_cpu_devices(args.cpu_devices)
+    from jzero import memory
+
+    result = memory.plan_report(
+        args.config,
+        devices=args.devices,
+        device_memory=args.device_memory,
+        overrides=args.set or (),
+        margin=args.margin,
+    )
+    print(result.table())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory of one device, e.g. 80GB (10^9 bytes), 80GiB (2^30) or 8e10",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.1,
+        help="fraction of device memory kept free when judging what fits (default 0.1)",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="also draw stacked bars into this PNG")
+
+
+def add_commands(subparsers: Any) -> None:
+    """Adds ``estimate`` and ``plan`` to the ``jzero`` subcommands.
+
+    Args:
+      subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
+    """
+    fmt = argparse.RawDescriptionHelpFormatter
+    est = subparsers.add_parser(
+        "estimate",
+        help="closed-form ZeRO memory per device for a parameter count",
+        description=_ESTIMATE_HELP,
+        formatter_class=fmt,
+    )
+    est.add_argument("--params", required=True, help="parameter count Psi, e.g. 7.5e9")
+    est.add_argument("--devices", required=True, help="data-parallel devices N, e.g. 64")
+    est.add_argument(
+        "--devices-per-node",
+        help="devices per node (host memory is per node); default: largest divisor of N <= 8",
+    )
+    est.add_argument(
+        "--offload",
+        choices=["cpu", "none"],
+        help="list only options with offload to host memory (cpu) or only without (none); "
+        "default: both",
+    )
+    est.add_argument(
+        "--largest-layer-params",
+        metavar="COUNT",
+        help="parameters of the largest layer, gathered whole at stage 3 (default 0)",
+    )
+    _common(est)
+    est.set_defaults(func=_estimate)
+
+    plan = subparsers.add_parser(
+        "plan",
+        help="measure every ZeRO stage of a config's GPT and recommend one",
+        description=_PLAN_HELP,
+        formatter_class=fmt,
+    )
+    plan.add_argument("config", help="a YAML or JSON config with a model section")
+    plan.add_argument(
+        "--devices",
+        help="data-parallel devices to plan for (default: the config's mesh); more than this "
+        "machine has: the compiled part is measured on the local devices",
+    )
+    plan.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set model.num_layers=24 (repeatable)",
+    )
+    plan.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="virtual CPU devices when there is no accelerator (default 8)",
+    )
+    _common(plan)
+    plan.set_defaults(func=_plan)

@@ -1,0 +1,90 @@
+"""DeepSpeed's batch arithmetic: train_batch_size = micro x accumulation x data-parallel size.
+
+Decisions:
+
+* Any two of the three determine the third; with only one, accumulation defaults to 1 and a
+  lone ``train_batch_size`` gives micro = train_batch_size / dp, as DeepSpeed does.
+* The data-parallel size is the size of the mesh's ``data`` axis only: other mesh axes hold the
+  same batch rows, so they do not multiply the batch.
+* A mismatch names all three values, the rule, and the nearest value that fits.
+"""
+
+from __future__ import annotations
+
+from jzero.config._common import ConfigError
+from jzero.config._schema import Config
+
+__all__ = ["resolve_batch_sizes"]
+
+
+def _nearest_multiple(value: int, base: int) -> int:
+    return max(base, round(value / base) * base)
+
+
+def resolve_batch_sizes(cfg: Config, data_parallel_size: int) -> tuple[int, int, int]:
+    """Resolves DeepSpeed's batch rule: train_batch_size = micro x accumulation x dp.
+
+    Any two of the three determine the third. With only one: accumulation defaults to 1, and
+    only ``train_batch_size`` gives micro = train_batch_size / dp (DeepSpeed's behaviour).
+
+    Args:
+      cfg: the config.
+      data_parallel_size: the size of the data axis (devices holding distinct batches).
+
+    Returns:
+      (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps).
+
+    Raises:
+      ConfigError: when nothing is set, or the values do not fit together.
+    """
+    tbs, micro, accum = (
+        cfg.train_batch_size,
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+    )
+    dp = data_parallel_size
+    if tbs is None and micro is None:
+        raise ConfigError(
+            "No batch size is set; set train_micro_batch_size_per_gpu (the batch per device) "
+            "or train_batch_size (the global batch), optionally with gradient_accumulation_steps."
+        )
+
+    def show(value: int | None) -> str:
+        return "auto" if value is None else str(value)
+
+    def mismatch(detail: str, fix: str) -> ConfigError:
+        return ConfigError(
+            f"The batch sizes do not fit together: train_batch_size={show(tbs)}, "
+            f"train_micro_batch_size_per_gpu={show(micro)}, "
+            f"gradient_accumulation_steps={show(accum)}, with a data-parallel size of {dp}. "
+            "DeepSpeed's rule is train_batch_size = train_micro_batch_size_per_gpu x "
+            f"gradient_accumulation_steps x data-parallel size, {detail}. {fix}"
+        )
+
+    if tbs is None:
+        steps = 1 if accum is None else accum  # DeepSpeed's default
+        return micro * steps * dp, micro, steps
+    if micro is None:
+        steps = 1 if accum is None else accum  # DeepSpeed's default
+        if tbs % (steps * dp):
+            raise mismatch(
+                f"but {tbs} is not divisible by {steps} x {dp} = {steps * dp}",
+                f"Fix: set train_batch_size to a multiple of {steps * dp} (e.g. "
+                f"{_nearest_multiple(tbs, steps * dp)}), or change gradient_accumulation_steps.",
+            )
+        return tbs, tbs // (steps * dp), steps
+    if accum is None:
+        if tbs % (micro * dp):
+            raise mismatch(
+                f"but {tbs} is not divisible by {micro} x {dp} = {micro * dp}",
+                f"Fix: set train_batch_size to a multiple of {micro * dp} (e.g. "
+                f"{_nearest_multiple(tbs, micro * dp)}), or change train_micro_batch_size_per_gpu.",
+            )
+        return tbs, micro, tbs // (micro * dp)
+    if tbs != micro * accum * dp:
+        raise mismatch(
+            f"but {micro} x {accum} x {dp} = {micro * accum * dp}",
+            f"Fix: set train_batch_size to {micro * accum * dp}, or set one of the three to "
+            '"auto" (or remove it) and jzero derives it.',
+        )
+    return tbs, micro, accum

@@ -1,0 +1,104 @@
+"""What every part of the config package shares: the error types, frozen mappings, messages.
+
+Decisions:
+
+* Every user-input error raises ``ConfigError`` (a ``ValueError``) with a full sentence that
+  ends with the fix; DeepSpeed keys that are accepted but ignored raise no error but one
+  ``JzeroConfigWarning``.
+* Mappings inside a ``Config`` are ``FrozenMap`` and lists are tuples, so a ``Config`` is
+  hashable and can be a static argument of ``jax.jit``.
+* Values are shown in messages as the user wrote them in YAML/JSON (``true``, ``null``).
+* ``_f`` makes a dataclass field whose metadata carries the validation rules (``min``, ``max``,
+  ``nonzero``, ``no_effect``, ``refuse``, ``auto``, the YAML ``key`` when it differs from the
+  field name, ``rest`` for a mapping that takes every other key of its section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import field
+from typing import Any
+
+__all__ = ["ConfigError", "FrozenMap", "JzeroConfigWarning"]
+
+
+class ConfigError(ValueError):
+    """A config value, key or combination that jzero cannot run; the message says the fix."""
+
+
+class JzeroConfigWarning(UserWarning):
+    """DeepSpeed settings that were accepted but have no effect in jzero."""
+
+
+class FrozenMap(Mapping):
+    """An immutable, hashable mapping (nested dicts and lists become FrozenMaps and tuples)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        self._data = {k: _freeze(v) for k, v in (data or {}).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items(), key=lambda kv: kv[0])))
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return value if isinstance(value, FrozenMap) else FrozenMap(value)
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _f(default: Any = dataclasses.MISSING, *, factory: Any = None, **meta: Any) -> Any:
+    """A dataclass field whose metadata carries the validation rules."""
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _show(value: Any) -> str:
+    """Renders a value as the user wrote it in YAML/JSON."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return repr(value)
+
+
+def _suggest(key: str, known: Sequence[str] | Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else str(key)

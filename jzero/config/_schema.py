@@ -1,0 +1,253 @@
+"""The top-level ``Config`` and jzero's own sections (``mesh``, ``train``, ``checkpoint``).
+
+Decisions:
+
+* Plain frozen dataclasses, one docstring per field; ``jzero.config._validate`` walks the
+  fields and their type hints, and field metadata carries the extra rules.
+* DeepSpeed's top-level keys keep their names and defaults; DeepSpeed 0.19.3 made
+  ``gradient_clipping`` 1.0 by default, and jzero follows it.
+* ``mesh`` names the device mesh: the data-parallel axis ``data`` plus any other named axes a
+  user's own partition specs use (``mesh: {data: 4, model: 2}``). The data axis is the
+  outermost (slowest-varying over the device list), the others follow in the order written,
+  so the devices of one model-parallel group are neighbours.
+* ``Config.to_dict`` writes the YAML key names and leaves out no-effect keys at their default,
+  so ``load_config(cfg.to_dict()) == cfg``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jzero.config._common import FrozenMap, _f, _thaw
+from jzero.config._sections import (
+    _CKPT,
+    _MONITOR,
+    _NOT_IMPLEMENTED,
+    _NVME_ONLY,
+    _TORCH_ONLY,
+    _XLA_COLLECTIVES,
+    ActivationCheckpointingConfig,
+    BF16Config,
+    DataTypesConfig,
+    FP16Config,
+    ZeroConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "MeshConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: a DeepSpeed optimizer name and its parameters (see ``OPTIMIZER_PARAMS``)."""
+
+    type: str
+    """Optimizer name, case-insensitive: Adam, AdamW, Lamb, SGD, Adagrad, Lion."""
+    params: Mapping[str, Any] = _f(factory=FrozenMap)
+    """Constructor parameters with DeepSpeed / PyTorch names (lr, betas, eps, weight_decay ...)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: a DeepSpeed LR schedule name and its parameters (see ``SCHEDULER_PARAMS``)."""
+
+    type: str
+    """Schedule name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest."""
+    params: Mapping[str, Any] = _f(factory=FrozenMap)
+    """Schedule parameters with DeepSpeed's names."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """``mesh``: jzero's device mesh, e.g. ``{data: 4, model: 2}``.
+
+    Any key besides ``data`` names another mesh axis for a user's own partition specs; one
+    axis (``data`` by default) may be -1: the devices left over. The product of the sizes must
+    be the number of devices.
+    """
+
+    data: int = _f(-1, min=-1, nonzero=True)
+    """Size of the data-parallel axis; -1 uses all devices left by the other axes."""
+    axes: Mapping[str, int] = _f(factory=FrozenMap, rest=True)
+    """The other axes, name -> size (-1: the devices left), written beside ``data`` in YAML."""
+
+    def sizes(self) -> dict[str, int]:
+        """Every axis, name -> size, ``data`` first, as :func:`jzero.make_mesh` takes them."""
+        return {"data": self.data, **self.axes}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``train``: jzero's training-loop settings (``jzero train``)."""
+
+    steps: int = _f(200, min=1)
+    """Optimizer steps to run."""
+    eval_interval: int = _f(50, min=0)
+    """Evaluate every this many steps; 0 disables evaluation."""
+    eval_batches: int = _f(4, min=1)
+    """Batches per evaluation."""
+    log_dir: str = "runs/default"
+    """Directory for logs and metrics."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint``: jzero's Orbax checkpointing, plus DeepSpeed's own checkpoint keys."""
+
+    directory: str | None = None
+    """Checkpoint directory; None disables checkpointing."""
+    save_interval_steps: int = _f(0, min=0)
+    """Save every this many steps; 0 saves only at the end (when a directory is set)."""
+    max_to_keep: int | None = _f(3, min=1)
+    """Checkpoints kept on disk; None keeps all."""
+    async_: bool = _f(True, key="async")
+    """Save in the background while training continues (YAML key ``async``)."""
+    tag_validation: str = _f("Warn", no_effect=_CKPT)
+    """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""
+    load_universal: bool = _f(False, no_effect=_CKPT)
+    """DeepSpeed: load a universal checkpoint. No effect (every checkpoint reshards)."""
+    use_node_local_storage: bool = _f(False, no_effect=_CKPT)
+    """DeepSpeed: write checkpoints to node-local storage. No effect."""
+    parallel_write: Mapping[str, Any] | None = _f(None, no_effect=_CKPT)
+    """DeepSpeed: parallel checkpoint writing. No effect."""
+
+
+_AUTO = {"auto": True}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole jzero training config: DeepSpeed's ``ds_config`` keys plus jzero's sections."""
+
+    train_batch_size: int | None = _f(None, min=1, **_AUTO)
+    """Global batch per optimizer step = micro x accumulation x data-parallel size; "auto" ok."""
+    train_micro_batch_size_per_gpu: int | None = _f(None, min=1, **_AUTO)
+    """Batch per device per forward/backward pass; "auto" ok."""
+    gradient_accumulation_steps: int | None = _f(None, min=1, **_AUTO)
+    """Micro-batches accumulated per optimizer step; "auto" ok."""
+    gradient_clipping: float = _f(1.0, min=0.0)
+    """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0)."""
+    steps_per_print: int | None = _f(10, min=1)
+    """Log every this many steps; None never."""
+    seed: int = 0
+    """Seed for parameter initialisation and data order."""
+    zero_optimization: ZeroConfig = _f(factory=ZeroConfig)
+    """ZeRO stage and offload."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer; None: the engine needs one passed in code."""
+    scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule; None: constant ``optimizer.params.lr``."""
+    bf16: BF16Config = _f(factory=BF16Config)
+    """bfloat16 mixed precision."""
+    fp16: FP16Config = _f(factory=FP16Config)
+    """float16 mixed precision."""
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
+    """Dtype of gradient reductions; None: the gradient dtype."""
+    data_types: DataTypesConfig = _f(factory=DataTypesConfig)
+    """Accumulation dtypes."""
+    activation_checkpointing: ActivationCheckpointingConfig = _f(
+        factory=ActivationCheckpointingConfig
+    )
+    """DeepSpeed's activation-checkpointing keys (no effect: the model chooses its remat)."""
+    mesh: MeshConfig = _f(factory=MeshConfig)
+    """Device mesh."""
+    model: Mapping[str, Any] = _f(factory=FrozenMap)
+    """Built-in GPT settings (vocab_size, seq_len, num_layers, num_heads, d_model, d_ff ...)."""
+    data: Mapping[str, Any] = _f(factory=FrozenMap)
+    """Data settings for ``jzero train`` (source, path ...)."""
+    train: TrainConfig = _f(factory=TrainConfig)
+    """Training-loop settings."""
+    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
+    """Checkpointing."""
+    distributed: Mapping[str, Any] = _f(factory=FrozenMap)
+    """Several processes (see :mod:`jzero.distributed`): coordinator_address, num_processes,
+    process_id, ...; empty: the ``JZERO_*`` variables or JAX's cluster detection."""
+    # DeepSpeed's top-level keys that have no effect in jzero.
+    wall_clock_breakdown: bool = _f(False, no_effect="profile with jax.profiler instead")
+    """DeepSpeed: time forward/backward/step. No effect."""
+    memory_breakdown: bool = _f(False, no_effect="use `jzero plan` for the memory report")
+    """DeepSpeed: print memory use. No effect."""
+    dump_state: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: print the engine state. No effect."""
+    prescale_gradients: bool = _f(False, no_effect="it only changes fp16 rounding")
+    """DeepSpeed: scale gradients before the mean reduction. No effect."""
+    gradient_predivide_factor: float = _f(1.0, no_effect="it only changes fp16 rounding")
+    """DeepSpeed: divide gradients before the mean reduction. No effect."""
+    sparse_gradients: bool = _f(False, no_effect="JAX gradients are dense")
+    """DeepSpeed: sparse embedding gradients. No effect."""
+    disable_allgather: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: broadcast instead of all-gather. No effect."""
+    zero_allow_untested_optimizer: bool = _f(
+        False, no_effect="every optax optimizer works with ZeRO"
+    )
+    """DeepSpeed: allow optimizers untested with ZeRO. No effect."""
+    zero_force_ds_cpu_optimizer: bool = _f(True, no_effect=_TORCH_ONLY)
+    """DeepSpeed: force DeepSpeed's CPU optimizer with offload. No effect."""
+    dataloader_drop_last: bool = _f(
+        False, no_effect="jzero's data loader always drops the last batch"
+    )
+    """DeepSpeed: drop the last incomplete batch. No effect."""
+    amp: Mapping[str, Any] | None = _f(None, no_effect="Apex AMP is PyTorch-only; use bf16 or fp16")
+    """DeepSpeed: Apex AMP. No effect."""
+    torch_autocast: Mapping[str, Any] | None = _f(None, no_effect="use bf16 or fp16")
+    """DeepSpeed: torch.autocast. No effect."""
+    compile: Mapping[str, Any] | None = _f(None, no_effect="jzero always compiles with XLA")
+    """DeepSpeed: torch.compile settings. No effect."""
+    elasticity: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED + " (elastic batch)")
+    """DeepSpeed: elastic training. No effect."""
+    aio: Mapping[str, Any] | None = _f(None, no_effect=_NVME_ONLY)
+    """DeepSpeed: asynchronous NVMe I/O. No effect."""
+    flops_profiler: Mapping[str, Any] | None = _f(None, no_effect="profile with jax.profiler")
+    """DeepSpeed: FLOPs profiler. No effect."""
+    comms_logger: Mapping[str, Any] | None = _f(None, no_effect="collectives are read from HLO")
+    """DeepSpeed: communication logger. No effect."""
+    autotuning: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: autotuner. No effect."""
+    tensorboard: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    """DeepSpeed monitor. No effect."""
+    wandb: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    """DeepSpeed monitor. No effect."""
+    csv_monitor: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    """DeepSpeed monitor. No effect."""
+    comet: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    """DeepSpeed monitor. No effect."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the config as plain dicts and lists with the YAML key names.
+
+        No-effect DeepSpeed keys appear only when they differ from their default, so
+        ``load_config(cfg.to_dict()) == cfg``.
+        """
+        return _to_dict(self)
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.metadata.get("no_effect") and value == _default_of(f):
+                continue
+            if f.metadata.get("rest"):  # its keys sit beside the section's own keys
+                out.update(_to_dict(value))
+                continue
+            out[f.metadata.get("key", f.name)] = _to_dict(value)
+        return out
+    return _thaw(obj)
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING

@@ -1,0 +1,238 @@
+"""DeepSpeed's nested sections: ``zero_optimization`` (with offload), ``bf16``, ``fp16``,
+``data_types`` and ``activation_checkpointing``.
+
+Decisions:
+
+* **DeepSpeed's names, meanings and defaults** (checked against DeepSpeed 0.19.x), so an
+  existing ``ds_config.json`` loads unchanged. DeepSpeed 0.19.3 made ``offload_*.pin_memory``
+  true by default, and jzero follows it.
+* A key that has no meaning under XLA carries its reason in ``no_effect`` metadata: it is
+  accepted and listed in one warning. NVMe offload is refused (``refuse``) with the reason.
+* Every field has a docstring; they are the reference for the YAML keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jzero.config._common import _f
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "BF16Config",
+    "DataTypesConfig",
+    "FP16Config",
+    "OffloadConfig",
+    "ZeroConfig",
+]
+
+# Reasons shared by several no-effect keys.
+_XLA_COLLECTIVES = "XLA schedules, buckets and fuses collectives itself"
+_XLA_OVERLAP = "XLA's scheduler overlaps communication with compute itself"
+_XLA_GATHER = (
+    "stage 3 gathers each parameter where the compiled step uses it; XLA sizes the buffers"
+)
+_TORCH_ONLY = "it configures a PyTorch-specific mechanism with no JAX counterpart"
+_NVME_ONLY = "it configures NVMe offload, which jzero does not have"
+_NOT_IMPLEMENTED = "the DeepSpeed feature it configures is not implemented in jzero"
+_MONITOR = "jzero logs metrics to train.log_dir instead of DeepSpeed's monitors"
+_CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``: host-memory offload."""
+
+    device: Literal["none", "cpu", "nvme"] = _f(
+        "none",
+        refuse={"nvme": "NVMe offload (ZeRO-Infinity) has no XLA equivalent"},
+    )
+    """Where the state lives: "none" (device memory) or "cpu" (host memory). "nvme" is refused."""
+    pin_memory: bool = True
+    """Page-locked host memory (``pinned_host``); false uses ``unpinned_host``. DeepSpeed: true."""
+    ratio: float = _f(1.0, min=0.0, max=1.0)
+    """Fraction of the optimizer state to offload (DeepSpeed's partial offload, stage 3)."""
+    nvme_path: str | None = _f(None, no_effect=_NVME_ONLY)
+    """DeepSpeed: NVMe directory. No effect."""
+    buffer_count: int = _f(5, min=0, no_effect=_NVME_ONLY)
+    """DeepSpeed: NVMe buffer pool size (5 for params, 4 for optimizer state). No effect."""
+    buffer_size: int = _f(100_000_000, min=0, no_effect=_NVME_ONLY)
+    """DeepSpeed: NVMe buffer size in elements. No effect."""
+    max_in_cpu: int = _f(1_000_000_000, min=0, no_effect=_NVME_ONLY)
+    """DeepSpeed: parameter elements kept in CPU memory with NVMe offload. No effect."""
+    pipeline_read: bool = _f(False, no_effect=_NVME_ONLY)
+    """DeepSpeed: overlap NVMe reads with the optimizer step. No effect."""
+    pipeline_write: bool = _f(False, no_effect=_NVME_ONLY)
+    """DeepSpeed: overlap NVMe writes with the optimizer step. No effect."""
+    fast_init: bool = _f(False, no_effect=_NVME_ONLY)
+    """DeepSpeed: fast optimizer initialisation with NVMe offload. No effect."""
+    super_offload: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: SuperOffload for Superchips. No effect."""
+    cpuadam_cores_perc: float = _f(0.8, min=0.0, max=1.0, no_effect=_TORCH_ONLY)
+    """DeepSpeed: share of CPU cores for CPU Adam. No effect."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: what is sharded over the data axis, and where it lives."""
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    stage3_param_persistence_threshold: int = _f(100_000, min=0)
+    """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5)."""
+    offload_optimizer: OffloadConfig = _f(factory=OffloadConfig)
+    """Optimizer-state offload to host memory (stages 1-3)."""
+    offload_param: OffloadConfig = _f(factory=OffloadConfig)
+    """Parameter offload to host memory (stage 3 only)."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: gather the full weights when the model is saved for export."""
+    allgather_partitions: bool = _f(True, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: all-gather vs. broadcasts after the step. No effect."""
+    allgather_bucket_size: int = _f(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: elements per all-gather bucket. No effect."""
+    reduce_scatter: bool = _f(
+        True, no_effect=_XLA_COLLECTIVES + "; the stage decides the reduction"
+    )
+    """DeepSpeed: reduce-scatter vs. all-reduce for gradients. No effect (the stage decides)."""
+    reduce_bucket_size: int = _f(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: elements per reduction bucket. No effect."""
+    use_multi_rank_bucket_allreduce: bool = _f(True, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: merge reduce buckets of ranks into one all-reduce. No effect."""
+    overlap_comm: bool | None = _f(None, no_effect=_XLA_OVERLAP)
+    """DeepSpeed: overlap gradient reduction with backward (default: true at stage 3). No effect."""
+    contiguous_gradients: bool = _f(True, no_effect="XLA allocates gradient buffers itself")
+    """DeepSpeed: copy gradients into one contiguous buffer. No effect."""
+    round_robin_gradients: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: parallel gradient copies for CPU offload. No effect."""
+    sub_group_size: int = _f(
+        1_000_000_000, min=0, no_effect="the optimizer step is one compiled op"
+    )
+    """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
+    stage3_prefetch_bucket_size: int = _f(50_000_000, min=0, no_effect=_XLA_GATHER)
+    """DeepSpeed: elements fetched ahead of use at stage 3. No effect."""
+    stage3_max_live_parameters: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
+    """DeepSpeed: gathered elements kept live at stage 3. No effect."""
+    stage3_max_reuse_distance: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
+    """DeepSpeed: keep a gathered parameter if reused within this distance. No effect."""
+    stage3_model_persistence_threshold: int = _f(
+        2**63 - 1, min=0, no_effect="jzero bounds persistence per parameter only"
+    )
+    """DeepSpeed: cap on the total persisted (unsharded) elements at stage 3. No effect."""
+    stage3_module_granularity_threshold: int = _f(0, min=0, no_effect=_XLA_GATHER)
+    """DeepSpeed: fetch fine-grained modules as one unit. No effect."""
+    stage3_use_all_reduce_for_fetch_params: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: fetch parameters with all-reduce. No effect."""
+    stage3_allgather_sequential: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    """DeepSpeed: gather parameters one at a time without buckets. No effect."""
+    load_from_fp32_weights: bool = _f(True, no_effect=_CKPT + " and always keeps fp32 state")
+    """DeepSpeed: initialise fp32 master weights from fp32 checkpoint copies. No effect."""
+    elastic_checkpoint: bool = _f(False, no_effect=_CKPT)
+    """DeepSpeed: legacy elastic checkpoints. No effect."""
+    ignore_unused_parameters: bool = _f(True, no_effect="unused parameters get zero gradients")
+    """DeepSpeed: tolerate parameters without gradients. No effect."""
+    legacy_stage1: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: old stage-1 implementation. No effect."""
+    grad_hooks: bool = _f(True, no_effect=_TORCH_ONLY)
+    """DeepSpeed: gradient hooks for reduction. No effect."""
+    zero_hpz_partition_size: int = _f(1, min=0, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ hpZ)")
+    """DeepSpeed ZeRO++: secondary partition size. No effect."""
+    zero_quantized_weights: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qwZ)")
+    """DeepSpeed ZeRO++: quantized weight all-gather. No effect."""
+    zero_quantized_nontrainable_weights: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed ZeRO++: store frozen weights quantized. No effect."""
+    zero_quantized_gradients: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qgZ)")
+    """DeepSpeed ZeRO++: quantized gradient reduction. No effect."""
+    zeropp_loco_param: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed ZeRO++: LoCo error feedback. No effect."""
+    mics_shard_size: int = _f(-1, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
+    """DeepSpeed MiCS: shard group size. No effect."""
+    mics_hierarchical_params_gather: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
+    """DeepSpeed MiCS: hierarchical gather. No effect."""
+    memory_efficient_linear: bool = _f(True, no_effect=_TORCH_ONLY)
+    """DeepSpeed: memory-efficient linear layer at stage 3. No effect."""
+    pipeline_loading_checkpoint: bool = _f(False, no_effect=_CKPT)
+    """DeepSpeed: load checkpoints in pipeline mode. No effect."""
+    override_module_apply: bool = _f(True, no_effect=_TORCH_ONLY)
+    """DeepSpeed: override ``nn.Module.apply`` at stage 3. No effect."""
+    log_trace_cache_warnings: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: log stage-3 trace-cache warnings. No effect."""
+    enable_sanity_checks: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: internal sanity checks. No effect."""
+    save_muon_momentum_buffer_in_memory: bool = _f(False, no_effect=_NVME_ONLY)
+    """DeepSpeed: keep the Muon momentum off NVMe. No effect."""
+    zenflow: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED + " (ZenFlow)")
+    """DeepSpeed ZenFlow settings. No effect."""
+    leaf_module: Mapping[str, Any] | None = _f(None, no_effect=_TORCH_ONLY)
+    """DeepSpeed: modules treated as stage-3 leaves. No effect."""
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16``: bfloat16 mixed precision (no loss scaling)."""
+
+    enabled: bool = False
+    """Compute in bfloat16 with fp32 master weights."""
+    skip_nonfinite: bool = False
+    """jzero's own: skip the update when a gradient is inf/NaN (DeepSpeed's bf16 never skips)."""
+    immediate_grad_update: bool = _f(True, no_effect=_TORCH_ONLY)
+    """DeepSpeed: apply gradients as they arrive. No effect."""
+    check_grad_overflow: bool = _f(False, no_effect="use skip_nonfinite instead")
+    """DeepSpeed: check bf16 gradients for overflow. No effect; see skip_nonfinite."""
+    bf16_master_weights_and_grads: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: keep master weights in bf16. No effect."""
+    bf16_optimizer_states: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: keep optimizer states in bf16. No effect."""
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: float16 mixed precision with (dynamic) loss scaling, DeepSpeed's defaults."""
+
+    enabled: bool = False
+    """Compute in float16 with fp32 master weights and loss scaling."""
+    loss_scale: float = _f(0.0, min=0.0)
+    """0 means dynamic loss scaling; any other value is a fixed loss scale."""
+    initial_scale_power: int = _f(16, min=0)
+    """The dynamic loss scale starts at 2**initial_scale_power."""
+    loss_scale_window: int = _f(1000, min=1)
+    """Steps without overflow before the dynamic loss scale is doubled."""
+    hysteresis: int = _f(2, min=1)
+    """Overflows tolerated before the dynamic loss scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis after every step without overflow."""
+    min_loss_scale: float = _f(1.0, min=0.0)
+    """Lower bound of the dynamic loss scale."""
+    auto_cast: bool = _f(False, no_effect="the model's dtype decides what its inputs are cast to")
+    """DeepSpeed: cast inputs to fp16. No effect."""
+    fp16_master_weights_and_grads: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: keep master weights in fp16. No effect."""
+
+
+@dataclass(frozen=True)
+class DataTypesConfig:
+    """``data_types``."""
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    """Dtype of the gradient accumulator; None: the parameter dtype."""
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: DeepSpeed's keys; in JAX the model chooses its remat."""
+
+    partition_activations: bool = _f(
+        False, no_effect="activations are not split over model parallelism"
+    )
+    """DeepSpeed: partition checkpointed activations over model-parallel ranks. No effect."""
+    cpu_checkpointing: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: keep checkpointed activations in CPU memory. No effect."""
+    contiguous_memory_optimization: bool = _f(False, no_effect="XLA allocates activations itself")
+    """DeepSpeed: copy checkpoints into one buffer. No effect."""
+    number_checkpoints: int | None = _f(None, min=0, no_effect="the model's jax.checkpoint decides")
+    """DeepSpeed: number of checkpoints for the contiguous buffer. No effect."""
+    synchronize_checkpoint_boundary: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: synchronise at checkpoint boundaries. No effect."""
+    profile: bool = _f(False, no_effect=_TORCH_ONLY)
+    """DeepSpeed: time the checkpoint functions. No effect."""

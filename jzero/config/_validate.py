@@ -1,0 +1,241 @@
+"""Validation: a config mapping checked against the schema, key by key and across keys.
+
+Decisions:
+
+* A small validator walks the dataclass fields and their type hints; field metadata carries
+  the extra rules. Every error names the dotted path, the value as written, what is allowed,
+  and the fix; an unknown key suggests the closest known key ("did you mean").
+* Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
+  ``load_config`` in one ``JzeroConfigWarning``); *refused* (NVMe offload, deprecated
+  aliases) with an error naming what is supported.
+* A field with ``rest`` metadata (``mesh.axes``) takes every key of its section that is not a
+  field: the other mesh axes. Their names are checked against ``data`` (a near miss such as
+  ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
+* Cross-field rules (precision, offload needs a stage, model shape, at most one ``-1`` mesh
+  axis) run after the sections are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
+from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
+from jzero.config._schema import Config
+
+__all__ = ["build_config"]
+
+
+def _check_number_range(value: int | float, meta: Mapping[str, Any], path: str) -> None:
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo or hi is not None and value > hi:
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be {bounds}.")
+    if meta.get("nonzero") and value == 0:
+        raise ConfigError(f"{path}: 0 is not allowed; it must be -1 (all devices) or >= 1.")
+
+
+def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list) -> Any:
+    """Checks ``value`` against the type hint ``tp``; returns the normalised value."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], path, meta, noted)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        norm = value.lower() if isinstance(value, str) else value
+        if _is_number(norm) and float(norm).is_integer():
+            norm = int(norm)
+        if isinstance(value, bool) or norm not in allowed:
+            options = ", ".join(_show(a) for a in allowed if a not in meta.get("refuse", {}))
+            raise ConfigError(
+                f"{path}: {_show(value)} is not allowed; it must be one of {options}."
+            )
+        if norm in meta.get("refuse", {}):
+            raise ConfigError(
+                f"{path}: {_show(norm)} is not supported: {meta['refuse'][norm]}; jzero supports "
+                f"{' or '.join(_show(a) for a in allowed if a not in meta['refuse'])}, so set one "
+                "of those."
+            )
+        return norm
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, noted)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be true or false.")
+        return value
+    if tp is int:
+        if not (_is_number(value) and float(value).is_integer()):
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be an integer.")
+        _check_number_range(int(value), meta, path)
+        return int(value)
+    if tp is float:
+        if not _is_number(value):
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a number.")
+        _check_number_range(float(value), meta, path)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a string.")
+        return value
+    if origin is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a mapping.")
+        return FrozenMap(value)
+    raise TypeError(f"jzero.config has no rule for the type {tp!r} of {path}.")  # our bug
+
+
+_DEPRECATED = {
+    "zero_optimization.cpu_offload": "offload_optimizer: {device: cpu}",
+    "zero_optimization.cpu_offload_param": "offload_param: {device: cpu}",
+    "zero_optimization.cpu_offload_use_pin_memory": "pin_memory under offload_optimizer/param",
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
+        "stage3_gather_16bit_weights_on_model_save"
+    ),
+}
+
+
+def _build(cls: type, raw: Any, path: str, noted: list) -> Any:
+    """Builds dataclass ``cls`` from the mapping ``raw``; no-effect keys go to ``noted``."""
+    if not isinstance(raw, Mapping):
+        where = path or "The config"
+        raise ConfigError(f"{where}: {_show(raw)} is not allowed; it must be a mapping of keys.")
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    rest = next((f for f in fields if f.metadata.get("rest")), None)
+    by_key = {f.metadata.get("key", f.name): f for f in fields if f is not rest}
+    if rest is not None:
+        others = {k: v for k, v in raw.items() if k not in by_key}
+        raw = {k: v for k, v in raw.items() if k in by_key}
+        raw[rest.name] = _mesh_axes(others, by_key, path)
+        by_key[rest.name] = rest
+    errors = []
+    for key in raw:
+        sub = _join(path, key)
+        if sub in _DEPRECATED:
+            errors.append(f"{sub} is a deprecated DeepSpeed key; write {_DEPRECATED[sub]} instead.")
+        elif key not in by_key:
+            errors.append(
+                f"{sub} is not a known key{_suggest(str(key), by_key)}; remove it or fix its name."
+            )
+    if errors:
+        raise ConfigError("\n".join(errors))
+    kwargs = {}
+    for key, f in by_key.items():
+        if key not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"{_join(path, key)} is required; set it.")
+            continue
+        value = raw[key]
+        sub = _join(path, key)
+        if f.metadata.get("auto") and value == "auto":
+            value = None
+        kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted)
+        reason = f.metadata.get("no_effect")
+        disabled = isinstance(value, Mapping) and value.get("enabled") is False
+        if reason and not disabled:
+            noted.append((sub, reason))
+    return cls(**kwargs)
+
+
+def _mesh_axes(others: Mapping[str, Any], known: Mapping[str, Any], path: str) -> FrozenMap:
+    """The other axes of the ``mesh`` section, name -> size, each checked like ``mesh.data``."""
+    axes = {}
+    for name, size in others.items():
+        sub = _join(path, name)
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(
+                f"{sub}: {_show(name)} is not a valid mesh axis name; name an axis with letters, "
+                "digits and underscores, e.g. model."
+            )
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        if close:
+            raise ConfigError(
+                f"{sub} looks like a misspelling of {path}.{close[0]} (did you mean "
+                f"'{close[0]}'?); fix its name, or name the new mesh axis differently."
+            )
+        if isinstance(size, bool) or not (_is_number(size) and float(size).is_integer()):
+            raise ConfigError(
+                f"{sub}: {_show(size)} is not allowed; a mesh axis size must be an integer, "
+                "-1 (the devices left) or >= 1."
+            )
+        axes[name] = int(size)
+        _check_number_range(int(size), {"min": -1, "nonzero": True}, sub)
+    return FrozenMap(axes)
+
+
+_MODEL_INTS = ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff")
+
+
+def _check_config(cfg: Config, noted: list) -> None:
+    """Cross-field rules, and the optimizer/scheduler/model sections."""
+    zero = cfg.zero_optimization
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        raise ConfigError(
+            "fp16.enabled and bf16.enabled are both true, but only one precision can be used; "
+            "set one of them to false."
+        )
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        raise ConfigError(
+            f"zero_optimization.offload_param.device: {_show(zero.offload_param.device)} needs "
+            f"stage 3, but zero_optimization.stage is {zero.stage}; set stage: 3 or device: none."
+        )
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device: "
+            f"{_show(zero.offload_optimizer.device)} needs stage 1, 2 or 3, but "
+            "zero_optimization.stage is 0; set stage to 1, 2 or 3, or device: none."
+        )
+    if zero.offload_optimizer.ratio < 1.0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
+            "offload) is not supported: jzero offloads all of the optimizer state or none of "
+            "it. Set ratio: 1.0."
+        )
+    free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
+    if len(free) > 1:
+        raise ConfigError(
+            f"mesh: {', '.join(f'{n}: -1' for n in free)} are all -1, but only one axis can take "
+            "the devices left over; give every other axis a size."
+        )
+    if cfg.optimizer is not None:
+        resolve_optimizer(cfg.optimizer, no_effect=noted)
+    if cfg.scheduler is not None:
+        resolve_scheduler(cfg.scheduler)
+    for key in _MODEL_INTS:
+        value = cfg.model.get(key)
+        if value is not None and not (_is_number(value) and value == int(value) and value >= 1):
+            raise ConfigError(
+                f"model.{key}: {_show(value)} is not allowed; it must be a positive integer."
+            )
+    heads, width = cfg.model.get("num_heads"), cfg.model.get("d_model")
+    if heads and width and width % heads:
+        raise ConfigError(
+            f"model.d_model: {width} is not divisible by model.num_heads ({heads}); choose a "
+            "d_model that is a multiple of num_heads."
+        )
+
+
+def build_config(raw: Mapping[str, Any]) -> tuple[Config, list[tuple[str, str]]]:
+    """Validates a raw config mapping.
+
+    Args:
+      raw: the config as plain dicts and lists, with DeepSpeed's key names.
+
+    Returns:
+      The ``Config`` and the ``(dotted path, reason)`` of every no-effect key present.
+
+    Raises:
+      ConfigError: for an unknown key, a wrong value or an impossible combination.
+    """
+    noted: list[tuple[str, str]] = []
+    cfg = _build(Config, raw, "", noted)
+    _check_config(cfg, noted)
+    return cfg, noted

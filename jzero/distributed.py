@@ -1,0 +1,412 @@
+"""Several JAX processes: starting the distributed runtime, and each process's slice of a batch.
+
+Decisions:
+
+* Where the process layout comes from, highest priority first, key by key: the ``distributed``
+  mapping a user passes (config section), the ``JZERO_COORDINATOR`` / ``JZERO_NUM_PROCESSES`` /
+  ``JZERO_PROCESS_ID`` environment variables (``jzero launch`` sets them), then JAX's own cluster
+  detection (``jax.distributed.initialize()`` without arguments) when the environment shows a
+  Slurm or Open MPI job of more than one task, or a Kubernetes indexed job. Any other cluster
+  is opted into with ``cluster_detection_method`` (a JAX method name such as ``"mpi4py"``, or
+  ``"auto"`` to let JAX choose). Nothing set means one process, and nothing is started;
+  ``JZERO_NUM_PROCESSES=1`` forces one process inside a cluster job.
+* The environment is read once, at the first call; later changes to it are ignored.
+* The runtime must start before any JAX computation creates a backend. When several processes
+  are asked for but a backend already exists, the error says to call ``init_distributed()``
+  first. Whether a backend exists is read from one private JAX function, wrapped in
+  :func:`backends_initialized`; if a JAX release drops it, JAX's own error is translated.
+* A process that dies ends the others in bounded time: they connect with a heartbeat timeout
+  of 30 s (a killed process is seen at once, since its connection closes; a hung one after the
+  timeout), and JAX then aborts them with "Terminating process because the JAX distributed
+  service detected fatal errors". The exit barrier waits at most 30 s for slower processes.
+* CPU processes exchange collectives through gloo (JAX's CPU default; set if a user unset it).
+* Per-process data: each process passes its own rows of the global batch, process ``p`` rows
+  ``p*b : (p+1)*b`` with ``b = B / process_count`` (as :class:`jzero.data.BatchIterator` yields
+  them). :func:`global_batch` joins them into one global ``jax.Array`` and checks that the mesh
+  puts process ``p``'s devices on exactly those rows, so that 2 processes x 4 devices train on
+  the same global batch, row for row, as 1 process x 8 devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "DistributedSpec",
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "backends_initialized",
+    "ensure_initialized",
+    "global_batch",
+    "init_distributed",
+    "is_main_process",
+    "local_batch_size",
+    "resolve_spec",
+]
+
+logger = logging.getLogger(__name__)
+PyTree = Any
+
+ENV_COORDINATOR = "JZERO_COORDINATOR"
+ENV_NUM_PROCESSES = "JZERO_NUM_PROCESSES"
+ENV_PROCESS_ID = "JZERO_PROCESS_ID"
+
+DEFAULT_INITIALIZATION_TIMEOUT = 120
+DEFAULT_HEARTBEAT_TIMEOUT = 30
+DEFAULT_SHUTDOWN_TIMEOUT = 30
+
+_KEYS = (
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+    "local_device_ids",
+    "cluster_detection_method",
+    "initialization_timeout",
+    "heartbeat_timeout",
+    "shutdown_timeout",
+)
+_TOO_EARLY = (
+    "{what} asks for several JAX processes, but a JAX backend was already initialized in this "
+    "process (some JAX computation, jax.devices() or jax.device_put ran first), and the "
+    "distributed runtime can only start before that. Call jzero.init_distributed() at the top "
+    "of your script, before any other JAX call; jzero.initialize() calls it for you only if it "
+    "runs first."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSpec:
+    """A resolved process layout.
+
+    Attributes:
+      coordinator_address: ``host:port`` of process 0's coordinator, or ``None`` for JAX's
+        cluster detection.
+      num_processes / process_id: the layout, or ``None`` for JAX's cluster detection.
+      source: where it came from: ``"config"``, ``"env"``, ``"cluster"`` or ``"single"``.
+      cluster_detection_method: passed to ``jax.distributed.initialize`` (``None``: JAX's
+        default detection).
+      local_device_ids: this process's devices (``None``: all it sees).
+      initialization_timeout / heartbeat_timeout / shutdown_timeout: seconds.
+    """
+
+    coordinator_address: str | None = None
+    num_processes: int | None = 1
+    process_id: int | None = 0
+    source: str = "single"
+    cluster_detection_method: str | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT
+    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
+    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether this layout needs the distributed runtime."""
+        return self.source == "cluster" or (self.num_processes or 1) > 1
+
+
+_environ_snapshot: dict[str, str] | None = None
+
+
+def _environ() -> dict[str, str]:
+    """The ``JZERO_*`` and cluster variables, read once per process."""
+    global _environ_snapshot
+    if _environ_snapshot is None:
+        _environ_snapshot = dict(os.environ)
+    return _environ_snapshot
+
+
+def backends_initialized() -> bool:
+    """Whether a JAX backend exists already (after that, the runtime can no longer start)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # a JAX without it: jax.distributed's error is mapped
+        return False
+
+
+def _int(value: Any, name: str, minimum: int) -> int:
+    text = str(value).strip()
+    number = int(text) if text.lstrip("-").isdigit() and not isinstance(value, bool) else None
+    if number is None or number < minimum:
+        raise ValueError(
+            f"{name} is {value!r}, but it must be an integer >= {minimum}. "
+            f"Set {name} to a whole number such as {max(minimum, 1)}."
+        )
+    return number
+
+
+def _detect_cluster(env: Mapping[str, str]) -> str | None:
+    """The cluster JAX can detect by itself, when it runs more than one process."""
+
+    def several(var: str) -> bool:
+        return env.get(var, "1").strip().isdigit() and int(env[var]) > 1
+
+    if all(v in env for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and several(
+        "SLURM_NTASKS"
+    ):
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and several("OMPI_COMM_WORLD_SIZE"):
+        return "ompi"
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+        return "k8s"
+    return None
+
+
+def resolve_spec(
+    dist_cfg: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> DistributedSpec:
+    """Resolves the process layout from a ``distributed`` mapping and the environment.
+
+    Args:
+      dist_cfg: a mapping (or a config section object) with keys ``coordinator_address``
+        (``host:port``), ``num_processes``, ``process_id``, ``local_device_ids``,
+        ``cluster_detection_method``, and the
+        ``initialization_timeout`` / ``heartbeat_timeout`` / ``shutdown_timeout`` seconds;
+        ``None`` values count as unset.
+      environ: the environment to read; ``os.environ`` as first seen by default.
+
+    Returns:
+      The :class:`DistributedSpec`; ``source="single"`` when nothing asks for several processes.
+
+    Raises:
+      ValueError: for an unknown key, a malformed value, or an incomplete layout.
+    """
+    if dist_cfg is not None and not isinstance(dist_cfg, Mapping):
+        dist_cfg = vars(dist_cfg)  # a config section object
+    cfg = {k: v for k, v in dict(dist_cfg or {}).items() if v is not None}
+    unknown = sorted(set(cfg) - set(_KEYS))
+    if unknown:
+        raise ValueError(
+            f"Unknown key(s) {unknown} in the distributed settings. Allowed keys: "
+            f"{', '.join(_KEYS)}. Remove or rename them."
+        )
+    env = _environ() if environ is None else dict(environ)
+    from_env = {
+        "coordinator_address": env.get(ENV_COORDINATOR) or None,
+        "num_processes": env.get(ENV_NUM_PROCESSES) or None,
+        "process_id": env.get(ENV_PROCESS_ID) or None,
+    }
+    env_names = {
+        "coordinator_address": ENV_COORDINATOR,
+        "num_processes": ENV_NUM_PROCESSES,
+        "process_id": ENV_PROCESS_ID,
+    }
+    merged: dict[str, Any] = {k: v for k, v in from_env.items() if v is not None}
+    merged.update(cfg)
+
+    def label(key: str) -> str:
+        return f"distributed.{key}" if key in cfg else env_names.get(key, f"distributed.{key}")
+
+    timeouts = {
+        key: _int(merged.get(key, default), label(key), 1)
+        for key, default in (
+            ("initialization_timeout", DEFAULT_INITIALIZATION_TIMEOUT),
+            ("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT),
+            ("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT),
+        )
+    }
+    ids = merged.get("local_device_ids")
+    if ids is not None:
+        ids = (ids,) if isinstance(ids, int) else tuple(ids)
+        ids = tuple(_int(i, "distributed.local_device_ids", 0) for i in ids)
+    method = merged.get("cluster_detection_method")
+    common = dict(timeouts, local_device_ids=ids)
+    layout = ("coordinator_address", "num_processes", "process_id")
+    if not any(k in merged for k in layout):
+        # JAX detects the layout itself: opted into by a method name, or a known cluster.
+        if method is None:
+            found = _detect_cluster(env)
+            if found is None:
+                return DistributedSpec(**common)
+            logger.info("jzero: %s job detected; JAX reads the process layout", found)
+        return DistributedSpec(
+            coordinator_address=None,
+            num_processes=None,
+            process_id=None,
+            source="cluster",
+            cluster_detection_method=None if method == "auto" else method,
+            **common,
+        )
+    num = _int(merged.get("num_processes", 1), label("num_processes"), 1)
+    if num == 1 and "process_id" not in merged and "coordinator_address" not in merged:
+        return DistributedSpec(**common)
+    missing = [env_names[k] + " / distributed." + k for k in layout if k not in merged]
+    if missing:
+        raise ValueError(
+            f"Several processes are asked for ({num}), but {', '.join(missing)} is not set. "
+            "Set all three of the coordinator address (host:port of process 0), the number "
+            "of processes and this process's id, or start the processes with `jzero launch`."
+        )
+    pid = _int(merged["process_id"], label("process_id"), 0)
+    if pid >= num:
+        raise ValueError(
+            f"{label('process_id')} is {pid}, but with {num} processes it must be in "
+            f"[0, {num - 1}]. Number the processes 0 .. {num - 1}."
+        )
+    address = str(merged["coordinator_address"])
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{label('coordinator_address')} is {address!r}, but it must be host:port with a "
+            "port in 1..65535, e.g. 'localhost:12355' or '10.0.0.1:12355' (process 0's host)."
+        )
+    source = "config" if any(k in cfg for k in layout) else "env"
+    return DistributedSpec(address, num, pid, source, method, **common)
+
+
+def _start(spec: DistributedSpec, what: str) -> None:
+    if backends_initialized():
+        raise RuntimeError(_TOO_EARLY.format(what=what))
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=spec.coordinator_address,
+            num_processes=spec.num_processes,
+            process_id=spec.process_id,
+            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+            cluster_detection_method=spec.cluster_detection_method,
+            initialization_timeout=spec.initialization_timeout,
+            heartbeat_timeout_seconds=spec.heartbeat_timeout,
+            shutdown_timeout_seconds=spec.shutdown_timeout,
+        )
+    except RuntimeError as e:
+        if "before any JAX calls" in str(e):
+            raise RuntimeError(_TOO_EARLY.format(what=what)) from e
+        raise
+    logger.log(
+        logging.INFO if spec.process_id in (0, None) else logging.DEBUG,  # process 0 speaks
+        "jzero: distributed runtime started (%s)",
+        f"process {spec.process_id} of {spec.num_processes}, coordinator {spec.coordinator_address}"
+        if spec.source != "cluster"
+        else "layout from the cluster environment",
+    )
+
+
+def init_distributed(dist_cfg: Mapping[str, Any] | None = None) -> DistributedSpec:
+    """Starts JAX's distributed runtime when several processes are asked for (idempotent).
+
+    DeepSpeed's ``deepspeed.init_distributed``. Call it before any other JAX call; on one
+    process it does nothing. Calling it again, or after ``jax.distributed.initialize``,
+    changes nothing.
+
+    Args:
+      dist_cfg: the ``distributed`` settings (see :func:`resolve_spec`); the ``JZERO_*``
+        environment variables and the cluster environment fill what it leaves unset.
+
+    Returns:
+      The resolved :class:`DistributedSpec`.
+
+    Raises:
+      RuntimeError: if several processes are asked for but a JAX backend already exists.
+      ValueError: for malformed settings.
+    """
+    spec = resolve_spec(dist_cfg)
+    if jax.distributed.is_initialized():
+        logger.debug("jzero: the distributed runtime is already running")
+        return spec
+    if not spec.multi_process:
+        return spec
+    where = {
+        "env": f"The environment ({ENV_NUM_PROCESSES}={spec.num_processes})",
+        "config": f"The distributed settings (num_processes={spec.num_processes})",
+    }.get(spec.source, "The cluster environment")
+    _start(spec, where)
+    return spec
+
+
+def ensure_initialized(dist_cfg: Mapping[str, Any] | None = None) -> None:
+    """What ``jzero.initialize`` runs first: :func:`init_distributed`, a no-op once running.
+
+    Args:
+      dist_cfg: the config's ``distributed`` section, if any.
+    """
+    init_distributed(dist_cfg)
+
+
+def is_main_process() -> bool:
+    """Whether this is process 0, the one that logs and writes files."""
+    return jax.process_index() == 0
+
+
+def local_batch_size(global_batch_size: int) -> int:
+    """The rows each process passes: ``global_batch_size / jax.process_count()``.
+
+    Raises:
+      ValueError: if the global batch does not split evenly over the processes.
+    """
+    count = jax.process_count()
+    if global_batch_size % count:
+        raise ValueError(
+            f"The global batch size {global_batch_size} is not divisible by the {count} "
+            "processes. Choose a train_batch_size that is a multiple of the process count."
+        )
+    return global_batch_size // count
+
+
+def _check_rows(sharding: jax.sharding.Sharding, global_shape: Sequence[int]) -> None:
+    """Process ``p``'s devices must hold rows ``p*b : (p+1)*b`` of the global batch."""
+    count, index = jax.process_count(), jax.process_index()
+    b = global_shape[0] // count
+    rows = set()
+    for device, idx in sharding.devices_indices_map(tuple(global_shape)).items():
+        if device.process_index == index:
+            rows.update(range(*idx[0].indices(global_shape[0])) if idx else ())
+    if rows != set(range(index * b, (index + 1) * b)):
+        raise ValueError(
+            f"The batch sharding puts process {index}'s devices on rows "
+            f"{sorted(rows)[:4]}... of the global batch of {global_shape[0]}, but process "
+            f"{index} passes rows {index * b}..{(index + 1) * b - 1}. Build the mesh with "
+            "jzero.make_mesh (devices in process order) so each process holds a contiguous "
+            "block of the data axis."
+        )
+
+
+def global_batch(
+    local_batch: PyTree, sharding: jax.sharding.Sharding, global_batch_size: int
+) -> PyTree:
+    """Joins every process's rows into one global batch laid out by ``sharding``.
+
+    On one process the batch is returned unchanged (the jitted step places it).
+
+    Args:
+      local_batch: this process's rows of the global batch: every leaf has leading dim
+        ``global_batch_size / jax.process_count()``; process ``p`` passes rows ``p*b:(p+1)*b``.
+      sharding: the batch sharding (``plan.batch``), leading dim over the data axis.
+      global_batch_size: the leading dim of the global batch.
+
+    Returns:
+      The batch as global ``jax.Array`` leaves of leading dim ``global_batch_size``.
+    """
+    if jax.process_count() == 1:
+        return local_batch
+    b = local_batch_size(global_batch_size)
+    checked: set[tuple[int, ...]] = set()
+
+    def one(x: Any) -> jax.Array:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x  # already global
+        x = np.asarray(x)
+        shape = (global_batch_size, *x.shape[1:])
+        if x.shape[:1] != (b,):
+            raise ValueError(
+                f"A batch leaf of shape {x.shape} was passed on process {jax.process_index()}, "
+                f"but each of the {jax.process_count()} processes passes its {b} rows of the "
+                f"global batch of {global_batch_size}. Pass leading dim {b}."
+            )
+        if shape not in checked:
+            _check_rows(sharding, shape)
+            checked.add(shape)
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+
+    return jax.tree.map(one, local_batch)

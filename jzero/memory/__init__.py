@@ -1,0 +1,55 @@
+"""Memory planning: what each ZeRO stage needs per device, and the lowest stage that fits.
+
+Three entry points share one report shape (rows of per-device bytes, a table, a plot and a
+recommendation):
+
+* :func:`estimate` is closed-form, for any model size and device count (the ZeRO paper's
+  model-state bytes, DeepSpeed's estimators for offload and host memory).
+* :func:`plan_report` measures the built-in GPT of a config at every stage: per-device bytes of
+  each model-state category from the plan (``Plan.model_state_bytes`` on the device,
+  ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once, and
+  the compiled step's ``memory_analysis()``.
+* :func:`memory_report` is the same report for one existing engine.
+
+Every public name lives in one of the private modules below and is re-exported here, so
+``jzero.memory.X`` is the one way to reach it:
+
+* ``_format``: :func:`parse_size`, the argument checks, text tables and the
+  :class:`Recommendation` (the lowest stage that fits without offload; offload only if none
+  does).
+* ``_estimate``: :func:`estimate` and its :class:`Estimate` / :class:`EstimateRow`.
+* ``_report``: :class:`StageMemory` and :class:`PlanReport`, the measured report's rows and table.
+* ``_measure``: :func:`plan_report` and :func:`memory_report`, which build and compile.
+* ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
+
+Decisions common to all of them: GB means 10^9 bytes; "fits" keeps a margin of the device
+memory (10% by default) free. Callers reach the entry points through this package's attributes
+(``memory.plan_report``), so replacing one here (as a test does) replaces it for them.
+"""
+
+from jzero.memory._estimate import BUFFER_FACTOR as BUFFER_FACTOR
+from jzero.memory._estimate import Estimate as Estimate
+from jzero.memory._estimate import EstimateRow as EstimateRow
+from jzero.memory._estimate import Offload as Offload
+from jzero.memory._estimate import estimate as estimate
+from jzero.memory._format import GB as GB
+from jzero.memory._format import Recommendation as Recommendation
+from jzero.memory._format import parse_size as parse_size
+from jzero.memory._measure import memory_report as memory_report
+from jzero.memory._measure import plan_report as plan_report
+from jzero.memory._plot import plot_bars as plot_bars
+from jzero.memory._report import PlanReport as PlanReport
+from jzero.memory._report import StageMemory as StageMemory
+
+__all__ = [
+    "Estimate",
+    "EstimateRow",
+    "PlanReport",
+    "Recommendation",
+    "StageMemory",
+    "estimate",
+    "memory_report",
+    "parse_size",
+    "plan_report",
+    "plot_bars",
+]

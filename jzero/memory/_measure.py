@@ -1,0 +1,289 @@
+"""Measured memory: a config's built-in GPT at every stage, or one engine, from the compiled step.
+
+:func:`plan_report` builds the model as ``jzero train`` builds it, once per stage, and compiles
+its step; :func:`memory_report` reports one existing engine. Both return a
+:class:`~jzero.memory.PlanReport`.
+
+Decisions:
+
+* The model state per category comes from the plan; the rest of the peak (batch, step
+  counters, temporaries) from ``engine.lower(batch).compile().memory_analysis()``.
+* For more devices than the machine has, the model state comes from a plan on a
+  ``jax.sharding.AbstractMesh`` and the rest of the peak (batch, temporaries) is measured on the
+  local devices at the same per-device micro batch, and is labelled so.
+* The largest gathered layer: a leaf whose siblings all share its leading dim (stacked layers
+  under a ``scan``) and that is sharded on another dim is gathered one layer slice at a time;
+  any other sharded leaf is gathered whole.
+* Offload variants are measured only when asked, or when a device memory is given and no stage
+  fits without offload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jzero.memory._format import _check_margin, _positive, _recommend, parse_size
+from jzero.memory._report import PlanReport, StageMemory
+
+__all__ = ["memory_report", "plan_report"]
+
+logger = logging.getLogger(__name__)
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _state_bytes(plan: Any, method: str, accumulation_steps: int) -> dict[str, int]:
+    per_category = getattr(plan, method)(accumulation_steps=accumulation_steps)
+    return {k: int(v) for k, v in per_category.items()}
+
+
+def _host_kind(shardings: Any) -> str | None:
+    import jax
+
+    kinds = {getattr(s, "memory_kind", None) for s in jax.tree.leaves(shardings)}
+    return next((k for k in _HOST_KINDS if k in kinds), None)
+
+
+def _offload_name(plan: Any) -> str:
+    opt, params = _host_kind(plan.opt_state), _host_kind(plan.params)
+    return {(False, False): "none", (True, False): "optimizer", (False, True): "params"}.get(
+        (opt is not None, params is not None), "optimizer+params"
+    )
+
+
+def _largest_gathered(plan: Any) -> tuple[int, str]:
+    """The largest leaf slice stage 3 gathers at once, in bytes of the compute dtype."""
+    import jax
+
+    if not plan.stage.shard_params:
+        return 0, ""
+    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(plan.compute_params)]
+    groups: dict[str, list[Any]] = {}
+    for leaf in plan.leaves:
+        groups.setdefault(leaf.path.rpartition(".")[0], []).append(leaf)
+
+    def stacked(leaf: Any) -> bool:
+        group = groups[leaf.path.rpartition(".")[0]]
+        leads = {g.shape[0] if len(g.shape) >= 2 else None for g in group}
+        return len(group) >= 2 and len(leads) == 1 and None not in leads and leaf.shape[0] > 1
+
+    best, path = 0, ""
+    for leaf, dtype in zip(plan.leaves, dtypes, strict=True):
+        if leaf.param_dim is None:
+            continue
+        elems = math.prod(leaf.shape)
+        if leaf.param_dim != 0 and stacked(leaf):
+            elems //= leaf.shape[0]
+        if elems * dtype.itemsize > best:
+            best, path = elems * dtype.itemsize, leaf.path
+    return best, path
+
+
+def _plan_on(engine: Any, devices: int) -> Any:
+    """The engine's plan recomputed for ``devices`` on an abstract mesh (no devices needed)."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jzero import plan as plan_lib
+
+    local = engine.plan
+    sizes = {**dict(local.mesh.shape), local.axis: devices}
+    mesh = AbstractMesh(
+        tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
+    )
+    zero = engine.config.zero_optimization
+    specs = None
+    if any(tuple(b) for b in local.base_specs):
+        specs = jax.tree.structure(local.abstract_params).unflatten(list(local.base_specs))
+    return plan_lib.make_plan(
+        local.abstract_params,
+        engine.optimizer,
+        mesh,
+        local.stage,
+        axis=local.axis,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        param_specs=specs,
+        precision=local.precision,
+        offload_optimizer=_host_kind(local.opt_state),
+        offload_params=_host_kind(local.params),
+    )
+
+
+def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemory:
+    local = engine.plan
+    plan = local if plan is None else plan
+    accum = engine.accumulation_steps
+    device = _state_bytes(plan, "model_state_bytes", accum)
+    host = {k: v for k, v in _state_bytes(plan, "host_state_bytes", accum).items() if v}
+    layer, leaf = _largest_gathered(plan)
+    row = StageMemory(plan.stage.stage, _offload_name(plan), device, host, layer, leaf)
+    if batch is None:
+        return row
+    mem = engine.lower(batch).compile().memory_analysis()
+    local_device = _state_bytes(local, "model_state_bytes", accum)
+    resident = sum(v for k, v in local_device.items() if k != "grads")
+    if not mem.host_argument_size_in_bytes:  # host arrays are then counted among the arguments
+        resident += sum(v for k, v in _state_bytes(local, "host_state_bytes", accum).items())
+    other = mem.argument_size_in_bytes - resident
+    if other < 0:
+        logger.warning(
+            "memory_analysis reports %d argument bytes, less than the plan's %d",
+            mem.argument_size_in_bytes,
+            resident,
+        )
+    return dataclasses.replace(
+        row,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        other_argument_bytes=max(int(other), 0),
+    )
+
+
+def memory_report(
+    engine: Any,
+    batch: Any = None,
+    device_memory: int | str | None = None,
+    margin: float = 0.1,
+    devices: int | None = None,
+) -> PlanReport:
+    """The memory report of one engine: its plan's bytes, and with a batch the compiled step's.
+
+    Args:
+      engine: a :class:`jzero.Engine`.
+      batch: a global batch (arrays or ``jax.ShapeDtypeStruct``); with it the step is compiled
+        and ``memory_analysis()`` gives the peak.
+      device_memory: the memory of one device, to say whether the engine's stage fits.
+      margin: fraction of device memory kept free.
+      devices: report the model state for this many data-parallel devices (planned on an
+        abstract mesh); the compiled part stays the engine's own.
+
+    Returns:
+      A :class:`PlanReport` with one row.
+    """
+    local = engine.plan.num_shards
+    n = local if devices is None else _positive(devices, "devices", str(local), integer=True)
+    row = _stage_memory(engine, batch, None if n == local else _plan_on(engine, n))
+    title = f"jzero memory report: ZeRO stage {row.stage}, {n} devices"
+    memory = None if device_memory is None else parse_size(device_memory)
+    measured = local if batch is not None else None
+    return PlanReport(title, (row,), n, measured, memory, _check_margin(margin))
+
+
+def _with_zero(cfg: Any, stage: int, offload: str, sizes: tuple[int, int, int] | None) -> Any:
+    zero = cfg.zero_optimization
+    opt = "cpu" if offload in ("optimizer", "optimizer+params") else "none"
+    par = "cpu" if offload == "optimizer+params" else "none"
+    zero = dataclasses.replace(
+        zero,
+        stage=stage,
+        offload_optimizer=dataclasses.replace(zero.offload_optimizer, device=opt),
+        offload_param=dataclasses.replace(zero.offload_param, device=par),
+    )
+    cfg = dataclasses.replace(cfg, zero_optimization=zero)
+    if sizes is not None:
+        tbs, micro, accum = sizes
+        cfg = dataclasses.replace(
+            cfg,
+            train_batch_size=tbs,
+            train_micro_batch_size_per_gpu=micro,
+            gradient_accumulation_steps=accum,
+        )
+    return cfg
+
+
+def plan_report(
+    config: Any,
+    devices: int | None = None,
+    device_memory: int | str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    margin: float = 0.1,
+    offload: bool | None = None,
+    stages: Sequence[int] = (0, 1, 2, 3),
+) -> PlanReport:
+    """Every ZeRO stage of a config's built-in GPT side by side, measured from the compiled step.
+
+    The model is built as ``jzero train`` builds it, once per stage, and its step is compiled
+    (``engine.lower(batch).compile().memory_analysis()``).
+
+    Args:
+      config: a config (path, mapping or :class:`jzero.Config`) with a ``model`` section.
+      devices: data-parallel devices to plan for; by default the config's mesh. More devices
+        than this machine has: the model state is planned on an abstract mesh and the compiled
+        step is measured on the local devices at the same per-device micro batch.
+      device_memory: the memory of one device (bytes or ``"80GB"``), for the recommendation.
+      overrides: ``"key=value"`` config overrides, as ``--set`` passes them.
+      margin: fraction of device memory kept free.
+      offload: also measure stages with offload to host memory: ``True`` always, ``False``
+        never, ``None`` only when ``device_memory`` is given and no stage fits without.
+      stages: the stages to measure (each costs one compilation).
+
+    Returns:
+      A :class:`PlanReport`; ``print(result.table())``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jzero import config as config_lib
+    from jzero.engine import initialize
+    from jzero.mesh import make_mesh
+    from jzero.models import gpt
+    from jzero.stages import stage_spec
+
+    if not stages:
+        raise ValueError("stages is empty; pass the ZeRO stages to measure, e.g. (0, 1, 2, 3).")
+    stages = tuple(stage_spec(s).stage for s in stages)  # a clear error for a bad stage
+    cfg = config_lib.load_config(config, overrides=overrides)
+    model_cfg = gpt.config_for(cfg)
+    memory = None if device_memory is None else parse_size(device_memory)
+    margin = _check_margin(margin)
+    local_n = jax.device_count()
+    mesh, sizes, n = None, None, None
+    if devices is not None:
+        n = _positive(devices, "devices", str(local_n), integer=True)
+        sizes = config_lib.resolve_batch_sizes(cfg, n)  # a clear error if n does not fit the batch
+        mesh = make_mesh(min(n, local_n))
+        if n > local_n:
+            _, micro, accum = sizes
+            sizes = (micro * accum * local_n, micro, accum)
+
+    def measure(stage: int, offload_name: str) -> StageMemory:
+        engine = initialize(
+            model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
+            loss_fn=gpt.nnx_loss_fn,
+            config=_with_zero(cfg, stage, offload_name, sizes),
+            mesh=mesh,
+        )
+        batch = {
+            "tokens": jax.ShapeDtypeStruct(
+                (engine.train_batch_size, model_cfg.seq_len + 1), jnp.int32
+            )
+        }
+        seen.setdefault("devices", engine.plan.num_shards)
+        seen.setdefault("micro", (engine.micro_batch_size, engine.accumulation_steps))
+        seen.setdefault("psi", sum(math.prod(leaf.shape) for leaf in engine.plan.leaves))
+        target = n if n is not None else engine.plan.num_shards
+        plan = None if target == engine.plan.num_shards else _plan_on(engine, target)
+        return _stage_memory(engine, batch, plan)
+
+    seen: dict[str, Any] = {}
+    rows = [measure(stage, "none") for stage in stages]
+    n = seen["devices"] if n is None else n
+    fits = _recommend([(r.stage, r.offload, r.peak) for r in rows], memory, margin)
+    if offload or (offload is None and fits is not None and not fits.fits):
+        variants = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")]
+        rows += [measure(stage, name) for stage, name in variants if stage in stages]
+    micro, accum = seen["micro"]
+    title = (
+        f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
+        f"{seen['psi']:,} parameters, {n} devices, micro batch {micro} x {accum} accumulation"
+    )
+    return PlanReport(title, tuple(rows), n, seen["devices"], memory, margin)

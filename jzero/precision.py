@@ -1,0 +1,221 @@
+"""Mixed precision: compute dtype, master weights, communication and accumulation dtypes, and
+DeepSpeed's loss scaling.
+
+Decisions:
+
+* Under ``bf16`` or ``fp16`` the parameters a step computes with are a 16-bit copy; the float32
+  *master* weights live in the optimizer's shards, laid out exactly like the Adam moments (the
+  plan's update layout). Per device that is the ZeRO paper's K = 12: 4 bytes of master weight
+  plus 8 of moments, sharded from stage 1 on, next to 2 bytes of 16-bit parameters (sharded at
+  stage 3) and 2 bytes of 16-bit gradients (sharded from stage 2). The 16-bit copy is always
+  the rounding of the masters, so a skipped step leaves both bit-identical.
+* ``communication_data_type`` is the dtype of every gradient reduction (all-reduce at stage 0,
+  reduce-scatter from stage 1; at stage 3 the transpose of the parameter gather). Under mixed
+  precision it is also the dtype of the stage 1-2 parameter all-gather (fp32 gathers the masters
+  and rounds after, 16-bit rounds first); stage 3 gathers the 16-bit parameters it holds.
+  Without mixed precision parameters are gathered in their own dtype: gathering a rounded copy
+  would change the model the optimizer holds. Default: follow the compute precision, as
+  DeepSpeed does.
+* ``data_types.grad_accum_dtype`` is the dtype of the buffer micro-batch gradients are summed
+  in (only when ``gradient_accumulation_steps > 1``). Default float32 under mixed precision, so
+  16-bit gradients are never summed in 16 bits; DeepSpeed's default is the gradient dtype.
+* Loss scaling follows DeepSpeed's ``DynamicLossScaler``: on an overflow the step is skipped
+  (parameters, optimizer state and the schedule's step count unchanged) and, once
+  ``hysteresis`` overflows have been absorbed, the scale halves (never below
+  ``min_loss_scale``); after ``loss_scale_window`` clean steps it doubles and the hysteresis is
+  refilled (``consecutive_hysteresis`` refills it after every clean step). A static
+  ``loss_scale > 0`` scales without ever changing.
+* ``bf16.skip_nonfinite`` skips steps with inf/NaN gradients the same way, at a fixed scale of 1.
+  Non-finite steps are counted in the metrics either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["LossScaleState", "Precision", "cast_floating", "from_config", "next_loss_scale"]
+
+PyTree = Any
+
+_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one training run uses dtypes.
+
+    Attributes:
+      compute_dtype: the dtype parameters are used in for the forward and backward pass; ``None``
+        uses each parameter's own dtype with no master copy (full precision).
+      comm_dtype: the dtype gradients are reduced in; ``None`` is the gradient's own dtype.
+      accum_dtype: the dtype of the micro-batch gradient accumulator; ``None`` is float32 under
+        mixed precision and the parameter dtype otherwise.
+      loss_scale: a static loss scale (> 0), or 0 for DeepSpeed's dynamic loss scaling.
+      scaled: whether the loss is scaled at all (fp16).
+      initial_scale_power / loss_scale_window / hysteresis / consecutive_hysteresis /
+        min_loss_scale: DeepSpeed's dynamic loss-scaling parameters.
+      skip_nonfinite: skip updates whose gradients are not finite.
+    """
+
+    compute_dtype: Any = None
+    comm_dtype: Any = None
+    accum_dtype: Any = None
+    scaled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    skip_nonfinite: bool = False
+
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters are computed in a 16-bit copy of float32 master weights."""
+        return self.compute_dtype is not None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether the loss scale changes with overflows."""
+        return self.scaled and self.loss_scale == 0
+
+    @property
+    def skips(self) -> bool:
+        """Whether a step with non-finite gradients is skipped."""
+        return self.scaled or self.skip_nonfinite
+
+    @property
+    def initial_scale(self) -> float:
+        """The loss scale of the first step."""
+        if not self.scaled:
+            return 1.0
+        return float(self.loss_scale) if self.loss_scale > 0 else 2.0**self.initial_scale_power
+
+    def accumulator(self, param_dtype: Any) -> Any:
+        """The accumulator dtype for a parameter of ``param_dtype``."""
+        if self.accum_dtype is not None:
+            return self.accum_dtype
+        return jnp.float32 if self.mixed else param_dtype
+
+    def communication(self, grad_dtype: Any) -> Any:
+        """The dtype a gradient of ``grad_dtype`` is reduced in."""
+        return grad_dtype if self.comm_dtype is None else self.comm_dtype
+
+    def compute(self, param_dtype: Any) -> Any:
+        """The dtype a floating parameter of ``param_dtype`` is used in."""
+        return param_dtype if self.compute_dtype is None else self.compute_dtype
+
+
+def from_config(cfg: Any) -> Precision:
+    """The :class:`Precision` of a :class:`jzero.config.Config`.
+
+    Raises:
+      ValueError: when both ``bf16`` and ``fp16`` are enabled.
+    """
+    bf16, fp16 = cfg.bf16.enabled, cfg.fp16.enabled
+    if bf16 and fp16:
+        raise ValueError(
+            "bf16.enabled and fp16.enabled are both true; a run computes in one precision. "
+            "Set one of them to false."
+        )
+    compute = jnp.bfloat16 if bf16 else jnp.float16 if fp16 else None
+    comm = cfg.communication_data_type
+    accum = cfg.data_types.grad_accum_dtype
+    return Precision(
+        compute_dtype=compute,
+        comm_dtype=_DTYPES[comm] if comm else compute,
+        accum_dtype=_DTYPES[accum] if accum else None,
+        scaled=fp16,
+        loss_scale=float(cfg.fp16.loss_scale),
+        initial_scale_power=int(cfg.fp16.initial_scale_power),
+        loss_scale_window=int(cfg.fp16.loss_scale_window),
+        hysteresis=int(cfg.fp16.hysteresis),
+        consecutive_hysteresis=bool(cfg.fp16.consecutive_hysteresis),
+        min_loss_scale=float(cfg.fp16.min_loss_scale),
+        skip_nonfinite=bool(bf16 and cfg.bf16.skip_nonfinite),
+    )
+
+
+def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
+    """Casts the floating leaves of ``tree`` (arrays or ``ShapeDtypeStruct``) to ``dtype``."""
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+class LossScaleState(NamedTuple):
+    """The loss scaler's state, carried in the train state and saved with checkpoints.
+
+    Attributes:
+      scale: the current loss scale (1 without fp16).
+      good_steps: clean steps since the last overflow or the last doubling.
+      hysteresis: overflows still absorbed before the scale halves.
+      skipped: steps skipped so far.
+      nonfinite: steps whose gradients were not finite so far.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    hysteresis: jax.Array
+    skipped: jax.Array
+    nonfinite: jax.Array
+
+    @classmethod
+    def initial(cls, precision: Precision) -> LossScaleState:
+        """The state before the first step."""
+        return cls(
+            scale=np.float32(precision.initial_scale),
+            good_steps=np.int32(0),
+            hysteresis=np.int32(precision.hysteresis),
+            skipped=np.int32(0),
+            nonfinite=np.int32(0),
+        )
+
+
+def next_loss_scale(precision: Precision, state: LossScaleState, finite: jax.Array):
+    """The loss-scale state after a step whose gradients were ``finite`` (or not).
+
+    Args:
+      precision: the run's precision.
+      state: the state the step ran with.
+      finite: a boolean scalar, true when every gradient was finite.
+
+    Returns:
+      The next :class:`LossScaleState`.
+    """
+    bad = jnp.logical_not(finite)
+    skipped = state.skipped + (bad & precision.skips).astype(jnp.int32)
+    nonfinite = state.nonfinite + bad.astype(jnp.int32)
+    if not precision.dynamic:
+        return state._replace(skipped=skipped, nonfinite=nonfinite)
+    # An overflow: absorb it in the hysteresis, or halve once the hysteresis is down to one.
+    halve = state.hysteresis <= 1
+    scale_bad = jnp.where(
+        halve, jnp.maximum(state.scale / 2, precision.min_loss_scale), state.scale
+    )
+    hyst_bad = jnp.where(halve, state.hysteresis, state.hysteresis - 1)
+    # A clean step: double after a full window of them.
+    good = state.good_steps + 1
+    double = good >= precision.loss_scale_window
+    scale_good = jnp.where(double, state.scale * 2, state.scale)
+    refill = double | precision.consecutive_hysteresis
+    hyst_good = jnp.where(refill, precision.hysteresis, state.hysteresis)
+    good = jnp.where(double, 0, good)
+    return LossScaleState(
+        scale=jnp.where(finite, scale_good, scale_bad).astype(jnp.float32),
+        good_steps=jnp.where(finite, good, 0).astype(jnp.int32),
+        hysteresis=jnp.where(finite, hyst_good, hyst_bad).astype(jnp.int32),
+        skipped=skipped,
+        nonfinite=nonfinite,
+    )

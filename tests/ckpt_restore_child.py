@@ -1,0 +1,56 @@
+"""Child process of tests/test_checkpoint.py: restores a checkpoint at another ZeRO stage on
+another device count and trains on.
+
+Usage: ckpt_restore_child.py DIR STAGE NUM_STEPS OUT.npz, with XLA_FLAGS giving the device
+count. Restores the latest step of DIR into the plan of STAGE on every device, trains up to
+NUM_STEPS on the toy batches and writes the losses, the restored step, the meta and the final
+params (gathered) to OUT.npz.
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+import optax
+import toy
+
+import jzero
+from jzero.checkpoint import Checkpointer, abstract_target
+from jzero.step import init_train_state, state_shardings
+
+GLOBAL_BATCH = 32
+CLIP = 0.5
+
+
+def main(directory: str, stage: int, num_steps: int, out: str) -> None:
+    params = toy.make_params()
+    tx = optax.adamw(1e-2, weight_decay=1e-2)
+    plan = jzero.make_plan(params, tx, jzero.make_mesh(-1), stage, persistence_threshold=0)
+    abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
+    target = abstract_target(abstract, state_shardings(plan))
+    with Checkpointer(directory) as ckpt:
+        state, meta = ckpt.restore(target)
+    start = int(state.step)
+    step_fn = jzero.make_train_step(plan, toy.loss_fn, tx, gradient_clipping=CLIP)
+    batches = toy.make_batches(num_steps, GLOBAL_BATCH)
+    losses = []
+    for batch in batches[start:]:
+        state, metrics = step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+    flat = {
+        jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+    np.savez(
+        out,
+        losses=np.asarray(losses, np.float32),
+        start=start,
+        devices=jax.device_count(),
+        meta=json.dumps(meta),
+        **{"param:" + k: v for k, v in flat.items()},
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

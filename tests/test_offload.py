@@ -1,0 +1,304 @@
+"""Host offload: DeepSpeed's offload_optimizer / offload_param as JAX memory kinds. State rests
+in host memory between steps, training is bit-identical to the run without offload, and every
+refusal says why and what to do."""
+
+import functools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import optax
+import pytest
+import toy
+
+import jzero
+from jzero import offload
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 32
+STEPS = 3
+BATCHES = toy.make_batches(STEPS, BATCH)
+HOST = {"device": "cpu"}  # DeepSpeed's default pin_memory: true
+
+
+def config(stage, bf16=False, **zero):
+    return {
+        "train_batch_size": BATCH,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+
+
+@functools.cache
+def run(stage, bf16=False, opt=None, param=None):
+    """An engine after STEPS steps and its losses; ``opt`` / ``param`` are offload sections as
+    sorted item tuples (hashable), ``None`` for none."""
+    zero = {}
+    if opt is not None:
+        zero["offload_optimizer"] = dict(opt)
+    if param is not None:
+        zero["offload_param"] = dict(param)
+    e = jzero.initialize(
+        toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(stage, bf16, **zero)
+    )
+    losses = [float(e.train_step(b)["loss"]) for b in BATCHES]
+    return e, losses
+
+
+def section(**kw):
+    return tuple(sorted({**HOST, **kw}.items()))
+
+
+def kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def assert_same_state(a, b):
+    """Every leaf of the two train states has the same bits (params, masters, moments, step)."""
+    la, lb = jax.tree.leaves(a.state), jax.tree.leaves(b.state)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def step_compiles(e):
+    return sum(f._cache_size() for f in e._steps.values())
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_offload_rests_in_pinned_host_and_trains_bit_identically(stage, bf16):
+    e, losses = run(stage, bf16, opt=section())
+    ref, ref_losses = run(stage, bf16)
+    assert kinds(e.state.opt_state) == {"pinned_host"}
+    assert kinds(e.state.params) == {"device"}
+    assert kinds(ref.state.opt_state) == {"device"}
+    if bf16:
+        assert kinds(e.state.master) == {"pinned_host"}
+        assert kinds(ref.state.master) == {"device"}
+    else:
+        assert e.state.master == ()
+    assert losses == ref_losses and losses[0] != losses[-1]  # exact, and it trained
+    assert_same_state(e, ref)
+    assert step_compiles(e) == 1  # the state came back in the kinds the step takes
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_param_offload_at_stage_3_rests_params_in_pinned_host(bf16):
+    e, losses = run(3, bf16, param=section())
+    ref, ref_losses = run(3, bf16)
+    assert kinds(e.state.params) == {"pinned_host"}
+    assert kinds(e.state.opt_state) == {"device"}
+    if bf16:
+        assert kinds(e.state.master) == {"device"}
+    assert losses == ref_losses
+    assert_same_state(e, ref)
+    rows = e.describe().splitlines()[3 : 3 + len(e.plan.leaves)]  # one per leaf
+    assert all(" host" in row for row in rows)  # the params column marks the host layout
+    assert " host" not in ref.describe()
+
+
+def test_unpinned_host_for_both_offloads_at_stage_3():
+    unpinned = section(pin_memory=False)
+    e, losses = run(3, opt=unpinned, param=unpinned)
+    ref, ref_losses = run(3)
+    assert kinds(e.state.params) == kinds(e.state.opt_state) == {"unpinned_host"}
+    assert losses == ref_losses
+    assert_same_state(e, ref)
+
+
+def test_plan_bytes_and_report_under_offload():
+    e, _ = run(2, True, opt=section())
+    ref, _ = run(2, True)
+
+    def shard_bytes(tree):  # what one device really holds, from the live arrays
+        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+    opt_bytes, master_bytes = shard_bytes(e.state.opt_state), shard_bytes(e.state.master)
+    host = e.plan.host_state_bytes()
+    assert host == {"params": 0, "grads": 0, "master_params": master_bytes, "opt_state": opt_bytes}
+    device = e.plan.model_state_bytes()
+    assert device["opt_state"] == 0 and device["master_params"] == 0
+    assert device["params"] == shard_bytes(e.state.params) > 0
+    # Offload moves bytes from device to host memory; the total is the same plan.
+    ref_device = ref.plan.model_state_bytes()
+    assert ref_device["opt_state"] == opt_bytes and ref_device["master_params"] == master_bytes
+    assert not any(ref.plan.host_state_bytes().values())
+    report = e.describe()
+    assert (
+        f"per-device model state in host memory: params 0 B, grads 0 B, master_params "
+        f"{master_bytes:,} B, opt_state {opt_bytes:,} B, total {master_bytes + opt_bytes:,} B"
+    ) in report
+    assert "per-device model state in device memory: " in report
+    assert "host memory" not in ref.describe()
+
+
+def test_deepspeed_example_config_trains_with_optimizer_offload():
+    path = ROOT / "tests" / "fixtures" / "ds_config_example.json"
+    with pytest.warns(jzero.config.JzeroConfigWarning) as record:
+        e = jzero.initialize(toy.make_params(), toy.loss_fn, config=str(path))
+    ours = [w for w in record if issubclass(w.category, jzero.config.JzeroConfigWarning)]
+    assert len(ours) == 1 and "zero_optimization.overlap_comm" in str(ours[0].message)
+    assert e.plan.precision.comm_dtype == np.dtype("bfloat16")
+    batches = toy.make_batches(2, 256)
+    losses = [float(e.train_step(b)["loss"]) for b in batches]
+    assert all(math.isfinite(x) for x in losses) and e.global_step == 2
+    assert kinds(e.state.opt_state) == {"pinned_host"}
+    assert kinds(e.state.params) == {"device"}
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+
+def config_error(cfg):
+    with pytest.raises(ValueError) as info:
+        jzero.load_config(cfg)
+    return str(info.value)
+
+
+def test_nvme_is_refused_by_the_schema():
+    msg = config_error(config(2, offload_optimizer={"device": "nvme"}))
+    assert msg == (
+        "zero_optimization.offload_optimizer.device: 'nvme' is not supported: NVMe offload "
+        "(ZeRO-Infinity) has no XLA equivalent; jzero supports 'none' or 'cpu', so set one of "
+        "those."
+    )
+
+
+def test_offload_below_its_stage_is_refused():
+    assert config_error(config(0, offload_optimizer=HOST)) == (
+        "zero_optimization.offload_optimizer.device: 'cpu' needs stage 1, 2 or 3, but "
+        "zero_optimization.stage is 0; set stage to 1, 2 or 3, or device: none."
+    )
+    assert config_error(config(2, offload_param=HOST)) == (
+        "zero_optimization.offload_param.device: 'cpu' needs stage 3, but "
+        "zero_optimization.stage is 2; set stage: 3 or device: none."
+    )
+    # The same rules hold for users who build the plan themselves.
+    params, mesh, tx = toy.make_params(), jzero.make_mesh({"data": 8}), optax.adam(1e-3)
+    with pytest.raises(ValueError) as info:
+        jzero.make_plan(params, tx, mesh, 0, offload_optimizer="pinned_host")
+    assert str(info.value) == (
+        "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3, but the stage is 0. "
+        "Set zero_optimization.stage to 1 or higher, or offload_optimizer.device to none."
+    )
+    with pytest.raises(ValueError) as info:
+        jzero.make_plan(params, tx, mesh, 2, offload_params="pinned_host")
+    assert str(info.value) == (
+        "zero_optimization.offload_param needs ZeRO stage 3, but the stage is 2. "
+        "Set zero_optimization.stage to 3, or offload_param.device to none."
+    )
+
+
+def test_partial_offload_ratio_is_refused():
+    for stage in (2, 3):
+        assert config_error(config(stage, offload_optimizer={**HOST, "ratio": 0.5})) == (
+            "zero_optimization.offload_optimizer.ratio: 0.5 (partial offload) is not supported: "
+            "jzero offloads all of the optimizer state or none of it. Set ratio: 1.0."
+        )
+    zero = jzero.load_config(config(3, offload_param={**HOST, "ratio": 0.5})).zero_optimization
+    with pytest.raises(ValueError) as info:
+        offload.memory_kinds_from_config(zero)
+    assert str(info.value) == (
+        "zero_optimization.offload_param.ratio is 0.5, but jzero offloads all of the state "
+        "or none of it. Set ratio to 1.0 (the default)."
+    )
+
+
+class FakeMemory(NamedTuple):
+    kind: str
+
+
+class FakeDevice:
+    """A device that addresses only the given memory kinds."""
+
+    platform = "fakeaccel"
+
+    def __init__(self, *kinds):
+        self.kinds = kinds
+
+    def addressable_memories(self):
+        return [FakeMemory(k) for k in self.kinds]
+
+
+def test_unsupported_memory_kind_lists_what_the_devices_have():
+    with pytest.raises(ValueError) as info:
+        offload.check_memory_kind("some_kind", "zero_optimization.offload_optimizer", jax.devices())
+    assert str(info.value) == (
+        "zero_optimization.offload_optimizer asks for host memory of kind 'some_kind', but the "
+        "cpu devices address only ['device', 'pinned_host', 'unpinned_host']. In the config, set "
+        "device: none to keep the state in device memory."
+    )
+    zero = jzero.load_config(config(2, offload_optimizer=HOST)).zero_optimization
+    with pytest.raises(ValueError) as info:
+        offload.memory_kinds_from_config(zero, [FakeDevice("device")] * 2)
+    assert str(info.value) == (
+        "zero_optimization.offload_optimizer (pin_memory: True) asks for host memory of kind "
+        "'pinned_host', but the fakeaccel devices address only ['device']. In the config, set "
+        "device: none to keep the state in device memory."
+    )
+    # Only the kinds that every device has count.
+    mixed = [FakeDevice("device", "pinned_host"), FakeDevice("device", "unpinned_host")]
+    assert offload.available_memory_kinds(mixed) == ["device"]
+    unpinned = jzero.load_config(
+        config(2, offload_optimizer={**HOST, "pin_memory": False})
+    ).zero_optimization
+    with pytest.raises(ValueError, match="set pin_memory: true to use pinned_host"):
+        offload.memory_kinds_from_config(unpinned, [FakeDevice("device", "pinned_host")])
+
+
+def test_memory_kinds_from_config_reads_a_device_iterator_once_per_key():
+    # A mesh's devices.flat is an iterator: both offload sections must see every device.
+    zero = jzero.load_config(
+        config(3, offload_optimizer=HOST, offload_param={**HOST, "pin_memory": False})
+    ).zero_optimization
+    mesh = jzero.make_mesh({"data": 8})
+    assert offload.memory_kinds_from_config(zero, mesh.devices.flat) == (
+        "pinned_host",
+        "unpinned_host",
+    )
+    assert offload.memory_kinds_from_config(jzero.load_config(config(3)).zero_optimization) == (
+        None,
+        None,
+    )
+
+
+# -- the GPU check script ----------------------------------------------------------------------
+
+
+def test_gpu_check_smoke_runs_on_cpu_and_prints_its_table(tmp_path):
+    # Its own process group, so that a timeout ends the script and its per-variant children.
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, OUT=str(tmp_path)),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["variant", "opt"])
+    none_row, opt_row = lines[header + 2].split(), lines[header + 3].split()
+    assert none_row[:2] == ["none", "device"] and opt_row[:2] == ["optimizer", "pinned_host"]
+    assert "memory_analysis() reports no host bytes on this backend" in out
+    assert "largest difference 0\n" in out  # CPU: offload changes no bit
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["variants"]["optimizer"]["plan_host_bytes"] > 0
+    assert summary["variants"]["none"]["plan_host_bytes"] == 0
