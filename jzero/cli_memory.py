@@ -54,11 +54,7 @@ def _estimate(args: argparse.Namespace) -> int:
         largest_layer_params=args.largest_layer_params or 0,
         margin=args.margin,
     )
-    print(result.table())
-    if args.plot:
-        result.plot(args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    return _show(result, args.plot)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -74,10 +70,14 @@ def _plan(args: argparse.Namespace) -> int:
         overrides=args.set or (),
         margin=args.margin,
     )
+    return _show(result, args.plot)
+
+
+def _show(result: Any, plot: str | None) -> int:
     print(result.table())
-    if args.plot:
-        result.plot(args.plot)
-        print(f"wrote {args.plot}")
+    if plot:
+        result.plot(plot)
+        print(f"wrote {plot}")
     return 0
 
 

@@ -36,6 +36,7 @@ from jzero.memory._format import (
     _positive,
     _recommend,
     _render,
+    find_row,
     parse_size,
 )
 from jzero.memory._plot import plot_bars
@@ -104,11 +105,7 @@ class Estimate:
 
     def row(self, stage: int, offload: str = "none") -> EstimateRow:
         """The row of one option."""
-        for r in self.rows:
-            if (r.stage, r.offload) == (stage, offload):
-                return r
-        have = ", ".join(f"({r.stage}, {r.offload!r})" for r in self.rows)
-        raise KeyError(f"No row for stage {stage} with offload {offload!r}; the rows are {have}.")
+        return find_row(self.rows, stage, offload)
 
     def table(self) -> str:
         """The estimate as text: one row per option, the conventions, the recommendation."""

@@ -172,3 +172,12 @@ def _recommend(
             return Recommendation(True, stage, offload, needed, usable, device_memory, margin, unit)
     stage, offload, needed = min(ordered, key=lambda o: o[2])
     return Recommendation(False, stage, offload, needed, usable, device_memory, margin, unit)
+
+
+def find_row(rows: Sequence[Any], stage: int, offload: str) -> Any:
+    """The row of ``rows`` for one stage and offload option, or a ``KeyError`` listing them."""
+    for r in rows:
+        if (r.stage, r.offload) == (stage, offload):
+            return r
+    have = ", ".join(f"({r.stage}, {r.offload!r})" for r in rows)
+    raise KeyError(f"No row for stage {stage} with offload {offload!r}; the rows are {have}.")

@@ -25,6 +25,7 @@ from jzero.memory._format import (
     _recommend,
     _render,
     _unit_for,
+    find_row,
     parse_size,
 )
 from jzero.memory._plot import plot_bars
@@ -107,11 +108,7 @@ class PlanReport:
 
     def row(self, stage: int, offload: str = "none") -> StageMemory:
         """The row of one stage."""
-        for r in self.rows:
-            if (r.stage, r.offload) == (stage, offload):
-                return r
-        have = ", ".join(f"({r.stage}, {r.offload!r})" for r in self.rows)
-        raise KeyError(f"No row for stage {stage} with offload {offload!r}; the rows are {have}.")
+        return find_row(self.rows, stage, offload)
 
     def table(self) -> str:
         """The report as text: categories, gathered layer, measured memory, peak, advice."""
