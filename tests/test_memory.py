@@ -314,3 +314,17 @@ def test_memory_report_of_an_engine():
     assert row64.device["params"] == sharded // 64 + whole
     assert row64.device["grads"] == sharded // 64 + whole
     assert "the plan on 64 devices" in wide.table()
+
+
+def test_plan_for_more_devices_than_the_machine_has(report):
+    # 16 devices on an 8-device machine: the model state is planned on an abstract mesh, the
+    # compiled part is measured locally (and said to be).
+    wide = memory.plan_report(CONFIG, devices=16, stages=(3,))
+    assert wide.devices == 16 and wide.measured_devices == 8
+    full = 4 * PSI  # every leaf of the tiny GPT splits 16 ways too
+    row = wide.row(3)
+    assert row.device["params"] == row.device["grads"] == full // 16
+    scalars = report.row(0).device["opt_state"] - 2 * full
+    assert row.device["opt_state"] == 2 * full // 16 + scalars
+    assert "the plan on 16 devices" in wide.table()
+    assert "measured on the local 8 devices" in wide.table()
