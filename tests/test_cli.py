@@ -8,6 +8,7 @@ import sys
 import time
 
 from jzero import cli
+from jzero.checkpoint import list_steps
 
 TINY = [
     "--set",
@@ -77,11 +78,12 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_ctrl_c_stops_after_the_step_and_writes_the_summary(tmp_path):
-    log_dir = tmp_path / "run"
+def test_ctrl_c_stops_after_the_step_and_writes_the_summary_and_a_checkpoint(tmp_path):
+    log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     metrics = log_dir / "metrics.jsonl"
     args = ["train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
     args += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=1"]
+    args += ["--set", f"checkpoint.directory={ckpt}"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jzero.cli", *args],
@@ -111,3 +113,5 @@ def test_ctrl_c_stops_after_the_step_and_writes_the_summary(tmp_path):
     assert summary["interrupted"] is True
     assert 1 <= summary["steps"] < 100000
     assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
+    # The interrupted run's state was saved, complete, at the step it stopped after.
+    assert list_steps(ckpt) == [summary["steps"]]
