@@ -9,6 +9,7 @@ control calls those directly.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import weakref
@@ -22,7 +23,7 @@ import optax
 from jzero import config as config_lib
 from jzero import distributed, offload, optim, precision
 from jzero.mesh import make_mesh
-from jzero.plan import Plan, make_plan, on_device
+from jzero.plan import Plan, make_plan
 from jzero.step import (
     TrainState,
     init_train_state,
@@ -446,7 +447,7 @@ def initialize(
                 "init_fn(key) creates parameters that differ from the params given: "
                 f"{made} vs {abstract}. Pass params=None to take init_fn's shapes."
             )
-        values = jax.jit(init_fn, out_shardings=on_device(plan.params))(key)
+        values = functools.partial(init_fn, key)  # created inside init_train_state's jit
     elif _is_abstract(params):
         raise ValueError(
             "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "

@@ -97,7 +97,9 @@ def init_train_state(
     Args:
       plan: the sharding plan.
       params: the initial parameters (full precision; under mixed precision they become the
-        float32 master weights and the 16-bit copy is made from them).
+        float32 master weights and the 16-bit copy is made from them), or a function of no
+        arguments that creates them: it then runs inside the same ``jit``, so the parameters
+        are created directly in their shards and never exist whole.
       optimizer: the optax transformation the plan was made for.
       extra: non-trainable model state, if any.
 
@@ -107,7 +109,11 @@ def init_train_state(
     prec = plan.precision
     sh = state_shardings(plan)
 
+    make = params if callable(params) else None
+
     def init(params: PyTree, extra: PyTree) -> TrainState:
+        if make is not None:
+            params = make()
         master = jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, plan.abstract_params)
         opt_state = optimizer.init(master)
         compute = cast_floating(master, prec.compute_dtype) if prec.mixed else master
@@ -120,7 +126,7 @@ def init_train_state(
             loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
         )
 
-    return jax.jit(init, out_shardings=sh)(params, extra)
+    return jax.jit(init, out_shardings=sh)(None if make is not None else params, extra)
 
 
 def find_learning_rate(opt_state: PyTree) -> jax.Array | None:

@@ -30,11 +30,11 @@ import numpy as np
 
 from jzero.memory._format import _check_margin, _positive, _recommend, parse_size
 from jzero.memory._report import PlanReport, StageMemory
+from jzero.plan import HOST_MEMORY_KINDS
 
 __all__ = ["memory_report", "plan_report"]
 
 logger = logging.getLogger(__name__)
-_HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def _state_bytes(plan: Any, method: str, accumulation_steps: int) -> dict[str, int]:
@@ -46,7 +46,7 @@ def _host_kind(shardings: Any) -> str | None:
     import jax
 
     kinds = {getattr(s, "memory_kind", None) for s in jax.tree.leaves(shardings)}
-    return next((k for k in _HOST_KINDS if k in kinds), None)
+    return next((k for k in HOST_MEMORY_KINDS if k in kinds), None)
 
 
 def _offload_name(plan: Any) -> str:
