@@ -128,20 +128,26 @@ def _verified_step_dir(directory: Path, step: int) -> Path:
     return step_dir
 
 
-def _drop_abandoned_reads() -> None:
-    """Collects the shard reads Orbax abandoned when one read of a damaged step failed.
+def _read_or_fail(read: Callable[[], Any], step: int, directory: Path) -> Any:
+    """Runs one Orbax read; a failure becomes one :class:`CheckpointError`.
 
-    Orbax gathers one coroutine per shard; when one raises, the others are left unfinished and
-    each raises again ("Encountered error while reading array index") whenever the garbage
-    collector closes it, far from the restore. The failure is already reported as one
-    :class:`CheckpointError`, so these echoes are collected here, silently, at once.
+    Orbax gathers one coroutine per shard; when one read of a damaged step fails, the others
+    are left unfinished, held by the failure's traceback, and each raises again ("Encountered
+    error while reading array index") whenever the garbage collector later closes it, far
+    from the restore. So the original exception is dropped (its first line is in the message)
+    and those abandoned reads are collected here, silently, before the error is raised.
     """
+    try:
+        return read()
+    except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
+        error = _damaged(step, directory, e)
     hook = sys.unraisablehook
     sys.unraisablehook = lambda _: None
     try:
         gc.collect()
     finally:
         sys.unraisablehook = hook
+    raise error
 
 
 def _tree_metadata(directory: Path, step: int, step_dir: Path) -> PyTree:
@@ -181,13 +187,13 @@ def _leaf_reader(
         args = jax.tree_util.tree_map_with_path(
             pick(lambda: ocp.RestoreArgs(restore_type=np.ndarray)), saved
         )
-        try:
-            out = handler.restore(
+        out = _read_or_fail(
+            lambda: handler.restore(
                 epath.Path(step_dir / STATE), args=ocp.args.PyTreeRestore(item, restore_args=args)
-            )
-        except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
-            _drop_abandoned_reads()
-            raise _damaged(step, directory, e) from e
+            ),
+            step,
+            directory,
+        )
         for k in want:
             out = out[k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key]
         return out
@@ -360,14 +366,16 @@ class Checkpointer:
         step_dir = _verified_step_dir(self.directory, step)
         target = _as_target(target)
         _match(_tree_metadata(self.directory, step, step_dir), target, step, self.directory)
-        try:
-            state = ocp.StandardCheckpointHandler().restore(
-                epath.Path(step_dir / STATE), args=ocp.args.StandardRestore(target)
-            )
-            meta = _read_json(step_dir, META)
-        except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
-            _drop_abandoned_reads()
-            raise _damaged(step, self.directory, e) from e
+        state, meta = _read_or_fail(
+            lambda: (
+                ocp.StandardCheckpointHandler().restore(
+                    epath.Path(step_dir / STATE), args=ocp.args.StandardRestore(target)
+                ),
+                _read_json(step_dir, META),
+            ),
+            step,
+            self.directory,
+        )
         logger.info("jzero: restored checkpoint step %d from %s", step, self.directory)
         return state, meta
 
