@@ -85,6 +85,7 @@ def test_defaults_are_deepspeeds():
     assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power) == (False, 0.0, 16)
     assert (fp16.loss_scale_window, fp16.hysteresis, fp16.min_loss_scale) == (1000, 2, 1.0)
     assert cfg.bf16.enabled is False and cfg.communication_data_type is None
+    assert cfg.bf16.check_grad_overflow is True  # DeepSpeed >= 0.19: skip inf/NaN bf16 steps
     assert cfg.checkpoint.async_ is True and cfg.checkpoint.max_to_keep == 3
     hash(cfg)  # usable as a static argument of jax.jit
 

@@ -92,6 +92,8 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, Mapping):
         return "a mapping"
+    if isinstance(value, tuple):  # a frozen YAML/JSON list
+        return repr(list(value))
     return repr(value)
 
 

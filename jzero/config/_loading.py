@@ -8,13 +8,21 @@ Decisions:
 * Overrides are ``dotted.key=value`` strings whose value is read as a YAML scalar or flow
   mapping (``--set mesh.model=2``, ``--set 'model={d_model: 64}'``); they create the sections
   they go into.
+* **A key written twice is an error**, in YAML and JSON files alike, at any depth (DeepSpeed
+  refuses them too); the message names the dotted path, the file and both lines. YAML merge
+  keys (``<<: *base``) may still be overridden by a key of the mapping itself.
 * DeepSpeed's old top-level name ``bfloat16`` is read as ``bf16``.
+* A leading ``~`` in ``checkpoint.directory``, ``train.log_dir`` and ``data.path`` is expanded
+  when the config is validated (``jzero.config._validate``), so the resolved config holds the
+  absolute path.
 * The no-effect keys found by validation are listed in one ``JzeroConfigWarning``.
 """
 
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.scanner
 import os
 import re
 import warnings
@@ -30,8 +38,59 @@ from jzero.config._validate import build_config
 __all__ = ["load_config"]
 
 
+class _DuplicateKey(Exception):  # noqa: N818 - internal, turned into a ConfigError
+    """A key written twice in one mapping: its dotted path and the lines of both (or None)."""
+
+    def __init__(self, path: str, first: int | None, again: int | None) -> None:
+        super().__init__(path)
+        self.path, self.first, self.again = path, first, again
+
+
+def _duplicate_message(err: _DuplicateKey, where: str) -> str:
+    lines = f" (lines {err.first} and {err.again})" if err.first and err.again else ""
+    return (
+        f"{err.path} is set twice in {where}{lines}; jzero refuses a repeated key (as DeepSpeed "
+        "does) instead of silently keeping the last value. Delete one of them."
+    )
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``3e-4`` and ``1E5`` as floats (YAML 1.2), not as strings."""
+    """SafeLoader that reads ``3e-4`` and ``1E5`` as floats (YAML 1.2), not as strings, and
+    refuses a key repeated in one mapping at any depth (``_DuplicateKey``)."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_keys(node, "", set())
+        return super().construct_document(node)
+
+    def _check_keys(self, node: yaml.Node, path: str, seen: set[int]) -> None:
+        """Walks the node graph top-down (so the dotted path is known) before construction."""
+        if id(node) in seen:  # an alias: already checked where its anchor is
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_keys(item, f"{path}[{i}]", seen)
+            return
+        if not isinstance(node, yaml.MappingNode):
+            return
+        first_line: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                continue  # `<<: *base` may be overridden; complex keys fail in construction
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            sub = f"{path}.{key}" if path else str(key)
+            try:
+                repeated = key in first_line
+            except TypeError:  # an unhashable key: construction reports it
+                continue
+            if repeated:
+                raise _DuplicateKey(sub, first_line[key], line)
+            first_line[key] = line
+            self._check_keys(value_node, sub, seen)
 
 
 _Loader.add_implicit_resolver(
@@ -48,6 +107,71 @@ _Loader.add_implicit_resolver(
 )
 
 
+class _JsonObject:
+    """A JSON object as written: its (key, value) pairs in order and the line of each key."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], lines: list[int]) -> None:
+        self.pairs, self.lines = pairs, lines
+
+
+class _JsonDecoder(json.JSONDecoder):
+    """``json`` with every object kept as a ``_JsonObject``, so a repeated key is seen.
+
+    The pure-Python scanner is used so that each object's parser sees where each of its
+    values starts; the key ends at the ``:`` just before it, which gives the key's line.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parse_object = self._parse_object
+        self.scan_once = json.scanner.py_make_scanner(self)
+
+    @staticmethod
+    def _parse_object(
+        s_and_end: tuple[str, int],
+        strict: bool,
+        scan_once: Any,
+        hook: Any,
+        pairs_hook: Any,
+        memo: Any,
+    ) -> tuple[_JsonObject, int]:
+        text = s_and_end[0]
+        starts: list[int] = []
+
+        def scan_value(string: str, idx: int) -> Any:
+            starts.append(idx)
+            return scan_once(string, idx)
+
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, scan_value, None, list, memo)
+        return _JsonObject(pairs, [_key_line(text, i) for i in starts]), end
+
+
+def _key_line(text: str, value_start: int) -> int:
+    """The line of the key whose value starts at ``value_start`` (only blanks and ``:`` lie
+    between the key's closing quote and its value)."""
+    i = text.rfind(":", 0, value_start) - 1
+    while i > 0 and text[i] in " \t\r\n":
+        i -= 1
+    return text.count("\n", 0, i) + 1
+
+
+def _json_tree(node: Any, path: str) -> Any:
+    """Plain dicts and lists from ``_JsonDecoder``'s output; a repeated key raises."""
+    if isinstance(node, list):
+        return [_json_tree(v, f"{path}[{i}]") for i, v in enumerate(node)]
+    if not isinstance(node, _JsonObject):
+        return node
+    out: dict[str, Any] = {}
+    first_line: dict[str, int] = {}
+    for (key, value), line in zip(node.pairs, node.lines, strict=True):
+        sub = f"{path}.{key}" if path else key
+        if key in out:
+            raise _DuplicateKey(sub, first_line[key], line)
+        first_line[key] = line
+        out[key] = _json_tree(value, sub)
+    return out
+
+
 def _read_file(path: str | os.PathLike) -> Any:
     text_path = os.fspath(path)
     if not os.path.isfile(text_path):
@@ -59,19 +183,25 @@ def _read_file(path: str | os.PathLike) -> Any:
         text = fh.read()
     try:
         if text_path.endswith(".json"):
-            return json.loads(text)
+            return _json_tree(_JsonDecoder().decode(text), "")
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ConfigError(
             f"The config file {text_path!r} is not valid YAML/JSON: {err}. Fix the syntax there."
         ) from None
+    except _DuplicateKey as err:
+        raise ConfigError(_duplicate_message(err, f"the config file {text_path!r}")) from None
 
 
-def _parse_scalar(text: str) -> Any:
+def _parse_scalar(text: str, key: str, override: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         return text
+    except _DuplicateKey as err:
+        err.path = f"{key}.{err.path}"
+        err.first = err.again = None  # one line: the override itself
+        raise ConfigError(_duplicate_message(err, f"the override {override!r}")) from None
 
 
 def _apply_override(raw: dict, override: str) -> None:
@@ -95,7 +225,7 @@ def _apply_override(raw: dict, override: str) -> None:
                 "mapping; override that key itself instead."
             )
         node = child
-    node[parts[-1]] = _parse_scalar(text.strip())
+    node[parts[-1]] = _parse_scalar(text.strip(), key, override)
 
 
 def load_config(

@@ -9,10 +9,14 @@ Decisions:
   with its value or default, so the optax side never guesses a default.
 * PyTorch implementation switches (``fused``, ``foreach`` ...) are accepted and listed in the
   no-effect warning; ``amsgrad`` and a ``last_batch_iteration`` other than -1 are refused.
+* Values are range-checked as ``torch.optim`` does: ``lr``, ``eps``, ``weight_decay``,
+  ``momentum`` (and Adagrad's ``lr_decay``, ``initial_accumulator_value``) >= 0, each beta in
+  [0, 1); every learning rate (and lr ratio) of a schedule >= 0. Numbers must be finite.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jzero.config._common import ConfigError, _is_number, _show, _suggest
@@ -118,6 +122,42 @@ SCHEDULER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
 }
 """Supported LR schedules (DeepSpeed's names): parameter -> (kind, DeepSpeed default)."""
 
+# Parameters that torch.optim (or DeepSpeed's schedules) refuse below 0.
+_OPTIMIZER_NONNEGATIVE = (
+    "lr",
+    "eps",
+    "weight_decay",
+    "momentum",
+    "lr_decay",
+    "initial_accumulator_value",
+)
+_SCHEDULER_NONNEGATIVE = (
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "cycle_min_lr",
+    "cycle_max_lr",
+    "lr_range_test_min_lr",
+    "warmup_min_ratio",
+    "cos_min_ratio",
+)
+
+
+def _check_nonnegative(value: float, path: str, what: str) -> None:
+    if value < 0:
+        raise ConfigError(
+            f"{path} is {_show(value)}; it must be >= 0 ({what}). Set it to 0 or a positive value."
+        )
+
+
+def _check_betas(value: tuple[float, float], path: str) -> None:
+    for i, beta in enumerate(value):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(
+                f"{path} is {_show(value)}; each beta must be in [0, 1) (as in "
+                f"torch.optim), but betas[{i}] is {_show(beta)}. Set it to a value in [0, 1), "
+                "e.g. betas: [0.9, 0.999]."
+            )
+
 
 def _check_param(kind: str, value: Any, path: str) -> Any:
     """Validates one optimizer/scheduler parameter of the given kind; returns it normalised."""
@@ -127,6 +167,14 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
         kind = kind[:-1]
     if kind == "float" and _is_number(value):
         return float(value)
+    numbers = value if kind == "betas" and isinstance(value, list | tuple) else [value]
+    if kind in ("float", "betas") and any(
+        isinstance(v, float) and not math.isfinite(v) for v in numbers
+    ):
+        raise ConfigError(
+            f"{path}: {_show(value)} is not allowed; it must be finite (not inf or NaN). Set a "
+            "finite value."
+        )
     if kind == "int" and _is_number(value) and float(value).is_integer():
         return int(value)
     if kind == "bool" and isinstance(value, bool):
@@ -192,6 +240,10 @@ def resolve_optimizer(
                 f"the allowed parameters are {', '.join(spec)}."
             )
         params[key] = _check_param(spec[key][0], value, sub)
+        if key in _OPTIMIZER_NONNEGATIVE:
+            _check_nonnegative(value, sub, "torch.optim refuses a negative value too")
+        elif key == "betas":
+            _check_betas(params[key], sub)
     if params.get("amsgrad"):
         raise ConfigError(
             f"{path}.params.amsgrad: true is not supported (DeepSpeed's fused optimizers refuse "
@@ -251,6 +303,8 @@ def resolve_scheduler(
                 f"parameters are {', '.join(spec)}."
             )
         params[key] = _check_param(spec[key][0], value, sub)
+        if key in _SCHEDULER_NONNEGATIVE and value is not None:
+            _check_nonnegative(value, sub, "a learning rate or lr ratio cannot be negative")
     for key, (_, default) in spec.items():
         if default is _REQUIRED and key not in params:
             raise ConfigError(f"{path}.params.{key} is required by {name}; set it.")

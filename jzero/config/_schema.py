@@ -95,22 +95,28 @@ class TrainConfig:
     """Evaluate every this many steps; 0 disables evaluation."""
     eval_batches: int = _f(4, min=1)
     """Batches per evaluation."""
-    log_dir: str = "runs/default"
-    """Directory for logs and metrics."""
+    log_dir: str = _f("runs/default", path=True)
+    """Directory for logs and metrics (a leading ``~`` is expanded)."""
+    max_consecutive_nonfinite: int = _f(32, min=0)
+    """jzero's own: stop with an error after this many steps in a row with inf/NaN gradients
+    (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """``checkpoint``: jzero's Orbax checkpointing, plus DeepSpeed's own checkpoint keys."""
 
-    directory: str | None = None
-    """Checkpoint directory; None disables checkpointing."""
+    directory: str | None = _f(None, path=True)
+    """Checkpoint directory (a leading ``~`` is expanded); None disables checkpointing."""
     save_interval_steps: int = _f(0, min=0)
     """Save every this many steps; 0 saves only at the end (when a directory is set)."""
     max_to_keep: int | None = _f(3, min=1)
     """Checkpoints kept on disk; None keeps all."""
     async_: bool = _f(True, key="async")
     """Save in the background while training continues (YAML key ``async``)."""
+    overwrite: bool = False
+    """jzero's own: a run started without resuming may replace the checkpoints an earlier run
+    left in ``directory``; false refuses to start such a run."""
     tag_validation: str = _f("Warn", no_effect=_CKPT)
     """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""
     load_universal: bool = _f(False, no_effect=_CKPT)
@@ -150,6 +156,11 @@ class Config:
     """bfloat16 mixed precision."""
     fp16: FP16Config = _f(factory=FP16Config)
     """float16 mixed precision."""
+    skip_nonfinite: bool | None = None
+    """jzero's own: skip the optimizer update of a step whose gradients are inf/NaN, at any
+    precision. None: the precision's default (fp16 always skips, with loss scaling; bf16
+    follows ``bf16.check_grad_overflow`` or ``bf16.skip_nonfinite``; float32 does not skip).
+    false is refused with fp16, whose loss scaling must skip an overflowing step."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype of gradient reductions; None: the gradient dtype."""
     data_types: DataTypesConfig = _f(factory=DataTypesConfig)

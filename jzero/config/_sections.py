@@ -170,16 +170,21 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class BF16Config:
-    """``bf16``: bfloat16 mixed precision (no loss scaling)."""
+    """``bf16``: bfloat16 mixed precision (no loss scaling).
+
+    A bf16 step whose gradients hold an inf or NaN is skipped (params, optimizer state and the
+    schedule's step stay as they were) when ``check_grad_overflow`` or ``skip_nonfinite`` is
+    true, unless the top-level ``skip_nonfinite`` is set: then that decides.
+    """
 
     enabled: bool = False
     """Compute in bfloat16 with fp32 master weights."""
+    check_grad_overflow: bool = True
+    """Skip a step whose gradients are inf/NaN (DeepSpeed >= 0.19: true); false applies it."""
     skip_nonfinite: bool = False
-    """jzero's own: skip the update when a gradient is inf/NaN (DeepSpeed's bf16 never skips)."""
+    """jzero's older key: true also skips steps with inf/NaN gradients (see above)."""
     immediate_grad_update: bool = _f(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: apply gradients as they arrive. No effect."""
-    check_grad_overflow: bool = _f(False, no_effect="use skip_nonfinite instead")
-    """DeepSpeed: check bf16 gradients for overflow. No effect; see skip_nonfinite."""
     bf16_master_weights_and_grads: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: keep master weights in bf16. No effect."""
     bf16_optimizer_states: bool = _f(False, no_effect=_NOT_IMPLEMENTED)

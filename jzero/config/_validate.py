@@ -13,12 +13,16 @@ Decisions:
   ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
 * Cross-field rules (precision, offload needs a stage, model shape, at most one ``-1`` mesh
   axis) run after the sections are built.
+* A string field with ``path`` metadata (``checkpoint.directory``, ``train.log_dir``) and
+  ``data.path`` have a leading ``~`` expanded, so the resolved config (and the copy saved in
+  a checkpoint) holds the absolute path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -84,7 +88,7 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a string.")
-        return value
+        return os.path.expanduser(value) if meta.get("path") else value
     if origin is Mapping:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a mapping.")
@@ -182,6 +186,18 @@ def _check_config(cfg: Config, noted: list) -> None:
             "fp16.enabled and bf16.enabled are both true, but only one precision can be used; "
             "set one of them to false."
         )
+    if cfg.fp16.enabled and cfg.skip_nonfinite is False:
+        raise ConfigError(
+            "skip_nonfinite: false cannot be used with fp16.enabled: true: fp16 loss scaling "
+            "always skips a step whose gradients overflow (and lowers the loss scale). Remove "
+            "skip_nonfinite, or use bf16 or float32 to apply such steps."
+        )
+    if cfg.bf16.enabled and cfg.bf16.skip_nonfinite and cfg.skip_nonfinite is False:
+        raise ConfigError(
+            "bf16.skip_nonfinite: true and skip_nonfinite: false contradict each other; remove "
+            "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
+            "steps with inf/NaN gradients)."
+        )
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(
             f"zero_optimization.offload_param.device: {_show(zero.offload_param.device)} needs "
@@ -237,5 +253,9 @@ def build_config(raw: Mapping[str, Any]) -> tuple[Config, list[tuple[str, str]]]
     """
     noted: list[tuple[str, str]] = []
     cfg = _build(Config, raw, "", noted)
+    data_path = cfg.data.get("path")
+    if isinstance(data_path, str) and data_path.startswith("~"):
+        data = FrozenMap({**cfg.data, "path": os.path.expanduser(data_path)})
+        cfg = dataclasses.replace(cfg, data=data)
     _check_config(cfg, noted)
     return cfg, noted
