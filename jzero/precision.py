@@ -25,8 +25,20 @@ Decisions:
   ``min_loss_scale``); after ``loss_scale_window`` clean steps it doubles and the hysteresis is
   refilled (``consecutive_hysteresis`` refills it after every clean step). A static
   ``loss_scale > 0`` scales without ever changing.
-* ``bf16.skip_nonfinite`` skips steps with inf/NaN gradients the same way, at a fixed scale of 1.
-  Non-finite steps are counted in the metrics either way.
+* Any precision can skip steps with inf/NaN gradients the same way (at a fixed scale of 1 without
+  fp16): every bit of the params, the master weights, the optimizer state and the step count
+  stays as it was. Without mixed precision the params are the master weights. Whether a run
+  skips (:attr:`Precision.skips`) follows the config:
+
+  - ``fp16``: always (an overflow is how the dynamic scale learns).
+  - ``bf16``: the top-level ``skip_nonfinite`` when it is set (true or false); when it is unset
+    (``None``), ``bf16.skip_nonfinite or bf16.check_grad_overflow``. ``check_grad_overflow``
+    defaults to true, as in DeepSpeed 0.19, whose bf16 optimizer skips a step with inf/NaN
+    gradients.
+  - float32: ``bool(skip_nonfinite)``; off unless asked for.
+
+  Every step reports ``nonfinite`` (its gradients were not finite) and ``skipped`` (its update
+  was skipped) in the metrics at every precision, and :class:`LossScaleState` counts both.
 """
 
 from __future__ import annotations
@@ -59,7 +71,8 @@ class Precision:
       scaled: whether the loss is scaled at all (fp16).
       initial_scale_power / loss_scale_window / hysteresis / consecutive_hysteresis /
         min_loss_scale: DeepSpeed's dynamic loss-scaling parameters.
-      skip_nonfinite: skip updates whose gradients are not finite.
+      skip_nonfinite: skip updates whose gradients are not finite, at any precision (fp16
+        skips them whether or not this is set).
     """
 
     compute_dtype: Any = None
@@ -114,6 +127,10 @@ class Precision:
 def from_config(cfg: Any) -> Precision:
     """The :class:`Precision` of a :class:`jzero.config.Config`.
 
+    Whether non-finite steps are skipped follows the rule in the module docstring: fp16
+    always; bf16 ``cfg.skip_nonfinite`` when it is not ``None``, else
+    ``bf16.skip_nonfinite or bf16.check_grad_overflow``; float32 ``bool(cfg.skip_nonfinite)``.
+
     Raises:
       ValueError: when both ``bf16`` and ``fp16`` are enabled.
     """
@@ -137,7 +154,23 @@ def from_config(cfg: Any) -> Precision:
         hysteresis=int(cfg.fp16.hysteresis),
         consecutive_hysteresis=bool(cfg.fp16.consecutive_hysteresis),
         min_loss_scale=float(cfg.fp16.min_loss_scale),
-        skip_nonfinite=bool(bf16 and cfg.bf16.skip_nonfinite),
+        skip_nonfinite=_skips_nonfinite(cfg, bf16=bf16, fp16=fp16),
+    )
+
+
+def _skips_nonfinite(cfg: Any, *, bf16: bool, fp16: bool) -> bool:
+    """Whether a run of ``cfg`` skips steps with non-finite gradients (see the module
+    docstring). Keys a config predating them lacks take their defaults."""
+    if fp16:
+        return True
+    top = getattr(cfg, "skip_nonfinite", None)
+    if not bf16:
+        return bool(top)
+    if top is not None:
+        return bool(top)
+    section = cfg.bf16
+    return bool(getattr(section, "skip_nonfinite", False)) or bool(
+        getattr(section, "check_grad_overflow", True)
     )
 
 

@@ -54,7 +54,9 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: the number of optimizer updates applied so far (int32 scalar); a skipped step
-        (fp16 overflow) does not count, so the schedule does not advance either.
+        (non-finite gradients under :attr:`jzero.precision.Precision.skips`: an fp16 overflow,
+        or any precision with ``skip_nonfinite``) does not count, so the schedule does not
+        advance either.
       params: the parameters the model computes with, sharded per ``plan.params`` (16-bit
         under mixed precision).
       opt_state: the optax state, sharded per ``plan.opt_state``.
@@ -266,14 +268,22 @@ def make_train_step(
         non-trainable state (``TrainState.extra``) through the micro-batches; floating leaves
         of the new state are averaged over the data axis.
       learning_rate: the schedule, for the ``lr`` metric; else read from an
-        ``inject_hyperparams`` state when present.
+        ``inject_hyperparams`` state when present. With neither the learning rate is unknown
+        and ``lr`` is left out of the metrics.
       donate: donate the incoming state's buffers to the new state.
 
     Returns:
-      The jitted step, taking a state from :func:`init_train_state`. Its metrics: ``loss``,
-      ``grad_norm``, ``lr``, the aux leaves and, under mixed precision, ``loss_scale``,
-      ``skipped`` (1 when this step's update was skipped) and ``nonfinite`` (1 when its
-      gradients were not finite).
+      The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
+      scalars: ``loss``, ``grad_norm``, ``lr`` (only when the learning rate is known, see
+      ``learning_rate``), the aux leaves, at every precision ``nonfinite`` (1.0 when this
+      step's gradients were not finite, else 0.0) and ``skipped`` (1.0 when its update was
+      skipped, which happens only when the plan's precision ``skips``), and under mixed
+      precision ``loss_scale`` (the scale this step ran with).
+
+      A skipped step leaves every bit of the params, the master weights (under mixed
+      precision), the optimizer state and ``TrainState.step`` as they were, at any precision
+      and stage; without mixed precision the params are the master weights. The
+      :class:`~jzero.precision.LossScaleState` counts skipped and non-finite steps always.
     """
     axis = plan.axis
     n = plan.num_shards
@@ -406,23 +416,39 @@ def make_train_step(
             master = jax.lax.with_sharding_constraint(params, update_dev)
         updates, new_opt_state = optimizer.update(grads, opt_state, master)
         new_master = optax.apply_updates(master, updates)
-        if prec.skips:  # a skipped step leaves every bit of the state as it was
+        # A skipped step leaves every bit of the state as it was; without mixed precision
+        # ``master`` is the params themselves, cut to the update layout, so the same
+        # selection keeps them.
+        if prec.skips:
             keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
             new_master, new_opt_state = keep(new_master, master), keep(new_opt_state, opt_state)
+            # Floating model state (BatchNorm statistics) of a skipped step may hold the same
+            # NaN: it is kept too. Integer state (RNG counters) advances as usual.
+            extra = jax.tree.map(
+                lambda new, old: (
+                    jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new
+                ),
+                extra,
+                state.extra,
+            )
         new_params = _params_at_rest(plan, new_master)
         applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        # The learning rate when it is known; an unknown one is left out rather than NaN, so
+        # a NaN in the metrics always comes from the run itself.
         if learning_rate is not None:
-            lr = jnp.asarray(learning_rate(state.step), jnp.float32)
+            lr = learning_rate(state.step)
         else:
-            found = find_learning_rate(state.opt_state)
-            lr = jnp.asarray(jnp.nan if found is None else found, jnp.float32)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **aux}
+            lr = find_learning_rate(state.opt_state)
+        if lr is not None:
+            metrics["lr"] = jnp.asarray(lr, jnp.float32)
+        metrics.update(aux)
+        metrics.update(
+            skipped=(1 - applied).astype(jnp.float32),
+            nonfinite=(~finite).astype(jnp.float32),
+        )
         if prec.mixed:
-            metrics.update(
-                loss_scale=ls.scale,
-                skipped=(1 - applied).astype(jnp.float32),
-                nonfinite=(~finite).astype(jnp.float32),
-            )
+            metrics["loss_scale"] = ls.scale
         new_state = TrainState(
             step=state.step + applied,
             params=new_params,

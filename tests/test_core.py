@@ -216,7 +216,7 @@ def test_aux_metrics_and_learning_rate():
         config(2, accum=2),
     )
     m = engine.train_step(toy.make_batches(1, GLOBAL_BATCH)[0])
-    assert set(m) == {"loss", "grad_norm", "lr", "mae"}
+    assert set(m) == {"loss", "grad_norm", "lr", "mae", "nonfinite", "skipped"}
     assert float(m["lr"]) == pytest.approx(3e-3)
     assert 0 < float(m["mae"]) < 10
 

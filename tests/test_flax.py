@@ -79,7 +79,7 @@ def test_nnx_batchnorm_statistics_update_over_the_global_batch(stage):
         model=lambda: BNNet(nnx.Rngs(0)),
         loss_fn=loss,
         optimizer=optax.sgd(0.0),
-        config=_cfg(stage),
+        config={**_cfg(stage), "skip_nonfinite": True},
     )
     expected = _expected_running_mean(
         batch, engine.params["lin"]["kernel"], engine.params["lin"]["bias"]
@@ -87,6 +87,12 @@ def test_nnx_batchnorm_statistics_update_over_the_global_batch(stage):
     engine.train_step(batch)
     np.testing.assert_allclose(engine.state.extra["bn"]["mean"], expected, rtol=1e-5, atol=1e-6)
     assert np.asarray(engine.model.bn.mean.value).shape == (8,)
+    # A NaN batch is skipped, and its NaN statistics do not reach the running averages.
+    before = jax.tree.map(np.asarray, engine.state.extra)
+    poisoned = {"x": batch["x"] * np.nan, "y": batch["y"]}
+    assert float(engine.train_step(poisoned)["skipped"]) == 1.0
+    for a, b in zip(jax.tree.leaves(engine.state.extra), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
 
 
 class LinenBN(linen.Module):
