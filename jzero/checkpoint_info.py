@@ -7,6 +7,14 @@ Decisions:
   (see :mod:`jzero.export` for the file formats).
 * Both check a step's files against its file record first; inspect reports a damaged step
   (``DAMAGED: ...``) instead of failing, export refuses it with a :class:`CheckpointError`.
+  Export reads every file's checksum (as restore does); inspect compares sizes only, unless
+  ``verify`` asks it to read every file: then it checks every complete step when no step is
+  named (the question is "which steps can I resume from?"), else the named one, and lists all
+  that is wrong with each (:class:`StepCheck`), saying when a step's record predates checksums.
+* Export writes through :func:`jzero.export.write_leaves`, which writes a file it creates
+  exclusively (a fresh name) beside the output and renames it onto the output when complete:
+  no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or symlink
+  there is never written through or removed; a failed export removes only its own file.
 * Orbax is reached only through :mod:`jzero.checkpoint`, the one module that imports it. That
   module re-exports every name here, so it is imported inside the functions: importing either
   module first works.
@@ -25,9 +33,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero import export as export_lib
-from jzero.checkpoint_layout import JZERO, META, CheckpointError, _damage, _flat, _path_parts
+from jzero.checkpoint_layout import (
+    JZERO,
+    META,
+    CheckpointError,
+    StepCheck,
+    _damage,
+    _flat,
+    _path_parts,
+    _verify,
+)
 
-__all__ = ["CheckpointInfo", "LeafInfo", "export", "format_info", "inspect", "read_info"]
+__all__ = [
+    "CheckpointInfo",
+    "LeafInfo",
+    "StepCheck",
+    "export",
+    "format_info",
+    "inspect",
+    "read_info",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +79,7 @@ class CheckpointInfo:
       trees: per top-level tree of the state, its leaves.
       meta: the saved meta dict; ``jzero``: the format record (device count, ...).
       problem: why the step is damaged, or ``None``.
+      verified: with ``verify``, what reading every file of the checked steps found.
     """
 
     directory: str
@@ -64,10 +90,26 @@ class CheckpointInfo:
     meta: dict[str, Any] = field(default_factory=dict)
     jzero: dict[str, Any] = field(default_factory=dict)
     problem: str | None = None
+    verified: tuple[StepCheck, ...] = ()
+
+    @property
+    def damaged(self) -> bool:
+        """Whether the described step or a verified one is damaged."""
+        return self.problem is not None or any(not c.ok for c in self.verified)
 
 
-def read_info(directory: str | os.PathLike, step: int | None = None) -> CheckpointInfo:
-    """Reads a checkpoint directory's steps and one step's leaves and meta (no arrays)."""
+def read_info(
+    directory: str | os.PathLike, step: int | None = None, *, verify: bool = False
+) -> CheckpointInfo:
+    """Reads a checkpoint directory's steps and one step's leaves and meta (no arrays).
+
+    Args:
+      directory: the checkpoint directory.
+      step: the step to describe; ``None`` for the latest.
+      verify: also read every file and compare it with the step's file record (sizes and
+        checksums): every complete step when ``step`` is ``None``, else that step only. Without
+        it only file sizes are compared (metadata only, fast).
+    """
     from jzero.checkpoint import (
         _partial_steps,
         _read_json,
@@ -77,9 +119,17 @@ def read_info(directory: str | os.PathLike, step: int | None = None) -> Checkpoi
     )
 
     d = Path(directory).absolute()
+    every_step = step is None
     step = _resolve_step(d, step)
     step_dir = d / str(step)
-    problem = _damage(step_dir)
+    steps = list_steps(d)
+    verified: tuple[StepCheck, ...] = ()
+    if verify:
+        verified = tuple(_verify(s, d / str(s)) for s in (steps if every_step else [step]))
+    problem = _damage(step_dir, contents=False)  # sizes: verified covers the contents
+    for check in verified:
+        if check.step == step and check.problems:
+            problem = check.problems[0]
     trees: dict[str, list[LeafInfo]] = {}
     meta: dict[str, Any] = {}
     info: dict[str, Any] = {}
@@ -101,7 +151,7 @@ def read_info(directory: str | os.PathLike, step: int | None = None) -> Checkpoi
     except (CheckpointError, ValueError, OSError) as e:
         problem = problem or str(e)
     return CheckpointInfo(
-        str(d), list_steps(d), _partial_steps(d), step, trees, meta, info, problem
+        str(d), steps, _partial_steps(d), step, trees, meta, info, problem, verified
     )
 
 
@@ -131,12 +181,44 @@ def format_info(info: CheckpointInfo) -> str:
     lines.append("  meta:")
     text = json.dumps(info.meta, indent=2, sort_keys=True) if info.meta else "{}"
     lines += ["    " + line for line in text.splitlines()]
+    if info.verified:
+        lines.append("verified (every file read and compared with the step's file record):")
+        lines += [_format_check(c) for c in info.verified]
     return "\n".join(lines)
 
 
-def inspect(directory: str | os.PathLike, step: int | None = None) -> str:
-    """A report of a checkpoint directory: steps, every leaf of one step, and its meta."""
-    return format_info(read_info(directory, step))
+_SHOWN_PROBLEMS = 20
+
+
+def _format_check(check: StepCheck) -> str:
+    if len(check.problems) == 1:
+        return f"  step {check.step}: DAMAGED: {check.problems[0]}"
+    if check.problems:
+        shown = [f"    {p}" for p in check.problems[:_SHOWN_PROBLEMS]]
+        if len(check.problems) > _SHOWN_PROBLEMS:
+            shown.append(f"    ... and {len(check.problems) - _SHOWN_PROBLEMS} more")
+        return "\n".join(
+            [f"  step {check.step}: DAMAGED ({len(check.problems)} problems):", *shown]
+        )
+    what = {
+        "checksums": f"{check.files} files, {check.nbytes:,} bytes: sizes and checksums match",
+        "sizes": (
+            f"{check.files} files, {check.nbytes:,} bytes: sizes match; saved before jzero "
+            "recorded checksums, so the contents can't be verified"
+        ),
+        "structure": "no file record: its structure is intact; the contents can't be verified",
+    }[check.checked]
+    return f"  step {check.step}: OK ({what})"
+
+
+def inspect(directory: str | os.PathLike, step: int | None = None, *, verify: bool = False) -> str:
+    """A report of a checkpoint directory: steps, every leaf of one step, and its meta.
+
+    With ``verify``, every file of every complete step (of ``step`` alone when given) is read
+    and checked against its file record, and a line per step says what was found (see
+    :func:`read_info`).
+    """
+    return format_info(read_info(directory, step, verify=verify))
 
 
 # -- export --------------------------------------------------------------------------------
@@ -211,6 +293,6 @@ def export(
     def fetch(i: int) -> np.ndarray:
         return read(selected[i][0])
 
-    written = export_lib.write_leaves(out_path, entries, fetch)
+    written = export_lib.write_leaves(Path(out_path), entries, fetch)
     logger.info("jzero: exported %d leaves of step %d to %s", len(entries), step, written)
     return written

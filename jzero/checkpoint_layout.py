@@ -8,12 +8,21 @@ Decisions:
 * A step directory holds three Orbax items: ``state`` (any pytree of arrays, one
   ``StandardSave``: every process writes only its own shards), ``meta`` (the caller's
   JSON-serialisable dict) and ``jzero`` (format version, process and device count).
-* Before the rename that finalizes a step, process 0 records the size of every file of the step
-  in ``jzero_files.json`` (:func:`_seal`, run from Orbax's post-finalization hook). Restore,
-  inspect and export compare the files on disk with that record (:func:`_damage`), so a
-  truncated or deleted shard file is named instead of being read as zeros (a deleted OCDBT
-  manifest silently reads as zeros otherwise). Steps written without the record get a
-  structural check.
+* Before the rename that finalizes a step, process 0 records the size and the CRC-32 of every
+  file of the step in ``jzero_files.json`` (:func:`_seal`, run from Orbax's post-finalization
+  hook; format 2: ``{"format": 2, "files": {path: {"size": n, "crc32": "8 hex digits"}}}``).
+  Restore and export compare the files on disk with that record (:func:`_damage`) before Orbax
+  reads them, so a truncated or deleted shard file is named instead of being read as zeros (a
+  deleted OCDBT manifest silently reads as zeros otherwise), and so are flipped bytes (bit rot,
+  a bad disk or copy), which Orbax would read as different numbers without any error.
+* The check first compares every file's size (one ``stat`` each), then streams every file once
+  through ``zlib.crc32`` (stdlib; 1 MiB at a time, so memory stays flat). That is one extra
+  read of the step per restore, sealed save and export, usually served by the page cache on
+  restore; CRC-32 is chosen for speed: it catches accidental damage, not tampering. Inspect
+  compares sizes only unless asked to verify (:func:`_verify`), so it stays metadata-only.
+* Records written before checksums (format 1, ``{path: size}``) are still read and checked
+  for sizes; steps written without any record get a structural check. Neither can detect
+  changed contents, and ``inspect --verify`` says so instead of calling them verified.
 * Restore always goes into a target of ``jax.ShapeDtypeStruct`` that carries shardings (from
   the new plan), so Orbax reshards: any stage, any device count the shapes allow. Shardings may
   carry ``memory_kind="pinned_host"``. Leaf paths and shapes are checked against the saved
@@ -27,18 +36,23 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import numpy as np
 
-__all__ = ["CheckpointError", "abstract_target"]
+__all__ = ["CheckpointError", "StepCheck", "abstract_target"]
 
 PyTree = Any
 STATE, META, JZERO = "state", "meta", "jzero"
 RECORD = "jzero_files.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # of the ``jzero`` item
+RECORD_FORMAT = 2  # of the file record: 1 held sizes only, 2 adds a CRC-32 per file
+_CHUNK = 1 << 20  # bytes read at a time when checksumming
 
 
 class CheckpointError(ValueError):
@@ -70,41 +84,162 @@ def _require_dir(directory: Path) -> None:
         )
 
 
+def _step_files(step_dir: Path) -> list[Path]:
+    return sorted(
+        Path(root) / name
+        for item in (STATE, META, JZERO)
+        for root, _, files in os.walk(step_dir / item)
+        for name in files
+    )
+
+
+def _crc32(path: Path) -> tuple[int, int]:
+    """The CRC-32 of a file's contents and the number of bytes read, streamed 1 MiB at a time."""
+    crc, size = 0, 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return crc, size
+
+
 def _seal(step_dir: Path) -> None:
-    """Records the size of every file of the step's items (run before the final rename)."""
-    sizes = {}
-    for item in (STATE, META, JZERO):
-        for root, _, files in os.walk(step_dir / item):
-            for name in files:
-                p = Path(root) / name
-                sizes[p.relative_to(step_dir).as_posix()] = p.stat().st_size
+    """Records the size and CRC-32 of every file of the step's items (run before the rename)."""
+    files = {}
+    for p in _step_files(step_dir):
+        crc, size = _crc32(p)
+        files[p.relative_to(step_dir).as_posix()] = {"size": size, "crc32": f"{crc:08x}"}
     tmp = step_dir / (RECORD + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT_VERSION, "files": sizes}, sort_keys=True))
+    tmp.write_text(json.dumps({"format": RECORD_FORMAT, "files": files}, sort_keys=True))
     os.replace(tmp, step_dir / RECORD)
 
 
-def _damage(step_dir: Path) -> str | None:
-    """What is wrong with a finalized step's files, or ``None`` when they are intact."""
-    record = step_dir / RECORD
-    if record.is_file():
-        try:
-            sizes = json.loads(record.read_text())["files"]
-        except (ValueError, KeyError):
-            return f"its file record {RECORD} is unreadable"
-        for rel, size in sorted(sizes.items()):
-            p = step_dir / rel
-            if not p.is_file():
-                return f"the file {rel} is missing"
-            if p.stat().st_size != size:
-                return f"the file {rel} has {p.stat().st_size} bytes but {size} were written"
-        return None
+class _BadRecord(Exception):
+    pass
+
+
+def _read_record(step_dir: Path) -> dict[str, tuple[int, int | None]]:
+    """The record's files: path -> (size, CRC-32, or ``None`` in a format-1 record)."""
+    try:
+        data = json.loads((step_dir / RECORD).read_text())
+        fmt, entries = data.get("format", 1), data["files"]
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise _BadRecord(f"its file record {RECORD} is unreadable") from e
+    if not isinstance(fmt, int) or fmt > RECORD_FORMAT:
+        raise _BadRecord(
+            f"its file record {RECORD} has format {fmt!r}, newer than this jzero reads "
+            f"({RECORD_FORMAT}); upgrade jzero to read it"
+        )
+    files: dict[str, tuple[int, int | None]] = {}
+    try:
+        for rel, entry in entries.items():
+            if isinstance(entry, dict):
+                files[rel] = (int(entry["size"]), int(entry["crc32"], 16))
+            elif isinstance(entry, int) and not isinstance(entry, bool):
+                files[rel] = (entry, None)  # format 1: the size only
+            else:
+                raise TypeError(entry)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _BadRecord(f"its file record {RECORD} is unreadable") from e
+    return files
+
+
+def _structure_problems(step_dir: Path) -> Iterator[str]:
     state = step_dir / STATE
     if not (state / "_METADATA").is_file():
-        return f"{STATE}/_METADATA is missing"
+        yield f"{STATE}/_METADATA is missing"
+        return
     for proc in sorted(state.glob("ocdbt.process_*")):
         if not (proc / "manifest.ocdbt").is_file():
-            return f"{proc.relative_to(step_dir).as_posix()}/manifest.ocdbt is missing"
-    return None
+            yield f"{proc.relative_to(step_dir).as_posix()}/manifest.ocdbt is missing"
+
+
+def _file_problems(step_dir: Path, contents: bool = True) -> Iterator[str]:
+    """What is wrong with a finalized step's files, first found first (lazily).
+
+    Every size is compared before any file is read; then, with ``contents``, every file with a
+    recorded checksum is read once and its CRC-32 compared.
+    """
+    if not (step_dir / RECORD).is_file():
+        yield from _structure_problems(step_dir)
+        return
+    try:
+        files = _read_record(step_dir)
+    except _BadRecord as e:
+        yield str(e)
+        return
+    intact = []
+    for rel, (size, crc) in sorted(files.items()):
+        p = step_dir / rel
+        if not p.is_file():
+            yield f"the file {rel} is missing"
+        elif (on_disk := p.stat().st_size) != size:
+            yield f"the file {rel} has {on_disk} bytes but {size} were written"
+        elif crc is not None:
+            intact.append((rel, p, crc))
+    if not contents:
+        return
+    for rel, p, crc in intact:
+        try:
+            now, _ = _crc32(p)
+        except OSError as e:
+            yield f"the file {rel} cannot be read ({e.strerror or e})"
+            continue
+        if now != crc:
+            yield (
+                f"the file {rel} has checksum {now:08x} but {crc:08x} was written (its "
+                "contents changed after the save)"
+            )
+
+
+def _damage(step_dir: Path, contents: bool = True) -> str | None:
+    """What is wrong with a finalized step's files, or ``None`` when they are intact.
+
+    Args:
+      step_dir: the step's directory.
+      contents: also read every file and compare its checksum (one streamed pass over the
+        step); ``False`` compares sizes only (cheap: metadata).
+    """
+    return next(_file_problems(step_dir, contents), None)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """What verifying one step found (``jzero checkpoint inspect --verify``).
+
+    Attributes:
+      step: the step.
+      problems: every problem found, empty when the step is intact.
+      checked: ``"checksums"`` (every file's contents), ``"sizes"`` (a record written before
+        jzero recorded checksums: contents can't be checked) or ``"structure"`` (no record).
+      files: the files the record lists; ``nbytes``: their recorded bytes.
+    """
+
+    step: int
+    problems: tuple[str, ...]
+    checked: Literal["checksums", "sizes", "structure"]
+    files: int = 0
+    nbytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _verify(step: int, step_dir: Path) -> StepCheck:
+    """Reads every file of a step and checks it against the record: all problems, not the
+    first."""
+    problems = tuple(_file_problems(step_dir, contents=True))
+    if not (step_dir / RECORD).is_file():
+        return StepCheck(step, problems, "structure")
+    try:
+        files = _read_record(step_dir)
+    except _BadRecord:
+        return StepCheck(step, problems, "structure")
+    checked = "checksums" if all(c is not None for _, c in files.values()) else "sizes"
+    return StepCheck(step, problems, checked, len(files), sum(size for size, _ in files.values()))
 
 
 def _damaged(step: int, directory: Path, e: BaseException) -> CheckpointError:

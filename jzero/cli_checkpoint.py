@@ -6,6 +6,11 @@ Decisions:
   ``jzero.cli`` wires it with one call; each command is ``func(args) -> int``.
 * Errors are raised (``CheckpointError`` is a ``ValueError``, a missing file a
   ``FileNotFoundError``); ``jzero.cli.main`` turns both into ``jzero: error: ...`` and exit 2.
+* ``inspect`` reads metadata only and exits 0 (a damaged step is reported in its text).
+  ``inspect --verify`` reads every file and compares it with the step's file record: every
+  complete step when no ``--step`` is named (the question a user asks before resuming or
+  archiving is "which of my steps are sound?"), else only the named step; it exits 1 when a
+  checked step is damaged, so scripts and cron jobs can act on it.
 * The modules behind the commands (Orbax, JAX) are imported when a command runs, so building
   the parser stays cheap.
 """
@@ -20,10 +25,11 @@ __all__ = ["add_commands"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from jzero.checkpoint import inspect
+    from jzero.checkpoint import format_info, read_info
 
-    print(inspect(args.directory, step=args.step))
-    return 0
+    info = read_info(args.directory, step=args.step, verify=args.verify)
+    print(format_info(info))
+    return 1 if args.verify and info.damaged else 0
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -45,9 +51,26 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     """
     ck = subparsers.add_parser("checkpoint", help="inspect or export a jzero checkpoint")
     sub = ck.add_subparsers(dest="checkpoint_command", required=True)
-    ins = sub.add_parser("inspect", help="list steps, leaves, shapes, dtypes and the saved meta")
+    ins = sub.add_parser(
+        "inspect",
+        help="list steps, leaves, shapes, dtypes and the saved meta; --verify checks the files",
+        description=(
+            "Describes a checkpoint directory from its metadata (fast: no array is read). "
+            "With --verify, also reads every file and compares its size and checksum with the "
+            "record written at save time, and exits with status 1 if a step is damaged."
+        ),
+    )
     ins.add_argument("directory", help="the checkpoint directory")
     ins.add_argument("--step", type=int, default=None, help="the step to describe (latest)")
+    ins.add_argument(
+        "--verify",
+        action="store_true",
+        help=(
+            "read every file and check it against the step's record (sizes and CRC-32): every "
+            "complete step, or only --step when given; prints OK or what is wrong per step and "
+            "exits 1 if any is damaged"
+        ),
+    )
     ins.set_defaults(func=_inspect)
     exp = sub.add_parser("export", help="write the parameters as one safetensors or .npz file")
     exp.add_argument("directory", help="the checkpoint directory")

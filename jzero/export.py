@@ -23,6 +23,7 @@ import json
 import os
 import struct
 import sys
+import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -177,17 +178,22 @@ def write_leaves(
             f"The output directory {str(out.parent)!r} does not exist. Create it first."
         )
     _check_entries(entries)
-    tmp = out.with_name(out.name + ".tmp")
+    # A fresh file created exclusively beside ``out``: never a pre-existing name (a symlink
+    # there is never written through), renamed onto ``out`` only once it is complete.
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    tmp = Path(name)
     try:
-        with open(tmp, "wb") as f:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # the permissions a plain open() would give
+        with os.fdopen(fd, "wb") as f:
             if out.suffix == ".npz":
                 _write_npz(f, entries, fetch)
             else:
                 _write_safetensors(f, entries, fetch)
         os.replace(tmp, out)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return out
 
 
