@@ -28,7 +28,6 @@ import gc
 import json
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +39,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from jzero import checkpoint_dir as dirs
+from jzero.checkpoint_dir import CheckpointWriteError as CheckpointWriteError
 from jzero.checkpoint_info import CheckpointInfo as CheckpointInfo
 from jzero.checkpoint_info import LeafInfo as LeafInfo
 from jzero.checkpoint_info import export as export
@@ -65,6 +66,7 @@ from jzero.checkpoint_layout import abstract_target as abstract_target
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "CheckpointInfo",
     "Checkpointer",
     "LeafInfo",
@@ -82,18 +84,24 @@ TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX
 
 # -- the directory: steps, partial saves, integrity ------------------------------------------
 def list_steps(directory: str | os.PathLike) -> list[int]:
-    """The complete (finalized) steps in ``directory``, ascending; ``[]`` if it does not exist."""
-    d = Path(directory)
-    if not d.is_dir():
-        return []
-    return sorted(ocp.path.step.checkpoint_steps(epath.Path(d)))
+    """The committed jzero steps in ``directory``, ascending; ``[]`` if it does not exist.
+
+    Only folders holding a jzero step count: a user's numbered folders are never listed.
+    """
+    return sorted(dirs.step_dirs(Path(directory).expanduser()))
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The step written last into ``directory`` (not the highest number), or ``None``."""
+    order = dirs.write_order(Path(directory).expanduser())
+    return order[-1] if order else None
 
 
 def _partial_steps(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
-    names = [p.name for p in directory.iterdir() if p.is_dir() and TMP_SUFFIX in p.name]
-    return sorted(int(n.split(TMP_SUFFIX)[0].split("_")[-1]) for n in names)
+    names = [p.name.split(TMP_SUFFIX)[0] for p in directory.iterdir() if TMP_SUFFIX in p.name]
+    return sorted(int(n) for n in names if n.isdigit())
 
 
 def _resolve_step(directory: Path, step: int | None) -> int:
@@ -107,7 +115,7 @@ def _resolve_step(directory: Path, step: int | None) -> int:
             "Pass a directory a training run has saved into."
         )
     if step is None:
-        return steps[-1]
+        return int(latest_step(directory))
     if int(step) not in steps:
         raise CheckpointError(
             f"Step {step} is not a complete checkpoint in {str(directory)!r}; the steps there "
@@ -117,7 +125,7 @@ def _resolve_step(directory: Path, step: int | None) -> int:
 
 
 def _verified_step_dir(directory: Path, step: int) -> Path:
-    step_dir = directory / str(step)
+    step_dir = dirs.step_dirs(directory).get(step, directory / str(step))
     problem = _damage(step_dir)
     if problem:
         others = [s for s in list_steps(directory) if s != step]
@@ -202,17 +210,30 @@ def _leaf_reader(
 
 
 # -- the checkpointer ------------------------------------------------------------------------
+def _sync(name: str) -> None:
+    """Every process waits here (one process needs no barrier)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
 class Checkpointer:
     """Saves and restores training state in one directory, one sub-directory per step.
 
+    The directory is jzero's own (:mod:`jzero.checkpoint_dir`): a directory holding anything
+    else is refused, and only step folders jzero wrote are ever replaced or deleted.
+
     Args:
-      directory: where the steps live; created on the first save.
-      max_to_keep: complete checkpoints kept on disk (the oldest are deleted); ``None`` keeps
-        all.
+      directory: where the steps live; created on the first save (``~`` is expanded).
+      max_to_keep: committed checkpoints kept on disk (the ones written earliest are deleted
+        once a newer one is committed); ``None`` keeps all.
       save_interval_steps: ``save`` writes only steps divisible by this (unless ``force``);
         0 writes every step it is called with (the caller decides when).
       async_save: write in the background while training continues; ``False`` makes ``save``
         wait until the step is on disk.
+      overwrite: this run may replace the checkpoints an earlier run left in ``directory``
+        (they are deleted once this run's first step is committed). Without it, a checkpointer
+        that has not restored from the directory refuses to save into one that holds steps:
+        restore first to continue that run.
     """
 
     def __init__(
@@ -222,6 +243,7 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         save_interval_steps: int = 0,
         async_save: bool = True,
+        overwrite: bool = False,
     ):
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep < 1):
             raise CheckpointError(
@@ -233,20 +255,40 @@ class Checkpointer:
                 f"save_interval_steps={save_interval_steps!r} is invalid; it must be 0 (save "
                 "whenever save is called) or a positive number of steps."
             )
-        self.directory = Path(directory).absolute()
+        self.directory = Path(directory).expanduser().absolute()
+        dirs.check_ownership(self.directory)
         self.max_to_keep = max_to_keep
         self.save_interval_steps = int(save_interval_steps)
         self.async_save = bool(async_save)
+        self.overwrite = bool(overwrite)
         self._manager: ocp.CheckpointManager | None = None
+        self._lock: dirs.DirectoryLock | None = None
         self._inflight: int | None = None
+        self._aside: int | None = None  # the step whose previous copy waits as <N>.jzero-replaced
+        self._superseded: list[int] = []  # an earlier run's steps, deleted after our first commit
+        self._continues = False  # restored from this directory: its steps are this run's
+        self._seq: int | None = None
         self._saved: set[int] = set()
         self._closed = False
 
+    @property
+    def _main(self) -> bool:
+        return jax.process_index() == 0
+
     def _writer(self) -> ocp.CheckpointManager:
+        """Opens the directory for writing: ownership, the lock, the marker, cut-short re-saves."""
         if self._manager is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            dirs.check_ownership(self.directory)  # every process: all refuse alike
+            if self._main:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                lock = dirs.DirectoryLock(self.directory)
+                lock.acquire()
+                self._lock = lock
+                dirs.write_marker(self.directory)
+                dirs.recover_asides(self.directory)
+            _sync("jzero-checkpoint-open")
             options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.max_to_keep,
+                max_to_keep=None,  # rotation is jzero's: it deletes only steps jzero wrote
                 save_interval_steps=1,
                 create=True,
                 cleanup_tmp_directories=True,
@@ -254,6 +296,7 @@ class Checkpointer:
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written),
             )
             self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+            self._seq = dirs.next_seq(self.directory)
         return self._manager
 
     def _on_written(self) -> None:
@@ -261,6 +304,66 @@ class Checkpointer:
         step = self._inflight
         tmp = self.directory / f"{step}{TMP_SUFFIX}"
         _seal(tmp if tmp.is_dir() else self.directory / str(step))
+
+    def _write_failed(self, step: int | None, e: BaseException) -> CheckpointWriteError:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if self._aside is not None and self._main:  # the old copy goes back under its name
+            dirs.recover_asides(self.directory)
+        self._aside = self._inflight = None
+        kept = list_steps(self.directory)
+        return CheckpointWriteError(
+            f"Writing checkpoint step {step} to {str(self.directory)!r} failed: "
+            f"{type(e).__name__}: {first}. The steps committed before are intact "
+            f"({kept or 'none'}). Check the free space and permissions there, then save again."
+        )
+
+    def _settle(self) -> None:
+        """Waits for the save in flight; once it is committed, drops the copy it replaced, an
+        earlier run's steps (first commit of an overwriting run) and steps past max_to_keep."""
+        if self._manager is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # Orbax re-raises the background write's error as it was
+            raise self._write_failed(self._inflight, e) from e
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return
+        if self._main:
+            if self._aside == step:
+                dirs.recover_asides(self.directory)  # the new copy is committed: drop the old
+            for old in self._superseded:
+                if old != step:
+                    dirs.remove_step(self.directory, old, "an earlier run's, replaced (overwrite)")
+            order = dirs.write_order(self.directory)
+            if self.max_to_keep is not None:
+                for old in order[: max(0, len(order) - self.max_to_keep)]:
+                    dirs.remove_step(self.directory, old, f"max_to_keep={self.max_to_keep}")
+        self._aside, self._superseded = None, []
+        _sync(f"jzero-checkpoint-settled-{step}")
+
+    def _claim_lineage(self) -> None:
+        """The first save decides whose run the directory holds (see ``overwrite``)."""
+        if self._continues:
+            return
+        existing = dirs.write_order(self.directory)
+        if existing and not self.overwrite:
+            raise CheckpointError(
+                f"The checkpoint directory {str(self.directory)!r} holds the checkpoints of an "
+                f"earlier run (steps {existing}, the latest {existing[-1]}), and this run did not "
+                "restore from it. To continue that run, restore first (engine.restore(), or "
+                "jzero train without --no-resume); to replace it, set checkpoint.overwrite: true "
+                "(jzero train --overwrite); or save into another checkpoint.directory."
+            )
+        if existing:
+            logger.warning(
+                "jzero: this run replaces the checkpoints of an earlier run in %s (steps %s); "
+                "they are deleted once this run's first checkpoint is committed",
+                self.directory,
+                existing,
+            )
+        self._superseded = existing
+        self._continues = True
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step, ...)`` without ``force`` would write."""
@@ -284,13 +387,18 @@ class Checkpointer:
           meta: a JSON-serialisable dict (resolved config, data position, seed, ...), given
             back by :meth:`restore`.
           force: save even when ``step`` is off the save interval.
-          overwrite: replace a complete step of that number written by an earlier run (a run
-            resumed from an older step saves over the steps that followed it); otherwise that
-            is an error.
+          overwrite: replace a committed step of that number (a run resumed from an older
+            step saves over the steps that followed it). The committed copy stays on disk
+            until the new one is committed. Otherwise an existing step is an error.
 
         Returns:
           Whether a save was started (``False`` off the interval, or when this checkpointer
           already saved ``step``).
+
+        Raises:
+          CheckpointError: bad arguments, a directory that is not jzero's, another writer, or
+            an earlier run's steps (see the class's ``overwrite``).
+          CheckpointWriteError: the previous asynchronous save failed (disk full, ...).
         """
         if self._closed:
             raise CheckpointError(
@@ -316,23 +424,31 @@ class Checkpointer:
                     "holds arrays and numbers only. Put other values into meta."
                 )
         manager = self._writer()
-        manager.wait_until_finished()  # one save in flight: the hook knows which step it seals
-        if step in list_steps(self.directory) and overwrite:
-            logger.warning("jzero: replacing checkpoint step %d of an earlier run", step)
-            if jax.process_index() == 0:
-                shutil.rmtree(self.directory / str(step))
-            if jax.process_count() > 1:  # nobody reloads before process 0 has deleted it
-                multihost_utils.sync_global_devices(f"jzero-overwrite-{step}")
-            manager.reload()
-        if step in list_steps(self.directory):
+        self._settle()  # one save in flight: the hook knows which step it seals
+        self._claim_lineage()
+        target = self.directory / str(step)
+        if target.exists() and not dirs.is_step_dir(target):
             raise CheckpointError(
-                f"Checkpoint step {step} already exists in {str(self.directory)!r} from an "
-                "earlier run. Delete that step directory, or save into another directory."
+                f"{str(target)!r} exists and is not a jzero checkpoint; jzero never writes over "
+                "what it did not write. Move it away, or save into another directory."
             )
+        if target.exists():
+            if not overwrite:
+                raise CheckpointError(
+                    f"Checkpoint step {step} already exists in {str(self.directory)!r}. Pass "
+                    "overwrite=True to replace it, or save into another directory."
+                )
+            logger.warning("jzero: replacing checkpoint step %d of an earlier branch", step)
+            if self._main:  # write aside, then swap: the committed copy stays until then
+                os.replace(target, self.directory / f"{step}{dirs.ASIDE}")
+            self._aside = step
+            _sync(f"jzero-aside-{step}")
+        manager.reload()
         self._inflight = step
         info = {
             "format": FORMAT_VERSION,
             "step": step,
+            "seq": self._seq,
             "process_count": jax.process_count(),
             "device_count": jax.device_count(),
             "jax": jax.__version__,
@@ -344,7 +460,11 @@ class Checkpointer:
                 JZERO: ocp.args.JsonSave(info),
             }
         )
-        manager.save(step, args=args, force=True)
+        try:
+            manager.save(step, args=args, force=True)
+        except Exception as e:  # a synchronous part of the write failed
+            raise self._write_failed(step, e) from e
+        self._seq = int(self._seq or 0) + 1
         self._saved.add(step)
         if not self.async_save:
             self.wait_until_finished()
@@ -354,14 +474,17 @@ class Checkpointer:
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict[str, Any]]:
         """Restores a step into ``target``'s shardings (any stage, any device count).
 
+        Restoring makes the directory's steps this run's own: later saves continue them.
+
         Args:
           target: the state's structure with ``jax.ShapeDtypeStruct`` leaves carrying the new
             plan's shardings (see :func:`abstract_target`); concrete arrays work too.
-          step: the step to restore; the latest complete one by default.
+          step: the step to restore; by default the latest, the one written last.
 
         Returns:
           ``(state, meta)``: the state laid out as ``target`` says, and the saved meta dict.
         """
+        self._settle()
         step = _resolve_step(self.directory, step)
         step_dir = _verified_step_dir(self.directory, step)
         target = _as_target(target)
@@ -376,6 +499,7 @@ class Checkpointer:
             step,
             self.directory,
         )
+        self._continues = True
         logger.info("jzero: restored checkpoint step %d from %s", step, self.directory)
         return state, meta
 
@@ -385,12 +509,11 @@ class Checkpointer:
         return _read_json(_verified_step_dir(self.directory, step), META)
 
     def latest_step(self) -> int | None:
-        """The newest complete step on disk, or ``None``; a save in flight is not counted."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        """The committed step written last, or ``None``; a save in flight is not counted."""
+        return latest_step(self.directory)
 
     def all_steps(self) -> list[int]:
-        """Every complete step on disk, ascending; saves in flight or killed are not listed."""
+        """Every committed step on disk, ascending; saves in flight or killed are not listed."""
         return list_steps(self.directory)
 
     def partial_steps(self) -> list[int]:
@@ -398,18 +521,26 @@ class Checkpointer:
         return _partial_steps(self.directory)
 
     def wait_until_finished(self) -> None:
-        """Blocks until the save in flight (if any) is on disk."""
-        if self._manager is not None:
-            self._manager.wait_until_finished()
+        """Blocks until the save in flight (if any) is committed.
+
+        Raises:
+          CheckpointWriteError: the save failed (disk full, ...); earlier steps are intact.
+        """
+        self._settle()
 
     def close(self) -> None:
-        """Waits for the save in flight and releases Orbax's threads; safe to call twice."""
+        """Waits for the save in flight, releases the directory and Orbax's threads; safe to
+        call twice."""
         if self._closed:
             return
         self._closed = True
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
+        try:
+            self._settle()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -42,22 +43,63 @@ def _use_virtual_cpu_devices(count: int) -> None:
         pass
 
 
-class _StopOnInterrupt:
-    """The first Ctrl-C asks the loop to stop after the current step; a second one stops now."""
+class _StopOnSignal:
+    """The first Ctrl-C (SIGINT) or SIGTERM (what SLURM and Kubernetes send before they kill a
+    job) asks the loop to stop after the current step and save; a second one stops now."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
-        self.requested = False
-        self._previous = signal.getsignal(signal.SIGINT)
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._handle)
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.received is not None:  # the second one
+            raise KeyboardInterrupt
+        self.received = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process the signal ended."""
+        return 128 + int(self.received or signal.SIGINT)
 
     def restore(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def _agreed(flag: bool) -> bool:
+    """Whether any process raised ``flag``: all processes stop after the same step."""
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.bool_(flag))))
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as ``None`` (JSON has no NaN or Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _dumps(value: Any, **kwargs: Any) -> str:
+    return json.dumps(_json_safe(value), allow_nan=False, **kwargs)
 
 
 def _peak_bytes(engine: Any, batches: Any) -> Any:
@@ -92,7 +134,10 @@ def _train(args: argparse.Namespace) -> int:
     from jzero import data as data_lib
     from jzero.models import gpt
 
-    cfg = jzero.load_config(args.config, overrides=args.set or ())
+    overrides = [*(args.set or ()), *(["checkpoint.overwrite=true"] if args.overwrite else [])]
+    cfg = jzero.load_config(args.config, overrides=overrides)
+    if cfg.checkpoint.directory:
+        _check_checkpoint_directory(cfg, fresh=args.no_resume or args.overwrite)
     from jzero import distributed
 
     distributed.init_distributed(cfg.distributed)  # before any JAX call
@@ -123,11 +168,8 @@ def _train(args: argparse.Namespace) -> int:
     )
     engine.data_iterator = batches  # checkpoints carry the data position
     resumed = None
-    if cfg.checkpoint.directory and not args.no_resume:
-        resumed = engine.latest_checkpoint()
-        if resumed is not None:
-            engine.restore(resumed)
-            logger.info("resumed from checkpoint %d in %s", resumed, cfg.checkpoint.directory)
+    if cfg.checkpoint.directory:
+        resumed = _resume(engine, cfg, fresh=args.no_resume or args.overwrite)
     first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -165,9 +207,10 @@ def _train(args: argparse.Namespace) -> int:
     )
     t_start = time.perf_counter()
     t_last, done, loss = t_start, first_step - 1, float("nan")
-    mixed = engine.plan.precision.mixed
-    interrupted = False
-    stop = _StopOnInterrupt()
+    interrupted, stopped = False, None
+    limit = cfg.train.max_consecutive_nonfinite
+    streak, skipped = 0, 0
+    stop = _StopOnSignal()
     try:
         for step in range(first_step, steps + 1):
             m = engine.train_step(batches.next())
@@ -178,46 +221,66 @@ def _train(args: argparse.Namespace) -> int:
                 step=step, time=now - t_start, tokens_per_s=tokens_per_step / (now - t_last)
             )
             t_last, done = now, step
+            bad = record.get("nonfinite", 0.0) > 0
+            streak = streak + 1 if bad else 0
+            skipped += int(record.get("skipped", 0.0) > 0)
+            if bad:
+                logger.warning(
+                    "step %d: the gradients hold inf/NaN (loss %s); %s",
+                    step,
+                    loss,
+                    "the update was skipped" if record.get("skipped") else "the update was applied",
+                )
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == steps):
                 last_eval = evaluate()
                 record["eval_loss"] = last_eval
                 logger.info("step %d: eval loss %.4f", step, last_eval)
-            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.write(_dumps(record) + "\n")
+            metrics_file.flush()
             postfix = {
                 "loss": f"{loss:.3f}",
                 "tok_s": f"{record['tokens_per_s']:,.0f}",
                 "peak": _format_bytes(peak()),
             }
-            if mixed:  # skipped steps are never silent
-                postfix["skipped"] = int(engine.state.loss_scale.skipped)
+            if skipped:  # skipped steps are never silent
+                postfix["skipped"] = skipped
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
             if cfg.steps_per_print and step % cfg.steps_per_print == 0:
+                lr = f", lr {record['lr']:.3g}" if "lr" in record else ""
                 logger.info(
-                    "step %d: loss %.4f, grad norm %.3f, lr %.3g",
-                    step,
-                    loss,
-                    record["grad_norm"],
-                    record["lr"],
+                    "step %d: loss %.4f, grad norm %.3f%s", step, loss, record["grad_norm"], lr
                 )
-            if stop.requested:
+            if limit and streak >= limit:
+                stopped = (
+                    f"stopped at step {step}: {streak} consecutive steps had inf/NaN gradients "
+                    f"(train.max_consecutive_nonfinite: {limit}). Lower the learning rate, check "
+                    "the data, or set skip_nonfinite: true; the checkpoints with finite "
+                    "parameters are kept."
+                )
+                break
+            if _agreed(stop.requested):
                 interrupted = True
                 break
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
+    except KeyboardInterrupt:  # a second signal, or one before the handler was installed
         interrupted = True
     finally:
         stop.restore()
         bar.close()
         metrics_file.close()
     elapsed = time.perf_counter() - t_start
-    if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C too
-        engine.save()
+    if stopped:
+        logger.error("jzero: %s", stopped)
+    if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C and SIGTERM too
+        if engine.save():
+            logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
         engine.close()
-        logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
     ran = done - (first_step - 1)
     summary = {
         "steps": done,
         "interrupted": interrupted,
+        "stopped": stopped,
+        "skipped_steps": skipped,
         "final_loss": loss,
         "first_eval_loss": first_eval,
         "eval_loss": last_eval,
@@ -232,10 +295,41 @@ def _train(args: argparse.Namespace) -> int:
         "metrics": str(log_dir / "metrics.jsonl"),
     }
     if main_process:
-        (log_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(("interrupted: " if interrupted else "done: ") + json.dumps(summary))
+        (log_dir / "summary.json").write_text(_dumps(summary, indent=2) + "\n")
+        word = "interrupted: " if interrupted else "stopped: " if stopped else "done: "
+        print(word + _dumps(summary))
     del jax
-    return 130 if interrupted else 0
+    if interrupted:
+        return stop.exit_code()
+    return 1 if stopped else 0
+
+
+def _check_checkpoint_directory(cfg: Any, *, fresh: bool) -> None:
+    """Before training: the checkpoint directory is jzero's, and a fresh start into an earlier
+    run's steps was asked for explicitly (``--overwrite``)."""
+    from jzero import checkpoint_dir
+
+    directory = Path(cfg.checkpoint.directory)
+    checkpoint_dir.check_ownership(directory)
+    existing = checkpoint_dir.write_order(directory)
+    if fresh and existing and not cfg.checkpoint.overwrite:
+        raise ValueError(
+            f"--no-resume, but the checkpoint directory {str(directory)!r} holds the checkpoints "
+            f"of an earlier run (steps {existing}, the latest {existing[-1]}). Pass --overwrite "
+            "to replace them with this run's, set another checkpoint.directory, or drop "
+            "--no-resume to continue that run."
+        )
+
+
+def _resume(engine: Any, cfg: Any, *, fresh: bool) -> int | None:
+    """Restores the latest checkpoint unless the run starts fresh; the step restored."""
+    if fresh:
+        return None
+    resumed = engine.latest_checkpoint()
+    if resumed is not None:
+        engine.restore(resumed)
+        logger.info("resumed from checkpoint %d in %s", resumed, cfg.checkpoint.directory)
+    return resumed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,7 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--no-resume",
         action="store_true",
-        help="start fresh even if checkpoint.directory holds a checkpoint",
+        help="start fresh; refused when checkpoint.directory holds an earlier run's checkpoints "
+        "unless --overwrite is given too",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh and replace the checkpoints of an earlier run in checkpoint.directory "
+        "(deleted once this run's first checkpoint is committed); implies --no-resume",
     )
     train.set_defaults(func=_train)
     from jzero import cli_checkpoint, cli_memory, launch
@@ -276,8 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``jzero`` console script."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from jzero.checkpoint_dir import CheckpointWriteError
+
     try:
         return int(args.func(args))
+    except CheckpointWriteError as e:  # the disk, not the config: not a usage error
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         print(f"jzero: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -90,6 +91,7 @@ class Engine:
         self.data_iterator: Any = None
         """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
         self._ckpt: Any = None
+        self._unchanged_since: int | None = None  # the step restored or saved, until a train step
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -186,12 +188,15 @@ class Engine:
         """Runs one optimizer step on a global batch (leading dim ``train_batch_size``).
 
         Returns:
-          The metrics: ``loss``, ``grad_norm``, ``lr`` and any aux values, as JAX scalars.
+          The metrics, as JAX scalars: ``loss``, ``grad_norm``, ``nonfinite`` (1 when the
+          gradients held inf/NaN), ``skipped`` (1 when the update was skipped), ``lr`` when
+          jzero knows it, ``loss_scale`` under bf16/fp16, and any aux values.
         """
         self._check_batch(batch)
         batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
         self.state, metrics = self._step_fn(batch)(self.state, batch)
         self.iteration += 1
+        self._unchanged_since = None
         interval = self.config.checkpoint.save_interval_steps
         if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
             self.save()
@@ -235,7 +240,12 @@ class Engine:
                 )
             from jzero.checkpoint import Checkpointer  # Orbax is needed only for checkpoints
 
-            self._ckpt = Checkpointer(c.directory, max_to_keep=c.max_to_keep, async_save=c.async_)
+            self._ckpt = Checkpointer(
+                c.directory,
+                max_to_keep=c.max_to_keep,
+                async_save=c.async_,
+                overwrite=bool(getattr(c, "overwrite", False)),
+            )
             _OPEN_ENGINES.add(self)
         return self._ckpt
 
@@ -247,13 +257,30 @@ class Engine:
         data position of ``engine.data_iterator`` and the resolved config, so a restored run
         continues exactly. Every process writes only its own shards.
 
+        Nothing is written when the state is exactly the checkpoint it was restored from (or
+        last saved as), or when the parameters hold inf/NaN: a warning says so and the good
+        checkpoints already on disk stay.
+
         Args:
           step: the checkpoint's number; default ``engine.iteration`` (train steps run).
 
         Returns:
-          Whether a save started (``False`` when this step was already saved).
+          Whether a save started.
         """
         step = self.iteration if step is None else int(step)
+        ckpt = self._checkpointer()
+        if self._unchanged_since == step and step in ckpt.all_steps():
+            logger.info("jzero: checkpoint step %d is already on disk and unchanged", step)
+            return False
+        if not _finite(self.state.params, self.state.master):
+            logger.warning(
+                "jzero: NOT saving checkpoint step %d: the parameters hold inf/NaN (a step with "
+                "non-finite gradients was applied). The checkpoints on disk (%s) are kept. Set "
+                "skip_nonfinite: true to skip such steps.",
+                step,
+                ckpt.all_steps() or "none",
+            )
+            return False
         data = self.data_iterator.state() if self.data_iterator is not None else None
         meta = {
             "config": self.config.to_dict(),
@@ -263,8 +290,11 @@ class Engine:
             "devices": self.plan.num_shards,
         }
         # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
-        # overwrites a tag it saves again.
-        return self._checkpointer().save(step, self.state, meta=meta, force=True, overwrite=True)
+        # overwrites a tag it saves again; the old copy stays until the new one is committed.
+        saved = ckpt.save(step, self.state, meta=meta, force=True, overwrite=True)
+        if saved:
+            self._unchanged_since = step if step == self.iteration else None
+        return saved
 
     def restore(self, step: int | None = None) -> dict[str, Any]:
         """Restores a checkpoint (the latest by default) into this engine's plan.
@@ -281,6 +311,8 @@ class Engine:
         target = abstract_target(self.state, state_shardings(self.plan))
         self.state, meta = self._checkpointer().restore(target, step)
         self.iteration = int(meta.get("iteration", self.global_step))
+        restored = self._ckpt.latest_step() if step is None else int(step)
+        self._unchanged_since = restored if restored == self.iteration else None
         if self.data_iterator is not None and meta.get("data") is not None:
             self.data_iterator.restore(meta["data"])
         return meta
@@ -329,6 +361,27 @@ class Engine:
 
 
 _OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _finite(*trees: PyTree) -> bool:
+    """Whether every floating value of ``trees`` is finite, on all processes.
+
+    Reads each process's own shards on the host (a save copies them there anyway), so it
+    compiles nothing and works on offloaded leaves too.
+    """
+    ok = True
+    for x in jax.tree.leaves(trees):
+        if not (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)):
+            continue
+        shards = [s for s in x.addressable_shards if s.replica_id == 0]
+        ok = ok and all(np.isfinite(np.asarray(s.data)).all() for s in shards)
+        if not ok:
+            break
+    if jax.process_count() > 1:  # every process decides alike, or the save's barriers hang
+        from jax.experimental import multihost_utils
+
+        ok = bool(np.all(multihost_utils.process_allgather(np.bool_(ok))))
+    return ok
 
 
 @atexit.register

@@ -448,7 +448,13 @@ def test_bad_arguments_are_explained(saved3, tmp_path):
     assert every3.save(1, {"x": np.zeros(2)}, force=True) and every3.save(3, {"x": np.ones(2)})
     assert not every3.save(3, {"x": np.ones(2)})  # already saved by this checkpointer
     every3.close()
-    with pytest.raises(CheckpointError, match=r"step 3 already exists in .* from an earlier run"):
-        Checkpointer(tmp_path / "every3").save(3, {"x": np.ones(2)})
+    with Checkpointer(tmp_path / "every3") as other:
+        with pytest.raises(CheckpointError, match=r"holds the checkpoints of an earlier run"):
+            other.save(3, {"x": np.ones(2)})
+    with Checkpointer(tmp_path / "every3") as same_run:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        same_run.restore({"x": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=single)})
+        with pytest.raises(CheckpointError, match=r"step 3 already exists .* overwrite=True"):
+            same_run.save(3, {"x": np.ones(2)})
     with pytest.raises(CheckpointError, match="is closed"):
         every3.save(6, {"x": np.ones(2)})

@@ -1,14 +1,17 @@
 """`jzero train` end to end on a tiny model, its handling of a bad config, and of Ctrl-C."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 from jzero import cli
-from jzero.checkpoint import list_steps
+from jzero.checkpoint import latest_step, list_steps
 
 TINY = [
     "--set",
@@ -57,11 +60,16 @@ def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
     assert cli.main(["checkpoint", "inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "6" in out and "8" in out and "params" in out
-    # --no-resume starts again from step 1, beside the checkpoints already there.
-    assert cli.main([*args, "--steps", "1", "--no-resume"]) == 0
+    # --no-resume into this run's directory is refused, and nothing there is touched ...
+    assert cli.main([*args, "--steps", "1", "--no-resume"]) == 2
+    assert "earlier run (steps [6, 8], the latest 8). Pass --overwrite" in capsys.readouterr().err
+    assert list_steps(ckpt) == [6, 8]
+    # ... and --overwrite starts again from step 1, whose checkpoint replaces the old run's.
+    assert cli.main([*args, "--steps", "1", "--overwrite"]) == 0
     first = json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1
     assert json.loads((log_dir / "summary.json").read_text())["resumed_from"] is None
+    assert list_steps(ckpt) == [1] and latest_step(ckpt) == 1
 
 
 def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
@@ -78,7 +86,9 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_ctrl_c_stops_after_the_step_and_writes_the_summary_and_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp_path, sig):
+    """Ctrl-C, and SIGTERM (what SLURM and Kubernetes send before a kill), stop gracefully."""
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     metrics = log_dir / "metrics.jsonl"
     args = ["train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
@@ -99,13 +109,13 @@ def test_ctrl_c_stops_after_the_step_and_writes_the_summary_and_a_checkpoint(tmp
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no metrics line within 240 s"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err
     assert "interrupted: " in out
     summary = json.loads((log_dir / "summary.json").read_text())
@@ -115,3 +125,27 @@ def test_ctrl_c_stops_after_the_step_and_writes_the_summary_and_a_checkpoint(tmp
     assert [r["step"] for r in records] == list(range(1, summary["steps"] + 1))
     # The interrupted run's state was saved, complete, at the step it stopped after.
     assert list_steps(ckpt) == [summary["steps"]]
+
+
+def test_a_run_whose_gradients_stay_nonfinite_stops_and_saves_no_nan(tmp_path, caplog):
+    """lr 1e30 blows the float32 params up at step 1; every later step is NaN."""
+    log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    args = ["train", "configs/zero2.yaml", "--quiet", "--steps", "50", *TINY]
+    args += ["--set", f"train.log_dir={log_dir}", "--set", f"checkpoint.directory={ckpt}"]
+    args += ["--set", "train.eval_interval=0", "--set", "optimizer.params.lr=1e30"]
+    args += ["--set", "scheduler=null", "--set", "train.max_consecutive_nonfinite=2"]
+    with caplog.at_level(logging.WARNING, logger="jzero"):
+        assert cli.main(args) == 1
+    err = caplog.text
+    assert "stopped at step 3: 2 consecutive steps had inf/NaN gradients" in err
+    assert "NOT saving checkpoint step 3: the parameters hold inf/NaN" in err
+    assert list_steps(ckpt) == []  # no checkpoint of NaN parameters
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+
+    records = [strict(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite"] for r in records] == [0.0, 1.0, 1.0]
+    assert records[-1]["loss"] is None
+    summary = strict((log_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped"].startswith("stopped at step 3")

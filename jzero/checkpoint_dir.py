@@ -1,0 +1,251 @@
+"""Whose a checkpoint directory is, which steps in it are jzero's, their order, and its writer.
+
+This module imports no Orbax: :mod:`jzero.checkpoint` writes and reads the steps through Orbax
+and asks this module what it may touch.
+
+Decisions:
+
+* **A directory is jzero's only when jzero says so.** The first save writes a marker file,
+  ``jzero_checkpoints.json``. A directory without it is written into only when it is empty, or
+  when every entry in it is a jzero step (a directory saved by jzero before the marker
+  existed); any other content is refused with the path and what was found, and nothing in it is
+  touched. Inside a marked directory, jzero lists, replaces and deletes only folders that hold a
+  jzero step (a ``<N>/jzero`` item); a user's ``3`` or ``2024`` folder is never a step.
+* **Write order, not step number, says which step is the latest.** Every step records a write
+  sequence number (``seq`` in its ``jzero`` item). The latest step is the one written last, so a
+  run that restored step 1 and saved step 2 is resumed from 2 even while a step 3 of the
+  abandoned branch is still on disk; rotation (``max_to_keep``) deletes the steps written
+  earliest. Steps saved before ``seq`` existed sort by step number, before any newer step.
+* **Re-saving a step never leaves a moment without it.** The committed copy is renamed to
+  ``<N>.jzero-replaced`` (one atomic rename) before the new copy is written, and deleted only
+  after the new copy is committed. A writer killed in between leaves the old copy there; it is
+  listed and restorable as step N, and the next writer renames it back (or deletes it when the
+  new copy did commit).
+* **One writer per directory.** The writer holds an advisory ``flock`` on ``jzero.lock``, whose
+  text names the holder's host and pid. A second writer gets an error naming them. The kernel
+  drops the lock when its process dies, so a stale lock (text left by a process that was killed)
+  is taken over, with a message naming the dead holder. Across hosts this relies on the file
+  system's ``flock``; NFS without lock support cannot detect a second writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import weakref
+from pathlib import Path
+from typing import IO, Any
+
+from jzero.checkpoint_layout import JZERO, CheckpointError
+
+__all__ = ["CheckpointWriteError", "DirectoryLock", "MARKER"]
+
+logger = logging.getLogger(__name__)
+
+MARKER = "jzero_checkpoints.json"
+LOCK = "jzero.lock"
+ASIDE = ".jzero-replaced"
+_TMP = ".orbax-checkpoint-tmp"
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions, I/O): the run's state is intact in
+    memory and the steps committed before are intact on disk."""
+
+
+# -- which entries are jzero's ------------------------------------------------------------------
+def is_step_dir(path: Path) -> bool:
+    """Whether ``path`` is a committed jzero step: ``<N>/`` holding a ``jzero`` item."""
+    return path.name.isdigit() and (path / JZERO).is_dir()
+
+
+def step_dirs(directory: Path) -> dict[int, Path]:
+    """Every committed jzero step in ``directory``: step -> its folder.
+
+    A step whose re-save was cut short is found at its ``<N>.jzero-replaced`` copy.
+    """
+    if not directory.is_dir():
+        return {}
+    found: dict[int, Path] = {}
+    asides: dict[int, Path] = {}
+    for p in directory.iterdir():
+        if is_step_dir(p):
+            found[int(p.name)] = p
+        elif p.name.endswith(ASIDE) and p.name[: -len(ASIDE)].isdigit() and (p / JZERO).is_dir():
+            asides[int(p.name[: -len(ASIDE)])] = p
+    for step, p in asides.items():
+        found.setdefault(step, p)
+    return found
+
+
+def step_info(step_dir: Path) -> dict[str, Any]:
+    """A step's ``jzero`` item (format, step, seq, process and device count); ``{}`` if
+    unreadable."""
+    try:
+        return dict(json.loads((step_dir / JZERO / "metadata").read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def write_order(directory: Path) -> list[int]:
+    """The committed steps, the one written first first (see the module's decisions)."""
+    dirs = step_dirs(directory)
+
+    def key(step: int) -> tuple[int, int]:
+        seq = step_info(dirs[step]).get("seq")
+        return (int(seq) if isinstance(seq, int) else -1, step)
+
+    return sorted(dirs, key=key)
+
+
+def next_seq(directory: Path) -> int:
+    """The write sequence number of the next step saved into ``directory``."""
+    seqs = [step_info(p).get("seq") for p in step_dirs(directory).values()]
+    return 1 + max((s for s in seqs if isinstance(s, int)), default=0)
+
+
+def _is_ours(p: Path) -> bool:
+    name = p.name
+    if name in (MARKER, LOCK) or is_step_dir(p):
+        return True
+    base = (
+        name.split(_TMP)[0] if _TMP in name else name[: -len(ASIDE)] if name.endswith(ASIDE) else ""
+    )
+    return base.isdigit() and p.is_dir()
+
+
+def check_ownership(directory: Path) -> None:
+    """Refuses a directory that holds anything but jzero checkpoints, unless it is marked.
+
+    Raises:
+      CheckpointError: naming the directory and the entries that are not jzero's.
+    """
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"The checkpoint directory {str(directory)!r} is a file, not a directory. Set "
+            "checkpoint.directory to a new or empty directory."
+        )
+    if (directory / MARKER).is_file():
+        return
+    foreign = sorted(p.name for p in directory.iterdir() if not _is_ours(p))
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"The checkpoint directory {str(directory)!r} holds files that are not jzero "
+            f"checkpoints ({shown}; no {MARKER} marker), and jzero never writes into or "
+            "deletes from a directory it does not own. Set checkpoint.directory to a new or "
+            "empty directory."
+        )
+
+
+def write_marker(directory: Path) -> None:
+    """Marks ``directory`` as jzero's (once; an existing marker is kept)."""
+    marker = directory / MARKER
+    if marker.is_file():
+        return
+    text = json.dumps(
+        {
+            "format": 1,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "about": "jzero checkpoints: jzero lists, replaces and deletes only the step folders "
+            "it wrote here (those holding a 'jzero' item).",
+        },
+        indent=2,
+    )
+    tmp = directory / f".{MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(text + "\n")
+    os.replace(tmp, marker)
+
+
+def remove_step(directory: Path, step: int, why: str) -> None:
+    """Deletes one committed jzero step (its folder and any aside copy), saying why."""
+    for p in (directory / str(step), directory / f"{step}{ASIDE}"):
+        if p.is_dir() and (p / JZERO).is_dir():
+            shutil.rmtree(p)
+            logger.info("jzero: deleted checkpoint step %d in %s (%s)", step, directory, why)
+
+
+def recover_asides(directory: Path) -> None:
+    """Finishes re-saves that were cut short: a committed new copy wins, else the old copy is
+    put back under its step number."""
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        stem = p.name[: -len(ASIDE)] if p.name.endswith(ASIDE) else ""
+        if not (stem.isdigit() and p.is_dir()):
+            continue
+        if is_step_dir(directory / stem):
+            shutil.rmtree(p)
+        else:
+            os.replace(p, directory / stem)
+            logger.warning(
+                "jzero: a re-save of checkpoint step %s in %s was cut short; its previous copy "
+                "is back in place",
+                stem,
+                directory,
+            )
+
+
+# -- the writer's lock ------------------------------------------------------------------------
+class DirectoryLock:
+    """An advisory lock on a checkpoint directory held by its one writer (see the decisions)."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK
+        self._fh: IO[str] | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock, or raises :class:`CheckpointError` naming the holder."""
+        import fcntl  # POSIX only; imported here so the module loads everywhere
+
+        fh = open(self.path, "a+")  # noqa: SIM115 - held open while the lock is held
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise
+            raise CheckpointError(
+                f"Another writer is saving into the checkpoint directory "
+                f"{str(self.path.parent)!r} ({holder}); two writers in one directory corrupt "
+                "each other's steps. Stop that run first, or save into another directory."
+            ) from None
+        fh.seek(0)
+        previous = fh.read().strip()
+        if previous:
+            logger.warning(
+                "jzero: taking over the checkpoint directory %s from a writer that is gone (%s)",
+                self.path.parent,
+                previous,
+            )
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        fh.flush()
+        self._fh = fh
+        self._finalizer = weakref.finalize(self, fh.close)  # a writer never closed still lets go
+
+    def release(self) -> None:
+        """Releases the lock (a clean release leaves the lock file empty); idempotent."""
+        if self._fh is None:
+            return
+        import fcntl
+
+        with contextlib.suppress(OSError):
+            self._fh.seek(0)
+            self._fh.truncate()
+            self._fh.flush()
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+        self._fh.close()
+        self._fh = None
+        self._finalizer.detach()
