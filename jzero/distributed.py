@@ -19,6 +19,13 @@ Decisions:
   of 30 s (a killed process is seen at once, since its connection closes; a hung one after the
   timeout), and JAX then aborts them with "Terminating process because the JAX distributed
   service detected fatal errors". The exit barrier waits at most 30 s for slower processes.
+* The coordinator (process 0's service) listens on loopback only when the coordinator host is
+  a loopback address (``127.x.x.x``, ``::1``, ``localhost``, as for ``jzero launch``), so a
+  local run is not reachable from the network: ``coordinator_bind_address`` is passed as that
+  host and port (``localhost`` binds 127.0.0.1). Any other host keeps JAX's default (all
+  interfaces, the other machines must reach it), and so does a set
+  ``JAX_COORDINATOR_BIND_ADDRESS`` (the user's choice). A JAX without the parameter (read once
+  from ``inspect.signature``) gets nothing extra.
 * CPU processes exchange collectives through gloo (JAX's CPU default; set if a user unset it).
 * Per-process data: each process passes its own rows of the global batch, process ``p`` rows
   ``p*b : (p+1)*b`` with ``b = B / process_count`` (as :class:`jzero.data.BatchIterator` yields
@@ -30,6 +37,9 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -264,11 +274,51 @@ def resolve_spec(
     return DistributedSpec(address, num, pid, source, method, **common)
 
 
+def _bind_address(coordinator: str | None) -> str | None:
+    """Where the coordinator should listen: ``coordinator`` itself when its host is loopback
+    (``localhost`` as ``127.0.0.1``), else ``None`` (JAX's default: all interfaces)."""
+    if not coordinator:
+        return None
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not port.isdigit() or not host:
+        return None
+    if host.lower() == "localhost":
+        host = "127.0.0.1"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a host name: it may name another machine's interface
+    if not address.is_loopback:
+        return None
+    return f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"
+
+
+@functools.cache
+def _accepts(function: Any, parameter: str) -> bool:
+    """Whether ``function`` takes a keyword ``parameter`` (JAX's API may change)."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return parameter in params
+
+
 def _start(spec: DistributedSpec, what: str) -> None:
     if backends_initialized():
         raise RuntimeError(_TOO_EARLY.format(what=what))
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    extra: dict[str, Any] = {}
+    bind = _bind_address(spec.coordinator_address)
+    if (
+        bind is not None
+        and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+        and _accepts(jax.distributed.initialize, "coordinator_bind_address")
+    ):
+        extra["coordinator_bind_address"] = bind
     try:
         jax.distributed.initialize(
             coordinator_address=spec.coordinator_address,
@@ -279,6 +329,7 @@ def _start(spec: DistributedSpec, what: str) -> None:
             initialization_timeout=spec.initialization_timeout,
             heartbeat_timeout_seconds=spec.heartbeat_timeout,
             shutdown_timeout_seconds=spec.shutdown_timeout,
+            **extra,
         )
     except RuntimeError as e:
         if "before any JAX calls" in str(e):

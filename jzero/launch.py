@@ -12,12 +12,26 @@ Decisions:
 * Output: every line of a child's stdout (stderr) goes to the launcher's stdout (stderr),
   prefixed ``[p<id>] ``, one reader thread per stream, whole lines only.
 * Shutdown: every child runs in its own session (its own process group), so a signal reaches
-  its whole tree and the terminal's Ctrl-C reaches only the launcher. When a child fails, on
-  Ctrl-C or on SIGTERM, every group still alive gets SIGTERM, then SIGKILL after a grace period
-  (10 s by default); groups of children that exited are cleared the same way, so nothing a child
+  its whole tree and the terminal's Ctrl-C reaches only the launcher. The launcher forwards the
+  signal it gets to every child's group: SIGINT as SIGINT, SIGTERM as SIGTERM, and SIGHUP (a
+  dropped ssh session) as SIGTERM. It then waits up to a grace period (``--grace-period``, 30 s
+  by default; make it cover a checkpoint save: ``jzero train`` finishes its step, saves and
+  exits 143 on SIGTERM, 130 on SIGINT) and SIGKILLs every group still alive. A second signal
+  while it waits SIGKILLs them at once. When a child fails, the others get SIGTERM and the same
+  grace period; groups of children that exited are cleared the same way, so nothing a child
   started outlives the launcher. The exit status is the first failing child's (128 + signal
-  number for a child killed by a signal), 130 on Ctrl-C, 143 on SIGTERM; a message names the
-  failed process and its code.
+  number for a child killed by a signal), or 130 after SIGINT, 143 after SIGTERM and 129 after
+  SIGHUP; a message names the failed process and its code. SIGTERM, SIGINT and SIGHUP are
+  graceful: the children can save a final checkpoint.
+* Children die with the launcher, even on ``kill -9`` of the launcher (which no program can
+  catch): then there is no grace period and no final checkpoint. Each child starts through a
+  small stdlib-only Python wrapper (``_WRAPPER``) that asks Linux for SIGKILL when its parent
+  dies (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``), exits at once if the launcher is
+  already gone, then ``exec``s the command in place (same pid). ``subprocess``'s
+  ``preexec_fn`` is not used: it is unsafe with the reader threads running. Only the child
+  itself is covered, not processes it starts (those are stopped through its group when the
+  launcher lives to do so). On other systems the wrapper skips ``prctl``. A launcher output
+  that goes away (a closed terminal) does not block the children: their lines are then dropped.
 * The launcher runs no JAX computation: it only starts and stops processes.
 """
 
@@ -27,6 +41,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,12 +56,51 @@ from jzero.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 __all__ = ["add_commands", "child_env", "free_port", "launch", "main"]
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-DEFAULT_GRACE_PERIOD = 10.0
+DEFAULT_GRACE_PERIOD = 30.0
 _POLL_S = 0.05
 
 
-class _Terminated(Exception):
-    """The launcher itself got SIGTERM."""
+# The signals the launcher handles, what it forwards to the children, and its exit code.
+_FORWARDED = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM}
+_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+if hasattr(signal, "SIGHUP"):
+    _FORWARDED[signal.SIGHUP] = signal.SIGTERM
+    _EXIT_CODES[signal.SIGHUP] = 129
+
+# Run as ``python -c _WRAPPER LAUNCHER_PID COMMAND...``: stdlib only (no jzero, hence no JAX).
+# PR_SET_PDEATHSIG is 1 on Linux; the death signal survives execvp.
+_WRAPPER = """\
+import os, sys
+parent = int(sys.argv[1])
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes, signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:
+    sys.exit(f"jzero launch: the launcher (pid {parent}) is gone; not starting {sys.argv[2]}")
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    sys.stderr.write(f"jzero launch: could not start {sys.argv[2]}: {e}\\n")
+    sys.exit(127)
+"""
+
+
+def _wrapped(argv: Sequence[str], launcher_pid: int) -> list[str]:
+    """``argv`` started through :data:`_WRAPPER`: killed when ``launcher_pid`` dies (Linux)."""
+    return [sys.executable, "-I", "-S", "-c", _WRAPPER, str(launcher_pid), *argv]
+
+
+class _Signals:
+    """A signal handler that only records what it got (checked by the launcher's loops)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
 
 
 def free_port() -> int:
@@ -94,11 +148,17 @@ def _resolve_command(command: Sequence[str]) -> list[str]:
 
 
 def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    broken = False
     for raw in iter(stream.readline, b""):
+        if broken:  # keep reading, so that a child never blocks on a full pipe
+            continue
         line = raw.decode(errors="replace").rstrip("\r\n")
         with lock:
-            out.write(f"{prefix}{line}\n")
-            out.flush()
+            try:
+                out.write(f"{prefix}{line}\n")
+                out.flush()
+            except (OSError, ValueError):  # the terminal or the pipe is gone (e.g. SIGHUP)
+                broken = True
     stream.close()
 
 
@@ -116,19 +176,40 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _stop_all(procs: Sequence[subprocess.Popen], grace_period: float) -> None:
-    """SIGTERM to every child's group, SIGKILL to what is left after ``grace_period``."""
-    _signal_groups(procs, signal.SIGTERM)
+def _stop_all(procs: Sequence[subprocess.Popen], grace_period: float, signals: _Signals) -> None:
+    """Stops every child's group: the launcher's signal forwarded (SIGTERM when it got none),
+    SIGKILL to what is left after ``grace_period`` or at once on a further signal."""
+    received = signals.received
+    handled = min(len(received), 1)  # a signal already received beyond the first escalates
+    _signal_groups(procs, _FORWARDED[received[0]] if received else signal.SIGTERM)
     deadline = time.monotonic() + grace_period
     while time.monotonic() < deadline:
+        if len(received) > handled:
+            if handled:
+                break  # a second signal: SIGKILL now
+            handled = 1  # the first signal while stopping after a failure: forwarded as well
+            _signal_groups(procs, _FORWARDED[received[0]])
+            continue
         for p in procs:
             p.poll()
         if all(p.returncode is not None and not _group_alive(p.pid) for p in procs):
             return
         time.sleep(_POLL_S)
     _signal_groups(procs, signal.SIGKILL)
-    for p in procs:
-        p.wait()
+
+
+def _check_runnable(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Raises ``ValueError`` when ``argv[0]`` cannot be run (the wrapper would exit 127)."""
+    program = argv[0]
+    if os.sep in program:
+        found = program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    else:
+        found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise ValueError(
+            f"could not start {shlex.join(argv)}: {program!r} is not an executable file. Check "
+            "the command's spelling and that it is on PATH (or give its full path)."
+        )
 
 
 def _exit_code(returncode: int) -> int:
@@ -155,13 +236,14 @@ def launch(
       devices_per_process: virtual CPU devices per process (``XLA_FLAGS``); ``None`` keeps
         the environment's.
       port: the coordinator port; a free one when ``None``.
-      grace_period: seconds between SIGTERM and SIGKILL when stopping the children.
+      grace_period: seconds between the forwarded signal (SIGTERM on a failure) and SIGKILL
+        when stopping the children.
       env: the base environment; ``os.environ`` by default.
       stdout / stderr: where the prefixed lines go; ``sys.stdout`` / ``sys.stderr`` by default.
 
     Returns:
       0 when every process succeeded, else the first failing process's exit code (128 +
-      signal for a signal), 130 after Ctrl-C or 143 after SIGTERM.
+      signal for a signal), 130 after SIGINT (Ctrl-C), 143 after SIGTERM, 129 after SIGHUP.
     """
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(
@@ -176,24 +258,26 @@ def launch(
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"--port is {port}; it must be in 1..65535. Leave it out for a free one.")
     argv = _resolve_command(command)
+    base = os.environ if env is None else env
+    _check_runnable(argv, base)
     out, err = stdout or sys.stdout, stderr or sys.stderr
     port = free_port() if port is None else port
-    base = os.environ if env is None else env
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise _Terminated
-
+    signals = _Signals()
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    previous = {sig: signal.signal(sig, signals) for sig in _FORWARDED} if in_main else {}
+    launcher_pid = os.getpid()
     code, failed = 0, None
     try:
         for pid in range(num_processes):
+            if signals.received:
+                break
             try:
                 p = subprocess.Popen(
-                    argv,
+                    _wrapped(argv, launcher_pid),
                     env=child_env(base, pid, num_processes, port, devices_per_process),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
@@ -212,33 +296,43 @@ def launch(
                 )
                 t.start()
                 threads.append(t)
-        while failed is None and any(p.poll() is None for p in procs):
+        while not signals.received and failed is None and any(p.poll() is None for p in procs):
             failed = next((i for i, p in enumerate(procs) if p.poll()), None)
             time.sleep(_POLL_S)
-        failed = next((i for i, p in enumerate(procs) if p.poll()), None)
-        if failed is not None:
-            code = _exit_code(procs[failed].returncode)
-    except KeyboardInterrupt:
-        code = 130
-    except _Terminated:
-        code = 143
+        if signals.received:
+            code, failed = _EXIT_CODES[signals.received[0]], None
+        else:
+            failed = next((i for i, p in enumerate(procs) if p.poll()), None)
+            if failed is not None:
+                code = _exit_code(procs[failed].returncode)
     finally:
-        _stop_all(procs, grace_period)
-        for t in threads:
-            t.join(timeout=5)
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+        try:
+            _stop_all(procs, grace_period, signals)
+        finally:
+            for p in procs:
+                if p.poll() is None:  # _stop_all was cut short
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            for t in threads:
+                t.join(timeout=5)
+            for sig, handler in previous.items():
+                if handler is not None:  # None: a handler set outside Python, not restorable
+                    signal.signal(sig, handler)
+    message = ""
     if failed is not None:
         rc = procs[failed].returncode
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-        err.write(
+        message = (
             f"jzero launch: process {failed} (pid {procs[failed].pid}) {how}; stopped the "
             f"other {num_processes - 1} process(es). Its output above is prefixed [p{failed}]. "
             f"Command: {shlex.join(argv)}\n"
         )
     elif code:
-        err.write(f"jzero launch: interrupted; stopped all {len(procs)} process(es).\n")
-    err.flush()
+        message = f"jzero launch: interrupted; stopped all {len(procs)} process(es).\n"
+    with contextlib.suppress(OSError, ValueError):  # the terminal may be gone (SIGHUP)
+        err.write(message)
+        err.flush()
     return code
 
 
@@ -271,7 +365,8 @@ def add_commands(subparsers: Any) -> None:
         "--grace-period",
         type=float,
         default=DEFAULT_GRACE_PERIOD,
-        help="seconds between SIGTERM and SIGKILL when stopping (default 10)",
+        help="seconds between the forwarded signal (or SIGTERM) and SIGKILL when stopping; "
+        "leave time for a final checkpoint (default 30)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(func=_run)
