@@ -1,28 +1,44 @@
 #!/usr/bin/env bash
-# jzero's host-offload check for one lent GPU: ZeRO stage 2 in bf16 on a GPT of about 300 M
-# parameters, with and without offload_optimizer (pinned_host); see benchmarks/gpu_check.py.
+# jzero's checks for one lent GPU: one section per issue that asks for one, run one after the other.
 #
-#   bash benchmarks/gpu_check.sh [gpu_check.py flags, e.g. --layers 12]
+#   host offload  benchmarks/gpu_check.py: ZeRO stage 2 in bf16 on a GPT of about 300 M
+#                 parameters, with and without offload_optimizer (pinned_host). $OUT/gpu_check.json
+#   step time     benchmarks/gpu_step_time.py: the same GPT under ZeRO stages 0-3 against a
+#                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile
+#                 time, collective bytes, layout copies, peak memory. $OUT/gpu_step_time.json
+#
+#   bash benchmarks/gpu_check.sh [flags for every section, e.g. --layers 12]
+#   JZERO_GPU_SECTIONS="step_time" bash benchmarks/gpu_check.sh   # some sections only
+#
+# The flags go to every section, so pass only those they share: --smoke, --layers, --d-model,
+# --heads, --seq-len, --micro-batch, --steps, --warmup.
 #
 # It builds its own virtual environment (the repo's .venv is for CPU): python3 -m venv, then
 # jzero with the pinned versions of constraints.txt and jax[cuda12] of the pinned jax version.
 # JZERO_WHEELS=<folder> installs from wheels in that folder instead of a package index. Where no
 # index is reachable and no wheels are given, it says so and runs on the python3 already on the
-# machine (its own JAX, jzero from this source tree); the table prints the JAX version used.
-# Writes $OUT/gpu_check.json when OUT is set. The whole check is bounded to under 6 minutes.
+# machine (its own JAX, jzero from this source tree); each table prints the JAX version used.
+#
+# Time: the whole script finishes in under 8 minutes. The install is bounded to 150 s, the host
+# offload section to 160 s and the step-time section to 170 s (it gets --time-budget a little
+# under that, so it stops its variants and still prints its table); each section is also cut to
+# what is left of the overall limit. A section that fails or runs out of time says so and the
+# next one runs; the exit status is non-zero when any section failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
+overall=465  # seconds: 8 minutes less a margin for start-up and a last SIGKILL grace
 venv="${JZERO_GPU_VENV:-/tmp/jzero-gpu-venv}"
+sections="${JZERO_GPU_SECTIONS:-offload step_time}"
 jax_version="$(sed -n 's/^jax==//p' constraints.txt)"
 source_opts=(--retries 1 --timeout 15)
 if [[ -n "${JZERO_WHEELS:-}" ]]; then
   source_opts=(--no-index --find-links "$JZERO_WHEELS")
 fi
 
-install() {
-  python3 -m venv "$venv" &&
-    timeout 150 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+install() {  # 150 s in all
+  timeout 30 python3 -m venv "$venv" &&
+    timeout $((150 - (SECONDS - start))) "$venv/bin/python" -m pip install -q --disable-pip-version-check \
       "${source_opts[@]}" -c constraints.txt -e . "jax[cuda12]==$jax_version"
 }
 
@@ -35,6 +51,55 @@ else
   echo "gpu_check: could not install jax[cuda12]==$jax_version (no package index or wheels);"
   echo "gpu_check: running on $(command -v python3) with its own JAX and jzero from $PWD"
 fi
-"$py" -c 'import jax; d = jax.devices()[0]; print(f"gpu_check: jax {jax.__version__}, {d.platform} {d.device_kind}")'
-left=$((350 - (SECONDS - start)))
-exec timeout "$left" "$py" benchmarks/gpu_check.py "$@"
+timeout 60 "$py" -c 'import jax; d = jax.devices()[0]; print(f"gpu_check: jax {jax.__version__}, {jax.device_count()} x {d.platform} {d.device_kind}")' ||
+  echo "gpu_check: could not list the devices (the sections will say why)"
+
+failed=()
+limit_for() {  # limit_for CAP: CAP seconds, or what is left of the overall limit when less
+  local left=$((overall - (SECONDS - start)))
+  echo $(($1 < left ? $1 : left))
+}
+
+run_section() {  # run_section NAME LIMIT COMMAND...: runs COMMAND for at most LIMIT seconds
+  local name=$1 limit=$2 rc=0
+  shift 2
+  if ((limit < 30)); then
+    echo "gpu_check: section '$name' not run: ${limit} s left of the ${overall} s limit"
+    failed+=("$name")
+    return
+  fi
+  echo
+  echo "gpu_check: section '$name' (at most ${limit} s): $*"
+  # timeout signals its whole process group, so per-variant child processes end with it.
+  timeout --kill-after=10 "$limit" "$@" || rc=$?
+  if ((rc == 124 || rc == 137)); then
+    echo "gpu_check: section '$name' timed out after ${limit} s"
+    failed+=("$name")
+  elif ((rc != 0)); then
+    echo "gpu_check: section '$name' failed with exit status $rc"
+    failed+=("$name")
+  else
+    echo "gpu_check: section '$name' passed"
+  fi
+}
+
+for section in $sections; do
+  case "$section" in
+    offload) run_section "host offload" "$(limit_for 160)" "$py" benchmarks/gpu_check.py "$@" ;;
+    step_time)
+      limit=$(limit_for 170)  # the script's own budget ends 15 s earlier: its table still prints
+      run_section "step time" "$limit" \
+        "$py" benchmarks/gpu_step_time.py --time-budget $((limit - 15)) "$@"
+      ;;
+    *)
+      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time)"
+      failed+=("$section")
+      ;;
+  esac
+done
+echo
+echo "gpu_check: done in $((SECONDS - start)) s"
+if ((${#failed[@]})); then
+  echo "gpu_check: failed sections: ${failed[*]}"
+  exit 1
+fi

@@ -10,8 +10,14 @@ present). Every figure comes from the compiled program or from live arrays:
   stage 0 16 Psi, stage 1 4 Psi + 4 Psi + 8 Psi/N, stage 2 4 Psi + 12 Psi/N, stage 3 16 Psi/N;
 * collectives: full-buffer bytes per step by kind, from the compiled HLO (loops counted by
   trip count), against ZeRO's volumes in units of Psi (parameter bytes);
-* time: median step time relative to stage 0 and to a hand-written plain JAX data-parallel
-  step (replicated params, batch sharded over ``data``, the same optax update);
+* layout copies: copies and transposes adjacent to a collective in the compiled step
+  (``jzero.hlo.layout_copies``), count and MiB: re-layouts that cost memory bandwidth each step;
+* time: the median step time of each stage against the floor, a hand-written plain JAX
+  data-parallel step (``benchmarks/plain_dp.py``: replicated params, batch sharded over
+  ``data``, the same clipping and optax update; for stage 3, whose layer scan is
+  rematerialised, the same step under ``jax.checkpoint``), at each ``--devices`` count. The
+  variants run interleaved (``--repeats`` rounds of ``--steps`` steps each, every variant once
+  per round), so a slow phase of the machine hits them all alike;
 * mixed precision (``bf16: {enabled: true}``): the live bytes per device of the 16-bit params,
   the float32 master weights and the moments, plus the 16-bit gradient, against the ZeRO
   paper's K = 12 formulas (16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N with Psi the
@@ -35,12 +41,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero.hlo import collectives, program_text  # noqa: E402
+from jzero.hlo import collectives, layout_copies, program_text  # noqa: E402
 from jzero.models import gpt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain_dp import plain_dp_step  # noqa: E402
 
 MB = 1 << 20
 
@@ -55,36 +62,41 @@ def device0_bytes(tree) -> int:
     return total
 
 
-def median_time(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+def interleaved_medians(runs: dict, steps: int, repeats: int) -> dict:
+    """Median seconds a step of each variant: ``repeats`` rounds, each timing ``steps`` steps of
+    every variant in turn (after one untimed step each)."""
+    times = {name: [] for name in runs}
+    for run in runs.values():
+        jax.block_until_ready(run())
+    for _ in range(repeats):
+        for name, run in runs.items():
+            for _ in range(steps):
+                t = time.perf_counter()
+                jax.block_until_ready(run())
+                times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-def plain_dp_step(params, tx, loss, mesh, batch, steps):
-    """The floor: replicated params, batch over `data`, one all-reduce, the same update."""
-    rep = NamedSharding(mesh, P())
-    params = jax.device_put(params, rep)
-    opt_state = jax.device_put(tx.init(params), rep)
-    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss_value, grads = jax.value_and_grad(loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss_value
-
-    state = [params, opt_state]
-
-    def run():
-        state[0], state[1], lv = step(state[0], state[1], batch)
-        return lv
-
-    run()
-    return median_time(run, steps)
+def step_times(params, loss, batch, n: int, steps: int, repeats: int) -> tuple[dict, dict]:
+    """Interleaved step times of plain data parallelism and stages 0-3 on the first ``n``
+    devices, and each stage's layout copies (count, bytes)."""
+    mesh = jzero.make_mesh(n, devices=jax.devices()[:n])
+    tbs = batch["tokens"].shape[0]
+    runs, copies = {}, {}
+    for stage in range(4):
+        config = {
+            "train_batch_size": tbs,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config, mesh=mesh)
+        found = layout_copies(engine.lower(batch).compile())
+        copies[stage] = (len(found), sum(c.bytes for c in found))
+        runs[stage] = lambda e=engine: e.train_step(batch)["loss"]
+    tx = optax.adamw(1e-3)
+    runs["plain"] = plain_dp_step(params, tx, loss, mesh, batch, clip=1.0)
+    runs["plain+remat"] = plain_dp_step(params, tx, loss, mesh, batch, clip=1.0, remat=True)
+    return interleaved_medians(runs, steps, repeats), copies
 
 
 def main(argv=None) -> None:
@@ -93,7 +105,9 @@ def main(argv=None) -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps a round, per variant")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--devices", default="2,8", help="device counts for the step-time table")
     ap.add_argument("--no-bf16", action="store_true", help="skip the mixed-precision tables")
     args = ap.parse_args(argv)
 
@@ -124,7 +138,7 @@ def main(argv=None) -> None:
         2: (4 + 12 / n, "Psi RS + Psi AG"),
         3: (16 / n, "3 Psi (2 AG + RS)"),
     }
-    rows, times = [], {}
+    rows = []
     for stage in range(4):
         config = {
             "train_batch_size": tbs,
@@ -136,8 +150,7 @@ def main(argv=None) -> None:
         coll = collectives(compiled)
         grads = engine.plan.model_state_bytes()["grads"]
         p_b, o_b = device0_bytes(engine.params), device0_bytes(engine.opt_state)
-        engine.train_step(batch)
-        times[stage] = median_time(lambda e=engine: e.train_step(batch)["loss"], args.steps)
+        copies = layout_copies(compiled)
         rows.append(
             (
                 stage,
@@ -152,9 +165,10 @@ def main(argv=None) -> None:
                 coll["reduce-scatter"].bytes / psi,
                 coll["all-gather"].bytes / psi,
                 zero[stage][1],
+                len(copies),
+                sum(c.bytes for c in copies) / MB,
             )
         )
-    floor = plain_dp_step(params, optax.adamw(1e-3), loss, engine.mesh, batch, args.steps)
 
     print("\nPer-device memory (MiB)")
     hdr = "stage  params   grads  opt state  model state  ZeRO formula     args     temp"
@@ -174,13 +188,38 @@ def main(argv=None) -> None:
             f"{r[0]:>5}  {r[8]:10.3f}  {r[9]:14.3f}  {r[10]:10.3f}  {r[8] + r[9] + r[10]:5.2f}"
             f"  {r[11]}"
         )
-    print(f"\nStep time (median of {args.steps} steps)")
-    hdr = "stage  ms/step  vs stage 0  vs plain JAX DP"
+    print("\nLayout copies around collectives (copies/transposes next to a collective)")
+    hdr = "stage  count     MiB"
     print(hdr)
     print("-" * len(hdr))
-    print(f"{'plain':>5}  {floor * 1e3:7.1f}  {floor / times[0]:10.2f}  {1.0:14.2f}")
-    for s, t in times.items():
-        print(f"{s:>5}  {t * 1e3:7.1f}  {t / times[0]:10.2f}  {t / floor:14.2f}")
+    for r in rows:
+        print(f"{r[0]:>5}  {r[12]:5d}  {r[13]:6.2f}")
+    for count in [int(c) for c in args.devices.split(",") if c]:
+        if count > n:
+            print(f"\n(skipping {count} devices: this machine has {n})")
+            continue
+        sub = {"tokens": batch["tokens"][: args.micro_batch * count]}
+        times, copies = step_times(params, loss, sub, count, args.steps, args.repeats)
+        floor, remat_floor = times["plain"], times["plain+remat"]
+        print(
+            f"\nStep time on {count} devices, global batch {args.micro_batch * count}: median of "
+            f"{args.repeats} interleaved rounds x {args.steps} steps"
+        )
+        hdr = "variant       ms/step  vs plain DP  vs plain DP+remat  layout copies MiB"
+        print(hdr)
+        print("-" * len(hdr))
+        print(f"{'plain DP':<12}  {floor * 1e3:7.1f}  {1.0:11.2f}  {floor / remat_floor:17.2f}")
+        print(
+            f"{'plain+remat':<12}  {remat_floor * 1e3:7.1f}  {remat_floor / floor:11.2f}"
+            f"  {1.0:17.2f}"
+        )
+        for stage in range(4):
+            t = times[stage]
+            print(
+                f"{'stage ' + str(stage):<12}  {t * 1e3:7.1f}  {t / floor:11.2f}  "
+                f"{t / remat_floor:17.2f}  {copies[stage][1] / MB:17.2f}"
+            )
+        print("(targets: stages 0-2 <= 1.05 x plain DP; stage 3 <= 1.25 x plain DP+remat)")
     sys.stdout.flush()
     if not args.no_bf16:
         mixed_precision(params, loss, batch, tbs, psi_elems, n)

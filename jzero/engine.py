@@ -74,6 +74,7 @@ class Engine:
         batch_sizes: tuple[int, int, int],
         stateful: bool = False,
         to_model: Callable[[PyTree, PyTree], Any] | None = None,
+        replan: Callable[..., Plan] | None = None,
     ):
         self.config = config
         self.plan = plan
@@ -84,8 +85,11 @@ class Engine:
         self.train_batch_size, self.micro_batch_size, self.accumulation_steps = batch_sizes
         self.stateful = stateful
         self._to_model = to_model
+        self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
+        self._layout_fitted = replan is None
         self._steps: dict[bool, Callable[..., Any]] = {}
         self._evals: dict[bool, Callable[..., Any]] = {}
+        self._aux_seen: dict[Any, bool] = {}
         self.iteration = 0
         """Train steps run so far, skipped ones included: the number checkpoints are saved as."""
         self.data_iterator: Any = None
@@ -153,8 +157,19 @@ class Engine:
                 )
 
     def _has_aux(self, batch: PyTree) -> bool:
+        """Whether the loss returns ``(loss, aux)``; traced once per batch structure and shapes
+        (tracing a model's loss on every step would cost host time between steps)."""
         if self.stateful:
             return False
+        key = (
+            jax.tree.structure(batch),
+            tuple((np.shape(x)[1:], np.dtype(x.dtype)) for x in jax.tree.leaves(batch)),
+        )
+        if key not in self._aux_seen:
+            self._aux_seen[key] = self._trace_has_aux(batch)
+        return self._aux_seen[key]
+
+    def _trace_has_aux(self, batch: PyTree) -> bool:
         micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
             batch,
@@ -169,7 +184,50 @@ class Engine:
             "Return the mean loss of the batch it is given."
         )
 
+    def fit_layout(self, batch: PyTree) -> None:
+        """Finds the stacked-layer dimensions the loss's scans consume, once.
+
+        The loss is traced on a micro-batch of ``batch``'s shapes (arrays or
+        ``jax.ShapeDtypeStruct``; nothing runs). Where the plan shards parameters at rest
+        (stage 3) on such a dimension, the engine re-plans and moves the state to the new layout,
+        so each layer is gathered on its own. The first ``train_step``, ``evaluate`` or
+        ``lower`` calls it; call it yourself to see the final plan (``describe()``) before.
+        """
+        if self._layout_fitted:
+            return
+        self._layout_fitted = True
+        if not self.plan.stage.shard_params:
+            return
+        from jzero.gather import layer_dims
+
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
+            batch,
+        )
+        args = (self.state.extra, micro) if self.stateful else (micro,)
+        dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
+        new = self._replan(layer_dims=dims)
+        if new.param_dims == self.plan.param_dims:
+            self.plan = new
+            return
+        moved = [
+            leaf.path
+            for leaf, old in zip(new.leaves, self.plan.leaves, strict=True)
+            if leaf.param_dim != old.param_dim
+        ]
+        self.state = jax.device_put(self.state, state_shardings(new))
+        self.plan = new
+        self._steps.clear()
+        self._evals.clear()
+        logger.info(
+            "jzero: %d stacked-layer parameters (%s) are now sharded beside the dimension their "
+            "scan consumes, so stage 3 gathers one layer at a time",
+            len(moved),
+            ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
+        )
+
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
+        self.fit_layout(batch)
         has_aux = self._has_aux(batch)
         if has_aux not in self._steps:
             self._steps[has_aux] = make_train_step(
@@ -216,6 +274,7 @@ class Engine:
                 f"leading dims {sorted(lead)} on this process. Pass a batch of that size."
             )
         batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
+        self.fit_layout(batch)
         has_aux = self._has_aux(batch)
         if has_aux not in self._evals:
             self._evals[has_aux] = make_eval_step(
@@ -478,7 +537,8 @@ def initialize(
     opt_kind, param_kind = offload.memory_kinds_from_config(
         cfg.zero_optimization, mesh.devices.flat
     )
-    plan = make_plan(
+    replan = functools.partial(
+        make_plan,
         abstract,
         tx,
         mesh,
@@ -489,6 +549,7 @@ def initialize(
         offload_optimizer=opt_kind,
         offload_params=param_kind,
     )
+    plan = replan()
     sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)
     if init_fn is not None:
         made = jax.eval_shape(init_fn, key)
@@ -530,4 +591,5 @@ def initialize(
         batch_sizes=sizes,
         stateful=adapted is not None,
         to_model=None if adapted is None else adapted.to_model,
+        replan=replan,
     )

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-__all__ = ["all_gather", "checkpoint_policy", "gathered"]
+__all__ = ["all_gather", "checkpoint_policy", "gathered", "layer_dims"]
 
 
 @dataclass(frozen=True)
@@ -217,3 +217,57 @@ def gathered(
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return g
+
+
+_PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
+
+
+def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | None]:
+    """Per leaf of ``params``, the stacked-layer dimension a ``scan`` in ``fn`` consumes.
+
+    ``fn(params, *args)`` is traced once (abstract values, nothing runs). A parameter that
+    reaches a ``scan`` as a scanned operand (possibly through dtype casts and nested ``jit``)
+    has its leading dimension consumed one slice per iteration: that dimension is 0. Stage 3
+    must keep it whole (:mod:`jzero.plan`), so that this module can gather one layer at a time.
+
+    Args:
+      fn: the loss function of full parameters.
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+      args: example arguments (arrays or ``ShapeDtypeStruct``), e.g. a micro-batch.
+
+    Returns:
+      One entry per leaf of ``params`` in ``jax.tree.leaves`` order: 0 or ``None``.
+    """
+    closed = jax.make_jaxpr(fn)(params, *args)
+    num = len(jax.tree.leaves(params))
+    found: list[int | None] = [None] * num
+
+    def visit(jaxpr: Any, origin: dict[Any, int]) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [
+                origin.get(v) if not isinstance(v, jex_core.Literal) else None for v in eqn.invars
+            ]
+            if not any(i is not None for i in ins):
+                continue
+            name = eqn.primitive.name
+            if name in _PASS_THROUGH:
+                origin[eqn.outvars[0]] = ins[0]
+            elif name in ("pjit", "jit", "closed_call"):
+                inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+                if hasattr(inner, "jaxpr"):
+                    visit(
+                        inner.jaxpr,
+                        {
+                            v: i
+                            for v, i in zip(inner.jaxpr.invars, ins, strict=True)
+                            if i is not None
+                        },
+                    )
+            elif name == "scan":
+                first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+                for i in ins[first_xs:]:
+                    if i is not None:
+                        found[i] = 0
+
+    visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:num])})
+    return found

@@ -26,7 +26,15 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CollectiveStats", "KINDS", "collectives", "program_text", "summary"]
+__all__ = [
+    "CollectiveStats",
+    "KINDS",
+    "LayoutCopy",
+    "collectives",
+    "layout_copies",
+    "program_text",
+    "summary",
+]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -94,6 +102,26 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     return 1
 
 
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The HLO text's computations (name -> instruction lines) and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith(" "):
+                current = comps.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = m.group(1)
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        current.append(line)
+    return comps, entry
+
+
 def _text(compiled: Any) -> str:
     if isinstance(compiled, str):
         return compiled
@@ -109,21 +137,7 @@ def collectives(compiled: Any) -> dict[str, CollectiveStats]:
     Returns:
       ``{kind: CollectiveStats}`` for every kind in :data:`KINDS` (zero when absent).
     """
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current: list[str] | None = None
-    for line in _text(compiled).splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m and not line.startswith(" "):
-                current = comps.setdefault(m.group(1), [])
-                if line.startswith("ENTRY"):
-                    entry = m.group(1)
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        current.append(line)
+    comps, entry = _computations(_text(compiled))
     stats = {k: CollectiveStats(k) for k in KINDS}
     if entry is None:
         return stats
@@ -156,6 +170,89 @@ def collectives(compiled: Any) -> dict[str, CollectiveStats]:
 
     visit(entry, 1)
     return stats
+
+
+@dataclass(frozen=True)
+class LayoutCopy:
+    """A copy or transpose that feeds a collective or reads its result: a re-layout."""
+
+    name: str
+    bytes: int
+    collective: str
+    line: str
+
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_LAYOUT_OPS = ("copy", "transpose")
+
+
+def _operands(rest: str) -> list[str]:
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def layout_copies(compiled: Any) -> list[LayoutCopy]:
+    """Every copy or transpose adjacent to a collective in a compiled program.
+
+    A re-layout is a ``copy`` or ``transpose`` instruction, or a fusion that wraps only one of
+    them (``wrapped_copy``), whose operand is the result of a collective or whose result is an
+    operand of one. Such instructions appear when a collective runs along a minor dimension of
+    its buffer's layout: XLA moves the data to make that dimension major and back, costing a
+    read and a write of the buffer each time.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+    Returns:
+      One :class:`LayoutCopy` per such instruction (each counted once per program, not per
+      loop iteration), its output bytes and the collective kind it touches.
+    """
+    comps, _ = _computations(_text(compiled))
+    kinds = {f"{k}{s}" for k in KINDS for s in ("", "-start", "-done")}
+
+    def root_op(name: str) -> str | None:
+        lines = comps.get(name, [])
+        if len(lines) > 3:  # more than parameter(s) and the root: real computation
+            return None
+        for line in lines:
+            m = _INSTR.match(line)
+            if line.lstrip().startswith("ROOT") and m:
+                return m.group(2)
+        return None
+
+    found: list[LayoutCopy] = []
+    for lines in comps.values():
+        info: dict[str, tuple[str, str, list[str], str]] = {}
+        for line in lines:
+            n, m = _NAME.match(line), _INSTR.match(line)
+            if not (n and m):
+                continue
+            shape, op, rest = m.groups()
+            if op == "fusion":
+                callee = re.search(r"calls=%?([\w.\-]+)", line)
+                inner = root_op(callee.group(1)) if callee else None
+                op = inner if inner in _LAYOUT_OPS else op
+            info[n.group(1)] = (op, shape, _operands(rest), line)
+        for name, (op, shape, operands, line) in info.items():
+            if op not in _LAYOUT_OPS:
+                continue
+            touches = [info[o][0] for o in operands if o in info and info[o][0] in kinds]
+            touches += [
+                other_op
+                for other_op, _, other_operands, _ in info.values()
+                if other_op in kinds and name in other_operands
+            ]
+            if touches:
+                size = sum(_shape_bytes(shape))
+                kind = touches[0].removesuffix("-start").removesuffix("-done")
+                found.append(LayoutCopy(name, size, kind, line.strip()[:200]))
+    return found
 
 
 def program_text(lowered: Any) -> str:

@@ -4,12 +4,19 @@ Decisions:
 
 * The plan is computed from abstract values only (``jax.ShapeDtypeStruct``), so it exists before
   any parameter is allocated and works for meshes larger than the machine (an abstract mesh).
-* Leaf rule: a leaf is sharded over the data axis on the largest dimension that the data-axis
-  size divides; on a tie the *last* such dimension wins, so a leading stacked-layer dimension
-  stays whole and stage 3 can gather one layer at a time. A leaf with no divisible dimension
-  stays replicated. At stage 3 a parameter with fewer elements than
-  ``stage3_param_persistence_threshold`` stays replicated (DeepSpeed's persistent parameters);
-  its gradient and optimizer state are still sharded, as in DeepSpeed.
+* Leaf rule: a leaf is sharded over the data axis on its *leading* dimension that the data-axis
+  size divides, so that every shard is one contiguous block of the row-major array (FSDP2's
+  dim-0 sharding, DeepSpeed's flat partitions). Collectives on a major dimension need no layout
+  copies around them; the former rule (largest dimension, last on a tie) made XLA gather and
+  reduce-scatter along minor dimensions with copies of gradient and parameter size around each
+  (160 ``copy`` ops in a stage-1 GPT step, measured). Where parameters are sharded at rest
+  (stage 3), a stacked-layer dimension that a ``scan`` consumes (``layer_dims``, found by
+  tracing the loss: :func:`jzero.gather.layer_dims`) is skipped, so the scan's per-layer
+  slice stays whole and is gathered one layer at a time; each layer's shard is then contiguous
+  within the layer. A leaf with no divisible dimension stays replicated.
+* At stage 3 a parameter with fewer elements than ``stage3_param_persistence_threshold`` stays
+  replicated (DeepSpeed's persistent parameters); its gradient and optimizer state are still
+  sharded, as in DeepSpeed.
 * A user's own ``PartitionSpec`` on other mesh axes is kept; the data axis goes on a dimension
   that the user left free.
 * Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works;
@@ -43,6 +50,7 @@ __all__ = [
     "Plan",
     "is_host",
     "make_plan",
+    "is_contiguous",
     "on_device",
     "shard_dim",
 ]
@@ -67,28 +75,40 @@ def on_device(shardings: PyTree) -> PyTree:
 
 
 def shard_dim(
-    shape: Sequence[int], num_shards: int, free: Sequence[bool] | None = None
+    shape: Sequence[int],
+    num_shards: int,
+    free: Sequence[bool] | None = None,
+    skip: Sequence[int] = (),
 ) -> int | None:
-    """The dimension a leaf is sharded on: the largest one ``num_shards`` divides, else ``None``.
+    """The dimension a leaf is sharded on: the leading one ``num_shards`` divides, else ``None``.
 
     Args:
       shape: the leaf's shape.
       num_shards: the size of the data axis.
       free: per dimension, whether it is free for the data axis (not used by another axis).
+      skip: dimensions that must stay whole (a stacked-layer dimension a scan consumes).
 
     Returns:
-      The chosen dimension (the last one on a tie), or ``None`` when no dimension fits or there
-      is only one shard.
+      The first dimension in order that fits, or ``None`` when none fits or there is only one
+      shard.
     """
     if num_shards <= 1:
         return None
-    best = None
     for d, n in enumerate(shape):
-        if free is not None and not free[d]:
+        if (free is not None and not free[d]) or d in skip:
             continue
-        if n >= num_shards and n % num_shards == 0 and (best is None or n >= shape[best]):
-            best = d
-    return best
+        if n >= num_shards and n % num_shards == 0:
+            return d
+    return None
+
+
+def is_contiguous(shape: Sequence[int], dim: int | None, layer_dims: Sequence[int] = ()) -> bool:
+    """Whether sharding ``shape`` on ``dim`` gives each device one contiguous block of the
+    row-major array (per layer slice when ``layer_dims`` lead): every dimension before ``dim``,
+    other than the stacked-layer ones, has size 1."""
+    if dim is None:
+        return True
+    return all(shape[d] == 1 or d in layer_dims for d in range(dim))
 
 
 def _spec_with(base: P, ndim: int, dim: int | None, axis: str) -> P:
@@ -119,6 +139,7 @@ class LeafPlan:
       param_dim: the dimension sharded over the data axis at rest, or ``None`` (replicated).
       state_dim: the dimension that gradients and optimizer state are sharded on, or ``None``.
       note: why ZeRO could not shard this leaf, empty when it could.
+      layer_dim: the stacked-layer dimension a ``scan`` consumes, or ``None``.
     """
 
     path: str
@@ -127,6 +148,7 @@ class LeafPlan:
     param_dim: int | None
     state_dim: int | None
     note: str = ""
+    layer_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -180,6 +202,11 @@ class Plan:
     def param_dims(self) -> list[int | None]:
         """Per parameter leaf, the dimension sharded at rest (``None`` if replicated)."""
         return [leaf.param_dim for leaf in self.leaves]
+
+    @property
+    def layer_dims(self) -> tuple[int | None, ...]:
+        """Per parameter leaf, the stacked-layer dimension a scan consumes (``None``: none)."""
+        return tuple(leaf.layer_dim for leaf in self.leaves)
 
     @property
     def state_dims(self) -> list[int | None]:
@@ -286,6 +313,16 @@ class Plan:
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")
+        lines.append(
+            "each leaf is sharded on its leading dimension that the data axis divides "
+            "(contiguous shards)"
+            + (
+                "; a stacked-layer dimension a scan consumes stays whole, so each layer is "
+                "gathered on its own"
+                if self.stage.shard_params and any(d is not None for d in self.layer_dims)
+                else ""
+            )
+        )
         for where, totals in (
             ("device", self.model_state_bytes()),
             ("host", self.host_state_bytes()),
@@ -317,20 +354,24 @@ def _leaf_plan(
     stage: StageSpec,
     axis: str,
     persistence_threshold: int,
+    layer_dim: int | None = None,
 ) -> LeafPlan:
     shape = tuple(x.shape)
     free = [d >= len(base) or base[d] is None for d in range(len(shape))]
-    # Dims a user already split over other axes count at their per-device size.
-    dim = shard_dim(shape, num_shards, free)
+    # At rest-sharded stages the scan's per-layer slice must stay whole.
+    skip = (layer_dim,) if layer_dim is not None and stage.shard_params else ()
+    dim = shard_dim(shape, num_shards, free, skip)
     note = ""
     if not stage.shard_opt_state:
-        return LeafPlan(path, shape, x.dtype, None, None, "")
+        return LeafPlan(path, shape, x.dtype, None, None, "", layer_dim)
     if dim is None:
         note = (
             f"no dimension of {shape} is divisible by the data axis size {num_shards}"
             if num_shards > 1
             else "the data axis has one device"
         )
+        if skip and shard_dim(shape, num_shards, free) is not None:
+            note += f" apart from its stacked-layer dimension {layer_dim}, which stays whole"
     param_dim = dim if stage.shard_params else None
     if param_dim is not None and math.prod(shape) < persistence_threshold:
         param_dim = None
@@ -338,7 +379,7 @@ def _leaf_plan(
             f"parameter kept whole: {math.prod(shape):,} elements is below "
             f"stage3_param_persistence_threshold={persistence_threshold:,}"
         )
-    return LeafPlan(path, shape, x.dtype, param_dim, dim, note)
+    return LeafPlan(path, shape, x.dtype, param_dim, dim, note, layer_dim)
 
 
 def make_plan(
@@ -353,6 +394,7 @@ def make_plan(
     precision: Precision | None = None,
     offload_optimizer: str | None = None,
     offload_params: str | None = None,
+    layer_dims: Sequence[int | None] | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -371,6 +413,8 @@ def make_plan(
         master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
       offload_params: a host memory kind for the parameters at rest, at stage 3 only
         (DeepSpeed's ``offload_param``).
+      layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
+        consumes, or ``None``; from :func:`jzero.gather.layer_dims`. Stage 3 never shards it.
 
     Returns:
       The :class:`Plan`.
@@ -418,9 +462,15 @@ def make_plan(
                     f"{axis!r}; jzero places the data axis itself. Remove {axis!r} from it."
                 )
     n = int(mesh.shape[axis])
+    layer_dims = tuple(layer_dims) if layer_dims is not None else (None,) * len(flat)
+    if len(layer_dims) != len(flat):
+        raise ValueError(
+            f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
+            "pass one stacked-layer dimension (or None) per leaf."
+        )
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, n, spec, axis, persistence_threshold)
-        for (path, x), b in zip(flat, bases, strict=True)
+        _leaf_plan(_path_str(path), x, b, n, spec, axis, persistence_threshold, ld)
+        for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 
     def shardings(dims: list[int | None]) -> PyTree:

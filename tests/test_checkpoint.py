@@ -131,7 +131,7 @@ def test_restore_into_host_memory(saved3):
     assert kinds == {"pinned_host"}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
     mu = state.opt_state[0].mu["blocks"]["w"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec(None, None, "data")
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("data")  # the leading dimension
     assert len(mu.sharding.device_set) == 4
 
 
@@ -326,7 +326,7 @@ def test_inspect_lists_steps_leaves_and_meta(saved3, capsys):
     assert "step 5 (saved on 8 devices):" in text
     assert "tree params: 6 leaves, 70,992 bytes" in text
     lines = [" ".join(line.split()) for line in text.splitlines()]
-    assert "params.blocks.w 4x64x64 float32 65,536 (None, None, 'data')" in lines
+    assert "params.blocks.w 4x64x64 float32 65,536 (None, 'data')" in lines
     assert "params.head.b 5 float32 20 ()" in lines
     assert "opt_state.0.mu.embed 12x64 float32 3,072 (None, 'data')" in lines
     assert "step () int32 4 ()" in lines

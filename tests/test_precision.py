@@ -229,8 +229,8 @@ def test_grad_accum_dtype_sets_the_accumulator():
         return " ".join(line for line in text.splitlines() if "stablehlo.while" in line)
 
     wide_loop, narrow_loop = loop_carries(wide), loop_carries(narrow)
-    assert "tensor<4x64x8xf32>" in wide_loop and "tensor<4x64x8xbf16>" not in wide_loop
-    assert "tensor<4x64x8xbf16>" in narrow_loop and "tensor<4x64x8xf32>" not in narrow_loop
+    assert "tensor<4x8x64xf32>" in wide_loop and "tensor<4x8x64xbf16>" not in wide_loop
+    assert "tensor<4x8x64xbf16>" in narrow_loop and "tensor<4x8x64xf32>" not in narrow_loop
 
 
 def test_both_precisions_at_once_is_an_error():

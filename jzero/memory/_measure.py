@@ -11,9 +11,10 @@ Decisions:
 * For more devices than the machine has, the model state comes from a plan on a
   ``jax.sharding.AbstractMesh`` and the rest of the peak (batch, temporaries) is measured on the
   local devices at the same per-device micro batch, and is labelled so.
-* The largest gathered layer: a leaf whose siblings all share its leading dim (stacked layers
-  under a ``scan``) and that is sharded on another dim is gathered one layer slice at a time;
-  any other sharded leaf is gathered whole.
+* The largest gathered layer: a leaf whose stacked-layer dimension a ``scan`` consumes (found
+  in the traced loss, ``plan.layer_dims``) and that is sharded on another dim is gathered one
+  layer slice at a time; any other sharded leaf is gathered whole. A plan made without the
+  trace (no batch) falls back to a guess: a leaf whose siblings all share its leading dim.
 * Offload variants are measured only when asked, or when a device memory is given and no stage
   fits without offload.
 """
@@ -77,7 +78,10 @@ def _largest_gathered(plan: Any) -> tuple[int, str]:
         if leaf.param_dim is None:
             continue
         elems = math.prod(leaf.shape)
-        if leaf.param_dim != 0 and stacked(leaf):
+        if leaf.layer_dim is not None:  # found in the traced loss: a scan gathers one slice
+            if leaf.param_dim != leaf.layer_dim:
+                elems //= leaf.shape[leaf.layer_dim]
+        elif leaf.param_dim != 0 and stacked(leaf):
             elems //= leaf.shape[0]
         if elems * dtype.itemsize > best:
             best, path = elems * dtype.itemsize, leaf.path
@@ -111,6 +115,7 @@ def _plan_on(engine: Any, devices: int) -> Any:
         precision=local.precision,
         offload_optimizer=_host_kind(local.opt_state),
         offload_params=_host_kind(local.params),
+        layer_dims=local.layer_dims,
     )
 
 
@@ -169,6 +174,8 @@ def memory_report(
     """
     local = engine.plan.num_shards
     n = local if devices is None else _positive(devices, "devices", str(local), integer=True)
+    if batch is not None:
+        engine.fit_layout(batch)  # the final plan: stacked layers found in the traced loss
     row = _stage_memory(engine, batch, None if n == local else _plan_on(engine, n))
     title = f"jzero memory report: ZeRO stage {row.stage}, {n} devices"
     memory = None if device_memory is None else parse_size(device_memory)
@@ -267,6 +274,7 @@ def plan_report(
                 (engine.train_batch_size, model_cfg.seq_len + 1), jnp.int32
             )
         }
+        engine.fit_layout(batch)
         seen.setdefault("devices", engine.plan.num_shards)
         seen.setdefault("micro", (engine.micro_batch_size, engine.accumulation_steps))
         seen.setdefault("psi", sum(math.prod(leaf.shape) for leaf in engine.plan.leaves))

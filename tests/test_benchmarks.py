@@ -1,0 +1,35 @@
+"""benchmarks/stages.py runs and prints its tables (on a tiny GPT), so the script behind the
+README's step-time and layout-copy figures cannot rot."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    args = ["--no-bf16", "--layers", "2", "--d-model", "32", "--seq-len", "8", "--steps", "1"]
+    args += ["--repeats", "1", "--devices", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stages.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for title in ("Per-device memory", "Collective bytes", "Layout copies", "Step time on 2"):
+        assert title in out
+    timed = out.split("Step time on 2")[1].splitlines()[3:9]
+    names = [line[:12].strip() for line in timed]
+    assert names == ["plain DP", "plain+remat", "stage 0", "stage 1", "stage 2", "stage 3"]
+    assert all(float(line[12:].split()[0]) > 0 for line in timed)  # ms/step
+    # On 2 devices the 2 stacked layers shard on their leading dimension: no stage has layout
+    # copies around its collectives. On 8 (the memory tables) they cannot, and stages 1-2 do.
+    assert [line.split()[-1] for line in timed[2:]] == ["0.00"] * 4
+    copies = [line.split() for line in out.split("Layout copies")[1].splitlines()[3:7]]
+    assert [c[0] for c in copies] == ["0", "1", "2", "3"] and float(copies[1][2]) > 0

@@ -1,0 +1,138 @@
+"""Step time: every leaf is sharded on its leading dimension the data axis divides (contiguous
+shards), never on the stacked-layer dimension a stage-3 scan consumes; the compiled stage 1-2
+steps have no layout copies around their collectives; a checkpoint written under the former
+rule (largest dimension, last on a tie) restores bit-identically."""
+
+import functools
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+import toy
+
+import jzero
+from jzero.checkpoint import Checkpointer, abstract_target
+from jzero.gather import layer_dims
+from jzero.hlo import layout_copies
+from jzero.models import gpt
+from jzero.plan import is_contiguous, make_plan
+from jzero.step import init_train_state, state_shardings
+
+FIXTURE = Path(__file__).parent / "fixtures" / "old_layout"
+N = 8
+
+
+def first_divisible(shape, skip=()):
+    return next((d for d, n in enumerate(shape) if d not in skip and n % N == 0), None)
+
+
+@functools.cache
+def stacked_params():
+    """The toy model with 8 stacked layers, so that 8 devices divide the layer dimension too;
+    plus leaves of odd shapes."""
+    params = toy.make_params(num_layers=8)
+    params["odd_lead"] = jax.numpy.zeros((6, 16), jax.numpy.float32)  # only dim 1 divides
+    return params
+
+
+def loss(params, batch):
+    return toy.loss_fn(params, batch) + 0.0 * params["odd_lead"].sum()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_leaf_is_sharded_on_its_leading_divisible_dimension(stage):
+    params = stacked_params()
+    dims = layer_dims(loss, params, toy.make_batches(1, 8)[0])
+    names = [
+        jax.tree_util.keystr(p, simple=True, separator=".")
+        for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    assert dict(zip(names, dims, strict=True)) == {
+        "blocks.b": 0, "blocks.w": 0, "embed": None, "head.b": None, "head.w": None,
+        "odd": None, "odd_lead": None,
+    }  # fmt: skip
+    mesh = jzero.make_mesh(N)
+    plan = make_plan(params, optax.adam(1e-3), mesh, stage, persistence_threshold=0,
+                     layer_dims=dims)  # fmt: skip
+    by_name = {leaf.path: leaf for leaf in plan.leaves}
+    for leaf in plan.leaves:
+        layer = (leaf.layer_dim,) if leaf.layer_dim is not None and stage == 3 else ()
+        assert leaf.state_dim == first_divisible(leaf.shape, layer), leaf
+        if leaf.state_dim is not None and leaf.shape[0] % N == 0 or layer:
+            assert is_contiguous(leaf.shape, leaf.state_dim, layer), leaf
+    # 3-D and 2-D stacked leaves: the layer dimension itself at stages 1-2 (one contiguous
+    # block each), the dimension beside it at stage 3, where the scan gathers layer by layer.
+    expected = 1 if stage == 3 else 0
+    assert by_name["blocks.w"].state_dim == by_name["blocks.b"].state_dim == expected
+    if stage == 3:
+        assert by_name["blocks.w"].param_dim == 1 != by_name["blocks.w"].layer_dim
+    # Odd shapes: (12, 64) and (6, 16) shard on their second dim, (5, 3) and (5,) stay whole.
+    assert by_name["embed"].state_dim == by_name["odd_lead"].state_dim == 1
+    assert by_name["odd"].state_dim is None and by_name["head.b"].state_dim is None
+    assert "leading dimension that the data axis divides" in plan.describe()
+
+
+def test_contiguity_is_what_the_row_major_layout_says():
+    assert is_contiguous((64, 5), 0) and is_contiguous((1, 64), 1)
+    assert not is_contiguous((12, 64), 1) and not is_contiguous((8, 64, 64), 1)
+    assert is_contiguous((8, 64, 64), 1, layer_dims=(0,))  # per layer slice
+
+
+@functools.cache
+def gpt_step(stage, devices, layers):
+    cfg = gpt.GPTConfig(vocab_size=256, seq_len=16, num_layers=layers, num_heads=2, d_model=64,
+                        d_ff=256)  # fmt: skip
+    params = gpt.init_params(jax.random.key(0), cfg)
+    config = {"train_batch_size": 2 * devices, "zero_optimization": {"stage": stage}}
+    mesh = jzero.make_mesh(devices, devices=jax.devices()[:devices])
+    engine = jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3),
+                              config, mesh=mesh)  # fmt: skip
+    batch = {"tokens": np.zeros((2 * devices, cfg.seq_len + 1), np.int32)}
+    return engine, engine.lower(batch).compile()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_compiled_step_has_no_layout_copies_around_its_collectives(stage):
+    """The built-in GPT on 2 devices: every leaf's leading dimension divides, and not one byte
+    is re-laid out around a reduce-scatter or all-gather."""
+    engine, compiled = gpt_step(stage, devices=2, layers=2)
+    assert all(leaf.state_dim == 0 for leaf in engine.plan.leaves)
+    copies = layout_copies(compiled)
+    assert copies == [], [c.line for c in copies]
+    # The same reader does see re-layouts: a program that reduce-scatters along a minor
+    # dimension gets copies of the gradient's size around the collective.
+    mesh = jzero.make_mesh(N)
+    x = jax.ShapeDtypeStruct((4, 64, 64), np.float32)
+
+    def scatter_minor(g):
+        return jax.lax.psum_scatter(g, "data", scatter_dimension=2, tiled=True)
+
+    minor = jax.jit(
+        jax.shard_map(scatter_minor, mesh=mesh, in_specs=jax.sharding.PartitionSpec(),
+                      out_specs=jax.sharding.PartitionSpec(None, None, "data"))
+    ).lower(x).compile()  # fmt: skip
+    found = layout_copies(minor)
+    assert found and max(c.bytes for c in found) == 4 * 64 * 64 * 4
+    assert {c.collective for c in found} == {"reduce-scatter"}
+
+
+def test_a_checkpoint_in_the_former_layout_restores_bit_identically(tmp_path):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(FIXTURE / "ckpt", directory)
+    expected = np.load(FIXTURE / "expected.npz")
+    params, tx = toy.make_params(d=16), optax.adamw(1e-2)
+    for stage, n in ((3, 8), (1, 4)):
+        mesh = jzero.make_mesh(n, devices=jax.devices()[:n])
+        plan = make_plan(params, tx, mesh, stage, persistence_threshold=0)
+        abstract = jax.eval_shape(functools.partial(init_train_state, plan, optimizer=tx), params)
+        state, meta = Checkpointer(directory).restore(
+            abstract_target(abstract, state_shardings(plan))
+        )
+        assert meta["layout"].startswith("largest dimension")
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        assert len(flat) == len(expected.files)
+        for path, x in flat:
+            np.testing.assert_array_equal(np.asarray(x), expected[jax.tree_util.keystr(path)])
