@@ -172,6 +172,8 @@ class Plan:
       master: under mixed precision, shardings of the float32 master weights (the update
         layout, like the optimizer state, and in the same memory); ``None`` otherwise.
       base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
+      layers_traced: whether ``layer_dims`` came from tracing the loss (so a leaf without one
+        is known not to be a scanned stack).
 
     Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
     computes on :func:`on_device` copies of them.
@@ -192,6 +194,7 @@ class Plan:
     precision: Precision = field(default_factory=Precision)
     master: PyTree = None
     base_specs: tuple[P, ...] = field(default=())
+    layers_traced: bool = False
 
     @property
     def num_shards(self) -> int:
@@ -462,7 +465,8 @@ def make_plan(
                     f"{axis!r}; jzero places the data axis itself. Remove {axis!r} from it."
                 )
     n = int(mesh.shape[axis])
-    layer_dims = tuple(layer_dims) if layer_dims is not None else (None,) * len(flat)
+    traced = layer_dims is not None
+    layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
     if len(layer_dims) != len(flat):
         raise ValueError(
             f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
@@ -528,6 +532,7 @@ def make_plan(
         precision=precision,
         master=_with_kind(update_sh, offload_optimizer) if precision.mixed else None,
         base_specs=bases,
+        layers_traced=traced,
     )
 
 

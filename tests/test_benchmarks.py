@@ -33,3 +33,25 @@ def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
     assert [line.split()[-1] for line in timed[2:]] == ["0.00"] * 4
     copies = [line.split() for line in out.split("Layout copies")[1].splitlines()[3:7]]
     assert [c[0] for c in copies] == ["0", "1", "2", "3"] and float(copies[1][2]) > 0
+
+
+def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "stage3_layers.py"), "--layers", "2"]
+        + ["--width", "64", "--batch", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = proc.stdout.splitlines()[3:]
+    names = [row[:22].strip() for row in rows]
+    assert names == [
+        "scan (stacked layers)",
+        "Python loop, pytree",
+        "Python loop, Linen",
+        "nnx.List of layers",
+    ]
+    assert all(float(row.split()[-1]) > 0 for row in rows)

@@ -78,8 +78,8 @@ def _largest_gathered(plan: Any) -> tuple[int, str]:
         if leaf.param_dim is None:
             continue
         elems = math.prod(leaf.shape)
-        if leaf.layer_dim is not None:  # found in the traced loss: a scan gathers one slice
-            if leaf.param_dim != leaf.layer_dim:
+        if plan.layers_traced:  # from the traced loss: a scan gathers one slice at a time
+            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
                 elems //= leaf.shape[leaf.layer_dim]
         elif leaf.param_dim != 0 and stacked(leaf):
             elems //= leaf.shape[0]
@@ -115,7 +115,7 @@ def _plan_on(engine: Any, devices: int) -> Any:
         precision=local.precision,
         offload_optimizer=_host_kind(local.opt_state),
         offload_params=_host_kind(local.params),
-        layer_dims=local.layer_dims,
+        layer_dims=local.layer_dims if local.layers_traced else None,
     )
 
 
