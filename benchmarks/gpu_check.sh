@@ -6,9 +6,12 @@
 #   step time     benchmarks/gpu_step_time.py: the same GPT under ZeRO stages 0-3 against a
 #                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile
 #                 time, collective bytes, layout copies, peak memory. $OUT/gpu_step_time.json
+#   memory wall   benchmarks/gpu_step_time.py --name memory_wall: the GPT at stage 3 as a scan,
+#                 as a Python loop over layers, with activation_checkpointing (policy full)
+#                 and with cpu_checkpointing: device peak and step time. $OUT/gpu_memory_wall.json
 #
 #   bash benchmarks/gpu_check.sh [flags for every section, e.g. --layers 12]
-#   JZERO_GPU_SECTIONS="step_time" bash benchmarks/gpu_check.sh   # some sections only
+#   JZERO_GPU_SECTIONS="step_time memory_wall" bash benchmarks/gpu_check.sh   # some sections
 #
 # The flags go to every section, so pass only those they share: --smoke, --layers, --d-model,
 # --heads, --seq-len, --micro-batch, --steps, --warmup.
@@ -19,17 +22,18 @@
 # index is reachable and no wheels are given, it says so and runs on the python3 already on the
 # machine (its own JAX, jzero from this source tree); each table prints the JAX version used.
 #
-# Time: the whole script finishes in under 8 minutes. The install is bounded to 150 s, the host
-# offload section to 160 s and the step-time section to 170 s (it gets --time-budget a little
-# under that, so it stops its variants and still prints its table); each section is also cut to
-# what is left of the overall limit. A section that fails or runs out of time says so and the
+# Time: the whole script finishes in under 8 minutes. The install is bounded to 150 s (on a
+# machine with no package index it fails at once), the host offload section to 110 s, the
+# step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
+# a little under that, so they stop their variants and still print their tables); each section
+# is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 overall=465  # seconds: 8 minutes less a margin for start-up and a last SIGKILL grace
 venv="${JZERO_GPU_VENV:-/tmp/jzero-gpu-venv}"
-sections="${JZERO_GPU_SECTIONS:-offload step_time}"
+sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall}"
 jax_version="$(sed -n 's/^jax==//p' constraints.txt)"
 source_opts=(--retries 1 --timeout 15)
 if [[ -n "${JZERO_WHEELS:-}" ]]; then
@@ -85,14 +89,20 @@ run_section() {  # run_section NAME LIMIT COMMAND...: runs COMMAND for at most L
 
 for section in $sections; do
   case "$section" in
-    offload) run_section "host offload" "$(limit_for 160)" "$py" benchmarks/gpu_check.py "$@" ;;
+    offload) run_section "host offload" "$(limit_for 110)" "$py" benchmarks/gpu_check.py "$@" ;;
     step_time)
-      limit=$(limit_for 170)  # the script's own budget ends 15 s earlier: its table still prints
+      limit=$(limit_for 120)  # the script's own budget ends 15 s earlier: its table still prints
       run_section "step time" "$limit" \
         "$py" benchmarks/gpu_step_time.py --time-budget $((limit - 15)) "$@"
       ;;
+    memory_wall)
+      limit=$(limit_for 110)
+      run_section "memory wall" "$limit" \
+        "$py" benchmarks/gpu_step_time.py --name memory_wall --stages 3,3-unrolled,3-ac,3-ac-cpu \
+        --time-budget $((limit - 15)) "$@"
+      ;;
     *)
-      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time)"
+      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall)"
       failed+=("$section")
       ;;
   esac

@@ -6,7 +6,14 @@ or directly: ``python benchmarks/gpu_step_time.py`` (the built-in GPT at about 3
 on every device of the machine) or ``--smoke`` (a tiny GPT and 2 steps, seconds on CPU; the
 test suite runs it on 8 virtual CPU devices so that the script cannot rot).
 
-What is measured, per variant (``plain-dp``, ``zero-0`` ... ``zero-3``):
+The same script serves the memory-wall check (issue "The memory wall"): ``--name memory_wall
+--stages 3,3-unrolled,3-ac,3-ac-cpu`` runs stage 3 of the GPT as written (a scan over stacked
+layers), of the same GPT written as a Python loop over layers (``gpt.unrolled_loss_fn``), and
+of the scanned GPT with ``activation_checkpointing: {policy: full}``, then with
+``cpu_checkpointing: true`` (saved activations in host memory), each with its device peak.
+
+What is measured, per variant (``plain-dp``, ``zero-0`` ... ``zero-3``, and the memory-wall
+variants):
 
 * The model: ``jzero.models.gpt`` with 24 layers, d_model 1024, 16 heads, d_ff 4096, sequence
   512, vocabulary 256, ``dtype="bfloat16"`` (bf16 compute), micro-batch 8 per device; AdamW
@@ -79,7 +86,11 @@ from typing import Any
 
 MIB = 1 << 20
 GIB = 1 << 30
-VARIANTS = ("plain-dp", "zero-0", "zero-1", "zero-2", "zero-3")
+STEP_TIME = ("plain-dp", "zero-0", "zero-1", "zero-2", "zero-3")
+# The memory wall: stage 3 of the GPT written as a Python loop over layers, and of the scanned
+# GPT with activation checkpointing (policy full), and with its activations in host memory.
+MEMORY_WALL = ("zero-3-unrolled", "zero-3-ac", "zero-3-ac-cpu")
+VARIANTS = STEP_TIME + MEMORY_WALL
 FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
 SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -113,15 +124,23 @@ def _variants(text: str) -> list[str]:
     names = {"plain": "plain-dp", "plain-dp": "plain-dp", "dp": "plain-dp"}
     names.update({str(s): f"zero-{s}" for s in range(4)})
     names.update({f"zero-{s}": f"zero-{s}" for s in range(4)})
+    names.update({v: v for v in MEMORY_WALL})
+    names.update({v.removeprefix("zero-"): v for v in MEMORY_WALL})
     picked = set()
     for token in text.split(","):
         token = token.strip().lower()
         if token not in names:
             raise argparse.ArgumentTypeError(
-                f"unknown variant {token!r}: use a comma-separated list of plain, 0, 1, 2, 3"
+                f"unknown variant {token!r}: use a comma-separated list of plain, 0, 1, 2, 3, "
+                + ", ".join(v.removeprefix("zero-") for v in MEMORY_WALL)
             )
         picked.add(names[token])
     return [v for v in VARIANTS if v in picked]
+
+
+def _memory_wall_order(variants: list[str]) -> list[str]:
+    """The memory-wall section compares against plain stage 3: run it first."""
+    return sorted(variants, key=lambda v: (v != "zero-3", VARIANTS.index(v)))
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -139,8 +158,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--stages",
         type=_variants,
-        default=list(VARIANTS),
-        help="variants to run, comma-separated among plain,0,1,2,3 (default all)",
+        default=list(STEP_TIME),
+        help="variants to run, comma-separated among plain,0,1,2,3 (default) and "
+        "3-unrolled, 3-ac, 3-ac-cpu (the memory-wall section)",
+    )
+    ap.add_argument(
+        "--name",
+        default="step_time",
+        help="the check's name: its title and $OUT/gpu_<name>.json (default step_time)",
     )
     ap.add_argument(
         "--time-budget",
@@ -186,25 +211,32 @@ def _plain_dp(cfg: Any, loss: Any, tx: Any, mesh: Any, batch: Any, seed: int) ->
     return lambda: run.lower().compile(), lambda: (run(), run.state)
 
 
-def _zero(cfg: Any, loss: Any, tx: Any, stage: int, batch: Any) -> tuple:
-    """A ZeRO stage's (compile, step) through jzero."""
+def _zero(cfg: Any, loss: Any, tx: Any, variant: str, batch: Any) -> tuple:
+    """A ZeRO variant's (compile, step) through jzero: ``zero-S`` or a memory-wall variant."""
     import jax
 
     import jzero
     from jzero.models import gpt
 
-    config = {
+    config: dict[str, Any] = {
         "train_batch_size": batch["tokens"].shape[0],
         "gradient_clipping": CLIP,
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": int(variant.split("-")[1]),
+            "stage3_param_persistence_threshold": 0,
+        },
     }
-    engine = jzero.initialize(
-        loss_fn=loss,
-        optimizer=tx,
-        config=config,
-        init_fn=lambda key: gpt.init_params(key, cfg),
-    )
+    if "-ac" in variant:
+        config["activation_checkpointing"] = {
+            "policy": "full",
+            "cpu_checkpointing": variant.endswith("-cpu"),
+        }
+    init = lambda key: gpt.init_params(key, cfg)  # noqa: E731
+    if variant.endswith("-unrolled"):
+        init = lambda key: gpt.unstack_blocks(gpt.init_params(key, cfg))  # noqa: E731
+        loss = lambda p, b: gpt.unrolled_loss_fn(p, b, cfg)  # noqa: E731
+    engine = jzero.initialize(loss_fn=loss, optimizer=tx, config=config, init_fn=init)
     placed = jax.device_put(batch, engine.plan.batch)  # on device once, as the floor's batch
 
     def step() -> tuple[Any, Any]:
@@ -246,7 +278,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         mesh = make_mesh()  # every device on the data axis, as jzero's default config
         compile_fn, step = _plain_dp(cfg, loss, tx, mesh, batch, seed=0)
     else:
-        compile_fn, step = _zero(cfg, loss, tx, int(args.variant[-1]), batch)
+        compile_fn, step = _zero(cfg, loss, tx, args.variant, batch)
 
     start = time.perf_counter()
     compiled = compile_fn()
@@ -351,7 +383,7 @@ def _derive(results: list[dict[str, Any]], peak: float | None) -> None:
 
 def _row(r: dict[str, Any]) -> tuple[str, ...]:
     if r["status"] != "ok":
-        return (r["variant"], r["status"], *("-" for _ in range(8)))
+        return (r["variant"], r["status"], *("-" for _ in range(9)))
     wire = sum(c["wire_bytes"] for c in r["collectives"].values())
     copies = r["layout_copies"]
     peak_bytes = r["peak_bytes_in_use"]
@@ -365,6 +397,7 @@ def _row(r: dict[str, Any]) -> tuple[str, ...]:
         _fmt(wire, ".1f", 1 / MIB),
         "n/a" if copies is None else str(copies["count"]),
         "n/a" if copies is None else _fmt(copies["bytes"], ".1f", 1 / MIB),
+        _fmt(r["memory_analysis"]["temp"], ".1f", 1 / MIB),
         "n/a" if peak_bytes is None else _fmt(peak_bytes, ".2f", 1 / GIB),
     )
 
@@ -381,6 +414,7 @@ def table(results: list[dict[str, Any]], peak: float | None) -> str:
         "coll MiB",
         "layout copies",
         "copies MiB",
+        "temp MiB",
         "peak GiB",
     )
     _derive(results, peak)
@@ -399,11 +433,14 @@ def _write(out: str | None, args: argparse.Namespace, results: list, peak: Any) 
             "peak_flops_per_device": peak,
             "variants": {r["variant"]: r for r in results},
         }
-        (Path(out) / "gpu_step_time.json").write_text(json.dumps(summary, indent=2))
+        (Path(out) / f"gpu_{args.name}.json").write_text(json.dumps(summary, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    args.stages = (
+        _memory_wall_order(args.stages) if set(args.stages) & set(MEMORY_WALL) else args.stages
+    )
     if args.variant:
         Path(args.result).write_text(json.dumps(run_variant(args)))
         return 0
@@ -415,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     peak: float | None = args.peak_flops
     print(
-        f"jzero step-time check: GPT {args.layers} layers, d_model {args.d_model}, "
+        f"jzero {args.name.replace('_', '-')} check: GPT {args.layers} layers, "
+        f"d_model {args.d_model}, "
         f"{args.heads} heads, seq {args.seq_len}, micro-batch {args.micro_batch} a device, "
         f"bf16, AdamW, clip {CLIP}; variants {', '.join(args.stages)}; "
         f"time budget {args.time_budget:.0f} s",
@@ -466,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"ms/step: median of {args.steps} steps after {args.warmup}; coll MiB: collective "
         "bytes a step, all-reduce twice; layout copies: copies/transposes next to a collective; "
-        "peak GiB: device 0's allocator peak"
+        "temp MiB: the compiled step's temporaries (memory_analysis); peak GiB: device 0's "
+        "allocator peak"
     )
     print(table(results, peak))
     for r in results:
@@ -474,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {r['variant']} {r['status']}: {r['note']}")
     _write(out, args, results, peak)
     if out:
-        print(f"wrote {Path(out) / 'gpu_step_time.json'}")
+        print(f"wrote {Path(out) / f'gpu_{args.name}.json'}")
     failed = [r for r in results if r["status"] in ("failed", "timed out")]
     return 1 if failed or not ok else 0
 

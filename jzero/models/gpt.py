@@ -277,6 +277,27 @@ def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> jax
     return _next_token_loss(lambda x: apply(params, x, cfg), batch["tokens"])
 
 
+def unstack_blocks(params: dict) -> dict:
+    """The same parameters with ``blocks`` as a list of per-layer dicts, for
+    :func:`unrolled_loss_fn`; jittable."""
+    blocks = params["blocks"]
+    layers = jax.tree.leaves(blocks)[0].shape[0]
+    return {**params, "blocks": [jax.tree.map(lambda w, i=i: w[i], blocks) for i in range(layers)]}
+
+
+def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> jax.Array:
+    """:func:`loss_fn` written as a Python loop over layers (``params["blocks"]`` a list, from
+    :func:`unstack_blocks`), as most Flax models are: the same numbers, no ``scan``."""
+
+    def logits(tokens: jax.Array) -> jax.Array:
+        x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
+        for layer in params["blocks"]:
+            x = _block(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), layer), x, cfg.num_heads)
+        return _head(params["ln_f"], params["embed"]["tokens"], x)
+
+    return _next_token_loss(logits, batch["tokens"])
+
+
 # ----------------------------------------------------------------------------------------------
 # (b) Flax NNX form.
 
