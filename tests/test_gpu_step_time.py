@@ -59,12 +59,14 @@ def test_smoke_times_plain_dp_and_every_stage_on_cpu(tmp_path):
     rows = _table(out)
     assert list(rows) == VARIANTS, out
     for cells in rows.values():
-        # variant, ms/step, vs plain DP, tokens/s, MFU, compile s, coll MiB, copies, MiB, peak
-        assert len(cells) == 10, cells
+        # variant, ms/step, vs plain DP, tokens/s, MFU, compile s, coll MiB, copies, MiB, temp,
+        # peak
+        assert len(cells) == 11, cells
         assert math.isfinite(float(cells[1])) and float(cells[1]) > 0, cells
         assert float(cells[5]) > 0, cells  # compile seconds
         assert cells[4] == "n/a", cells  # a CPU has no known bf16 peak
-        assert cells[9] == "n/a", cells  # nor allocator statistics
+        assert float(cells[9]) > 0, cells  # the compiled step's temporaries
+        assert cells[10] == "n/a", cells  # a CPU has no allocator statistics
     assert rows["plain-dp"][2] == "1.00"
     assert float(rows["zero-3"][6]) > 0  # 8 devices: stage 3 gathers and reduce-scatters
     assert "peak bf16 FLOP/s: unknown for this device" in out
