@@ -1,0 +1,33 @@
+"""Child process of tests/test_checkpoint.py: exports a checkpoint and prints the peak resident
+memory each export added, as JSON. Run alone so that no other test's memory moves the mark.
+
+Usage: export_memory_child.py CKPT_DIR OUT_DIR
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from jzero.checkpoint import export
+
+
+def rss_kib(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {field}")
+
+
+def main(directory: str, out: str) -> None:
+    export(directory, 1, Path(out) / "warm_up.npz")  # first-use allocations of the libraries
+    peaks = {}
+    for dtype in ("float32", "bfloat16"):
+        Path("/proc/self/clear_refs").write_text("5")  # high-water mark := current RSS
+        before = rss_kib("VmRSS")
+        export(directory, 1, Path(out) / f"big_{dtype}.safetensors", dtype=dtype)
+        peaks[dtype] = rss_kib("VmHWM") - before
+    print(json.dumps(peaks), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
