@@ -19,7 +19,8 @@ from typing import Any
 __all__ = ["add_commands"]
 
 _ESTIMATE_HELP = """\
-Per-device memory of the model states at ZeRO stages 0-3, closed-form.
+Per-device memory at ZeRO stages 0-3, closed-form: model states, and activations when the
+transformer's shape is given.
 Device memory without offload: the ZeRO paper with mixed-precision Adam (K = 12 bytes of
 optimizer state per parameter): stage 0 16 Psi, stage 1 4 Psi + 12 Psi/N, stage 2
 2 Psi + 14 Psi/N, stage 3 16 Psi/N bytes (Psi = --params, N = --devices), plus at stage 3
@@ -32,14 +33,34 @@ stage 3 with optimizer and parameter offload 4 LL on the device, 18 Psi / nodes 
 host (LL = --largest-layer-params); without offload the host holds 4 Psi x devices per node x
 1.5 while the model loads (stage 3: the largest layer only).
 Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
-all-gather), stage 3 3 Psi. GB = 10^9 bytes. Activations are not counted: use `jzero plan`."""
+all-gather), stage 3 3 Psi. GB = 10^9 bytes.
+Activations, with --seq-len, --micro-batch, --hidden, --layers and --heads (s, b, h, L, a):
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198), section 4, no tensor or sequence parallelism: per layer and device
+s*b*h*(34 + 5*a*s/h) bytes without recomputation. That formula assumes 16-bit activations
+(2 bytes) and 1-byte dropout masks (2*s*b*h + a*s^2*b of the total); with
+--activation-dtype fp32 jzero doubles the 16-bit part and keeps the masks at 1 byte:
+66*s*b*h + 9*a*s^2*b per layer. With full activation checkpointing (AC) only each layer's
+input is kept, 2*s*b*h bytes per layer in 16-bit (4*s*b*h in fp32), and jzero adds one layer's
+activations, rebuilt in the backward pass. Embeddings and logits are not counted; ZeRO does
+not shard activations, so every option carries the same term. The table then shows totals
+without and with AC, and the recommendation weighs the levers by cost: the lowest stage
+without AC, then AC (about one extra forward pass), then offload. Without the shape,
+activations are not counted (the --margin is left for them): use `jzero plan` to measure."""
 
 _PLAN_HELP = """\
 Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
 gradients and optimizer state (device and host) from the plan, the largest layer stage 3
 gathers at once, and the compiled step's memory_analysis() (arguments, temporaries, peak).
-With --device-memory: the lowest stage whose peak fits, keeping --margin free, with offload
-only if no stage fits without it."""
+Activation checkpointing: each stage is compiled with the config's activation_checkpointing
+(temp, peak) and with the opposite setting (no section or policy none: policy full; any other
+policy: none), shown as temp/peak AC (or no AC). Without --device-memory the opposite is
+compiled for every stage (twice the compilations; --compare-ac never skips it); with it, only
+where it can change the advice (a stage that does not fit without AC, or fits with it).
+With --device-memory: the levers in the order of their cost: the lowest stage whose peak fits
+without activation checkpointing, keeping --margin free; then activation checkpointing (about
+one extra forward pass per step); then offload. The advice names the lever that made it fit
+and how much each option that does not fit is short."""
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -53,6 +74,12 @@ def _estimate(args: argparse.Namespace) -> int:
         args.offload,
         largest_layer_params=args.largest_layer_params or 0,
         margin=args.margin,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        activation_dtype=args.activation_dtype,
     )
     return _show(result, args.plot)
 
@@ -63,12 +90,16 @@ def _plan(args: argparse.Namespace) -> int:
     _use_virtual_cpu_devices(args.cpu_devices)
     from jzero import memory
 
+    extra = {}  # "auto" is the library's default, and is not passed
+    if args.compare_ac != "auto":
+        extra["compare_checkpointing"] = args.compare_ac == "always"
     result = memory.plan_report(
         args.config,
         devices=args.devices,
         device_memory=args.device_memory,
         overrides=args.set or (),
         margin=args.margin,
+        **extra,
     )
     return _show(result, args.plot)
 
@@ -126,6 +157,23 @@ def add_commands(subparsers: Any) -> None:
         metavar="COUNT",
         help="parameters of the largest layer, gathered whole at stage 3 (default 0)",
     )
+    shape = [
+        ("--seq-len", "sequence length s"),
+        ("--micro-batch", "micro batch per device b"),
+        ("--hidden", "hidden size h"),
+        ("--layers", "transformer layers L"),
+        ("--heads", "attention heads a"),
+    ]
+    for flag, what in shape:
+        est.add_argument(
+            flag, metavar="N", help=f"{what}, for the activation term (give all five or none)"
+        )
+    est.add_argument(
+        "--activation-dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default="bf16",
+        help="dtype of the activations (default bf16; fp32 doubles the 16-bit part)",
+    )
     _common(est)
     est.set_defaults(func=_estimate)
 
@@ -152,6 +200,14 @@ def add_commands(subparsers: Any) -> None:
         type=int,
         default=8,
         help="virtual CPU devices when there is no accelerator (default 8)",
+    )
+    plan.add_argument(
+        "--compare-ac",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="also compile each stage with the opposite activation-checkpointing setting: "
+        "auto (default): every stage without --device-memory, with it only where it can "
+        "change the advice; always; never",
     )
     _common(plan)
     plan.set_defaults(func=_plan)

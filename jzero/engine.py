@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from jzero import config as config_lib
-from jzero import distributed, offload, optim, precision
+from jzero import distributed, offload, optim, precision, remat
 from jzero.mesh import make_mesh
 from jzero.plan import Plan, make_plan
 from jzero.step import (
@@ -239,6 +239,7 @@ class Engine:
                 has_aux=has_aux,
                 stateful=self.stateful,
                 learning_rate=self.learning_rate,
+                remat_policy=remat.from_config(self.config),
             )
         return self._steps[has_aux]
 

@@ -13,6 +13,11 @@ Decisions:
 * At stage 3 the parameters enter ``shard_map`` as shards and :mod:`jzero.gather` moves each
   gather to its use (inside the layer scan for stacked layers). Their gradients come out of the
   transpose of the all-gather already reduce-scattered.
+* Activation checkpointing (``remat_policy``, the config's ``activation_checkpointing``) is a
+  rewrite of the loss too: at every stage the body of each ``lax.scan`` in the loss (each
+  stacked layer) runs under ``jax.checkpoint`` with the policy (:mod:`jzero.remat`), by the
+  same replay that places stage 3's gathers. Without a policy stages 0-2 call the loss as
+  written. The eval step never rematerialises (it has no backward pass).
 * Clipping, the optax update and the final parameter all-gather run as ordinary sharded JAX
   under ``jit``: the update sees global arrays laid out in shards, so every optax transform
   (including norm-based ones like LAMB) computes what it would on one device, while each
@@ -35,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.gather import gathered
 from jzero.plan import Plan, is_host, on_device
 from jzero.precision import LossScaleState, cast_floating, next_loss_scale
+from jzero.remat import RematPolicy, parse_policy
 
 __all__ = [
     "TrainState",
@@ -180,15 +186,17 @@ def _float_aux(aux: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
 
 
-def _local_loss(plan: Plan, loss_fn: LossFn) -> LossFn:
-    """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily."""
-    if any(d is not None for d in plan.param_dims):
+def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) -> LossFn:
+    """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
+    and checkpoints each scan body by ``policy`` (:mod:`jzero.remat`)."""
+    if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
         return gathered(
             loss_fn,
             plan.param_dims,
             plan.compute_params,
             plan.axis,
             grad_dtype=plan.precision.comm_dtype,
+            policy=policy,
         )
     return loss_fn
 
@@ -248,6 +256,7 @@ def make_train_step(
     stateful: bool = False,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
+    remat_policy: RematPolicy | str | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
@@ -271,6 +280,12 @@ def make_train_step(
         ``inject_hyperparams`` state when present. With neither the learning rate is unknown
         and ``lr`` is left out of the metrics.
       donate: donate the incoming state's buffers to the new state.
+      remat_policy: activation checkpointing of each stacked layer (the body of every
+        ``lax.scan`` in the loss), a :class:`jzero.remat.RematPolicy` or its text (``"full"``,
+        ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see :mod:`jzero.remat`.
+        ``None`` (the default): no checkpointing at stages 0-2; stage 3 checkpoints the
+        layers it gathers with :data:`jzero.gather.checkpoint_policy`. The engine passes the
+        config's ``activation_checkpointing``.
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -296,6 +311,8 @@ def make_train_step(
     full_loss = _stateful(loss_fn, has_aux, stateful)
     stage = plan.stage
     master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
+    if isinstance(remat_policy, str):
+        remat_policy = parse_policy(remat_policy)
 
     param_in_specs = treedef.unflatten(
         [_spec(axis, len(leaf.shape), d) for leaf, d in zip(leaves, param_dims, strict=True)]
@@ -329,7 +346,7 @@ def make_train_step(
         )
 
     def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
-        local = _local_loss(plan, full_loss)
+        local = _local_loss(plan, full_loss, remat_policy)
 
         def scaled(params: PyTree, extra: PyTree, batch: PyTree) -> tuple[jax.Array, Any]:
             loss, (aux, extra) = local(params, extra, batch)

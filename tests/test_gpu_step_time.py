@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_step_time.py"
 VARIANTS = ["plain-dp", "zero-0", "zero-1", "zero-2", "zero-3"]
+MEMORY_WALL = ["zero-3-unrolled", "zero-3-ac", "zero-3-ac-cpu"]
 
 
 def _run(args, tmp_path, timeout=240):
@@ -47,7 +50,7 @@ def _table(out):
     rows = {}
     for line in lines[header + 2 :]:
         cells = line.split()
-        if not cells or cells[0] not in VARIANTS:
+        if not cells or cells[0] not in VARIANTS + MEMORY_WALL:
             break
         rows[cells[0]] = cells
     return rows
@@ -100,3 +103,18 @@ def test_a_spent_time_budget_skips_variants_with_a_note(tmp_path):
     assert "note: zero-3 skipped: not started: the 0 s time budget is spent" in out
     summary = json.loads((tmp_path / "gpu_step_time.json").read_text())
     assert summary["variants"]["zero-3"]["status"] == "skipped"
+
+
+def test_memory_wall_smoke_runs_stage3_scanned_unrolled_and_with_activation_checkpointing(
+    tmp_path,
+):
+    stages = "3,3-unrolled,3-ac,3-ac-cpu"
+    rc, out = _run(["--smoke", "--name", "memory_wall", "--stages", stages], tmp_path)
+    assert rc == 0, out
+    rows = _table(out)
+    assert list(rows) == ["zero-3", *MEMORY_WALL], out
+    summary = json.loads((tmp_path / "gpu_memory_wall.json").read_text())
+    losses = {name: r["losses"] for name, r in summary["variants"].items()}
+    # The same model, written as a loop or rematerialised: the same training, to float noise.
+    for name in ("zero-3-unrolled", "zero-3-ac", "zero-3-ac-cpu"):
+        assert losses[name] == pytest.approx(losses["zero-3"], rel=1e-3), name

@@ -182,8 +182,9 @@ def test_plotting_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def report():
-    """Every stage of the tiny GPT, compiled once each on the 8 CPU devices."""
-    return memory.plan_report(CONFIG)
+    """Every stage of the tiny GPT, compiled once each on the 8 CPU devices (without the
+    activation-checkpointing comparison: tests/test_memory_activations.py has it)."""
+    return memory.plan_report(CONFIG, compare_checkpointing=False)
 
 
 def test_plan_model_state_is_what_the_compiled_step_takes_as_arguments(report):

@@ -168,7 +168,7 @@ class Config:
     activation_checkpointing: ActivationCheckpointingConfig = _f(
         factory=ActivationCheckpointingConfig
     )
-    """DeepSpeed's activation-checkpointing keys (no effect: the model chooses its remat)."""
+    """Activation checkpointing of each stacked layer (every scan body), at any stage."""
     mesh: MeshConfig = _f(factory=MeshConfig)
     """Device mesh."""
     model: Mapping[str, Any] = _f(factory=FrozenMap)

@@ -225,18 +225,56 @@ class DataTypesConfig:
 
 @dataclass(frozen=True)
 class ActivationCheckpointingConfig:
-    """``activation_checkpointing``: DeepSpeed's keys; in JAX the model chooses its remat."""
+    """``activation_checkpointing``: rematerialise each stacked layer, with no model change.
 
+    jzero checkpoints the body of every ``jax.lax.scan`` in the loss (stacked layers: the scan
+    is the layer boundary jzero can see), at every ZeRO stage; see :mod:`jzero.remat`.
+
+    * No section: no checkpointing at stages 0-2; stage 3 checkpoints the layers it gathers
+      with ``dots_no_batch``, so each layer's weights are gathered again in the backward pass.
+    * The section without ``policy``: ``full``, as DeepSpeed (each layer keeps its input only).
+
+    A model written as a Python loop over layers gets no per-layer checkpointing from this
+    section (its trace has no layer boundary): write the layers as a scan, or call
+    ``jax.checkpoint`` in the model.
+    """
+
+    policy: str | None = None
+    """jzero's own: what each layer keeps for the backward pass. ``none`` (everything, no
+    remat), ``full`` (only the layer's input; the rest is recomputed:
+    ``jax.checkpoint_policies.nothing_saveable``), ``dots`` (matmul outputs:
+    ``dots_saveable``), ``dots_no_batch`` (matmul outputs without batch dims:
+    ``dots_with_no_batch_dims_saveable``, stage 3's default), ``names:a,b`` (the values the
+    model tagged with ``jax.ad_checkpoint.checkpoint_name(x, "a")``: ``save_only_these_names``).
+    Left out of a present section: ``full``; null (or no section): jzero's default above. At
+    stage 3 no policy saves a gathered weight: there ``none`` keeps every activation and
+    re-gathers the weights in the backward pass."""
+    cpu_checkpointing: bool = False
+    """DeepSpeed: keep checkpointed activations in CPU memory. Here: the values the policy saves
+    (and each layer's input) live in ``pinned_host`` memory between the forward and the backward
+    pass (a ``jax.checkpoint`` offload policy). Needs a policy that checkpoints something (not
+    ``none`` at stages 0-2). On CPU devices it changes nothing measurable: host and device
+    memory are the same there."""
     partition_activations: bool = _f(
-        False, no_effect="activations are not split over model parallelism"
+        False,
+        no_effect=(
+            "the saved activations are not split over a model axis; jzero's layers run data "
+            "parallel"
+        ),
     )
-    """DeepSpeed: partition checkpointed activations over model-parallel ranks. No effect."""
-    cpu_checkpointing: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: keep checkpointed activations in CPU memory. No effect."""
+    """DeepSpeed: partition checkpointed activations over model-parallel ranks. No effect. With
+    a ``model`` mesh axis it would shard each saved layer input over that axis and all-gather it
+    before the recomputation; jzero does not implement that (the saved values keep the
+    sharding the compiler gives them)."""
     contiguous_memory_optimization: bool = _f(False, no_effect="XLA allocates activations itself")
     """DeepSpeed: copy checkpoints into one buffer. No effect."""
-    number_checkpoints: int | None = _f(None, min=0, no_effect="the model's jax.checkpoint decides")
-    """DeepSpeed: number of checkpoints for the contiguous buffer. No effect."""
+    number_checkpoints: int | None = _f(
+        None,
+        min=0,
+        no_effect="there is one checkpoint per scanned layer, in buffers XLA allocates",
+    )
+    """DeepSpeed: number of checkpoints, to size the contiguous buffer. No effect: every
+    iteration of a scan is one checkpoint."""
     synchronize_checkpoint_boundary: bool = _f(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: synchronise at checkpoint boundaries. No effect."""
     profile: bool = _f(False, no_effect=_TORCH_ONLY)

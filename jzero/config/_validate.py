@@ -13,6 +13,10 @@ Decisions:
   ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
 * Cross-field rules (precision, offload needs a stage, model shape, at most one ``-1`` mesh
   axis) run after the sections are built.
+* ``activation_checkpointing`` present without a ``policy`` key means ``policy: full`` (a
+  DeepSpeed user who adds the section expects checkpointing); without the section, or with
+  ``policy: null`` (what ``to_dict`` writes for it), the policy stays ``None``: jzero's
+  default. Only the raw mapping tells the two apart, so ``build_config`` resolves it.
 * A string field with ``path`` metadata (``checkpoint.directory``, ``train.log_dir``) and
   ``data.path`` have a leading ``~`` expanded, so the resolved config (and the copy saved in
   a checkpoint) holds the absolute path.
@@ -31,6 +35,7 @@ from typing import Any, Literal
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
+from jzero.remat import parse_policy
 
 __all__ = ["build_config"]
 
@@ -231,12 +236,42 @@ def _check_config(cfg: Config, noted: list) -> None:
             raise ConfigError(
                 f"model.{key}: {_show(value)} is not allowed; it must be a positive integer."
             )
+    _check_activation_checkpointing(cfg)
     heads, width = cfg.model.get("num_heads"), cfg.model.get("d_model")
     if heads and width and width % heads:
         raise ConfigError(
             f"model.d_model: {width} is not divisible by model.num_heads ({heads}); choose a "
             "d_model that is a multiple of num_heads."
         )
+
+
+def _check_activation_checkpointing(cfg: Config) -> None:
+    ac = cfg.activation_checkpointing
+    try:
+        policy = parse_policy(ac.policy)
+    except ValueError as e:
+        raise ConfigError(f"activation_checkpointing.policy: {e}") from None
+    stage = cfg.zero_optimization.stage
+    if ac.cpu_checkpointing and (policy is None or (not policy.active and stage != 3)):
+        why = (
+            "policy is null"
+            if policy is None
+            else f"policy {_show(ac.policy)} checkpoints nothing at stage {stage}"
+        )
+        raise ConfigError(
+            "activation_checkpointing.cpu_checkpointing: true keeps the activations a policy "
+            f"saves in host memory, but {why}; set a policy (e.g. policy: full, DeepSpeed's "
+            "checkpointing) or cpu_checkpointing: false."
+        )
+
+
+def _resolve_activation_checkpointing(cfg: Config, raw: Mapping[str, Any]) -> Config:
+    """The section written without a ``policy`` key means ``full`` (see the decisions)."""
+    section = raw.get("activation_checkpointing")
+    if not isinstance(section, Mapping) or "policy" in section:
+        return cfg
+    ac = dataclasses.replace(cfg.activation_checkpointing, policy="full")
+    return dataclasses.replace(cfg, activation_checkpointing=ac)
 
 
 def build_config(raw: Mapping[str, Any]) -> tuple[Config, list[tuple[str, str]]]:
@@ -257,5 +292,6 @@ def build_config(raw: Mapping[str, Any]) -> tuple[Config, list[tuple[str, str]]]
     if isinstance(data_path, str) and data_path.startswith("~"):
         data = FrozenMap({**cfg.data, "path": os.path.expanduser(data_path)})
         cfg = dataclasses.replace(cfg, data=data)
+    cfg = _resolve_activation_checkpointing(cfg, raw)
     _check_config(cfg, noted)
     return cfg, noted

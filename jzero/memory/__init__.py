@@ -4,20 +4,26 @@ Three entry points share one report shape (rows of per-device bytes, a table, a 
 recommendation):
 
 * :func:`estimate` is closed-form, for any model size and device count (the ZeRO paper's
-  model-state bytes, DeepSpeed's estimators for offload and host memory).
+  model-state bytes, DeepSpeed's estimators for offload and host memory, and, given a
+  transformer's shape, its activations without and with full recomputation from Korthikanti
+  et al. 2022: :func:`transformer_activations`).
 * :func:`plan_report` measures the built-in GPT of a config at every stage: per-device bytes of
   each model-state category from the plan (``Plan.model_state_bytes`` on the device,
   ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once, and
-  the compiled step's ``memory_analysis()``.
-* :func:`memory_report` is the same report for one existing engine.
+  the compiled step's ``memory_analysis()``, with the config's activation checkpointing and
+  the opposite setting (temporaries, peak).
+* :func:`memory_report` is the same report for one existing engine (its own activation
+  checkpointing only).
 
 Every public name lives in one of the private modules below and is re-exported here, so
 ``jzero.memory.X`` is the one way to reach it:
 
 * ``_format``: :func:`parse_size`, the argument checks, text tables and the
-  :class:`Recommendation` (the lowest stage that fits without offload; offload only if none
-  does).
-* ``_estimate``: :func:`estimate` and its :class:`Estimate` / :class:`EstimateRow`.
+  :class:`Recommendation`, which weighs the levers in the order of their cost: the lowest stage
+  that fits without activation checkpointing or offload, then activation checkpointing, then
+  offload; it names the lever and how short every other option is.
+* ``_estimate``: :func:`estimate`, :func:`transformer_activations` and the
+  :class:`Estimate` / :class:`EstimateRow`.
 * ``_report``: :class:`StageMemory` and :class:`PlanReport`, the measured report's rows and table.
 * ``_measure``: :func:`plan_report` and :func:`memory_report`, which build and compile.
 * ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
@@ -32,6 +38,7 @@ from jzero.memory._estimate import Estimate as Estimate
 from jzero.memory._estimate import EstimateRow as EstimateRow
 from jzero.memory._estimate import Offload as Offload
 from jzero.memory._estimate import estimate as estimate
+from jzero.memory._estimate import transformer_activations as transformer_activations
 from jzero.memory._format import GB as GB
 from jzero.memory._format import Recommendation as Recommendation
 from jzero.memory._format import parse_size as parse_size
@@ -52,4 +59,5 @@ __all__ = [
     "parse_size",
     "plan_report",
     "plot_bars",
+    "transformer_activations",
 ]

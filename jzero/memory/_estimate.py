@@ -19,7 +19,21 @@ Decisions:
   ``zero_init``).
 * Communication per step, in elements: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi
   (reduce-scatter + all-gather), stage 3 3 Psi.
-* Activations are not counted; the margin of the recommendation is kept for them.
+* Activations, only when the transformer's shape is given (sequence length s, micro batch per
+  device b, hidden size h, layers L, attention heads a): Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), section 4, without
+  tensor or sequence parallelism. Per layer, without recomputation, ``s b h (34 + 5 a s / h)``
+  bytes, which assumes 16-bit activations (2 bytes an element) and 1-byte dropout masks:
+  ``32 s b h + 4 a s^2 b`` of 16-bit values and ``2 s b h + a s^2 b`` of masks. For fp32
+  activations jzero doubles the 16-bit part and keeps the masks at 1 byte: per layer
+  ``s b h (32 k + 2) + a s^2 b (4 k + 1)``, k = bytes per element / 2 (1 for bf16/fp16, 2 for
+  fp32). With full recomputation (activation checkpointing) only each layer's input is kept,
+  ``2 k s b h`` bytes per layer (the paper's ``2 s b h L``), and jzero adds the one layer whose
+  activations are rebuilt in the backward pass: ``2 k s b h L + per layer``. Embeddings, the
+  final LayerNorm and the logits are not counted. ZeRO does not shard activations: every
+  stage and offload option carries the same term.
+* Without the transformer's shape, activations are not counted and the margin of the
+  recommendation is kept for them.
 """
 
 from __future__ import annotations
@@ -41,7 +55,14 @@ from jzero.memory._format import (
 )
 from jzero.memory._plot import plot_bars
 
-__all__ = ["BUFFER_FACTOR", "Estimate", "EstimateRow", "Offload", "estimate"]
+__all__ = [
+    "BUFFER_FACTOR",
+    "Estimate",
+    "EstimateRow",
+    "Offload",
+    "estimate",
+    "transformer_activations",
+]
 
 BUFFER_FACTOR = 1.5
 _COMM = {
@@ -51,6 +72,40 @@ _COMM = {
     3: (3.0, "2 Psi all-gather + Psi reduce-scatter"),
 }
 Offload = Literal["none", "cpu"]
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
+
+
+def transformer_activations(
+    seq_len: int, micro_batch: int, hidden: int, layers: int, heads: int, dtype: str = "bf16"
+) -> tuple[float, float]:
+    """Activation bytes per device of a transformer's layers, without and with full recomputation.
+
+    Korthikanti et al. 2022 (arXiv:2205.05198), section 4: per layer ``s b h (34 + 5 a s / h)``
+    bytes with 16-bit activations and 1-byte dropout masks. In ``fp32`` the 16-bit part doubles
+    and the masks stay 1 byte: per layer ``s b h (32 k + 2) + a s^2 b (4 k + 1)``,
+    k = bytes per element / 2. Full recomputation keeps each layer's input, ``2 k s b h`` per
+    layer, plus one layer's activations rebuilt in the backward pass.
+
+    Args:
+      seq_len: sequence length s.
+      micro_batch: micro batch per device b.
+      hidden: hidden size h.
+      layers: transformer layers L.
+      heads: attention heads a.
+      dtype: the activations' dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+
+    Returns:
+      ``(without, with_full_recomputation)`` in bytes.
+
+    Example:
+      >>> [x / 2**30 for x in transformer_activations(2048, 1, 4096, 32, 32)]  # GiB, 16-bit
+      [28.5, 1.390625]
+    """
+    s, b, h, n, a = seq_len, micro_batch, hidden, layers, heads
+    k = _DTYPE_BYTES[dtype] / 2
+    per_layer = s * b * h * (32 * k + 2) + a * s * s * b * (4 * k + 1)
+    return n * per_layer, n * 2 * k * s * b * h + per_layer
 
 
 @dataclass(frozen=True)
@@ -64,6 +119,8 @@ class EstimateRow:
       host: bytes of host memory per node by category.
       comm_psi: communication volume per step in units of Psi (elements).
       comm: the collectives behind ``comm_psi``.
+      activations: activation bytes per device without recomputation (0: not counted).
+      activations_checkpointed: the same with full activation checkpointing.
     """
 
     stage: int
@@ -72,11 +129,18 @@ class EstimateRow:
     host: Mapping[str, float]
     comm_psi: float
     comm: str
+    activations: float = 0.0
+    activations_checkpointed: float = 0.0
 
     @property
     def device_bytes(self) -> float:
-        """Bytes per device."""
+        """Model-state bytes per device (activations apart)."""
         return sum(self.device.values())
+
+    def total_bytes(self, checkpointing: bool = False) -> float:
+        """Bytes per device: model states + activations, with or without checkpointing."""
+        act = self.activations_checkpointed if checkpointing else self.activations
+        return self.device_bytes + act
 
     @property
     def host_bytes(self) -> float:
@@ -96,11 +160,25 @@ class Estimate:
     margin: float = 0.1
     largest_layer_params: float = 0
     additional_buffer_factor: float = BUFFER_FACTOR
+    shape: Mapping[str, int] | None = None
+    activation_dtype: str = "bf16"
+
+    @property
+    def counts_activations(self) -> bool:
+        """Whether the transformer's shape was given, so activations are counted."""
+        return self.shape is not None
 
     @property
     def recommendation(self) -> Recommendation | None:
-        """The lowest stage that fits (offload only if needed); ``None`` without a memory size."""
-        options = [(r.stage, r.offload, r.device_bytes) for r in self.rows]
+        """The cheapest option that fits: lowest stage, then activation checkpointing (when
+        activations are counted), then offload; ``None`` without a memory size."""
+        options = []
+        for r in self.rows:
+            if not self.counts_activations:
+                options.append((r.stage, r.offload, None, r.device_bytes))
+                continue
+            options.append((r.stage, r.offload, "none", r.total_bytes(False)))
+            options.append((r.stage, r.offload, "full", r.total_bytes(True)))
         return _recommend(options, self.device_memory, self.margin, ("GB", GB))
 
     def row(self, stage: int, offload: str = "none") -> EstimateRow:
@@ -111,14 +189,23 @@ class Estimate:
         """The estimate as text: one row per option, the conventions, the recommendation."""
         nodes = self.devices // self.devices_per_node
         usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
-        header = ["stage", "offload", "device GB", "host GB/node", "comm/step"]
+        act = self.counts_activations
+        header = ["stage", "offload", "device GB"]
+        header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
+        header += ["host GB/node", "comm/step"]
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
             cells = [str(r.stage), r.offload, f"{r.device_bytes / GB:.2f}"]
+            if act:
+                cells += [f"{r.activations / GB:.2f}", f"{r.activations_checkpointed / GB:.2f}"]
+                cells += [f"{r.total_bytes(False) / GB:.2f}", f"{r.total_bytes(True) / GB:.2f}"]
             cells += [f"{r.host_bytes / GB:.2f}", f"{r.comm_psi:g} Psi"]
             if usable is not None:
-                cells.append("yes" if r.device_bytes <= usable else "no")
+                if r.total_bytes(False) <= usable:
+                    cells.append("yes")
+                else:
+                    cells.append("AC" if act and r.total_bytes(True) <= usable else "no")
             rows.append([*cells, r.comm])
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
@@ -134,15 +221,37 @@ class Estimate:
             "2 Psi / Psi x max(4 N, 16) x 1.5;",
             "  stage 3 optimizer offload 2 Psi/N + 4 LL / 16 Psi/nodes x 1.5; stage 3 optimizer "
             "+ params 4 LL / 18 Psi/nodes x 1.5; no offload: 4 Psi x devices per node x 1.5",
-            "  while loading (stage 3: the largest layer only). Activations are not counted.",
+            "  while loading (stage 3: the largest layer only)."
+            + ("" if act else " Activations are not counted."),
         ]
+        if act:
+            sh, k = self.shape or {}, _DTYPE_BYTES[self.activation_dtype] / 2
+            lines += [
+                f"activations per device (s = {sh['seq_len']}, b = {sh['micro_batch']}, "
+                f"h = {sh['hidden']}, L = {sh['layers']}, a = {sh['heads']}, "
+                f"{self.activation_dtype}): Korthikanti et al. 2022, per layer s b h "
+                "(34 + 5 a s / h) bytes in 16-bit (1-byte dropout masks);",
+                f"  used here: per layer s b h ({32 * k:g} + 2) + a s^2 b ({4 * k:g} + 1) "
+                "(16-bit part x bytes/2, masks 1 byte); with full activation checkpointing (AC) "
+                f"{2 * k:g} s b h L + one layer rebuilt in the backward pass.",
+                "  fits: yes (without AC), AC (only with activation checkpointing), no.",
+            ]
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
 
     def bars(self) -> list[tuple[str, Mapping[str, float], Mapping[str, float]]]:
-        """(label, device bytes by category, host bytes by category) per option, for plots."""
-        return [(f"{r.stage}\n{r.offload}", r.device, r.host) for r in self.rows]
+        """(label, device bytes by category, host bytes by category) per option, for plots;
+        with activations counted, each option without and with activation checkpointing."""
+        if not self.counts_activations:
+            return [(f"{r.stage}\n{r.offload}", r.device, r.host) for r in self.rows]
+        out = []
+        for r in self.rows:
+            label = f"{r.stage}\n{r.offload}"
+            out.append((label, {**r.device, "activations": r.activations}, r.host))
+            ac = {**r.device, "activations": r.activations_checkpointed}
+            out.append((label + "\n+AC", ac, {}))  # the same host memory, drawn once
+        return out
 
     def plot(self, path: str) -> None:
         """Draws the options as stacked bars (device solid, host per node hatched) into a PNG."""
@@ -161,8 +270,24 @@ def estimate(
     largest_layer_params: float = 0,
     margin: float = 0.1,
     additional_buffer_factor: float = BUFFER_FACTOR,
+    seq_len: int | None = None,
+    micro_batch: int | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+    activation_dtype: str = "bf16",
 ) -> Estimate:
-    """Closed-form per-device model-state memory of ZeRO stages 0-3, with and without offload.
+    """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
+
+    Model states follow the ZeRO paper and DeepSpeed's estimators (see the module docstring).
+    Given a transformer's shape (all of ``seq_len``, ``micro_batch``, ``hidden``, ``layers``,
+    ``heads``), activations are added per device from Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models": per layer ``s b h (34 + 5 a s / h)``
+    bytes in 16-bit without recomputation, ``2 s b h`` per layer with full recomputation (plus
+    one layer rebuilt in the backward pass); fp32 doubles the 16-bit part
+    (:func:`transformer_activations`). Each option then has a total without and with
+    activation checkpointing, and the recommendation weighs stage, then activation
+    checkpointing, then offload.
 
     Args:
       params: the parameter count Psi, e.g. ``7.5e9``.
@@ -174,8 +299,16 @@ def estimate(
       offload: ``None`` lists every option, ``"none"`` only those without offload, ``"cpu"``
         only those with offload to host memory.
       largest_layer_params: parameters of the largest layer, gathered whole at stage 3.
-      margin: fraction of the device memory kept free (activations, fragmentation).
+      margin: fraction of the device memory kept free (fragmentation, the runtime, and
+        activations when the transformer's shape is not given).
       additional_buffer_factor: DeepSpeed's slack on host memory.
+      seq_len: sequence length s, for the activation term.
+      micro_batch: micro batch per device b, for the activation term.
+      hidden: hidden size h, for the activation term.
+      layers: transformer layers L, for the activation term.
+      heads: attention heads a, for the activation term.
+      activation_dtype: ``"bf16"`` (default, as the mixed-precision model states),
+        ``"fp16"`` or ``"fp32"``.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -212,6 +345,28 @@ def estimate(
             f"0 and the parameter count {psi:.4g}."
         )
     memory = None if device_memory is None else parse_size(device_memory)
+    given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
+    given.update(layers=layers, heads=heads)
+    shape, act, act_ac = None, 0.0, 0.0
+    if any(v is not None for v in given.values()):
+        missing = [k for k, v in given.items() if v is None]
+        if missing:
+            raise ValueError(
+                "The activation term needs the transformer's whole shape, but "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; pass all "
+                f"of {', '.join(_SHAPE)} "
+                "(e.g. 2048, 1, 4096, 32, 32) or none of them."
+            )
+        shape = {
+            k: _positive(v, k, ex, integer=True)
+            for (k, v), ex in zip(given.items(), ("2048", "1", "4096", "32", "32"), strict=True)
+        }
+        if activation_dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"activation_dtype: {activation_dtype!r} is not allowed; it must be one of "
+                f"{', '.join(_DTYPE_BYTES)}."
+            )
+        act, act_ac = transformer_activations(**shape, dtype=activation_dtype)
     buf, nodes = float(additional_buffer_factor), n // per_node
     loading = 4 * psi * per_node * buf
     rows = []
@@ -248,8 +403,16 @@ def estimate(
         )
     out = tuple(
         EstimateRow(
-            s, o, {k: v for k, v in d.items() if v}, {k: v for k, v in h.items() if v}, *_COMM[s]
+            s,
+            o,
+            {k: v for k, v in d.items() if v},
+            {k: v for k, v in h.items() if v},
+            *_COMM[s],
+            act,
+            act_ac,
         )
         for s, o, d, h in rows
     )
-    return Estimate(psi, n, per_node, out, memory, _check_margin(margin), ll, buf)
+    return Estimate(
+        psi, n, per_node, out, memory, _check_margin(margin), ll, buf, shape, activation_dtype
+    )

@@ -7,9 +7,19 @@ Decisions:
 * Counts (parameters, devices) must be positive; a bad one is named with an example of a good
   one. The margin is a fraction in [0, 1).
 * "Fits" keeps a margin (10% by default) of the device memory for what no formula counts
-  (allocator fragmentation, the runtime, and for the closed-form estimate the activations).
-  The recommendation is the lowest stage that fits without offload; offload only if none does;
-  when nothing fits, the option that needs least, and how much memory is missing.
+  (allocator fragmentation, the runtime, and for the closed-form estimate without a transformer
+  shape the activations).
+* The recommendation weighs the levers in the order of their cost: the lowest ZeRO stage that
+  fits without activation checkpointing and without offload; then, only if none does,
+  activation checkpointing (it costs about one extra forward pass per step), lowest stage
+  first; then offload to host memory (optimizer before optimizer+params), each without
+  activation checkpointing before with it. When nothing fits: the option that needs least, and
+  how much memory is missing.
+* An option is ``(stage, offload, checkpointing, bytes)``; ``checkpointing`` is ``None`` (not
+  known), ``"none"`` (without) or the policy (``"full"``, ``"dots"`` ...). Where any option has
+  activation checkpointing, the recommendation also says which lever made it fit and by how
+  much every option that does not fit is short ("compute how short you are"); otherwise its
+  text is the stage-only one.
 * Tables are plain aligned text columns; sizes are shown in a given unit or the largest binary
   unit that keeps the number at least 1.
 """
@@ -118,9 +128,23 @@ def _render(
 # -- recommendation ------------------------------------------------------------------------------
 
 
+def _ac_on(checkpointing: str | None) -> bool:
+    """Whether an option's activation-checkpointing policy recomputes anything."""
+    return checkpointing not in (None, "none")
+
+
+def _option_name(stage: int, offload: str, checkpointing: str | None) -> str:
+    what = f"ZeRO stage {stage}"
+    if _ac_on(checkpointing):
+        what += f" with activation checkpointing (policy {checkpointing})"
+    if offload != "none":
+        what += f" with {offload} offload to host memory"
+    return what
+
+
 @dataclass(frozen=True)
 class Recommendation:
-    """The lowest stage (offload only if needed) whose need fits the usable device memory.
+    """The cheapest option (see the lever order above) whose need fits the usable device memory.
 
     Attributes:
       fits: whether any option fits.
@@ -131,6 +155,11 @@ class Recommendation:
       device_memory: the device memory in bytes.
       margin: the fraction of device memory kept free.
       unit: (name, bytes) to print sizes in; ``None`` picks a binary unit per size.
+      checkpointing: the activation-checkpointing policy of the option (``"none"`` without);
+        ``None`` when no option had activation checkpointing (it was not weighed).
+      short: ``(stage, offload, checkpointing, bytes short)`` of every option that does not
+        fit, in the order the levers are weighed; empty when activation checkpointing was not
+        weighed.
     """
 
     fits: bool
@@ -141,37 +170,103 @@ class Recommendation:
     device_memory: int
     margin: float
     unit: tuple[str, float] | None = None
+    checkpointing: str | None = None
+    short: tuple[tuple[int, str, str | None, float], ...] = ()
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether the recommended option uses activation checkpointing."""
+        return _ac_on(self.checkpointing)
+
+    @property
+    def lever(self) -> str | None:
+        """What made it fit: ``"stage"``, ``"activation checkpointing"``, ``"offload"``, or
+        ``None`` (stage 0 as it is, or nothing fits)."""
+        if not self.fits:
+            return None
+        if self.offload != "none":
+            return "offload"
+        if self.activation_checkpointing:
+            return "activation checkpointing"
+        return "stage" if self.stage else None
 
     def __str__(self) -> str:
         show = lambda n: _show(n, self.unit)
-        what = f"ZeRO stage {self.stage}" + (
-            "" if self.offload == "none" else f" with {self.offload} offload to host memory"
-        )
+        what = _option_name(self.stage, self.offload, self.checkpointing)
         budget = f"{show(self.usable)} usable ({1 - self.margin:.0%} of {show(self.device_memory)})"
         if self.fits:
-            return f"Recommendation: {what}; it needs {show(self.needed)} per device of {budget}."
-        return (
-            f"No stage fits: the smallest option, {what}, needs {show(self.needed)} per device, "
-            f"{show(self.needed - self.usable)} more than the {budget}. Use more devices, "
-            "devices with more memory, or a smaller model or micro batch."
-        )
+            text = f"Recommendation: {what}; it needs {show(self.needed)} per device of {budget}."
+        else:
+            text = (
+                f"No stage fits: the smallest option, {what}, needs {show(self.needed)} per "
+                f"device, {show(self.needed - self.usable)} more than the {budget}. Use more "
+                "devices, devices with more memory, or a smaller model or micro batch."
+            )
+        if self.checkpointing is None:
+            return text
+        return "\n".join([text, *self._lever_lines(show)])
+
+    def _lever_lines(self, show: Any) -> list[str]:
+        lines = []
+        if self.lever == "stage" or (self.fits and self.lever is None):
+            first = "the ZeRO stage" if self.stage else "none needed"
+            lines.append(
+                f"  Lever: {first}; stage {self.stage} is the lowest that fits without "
+                "activation checkpointing or offload."
+            )
+        elif self.lever == "activation checkpointing":
+            lines.append(
+                "  Lever: activation checkpointing (about one extra forward pass per step); no "
+                f"stage fits without it, stage {self.stage} is the lowest that fits with it."
+            )
+        elif self.lever == "offload":
+            also = " and activation checkpointing" if self.activation_checkpointing else ""
+            lines.append(
+                f"  Lever: {self.offload} offload to host memory{also}; no stage fits without "
+                "offload, with or without activation checkpointing."
+            )
+        groups: dict[str, list[str]] = {}
+        for stage, offload, checkpointing, missing in self.short:
+            key = ("with" if _ac_on(checkpointing) else "without") + " activation checkpointing"
+            if offload != "none":
+                key = f"{offload} offload, {key}"
+            groups.setdefault(key, []).append(f"stage {stage} by {show(missing)}")
+        if groups:
+            parts = "; ".join(f"{key}: {', '.join(v)}" for key, v in groups.items())
+            lines.append(f"  Short of the {show(self.usable)} usable: {parts}.")
+        return lines
+
+
+def _lever_key(option: Sequence[Any]) -> tuple[bool, int, bool, int]:
+    stage, offload, checkpointing = option[0], option[1], option[2]
+    return (offload != "none", _OFFLOAD_ORDER.index(offload), _ac_on(checkpointing), stage)
 
 
 def _recommend(
-    options: Sequence[tuple[int, str, float]],
+    options: Sequence[tuple[int, str, str | None, float]],
     device_memory: int | None,
     margin: float,
     unit: tuple[str, float] | None = None,
 ) -> Recommendation | None:
+    """The first option in lever order that fits, or the smallest when none does."""
     if device_memory is None or not options:
         return None
     usable = device_memory * (1 - margin)
-    ordered = sorted(options, key=lambda o: (o[1] != "none", _OFFLOAD_ORDER.index(o[1]), o[0]))
-    for stage, offload, needed in ordered:
-        if needed <= usable:
-            return Recommendation(True, stage, offload, needed, usable, device_memory, margin, unit)
-    stage, offload, needed = min(ordered, key=lambda o: o[2])
-    return Recommendation(False, stage, offload, needed, usable, device_memory, margin, unit)
+    ordered = sorted(options, key=_lever_key)
+    weighed = any(_ac_on(o[2]) for o in ordered)
+    short = tuple((s, o, c, n - usable) for s, o, c, n in ordered if n > usable) if weighed else ()
+    pick = next((o for o in ordered if o[3] <= usable), None)
+    fits = pick is not None
+    if pick is None:
+        pick = min(ordered, key=lambda o: o[3])
+    stage, offload, checkpointing, needed = pick
+    if not weighed:
+        checkpointing = None
+    elif checkpointing is None:
+        checkpointing = "none"
+    return Recommendation(
+        fits, stage, offload, needed, usable, device_memory, margin, unit, checkpointing, short
+    )
 
 
 def find_row(rows: Sequence[Any], stage: int, offload: str) -> Any:

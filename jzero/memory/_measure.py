@@ -15,8 +15,23 @@ Decisions:
   in the traced loss, ``plan.layer_dims``) and that is sharded on another dim is gathered one
   layer slice at a time; any other sharded leaf is gathered whole. A plan made without the
   trace (no batch) falls back to a guess: a leaf whose siblings all share its leading dim.
-* Offload variants are measured only when asked, or when a device memory is given and no stage
-  fits without offload.
+* Offload variants are measured only when asked, or when a device memory is given and no
+  option without offload fits (with or without activation checkpointing).
+* Activation checkpointing: every row is compiled with the config's ``activation_checkpointing``
+  (no section or ``policy: null``: nothing at stages 0-2, and stage 3 keeps its own rule for
+  the layers it gathers; both count as without, labelled ``none``). The opposite setting is
+  loaded from the same source with more overrides, so it means exactly what ``--set`` means:
+  a config without checkpointing (no policy, or ``none``) gets ``policy=full``; a config with
+  a policy gets ``policy=null`` and ``cpu_checkpointing=false`` (what leaving the section out
+  means). It is compiled once more per row when it can matter. Without a device memory: for
+  every row (the report's purpose is to show both; this doubles the compilations;
+  ``compare_checkpointing=False`` skips it). With a device memory: only where it can change
+  the recommendation, since the stage is weighed before activation checkpointing: a config
+  without checkpointing measures it only for the rows that do not fit without it; a config
+  with checkpointing measures the step without it only for the rows that fit with it
+  (without it they need more).
+* :func:`memory_report` labels its row with the engine's own policy and compares nothing: the
+  engine's step is compiled with one setting, and another needs another engine.
 """
 
 from __future__ import annotations
@@ -24,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +52,13 @@ from jzero.plan import HOST_MEMORY_KINDS
 __all__ = ["memory_report", "plan_report"]
 
 logger = logging.getLogger(__name__)
+
+
+def _policy(cfg: Any) -> str:
+    """The config's activation-checkpointing policy; ``"none"`` also for no policy (jzero's
+    default: nothing at stages 0-2, stage 3's own rule for the layers it gathers)."""
+    policy = getattr(getattr(cfg, "activation_checkpointing", None), "policy", None)
+    return "none" if policy in (None, "none") else str(policy)
 
 
 def _state_bytes(plan: Any, method: str, accumulation_steps: int) -> dict[str, int]:
@@ -177,6 +200,7 @@ def memory_report(
     if batch is not None:
         engine.fit_layout(batch)  # the final plan: stacked layers found in the traced loss
     row = _stage_memory(engine, batch, None if n == local else _plan_on(engine, n))
+    row = dataclasses.replace(row, checkpointing=_policy(engine.config))
     title = f"jzero memory report: ZeRO stage {row.stage}, {n} devices"
     memory = None if device_memory is None else parse_size(device_memory)
     measured = local if batch is not None else None
@@ -214,6 +238,7 @@ def plan_report(
     margin: float = 0.1,
     offload: bool | None = None,
     stages: Sequence[int] = (0, 1, 2, 3),
+    compare_checkpointing: bool | None = None,
 ) -> PlanReport:
     """Every ZeRO stage of a config's built-in GPT side by side, measured from the compiled step.
 
@@ -231,6 +256,11 @@ def plan_report(
       offload: also measure stages with offload to host memory: ``True`` always, ``False``
         never, ``None`` only when ``device_memory`` is given and no stage fits without.
       stages: the stages to measure (each costs one compilation).
+      compare_checkpointing: also compile each row with the opposite activation-checkpointing
+        setting (the config has none: ``policy: full``; it has one: ``policy: none``):
+        ``True`` always, ``False`` never, ``None`` always without ``device_memory`` and with it
+        only where it can change the recommendation (see the module docstring). Each costs one
+        more compilation.
 
     Returns:
       A :class:`PlanReport`; ``print(result.table())``.
@@ -262,11 +292,47 @@ def plan_report(
             _, micro, accum = sizes
             sizes = (micro * accum * local_n, micro, accum)
 
-    def measure(stage: int, offload_name: str) -> StageMemory:
+    policy = _policy(cfg)
+    other = "full" if policy == "none" else "none"
+    usable = None if memory is None else memory * (1 - margin)
+    loaded: dict[str, Any] = {}
+
+    # Without checkpointing is what a config without the section means (policy null; stage 3
+    # then keeps its own rule for the layers it gathers), and host checkpointing goes with it.
+    flip = ["activation_checkpointing.policy=full"]
+    if policy != "none":
+        flip = [
+            "activation_checkpointing.policy=null",
+            "activation_checkpointing.cpu_checkpointing=false",
+        ]
+
+    def other_cfg() -> Any:  # loaded only when first needed
+        if "cfg" not in loaded:
+            with warnings.catch_warnings():  # the same no-effect keys were reported above
+                warnings.simplefilter("ignore", config_lib.JzeroConfigWarning)
+                loaded["cfg"] = config_lib.load_config(config, overrides=[*overrides, *flip])
+        return loaded["cfg"]
+
+    def wanted(row: StageMemory) -> bool:
+        if compare_checkpointing is not None or usable is None:
+            return compare_checkpointing is not False
+        return row.peak > usable if policy == "none" else row.peak <= usable
+
+    def measure_row(stage: int, offload_name: str) -> StageMemory:
+        row = measure(cfg, stage, offload_name)
+        if compare_checkpointing is False:
+            return dataclasses.replace(row, checkpointing=policy)
+        row = dataclasses.replace(row, checkpointing=policy, other_checkpointing=other)
+        if not wanted(row):
+            return row
+        alt = measure(other_cfg(), stage, offload_name)
+        return dataclasses.replace(row, other_temp_bytes=alt.temp_bytes, other_peak_bytes=alt.peak)
+
+    def measure(base: Any, stage: int, offload_name: str) -> StageMemory:
         engine = initialize(
             model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
             loss_fn=gpt.nnx_loss_fn,
-            config=_with_zero(cfg, stage, offload_name, sizes),
+            config=_with_zero(base, stage, offload_name, sizes),
             mesh=mesh,
         )
         batch = {
@@ -283,12 +349,13 @@ def plan_report(
         return _stage_memory(engine, batch, plan)
 
     seen: dict[str, Any] = {}
-    rows = [measure(stage, "none") for stage in stages]
+    rows = [measure_row(stage, "none") for stage in stages]
     n = seen["devices"] if n is None else n
-    fits = _recommend([(r.stage, r.offload, r.peak) for r in rows], memory, margin)
+    options = [(r.stage, r.offload, p, peak) for r in rows for p, _, peak in r.variants()]
+    fits = _recommend(options, memory, margin)
     if offload or (offload is None and fits is not None and not fits.fits):
         variants = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")]
-        rows += [measure(stage, name) for stage, name in variants if stage in stages]
+        rows += [measure_row(stage, name) for stage, name in variants if stage in stages]
     micro, accum = seen["micro"]
     title = (
         f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "

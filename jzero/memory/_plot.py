@@ -7,7 +7,7 @@ Decisions:
 * The figure is drawn on an Agg canvas, never through pyplot, so plotting opens no window and
   keeps no global figure state.
 * Every category gets one colour across all bars; the usable device memory (device memory less
-  the margin) is a dashed red line.
+  the margin) is a dashed black line (red is a category's colour).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def plot_bars(
         import matplotlib
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
@@ -76,8 +77,8 @@ def plot_bars(
     handles = [Patch(facecolor=colors[c], edgecolor="black", label=c) for c in categories]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="host memory"))
     if limit is not None:
-        ax.axhline(limit / unit[1], color="red", linestyle="--")
-        handles.append(Patch(facecolor="red", label="usable device memory"))
+        ax.axhline(limit / unit[1], color="black", linestyle="--")
+        handles.append(Line2D([], [], color="black", linestyle="--", label="usable device memory"))
     ax.set_xticks(range(len(bars)), [label for label, _, _ in bars])
     ax.set_xlabel("ZeRO stage / offload (left bar: device, right bar: host)")
     ax.set_ylabel(f"{unit[0]} per device (host: as listed)")

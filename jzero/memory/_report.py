@@ -10,6 +10,15 @@ Decisions:
   argument. Without a compiled step the peak is the model state alone, gradients included.
 * A report can be judged against another device memory without recompiling anything
   (:meth:`PlanReport.with_device_memory`).
+* Activation checkpointing: a row's ``temp`` and ``peak`` are the step compiled with the
+  config's ``activation_checkpointing`` (``checkpointing``, ``"none"`` without). Where the
+  report compares (``other_checkpointing`` set), the step compiled with the opposite setting
+  gives ``other_temp_bytes`` / ``other_peak_bytes`` (``None`` where it was not measured), shown
+  as two more columns (``temp AC``, ``peak AC``, or ``temp no AC``, ``peak no AC`` when the
+  config checkpoints). Without a comparison the table is the stage-only one.
+* The ``fits`` column says ``yes`` (fits without activation checkpointing), ``AC`` (fits only
+  with it) or ``no``; the recommendation weighs the stage, then activation checkpointing, then
+  offload (:mod:`jzero.memory._format`).
 * Sizes in the table and the plot are in one binary unit, the one that suits the largest peak.
 """
 
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 
 from jzero.memory._format import (
     Recommendation,
+    _ac_on,
     _fmt,
     _recommend,
     _render,
@@ -48,6 +58,12 @@ class StageMemory:
         ``memory_analysis()``, ``None`` when no step was compiled.
       other_argument_bytes: arguments besides the model state (batch shard, step counter,
         non-trainable model state), measured.
+      checkpointing: the activation-checkpointing policy of the measured step (``"none"``:
+        without).
+      other_checkpointing: the opposite setting the report compares with (``None``: no
+        comparison).
+      other_temp_bytes / other_peak_bytes: ``temp_bytes`` and :attr:`peak` of the step compiled
+        with ``other_checkpointing``; ``None`` when it was not measured.
     """
 
     stage: int
@@ -61,6 +77,10 @@ class StageMemory:
     output_bytes: int | None = None
     alias_bytes: int | None = None
     other_argument_bytes: int = 0
+    checkpointing: str = "none"
+    other_checkpointing: str | None = None
+    other_temp_bytes: int | None = None
+    other_peak_bytes: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -83,6 +103,24 @@ class StageMemory:
         fresh = max((self.output_bytes or 0) - (self.alias_bytes or 0), 0)
         return self.resident_bytes + self.other_argument_bytes + self.temp_bytes + fresh
 
+    def variants(self) -> list[tuple[str, int | None, int]]:
+        """``(policy, temp bytes, peak bytes)`` of every activation-checkpointing setting
+        measured: the config's first, then the opposite one when it was measured."""
+        out = [(self.checkpointing, self.temp_bytes, self.peak)]
+        if self.other_checkpointing is not None and self.other_peak_bytes is not None:
+            out.append((self.other_checkpointing, self.other_temp_bytes, self.other_peak_bytes))
+        return out
+
+    def temp_with(self, checkpointing: bool) -> int | None:
+        """Temporaries (activations, gradients, gathered layers) of the step compiled without
+        (``False``) or with (``True``) activation checkpointing; ``None`` if not measured."""
+        return next((t for p, t, _ in self.variants() if _ac_on(p) == checkpointing), None)
+
+    def peak_with(self, checkpointing: bool) -> int | None:
+        """:attr:`peak` without (``False``) or with (``True``) activation checkpointing;
+        ``None`` if not measured."""
+        return next((k for p, _, k in self.variants() if _ac_on(p) == checkpointing), None)
+
 
 @dataclass(frozen=True)
 class PlanReport:
@@ -101,10 +139,19 @@ class PlanReport:
         return dataclasses.replace(self, device_memory=memory)
 
     @property
+    def compares_checkpointing(self) -> bool:
+        """Whether the report compares activation checkpointing (its extra columns)."""
+        return any(r.other_checkpointing is not None for r in self.rows)
+
+    @property
     def recommendation(self) -> Recommendation | None:
-        """The lowest stage whose peak fits (offload only if needed); ``None`` without memory."""
-        options = [(r.stage, r.offload, r.peak) for r in self.rows]
+        """The cheapest option whose peak fits: lowest stage, then activation checkpointing,
+        then offload; ``None`` without a device memory."""
+        options = [(r.stage, r.offload, p, peak) for r in self.rows for p, _, peak in r.variants()]
         return _recommend(options, self.device_memory, self.margin)
+
+    def _largest(self) -> int:
+        return max([peak for r in self.rows for _, _, peak in r.variants()] + [1])
 
     def row(self, stage: int, offload: str = "none") -> StageMemory:
         """The row of one stage."""
@@ -113,10 +160,15 @@ class PlanReport:
     def table(self) -> str:
         """The report as text: categories, gathered layer, measured memory, peak, advice."""
         keys = list(dict.fromkeys(k for r in self.rows for k in r.device))
-        unit = _unit_for(max([r.peak for r in self.rows] + [1]))
+        unit = _unit_for(self._largest())
         usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         header = ["stage", "offload", *(k.replace("_", " ") for k in keys), "host", "gathered"]
-        header += ["args", "temp", "peak"] + (["fits"] if usable is not None else [])
+        compare = self.compares_checkpointing
+        other = next((r.other_checkpointing for r in self.rows if r.other_checkpointing), None)
+        alt = "AC" if _ac_on(other) else "no AC"
+        header += ["args", "temp", "peak"]
+        header += [f"temp {alt}", f"peak {alt}"] if compare else []
+        header += ["fits"] if usable is not None else []
         rows = []
         for r in self.rows:
             cells = [str(r.stage), r.offload, *(_fmt(r.device.get(k, 0), unit) for k in keys)]
@@ -124,8 +176,11 @@ class PlanReport:
             for v in (r.argument_bytes, r.temp_bytes):
                 cells.append("-" if v is None else _fmt(v, unit))
             cells.append(_fmt(r.peak, unit))
+            if compare:
+                for v in (r.other_temp_bytes, r.other_peak_bytes):
+                    cells.append("-" if v is None else _fmt(v, unit))
             if usable is not None:
-                cells.append("yes" if r.peak <= usable else "no")
+                cells.append(_fits(r, usable))
             rows.append(cells)
         where = (
             "not measured (no batch)"
@@ -139,6 +194,14 @@ class PlanReport:
             "peak = resident model state + other args (batch) + temp + outputs not aliased; "
             "grads and the gathered layer are part of temp.",
         ]
+        if compare:
+            mine = {r.checkpointing for r in self.rows}
+            lines.append(
+                f"temp, peak: activation_checkpointing policy {'/'.join(sorted(mine))} (the "
+                f"config's); temp {alt}, peak {alt}: policy {other}; '-': not measured."
+            )
+        if compare and usable is not None:
+            lines.append("fits: yes (without activation checkpointing), AC (only with it), no.")
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
@@ -147,16 +210,29 @@ class PlanReport:
         """(label, device bytes by category, host bytes by category) per row, for plots."""
         out = []
         for r in self.rows:
-            device = {k.replace("_", " "): float(v) for k, v in r.device.items()}
-            rest = r.peak - sum(r.device.values())
-            if r.measured and rest > 0:
-                device["activations and temporaries"] = float(rest)
             host = {k.replace("_", " "): float(v) for k, v in r.host.items()}
-            out.append((f"{r.stage}\n{r.offload}", device, host))
+            for i, (policy, _, peak) in enumerate(r.variants()):
+                device = {k.replace("_", " "): float(v) for k, v in r.device.items()}
+                rest = peak - sum(r.device.values())
+                if r.measured and rest > 0:
+                    device["activations and temporaries"] = float(rest)
+                label = f"{r.stage}\n{r.offload}"
+                if self.compares_checkpointing:
+                    label += "\n+AC" if _ac_on(policy) else "\nno AC"
+                out.append((label, device, host if i == 0 else {}))
         return out
 
     def plot(self, path: str) -> None:
-        """Draws the stages as stacked bars (device solid, host hatched) into a PNG file."""
+        """Draws the stages as stacked bars (device solid, host hatched) into a PNG file; each
+        activation-checkpointing setting measured is a bar of its own."""
         limit = None if self.device_memory is None else self.device_memory * (1 - self.margin)
-        unit = _unit_for(max([r.peak for r in self.rows] + [1]))
+        unit = _unit_for(self._largest())
         plot_bars(path, self.title, self.bars(), limit=limit, unit=unit)
+
+
+def _fits(row: StageMemory, usable: float) -> str:
+    """``yes`` (fits without activation checkpointing), ``AC`` (only with it) or ``no``."""
+    without, with_ac = row.peak_with(False), row.peak_with(True)
+    if without is not None and without <= usable:
+        return "yes"
+    return "AC" if with_ac is not None and with_ac <= usable else "no"
