@@ -207,6 +207,7 @@ class Engine:
         args = (self.state.extra, micro) if self.stateful else (micro,)
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
         new = self._replan(layer_dims=dims)
+        _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
         if new.param_dims == self.plan.param_dims:
             self.plan = new
             return
@@ -421,6 +422,19 @@ class Engine:
 
 
 _OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _check_live_parameters(plan: Plan, limit: int) -> None:
+    """Stage 3 gathers one unit at a time: DeepSpeed's ``stage3_max_live_parameters`` must
+    admit the largest one."""
+    largest, path = plan.largest_gathered()
+    if largest > limit:
+        raise ValueError(
+            f"zero_optimization.stage3_max_live_parameters is {limit:,}, but stage 3 gathers "
+            f"{largest:,} elements at once for {path!r} (one layer of a scanned stack, or a "
+            "whole leaf used outside a scan). Raise stage3_max_live_parameters to at least "
+            f"{largest:,}, or split that parameter."
+        )
 
 
 def _finite(*trees: PyTree) -> bool:

@@ -216,6 +216,21 @@ class Plan:
         """Per parameter leaf, the dimension gradients and optimizer state are sharded on."""
         return [leaf.state_dim for leaf in self.leaves]
 
+    def largest_gathered(self) -> tuple[int, str]:
+        """The most elements stage 3 gathers at once, and the leaf: a scanned leaf one layer
+        slice at a time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when
+        nothing is sharded at rest."""
+        best, path = 0, ""
+        for leaf in self.leaves:
+            if leaf.param_dim is None:
+                continue
+            elems = math.prod(leaf.shape)
+            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
+                elems //= leaf.shape[leaf.layer_dim]
+            if elems > best:
+                best, path = elems, leaf.path
+        return best, path
+
     def grad_dims(self) -> list[int | None]:
         """Per leaf, the dimension the reduced gradient is sharded on (``None``: all-reduced)."""
         return self.state_dims if self.stage.reduce_scatter else [None] * len(self.leaves)

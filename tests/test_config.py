@@ -333,7 +333,7 @@ def test_bfloat16_alias_and_disabled_sections_do_not_warn():
 def test_every_no_effect_key_is_listed():
     raw = {
         "wall_clock_breakdown": True,
-        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "sub_group_size": 1},
+        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9, "sub_group_size": 1},
         "optimizer": {"type": "Adam", "params": {"lr": 0.1, "set_grad_none": True}},
         "activation_checkpointing": {"partition_activations": True},
     }
@@ -343,7 +343,7 @@ def test_every_no_effect_key_is_listed():
     listed = re.findall(r"^  - ([\w.]+):", str(record[0].message), re.M)
     assert listed == [
         "zero_optimization.sub_group_size",
-        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_max_reuse_distance",
         "activation_checkpointing.partition_activations",
         "wall_clock_breakdown",
         "optimizer.params.set_grad_none",

@@ -163,3 +163,19 @@ def test_a_tied_embedding_matches_the_single_device_loop(tx):
     engine = jzero.initialize(params, loss, tx, CFG)
     losses = [float(engine.train_step(b)["loss"]) for b in data]
     np.testing.assert_allclose(losses, reference(loss, params, tx, data), rtol=2e-5)
+
+
+def test_max_live_parameters_below_the_largest_layer_is_a_clear_error():
+    zero = {**CFG["zero_optimization"], "stage3_max_live_parameters": 1000}
+    engine = jzero.initialize(
+        {"w": weights()}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
+    )
+    with pytest.raises(ValueError, match=r"stage3_max_live_parameters is 1,000, but stage 3 "
+                       r"gathers 65,536 elements at once for 'w'.*at least 65,536"):  # fmt: skip
+        engine.train_step(batches(1)[0])
+    zero["stage3_max_live_parameters"] = D * D  # one layer of the stack: enough
+    engine = jzero.initialize(
+        {"w": weights()}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
+    )
+    engine.fit_layout(batches(1)[0])
+    assert engine.plan.largest_gathered() == (D * D, "w")

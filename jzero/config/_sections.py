@@ -112,8 +112,10 @@ class ZeroConfig:
     """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
     stage3_prefetch_bucket_size: int = _f(50_000_000, min=0, no_effect=_XLA_GATHER)
     """DeepSpeed: elements fetched ahead of use at stage 3. No effect."""
-    stage3_max_live_parameters: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
-    """DeepSpeed: gathered elements kept live at stage 3. No effect."""
+    stage3_max_live_parameters: int = _f(1_000_000_000, min=0)
+    """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
+    layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
+    must fit: a smaller value is an error at the first step that names both numbers."""
     stage3_max_reuse_distance: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
     """DeepSpeed: keep a gathered parameter if reused within this distance. No effect."""
     stage3_model_persistence_threshold: int = _f(
