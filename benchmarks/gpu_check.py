@@ -46,8 +46,8 @@ SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_size_args(ap: argparse.ArgumentParser) -> None:
+    """``--smoke`` and the GPT's size flags, shared by every GPU check (defaults: FULL)."""
     ap.add_argument("--smoke", action="store_true", help="a tiny GPT and 2 steps (for CPU)")
     ap.add_argument("--layers", type=int, help=f"transformer blocks (default {FULL['layers']})")
     ap.add_argument("--d-model", type=int, help=f"model width (default {FULL['d_model']})")
@@ -56,6 +56,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--micro-batch", type=int, help=f"sequences per device (default {FULL['micro_batch']})"
     )
+
+
+def fill_sizes(args: argparse.Namespace) -> None:
+    """The size flags not given take the SMOKE (with ``--smoke``) or FULL sizes."""
+    for key, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_size_args(ap)
     ap.add_argument("--steps", type=int, help="timed steps (default 5, smoke 2)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     ap.add_argument(
@@ -64,10 +76,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
     ap.add_argument("--result", help=argparse.SUPPRESS)  # child process: where its JSON goes
     args = ap.parse_args(argv)
-    sizes = SMOKE if args.smoke else FULL
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(args)
     if args.steps is None:
         args.steps = 2 if args.smoke else 5
     if args.smoke:

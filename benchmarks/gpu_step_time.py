@@ -84,6 +84,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# benchmarks/ is sys.path[0] when run as a script: the GPT sizes and their flags are
+# gpu_check.py's, so every GPU check trains the same model.
+from gpu_check import SMOKE_XLA_FLAGS, add_size_args, fill_sizes  # noqa: E402
+
 MIB = 1 << 20
 GIB = 1 << 30
 STEP_TIME = ("plain-dp", "zero-0", "zero-1", "zero-2", "zero-3")
@@ -91,9 +95,6 @@ STEP_TIME = ("plain-dp", "zero-0", "zero-1", "zero-2", "zero-3")
 # GPT with activation checkpointing (policy full), and with its activations in host memory.
 MEMORY_WALL = ("zero-3-unrolled", "zero-3-ac", "zero-3-ac-cpu")
 VARIANTS = STEP_TIME + MEMORY_WALL
-FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
-SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
-SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 VOCAB = 256
 LEARNING_RATE = 1e-4
 CLIP = 1.0
@@ -145,14 +146,7 @@ def _memory_wall_order(variants: list[str]) -> list[str]:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="a tiny GPT and 2 steps (for CPU)")
-    ap.add_argument("--layers", type=int, help=f"transformer blocks (default {FULL['layers']})")
-    ap.add_argument("--d-model", type=int, help=f"model width (default {FULL['d_model']})")
-    ap.add_argument("--heads", type=int, help=f"attention heads (default {FULL['heads']})")
-    ap.add_argument("--seq-len", type=int, help=f"tokens a sequence (default {FULL['seq_len']})")
-    ap.add_argument(
-        "--micro-batch", type=int, help=f"sequences per device (default {FULL['micro_batch']})"
-    )
+    add_size_args(ap)
     ap.add_argument("--steps", type=int, help="timed steps (default 20, smoke 2)")
     ap.add_argument("--warmup", type=int, help="untimed steps first (default 3, smoke 1)")
     ap.add_argument(
@@ -182,10 +176,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
     ap.add_argument("--result", help=argparse.SUPPRESS)  # child process: where its JSON goes
     args = ap.parse_args(argv)
-    sizes = SMOKE if args.smoke else FULL
-    for key, value in sizes.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_sizes(args)
     if args.steps is None:
         args.steps = 2 if args.smoke else 20
     if args.warmup is None:
