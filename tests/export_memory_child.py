@@ -22,10 +22,15 @@ def main(directory: str, out: str) -> None:
     export(directory, 1, Path(out) / "warm_up.npz")  # first-use allocations of the libraries
     peaks = {}
     for dtype in ("float32", "bfloat16"):
-        Path("/proc/self/clear_refs").write_text("5")  # high-water mark := current RSS
-        before = rss_kib("VmRSS")
-        export(directory, 1, Path(out) / f"big_{dtype}.safetensors", dtype=dtype)
-        peaks[dtype] = rss_kib("VmHWM") - before
+        runs = []
+        for _ in range(3):
+            Path("/proc/self/clear_refs").write_text("5")  # high-water mark := current RSS
+            before = rss_kib("VmRSS")
+            export(directory, 1, Path(out) / f"big_{dtype}.safetensors", dtype=dtype)
+            runs.append(rss_kib("VmHWM") - before)
+        # The allocator's arenas and TensorStore's threads make one run's mark noisy (measured
+        # 1-7 leaves); an export that held the whole tree would cost 16 leaves every run.
+        peaks[dtype] = min(runs)
     print(json.dumps(peaks), flush=True)
 
 
