@@ -56,9 +56,16 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
-from jzero.remat import ACTIVATION, LAYER_INPUT, RematPolicy
+from jzero.remat import ACTIVATION, LAYER_INPUT, RematPolicy, parse_policy
 
-__all__ = ["all_gather", "checkpoint_policy", "gathered", "layer_dims", "replay"]
+__all__ = [
+    "all_gather",
+    "checkpoint_policy",
+    "checkpoint_scans",
+    "gathered",
+    "layer_dims",
+    "replay",
+]
 
 
 @dataclass(frozen=True)
@@ -462,3 +469,18 @@ def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | No
 
     visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:num])})
     return found
+
+
+def checkpoint_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[..., Any]:
+    """``fn`` with the body of every top-level ``lax.scan`` it runs checkpointed by ``policy``.
+
+    The same numbers as ``fn``; only what its gradient keeps for the backward pass changes.
+    The engine does this itself (``activation_checkpointing``); use it with your own step.
+
+    Args:
+      fn: any function of arrays (pytrees in, pytrees out), e.g. a loss.
+      policy: a :class:`RematPolicy` or a policy text (``"full"``, ``"names:a,b"``, ...).
+    """
+    if isinstance(policy, str):
+        policy = parse_policy(policy)
+    return replay(fn, policy)

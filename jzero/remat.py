@@ -73,7 +73,6 @@ __all__ = [
     "LAYER_INPUT",
     "POLICIES",
     "RematPolicy",
-    "checkpoint_scans",
     "from_config",
     "parse_policy",
 ]
@@ -195,20 +194,3 @@ def from_config(cfg: Any) -> RematPolicy | None:
     return parse_policy(
         getattr(section, "policy", None), offload=bool(getattr(section, "cpu_checkpointing", 0))
     )
-
-
-def checkpoint_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[..., Any]:
-    """``fn`` with the body of every top-level ``lax.scan`` it runs checkpointed by ``policy``.
-
-    The same numbers as ``fn``; only what its gradient keeps for the backward pass changes.
-    The engine does this itself (``activation_checkpointing``); use it with your own step.
-
-    Args:
-      fn: any function of arrays (pytrees in, pytrees out), e.g. a loss.
-      policy: a :class:`RematPolicy` or a policy text (``"full"``, ``"names:a,b"``, ...).
-    """
-    from jzero.gather import replay  # gather imports this module: imported at call time
-
-    if isinstance(policy, str):
-        policy = parse_policy(policy)
-    return replay(fn, policy)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jzero
-from jzero import remat
+from jzero import gather, remat
 from jzero.config import ConfigError, load_config
 from jzero.hlo import collectives
 
@@ -182,7 +182,7 @@ def test_a_python_loop_gets_no_per_layer_checkpointing():
 
 def test_checkpoint_scans_on_its_own_changes_what_is_saved_not_the_gradient():
     p, b = params(), {"x": batches(1)[0]["x"][:64]}
-    f = remat.checkpoint_scans(scan_loss, "full")
+    f = gather.checkpoint_scans(scan_loss, "full")
     assert "remat" in str(jax.make_jaxpr(jax.grad(f))(p, b))
     assert "remat" not in str(jax.make_jaxpr(jax.grad(scan_loss))(p, b))
     got, want = jax.grad(f)(p, b), jax.grad(scan_loss)(p, b)
