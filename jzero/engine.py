@@ -563,6 +563,7 @@ def initialize(
         precision=precision.from_config(cfg),
         offload_optimizer=opt_kind,
         offload_params=param_kind,
+        reshard_after_forward=cfg.zero_optimization.reshard_after_forward,
     )
     plan = replan()
     sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)

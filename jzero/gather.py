@@ -164,6 +164,9 @@ def _floating(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
 
 
+GATHERED = "jzero_gathered_weight"
+
+
 def _name(x: Any, name: str) -> Any:
     return jax.ad_checkpoint.checkpoint_name(x, name) if _floating(x) else x
 
@@ -212,10 +215,17 @@ class _Replay:
     scan reached outside other scans (see :mod:`jzero.remat` for what each policy keeps).
     """
 
-    def __init__(self, axis_name: str | None, grad_dtype: Any = None, policy: Any = None):
+    def __init__(
+        self,
+        axis_name: str | None,
+        grad_dtype: Any = None,
+        policy: Any = None,
+        reshard: bool = True,
+    ):
         self.axis_name = axis_name
         self.grad_dtype = grad_dtype
         self.policy: RematPolicy | None = policy
+        self.reshard = reshard  # gather again in the backward pass (see ``gathered``)
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = {}
@@ -271,6 +281,8 @@ class _Replay:
     def _use(self, eqn: Any, invals: list[Any]) -> list[Any]:
         """A use of pending parameters outside a scan: gathered there, and again in the
         backward pass (see the module's decisions)."""
+        if not self.reshard:  # the gathered value is kept for the backward pass
+            return _bind(eqn, [self.materialize(x) for x in invals])
         pending = [i for i, x in enumerate(invals) if isinstance(x, _Pending)]
         others = [None if isinstance(x, _Pending) else x for x in invals]
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
@@ -324,6 +336,11 @@ class _Replay:
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
         offload = self.policy is not None and self.policy.offload
         tag = gathers and self.policy is not None and not self.policy.active
+        keep = gathers and not self.reshard
+        if keep:  # the gathered weights are saved for the backward pass as well
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(GATHERED)
+            )
         num_xs = len(xs)
 
         def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -333,6 +350,11 @@ class _Replay:
                 xi if p is None else p.gather(axis_name, grad_dtype, shard=xi, dim=p.dim - 1)
                 for xi, p in zip(x, pending, strict=True)
             ]
+            if keep:
+                x = [
+                    xi if p is None else _name(xi, GATHERED)
+                    for xi, p in zip(x, pending, strict=True)
+                ]
             args = [*consts, *carry, *x]
             if tag:
                 live = [False] * num_consts + [True] * num_carry + [False] * num_xs
@@ -381,6 +403,7 @@ def gathered(
     axis_name: str,
     grad_dtype: Any = None,
     policy: RematPolicy | None = None,
+    reshard: bool = True,
 ) -> Callable[..., Any]:
     """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
 
@@ -397,6 +420,10 @@ def gathered(
         ``None``: only the scans that gather weights are checkpointed, by
         :data:`checkpoint_policy`. Whatever the policy, no gathered weight is saved for the
         backward pass.
+      reshard: gather each weight again in the backward pass (FSDP's
+        ``reshard_after_forward``); ``False`` keeps the forward's gathered weights for the
+        backward pass instead: one all-gather per weight, not two, and every gathered weight
+        alive until its backward use.
 
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
@@ -409,7 +436,7 @@ def gathered(
             for x, d in zip(jax.tree.leaves(shards), dims, strict=True)
         ]
         flat_args = jax.tree.leaves(args)
-        rep = _Replay(axis_name, grad_dtype, policy)
+        rep = _Replay(axis_name, grad_dtype, policy, reshard)
         outs = rep.run(closed.jaxpr, closed.consts, [*flat_params, *flat_args])
         outs = [rep.materialize(o) for o in outs]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -174,6 +174,9 @@ class Plan:
       base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
       layers_traced: whether ``layer_dims`` came from tracing the loss (so a leaf without one
         is known not to be a scanned stack).
+      reshard_after_forward: at stage 3, drop each gathered weight after its forward use and
+        gather it again in the backward pass (3 Psi of traffic, about one layer live); ``False``
+        keeps it until its backward use (2 Psi, all gathered weights live at the peak).
 
     Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
     computes on :func:`on_device` copies of them.
@@ -195,6 +198,7 @@ class Plan:
     master: PyTree = None
     base_specs: tuple[P, ...] = field(default=())
     layers_traced: bool = False
+    reshard_after_forward: bool = True
 
     @property
     def num_shards(self) -> int:
@@ -413,6 +417,7 @@ def make_plan(
     offload_optimizer: str | None = None,
     offload_params: str | None = None,
     layer_dims: Sequence[int | None] | None = None,
+    reshard_after_forward: bool = True,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -433,6 +438,7 @@ def make_plan(
         (DeepSpeed's ``offload_param``).
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
         consumes, or ``None``; from :func:`jzero.gather.layer_dims`. Stage 3 never shards it.
+      reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
 
     Returns:
       The :class:`Plan`.
@@ -548,6 +554,7 @@ def make_plan(
         master=_with_kind(update_sh, offload_optimizer) if precision.mixed else None,
         base_specs=bases,
         layers_traced=traced,
+        reshard_after_forward=bool(reshard_after_forward),
     )
 
 

@@ -197,6 +197,7 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             plan.axis,
             grad_dtype=plan.precision.comm_dtype,
             policy=policy,
+            reshard=plan.reshard_after_forward,
         )
     return loss_fn
 

@@ -116,6 +116,11 @@ class ZeroConfig:
     """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
     layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
     must fit: a smaller value is an error at the first step that names both numbers."""
+    reshard_after_forward: bool = True
+    """jzero's own (FSDP2's name): at stage 3, drop each gathered weight after its forward use
+    and gather it again in the backward pass (3 Psi of traffic, about one layer of weights live
+    at a time). ``false`` keeps the gathered weights from the forward to the backward pass: 2 Psi
+    of traffic, but every gathered weight is alive at the peak, about the whole model."""
     stage3_max_reuse_distance: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
     """DeepSpeed: keep a gathered parameter if reused within this distance. No effect."""
     stage3_model_persistence_threshold: int = _f(

@@ -139,6 +139,7 @@ def _plan_on(engine: Any, devices: int) -> Any:
         offload_optimizer=_host_kind(local.opt_state),
         offload_params=_host_kind(local.params),
         layer_dims=local.layer_dims if local.layers_traced else None,
+        reshard_after_forward=local.reshard_after_forward,
     )
 
 
