@@ -160,8 +160,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _child_argv(args: argparse.Namespace, variant: str, result: Path) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve())]
+def child_argv(script: str, args: argparse.Namespace, variant: str, result: Path) -> list[str]:
+    """``script`` run as one variant's child process, with the parent's sizes and step counts."""
+    argv = [sys.executable, str(Path(script).resolve())]
     for key in ("layers", "d_model", "heads", "seq_len", "micro_batch", "steps", "warmup"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return argv + ["--variant", variant, "--result", str(result)]
@@ -226,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         for variant in VARIANTS:
             result = Path(tmp) / f"{variant}.json"
             proc = subprocess.run(
-                _child_argv(args, variant, result), timeout=args.variant_timeout, env=env
+                child_argv(__file__, args, variant, result),
+                timeout=args.variant_timeout,
+                env=env,
             )
             if proc.returncode != 0 or not result.exists():
                 print(f"variant {variant!r} failed with exit status {proc.returncode}")

@@ -86,7 +86,7 @@ from typing import Any
 
 # benchmarks/ is sys.path[0] when run as a script: the GPT sizes and their flags are
 # gpu_check.py's, so every GPU check trains the same model.
-from gpu_check import SMOKE_XLA_FLAGS, add_size_args, fill_sizes  # noqa: E402
+from gpu_check import SMOKE_XLA_FLAGS, add_size_args, child_argv, fill_sizes  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -321,13 +321,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- the parent ---------------------------------------------------------------------------------
-def _child_argv(args: argparse.Namespace, variant: str, result: Path) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve())]
-    for key in ("layers", "d_model", "heads", "seq_len", "micro_batch", "steps", "warmup"):
-        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    return argv + ["--variant", variant, "--result", str(result)]
-
-
 def _run_child(
     args: argparse.Namespace, variant: str, env: dict[str, str], left: float, tmp: str
 ) -> dict[str, Any]:
@@ -336,7 +329,7 @@ def _run_child(
     limit = min(args.variant_timeout, left)
     start = time.monotonic()
     try:
-        proc = subprocess.run(_child_argv(args, variant, result), timeout=limit, env=env)
+        proc = subprocess.run(child_argv(__file__, args, variant, result), timeout=limit, env=env)
     except subprocess.TimeoutExpired:
         by_budget = left < args.variant_timeout
         return {

@@ -75,18 +75,6 @@ class _StopOnSignal:
         self._previous = {}
 
 
-def _agreed(flag: bool) -> bool:
-    """Whether any process raised ``flag``: all processes stop after the same step."""
-    import jax
-
-    if jax.process_count() == 1:
-        return flag
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.bool_(flag))))
-
-
 def _json_safe(value: Any) -> Any:
     """``value`` with non-finite floats as ``None`` (JSON has no NaN or Infinity)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -259,7 +247,7 @@ def _train(args: argparse.Namespace) -> int:
                     "parameters are kept."
                 )
                 break
-            if _agreed(stop.requested):
+            if distributed.any_process(stop.requested):  # all stop after the same step
                 interrupted = True
                 break
     except KeyboardInterrupt:  # a second signal, or one before the handler was installed

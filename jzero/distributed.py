@@ -50,6 +50,7 @@ import numpy as np
 
 __all__ = [
     "DistributedSpec",
+    "any_process",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
@@ -383,6 +384,17 @@ def ensure_initialized(dist_cfg: Mapping[str, Any] | None = None) -> None:
       dist_cfg: the config's ``distributed`` section, if any.
     """
     init_distributed(dist_cfg)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process; every process gets the same answer (one
+    allgather of a boolean when there are several), so they all take the same branch before
+    a collective or a checkpoint barrier."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.bool_(flag))))
 
 
 def is_main_process() -> bool:

@@ -451,11 +451,7 @@ def _finite(*trees: PyTree) -> bool:
         ok = ok and all(np.isfinite(np.asarray(s.data)).all() for s in shards)
         if not ok:
             break
-    if jax.process_count() > 1:  # every process decides alike, or the save's barriers hang
-        from jax.experimental import multihost_utils
-
-        ok = bool(np.all(multihost_utils.process_allgather(np.bool_(ok))))
-    return ok
+    return not distributed.any_process(not ok)  # all decide alike, or the save's barriers hang
 
 
 @atexit.register
