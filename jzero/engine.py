@@ -560,6 +560,9 @@ def initialize(
         offload_optimizer=opt_kind,
         offload_params=param_kind,
         reshard_after_forward=cfg.zero_optimization.reshard_after_forward,
+        prefetch_bucket_size=cfg.zero_optimization.stage3_prefetch_bucket_size or 0,
+        max_reuse_distance=cfg.zero_optimization.stage3_max_reuse_distance,
+        max_live_parameters=cfg.zero_optimization.stage3_max_live_parameters,
     )
     plan = replan()
     sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)

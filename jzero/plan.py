@@ -177,6 +177,13 @@ class Plan:
       reshard_after_forward: at stage 3, drop each gathered weight after its forward use and
         gather it again in the backward pass (3 Psi of traffic, about one layer live); ``False``
         keeps it until its backward use (2 Psi, all gathered weights live at the peak).
+      prefetch_bucket_size: at stage 3, how many gathered elements a use's gather may run
+        ahead of it (DeepSpeed's ``stage3_prefetch_bucket_size``; 0: at the use).
+      max_reuse_distance: at stage 3, a parameter reused within this many elements of other
+        gathered parameters is gathered once and kept (DeepSpeed's
+        ``stage3_max_reuse_distance``); ``None``: every use gathers.
+      max_live_parameters: at stage 3, the cap on gathered elements alive at once (DeepSpeed's
+        ``stage3_max_live_parameters``): it bounds what reuse keeps; ``None``: no cap.
 
     Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
     computes on :func:`on_device` copies of them.
@@ -199,6 +206,9 @@ class Plan:
     base_specs: tuple[P, ...] = field(default=())
     layers_traced: bool = False
     reshard_after_forward: bool = True
+    prefetch_bucket_size: int = 0
+    max_reuse_distance: int | None = None
+    max_live_parameters: int | None = None
 
     @property
     def num_shards(self) -> int:
@@ -418,6 +428,9 @@ def make_plan(
     offload_params: str | None = None,
     layer_dims: Sequence[int | None] | None = None,
     reshard_after_forward: bool = True,
+    prefetch_bucket_size: int = 0,
+    max_reuse_distance: int | None = None,
+    max_live_parameters: int | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -439,6 +452,7 @@ def make_plan(
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
         consumes, or ``None``; from :func:`jzero.gather.layer_dims`. Stage 3 never shards it.
       reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
+      prefetch_bucket_size, max_reuse_distance, max_live_parameters: see :class:`Plan`.
 
     Returns:
       The :class:`Plan`.
@@ -555,6 +569,9 @@ def make_plan(
         base_specs=bases,
         layers_traced=traced,
         reshard_after_forward=bool(reshard_after_forward),
+        prefetch_bucket_size=int(prefetch_bucket_size),
+        max_reuse_distance=max_reuse_distance,
+        max_live_parameters=max_live_parameters,
     )
 
 

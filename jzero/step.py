@@ -198,6 +198,9 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             grad_dtype=plan.precision.comm_dtype,
             policy=policy,
             reshard=plan.reshard_after_forward,
+            prefetch=plan.prefetch_bucket_size,
+            reuse_distance=plan.max_reuse_distance,
+            max_live=plan.max_live_parameters,
         )
     return loss_fn
 

@@ -78,8 +78,9 @@ def test_defaults_are_deepspeeds():
     zero = cfg.zero_optimization
     assert zero.stage == 0 and zero.stage3_param_persistence_threshold == 100_000
     assert zero.reduce_bucket_size == zero.allgather_bucket_size == 500_000_000
-    assert zero.stage3_prefetch_bucket_size == 50_000_000
-    assert zero.stage3_max_live_parameters == zero.stage3_max_reuse_distance == 1_000_000_000
+    # Not set: jzero gathers each parameter at its use (DeepSpeed: 5e7 and 1e9, see README).
+    assert zero.stage3_prefetch_bucket_size is None and zero.stage3_max_reuse_distance is None
+    assert zero.stage3_max_live_parameters == 1_000_000_000
     assert zero.offload_optimizer.device == "none" and zero.offload_optimizer.pin_memory
     fp16 = cfg.fp16
     assert (fp16.enabled, fp16.loss_scale, fp16.initial_scale_power) == (False, 0.0, 16)
@@ -333,7 +334,11 @@ def test_bfloat16_alias_and_disabled_sections_do_not_warn():
 def test_every_no_effect_key_is_listed():
     raw = {
         "wall_clock_breakdown": True,
-        "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 1e9, "sub_group_size": 1},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_module_granularity_threshold": 1e4,
+            "sub_group_size": 1,
+        },
         "optimizer": {"type": "Adam", "params": {"lr": 0.1, "set_grad_none": True}},
         "activation_checkpointing": {"partition_activations": True},
     }
@@ -343,7 +348,7 @@ def test_every_no_effect_key_is_listed():
     listed = re.findall(r"^  - ([\w.]+):", str(record[0].message), re.M)
     assert listed == [
         "zero_optimization.sub_group_size",
-        "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.stage3_module_granularity_threshold",
         "activation_checkpointing.partition_activations",
         "wall_clock_breakdown",
         "optimizer.params.set_grad_none",

@@ -205,3 +205,100 @@ def test_reshard_after_forward_false_gathers_once_and_trains_the_same(written):
     assert out[True][0] in (2 * full, 2 * full - layer) and out[False][0] == full
     assert out[False][1] > out[True][1] + full // 2  # the gathered weights are kept
     np.testing.assert_allclose(out[False][2], out[True][2], rtol=1e-6)
+
+
+V, E = 256, 256  # the tied-embedding model: a 256-token vocabulary, width 256, 4 layers
+
+
+def tied_params():
+    rng = np.random.default_rng(2)
+    params = {"embed": (rng.normal(size=(V, E)) * 0.3).astype(np.float32)}
+    for i in range(4):
+        params[f"w{i}"] = (rng.normal(size=(E, E)) / np.sqrt(E)).astype(np.float32)
+    return params
+
+
+def tied_loss(p, b):
+    h = p["embed"][b["tokens"][:, :-1]]
+    for i in range(4):
+        h = jnp.tanh(h @ p[f"w{i}"])
+    logp = jax.nn.log_softmax(h @ p["embed"].T)  # the embedding again, 4 layers later
+    return -jnp.mean(jnp.take_along_axis(logp, b["tokens"][:, 1:, None], -1))
+
+
+def tied_data(n=2):
+    rng = np.random.default_rng(3)
+    return [{"tokens": rng.integers(0, V, (B, 9)).astype(np.int32)} for _ in range(n)]
+
+
+def zero3(**keys):
+    return {**CFG, "zero_optimization": {**CFG["zero_optimization"], **keys}}
+
+
+def test_max_reuse_distance_keeps_what_is_reused_within_it():
+    """DeepSpeed's ``stage3_max_reuse_distance``: a parameter whose next use (a later forward
+    use, then its backward use) comes within that many elements of other gathered parameters
+    is gathered once and kept; ``stage3_max_live_parameters`` caps what is kept."""
+    unit = E * E * 4  # bytes of one gathered leaf (the embedding is V x E = E x E too)
+    out = {}
+    for name, keys in {
+        "default": {},
+        "everything": {"stage3_max_reuse_distance": 10**9},
+        "capped": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 2 * E * E},
+    }.items():
+        engine = jzero.initialize(tied_params(), tied_loss, optax.sgd(0.5), zero3(**keys))
+        compiled = engine.lower(tied_data(1)[0]).compile()
+        losses = [float(engine.train_step(b)["loss"]) for b in tied_data()]
+        out[name] = collectives(compiled)["all-gather"].bytes, losses
+    assert out["everything"][0] == 5 * unit  # each of the 5 leaves gathered exactly once
+    # By default every use gathers in forward and again in backward: the embedding 4 times.
+    assert out["default"][0] >= 8 * unit
+    # Room for the largest leaf and one kept leaf: one leaf's backward gather is saved.
+    assert out["everything"][0] < out["capped"][0] < out["default"][0]
+    expected = reference(tied_loss, tied_params(), optax.sgd(0.5), tied_data())
+    for _, losses in out.values():
+        np.testing.assert_allclose(losses, expected, rtol=2e-5)
+
+
+def test_reuse_and_prefetch_read_the_traced_gather_order():
+    from jzero.gather import _Event, kept_leaves, prefetch_anchors
+
+    # embed (100), two layers (10 each), then embed again: the tied embedding's reuse is 20
+    # elements away; layer 1's backward use is 2 x 100 away, layer 2's too (the embed after it).
+    events = [_Event({0: 100}, "use", 100)]
+    events += [_Event({i: 10}, "use", 10) for i in (1, 2)]
+    events += [_Event({0: 100}, "use", 100)]
+    assert kept_leaves(events, 20, 10**9) == {0}
+    assert kept_leaves(events, 199, 10**9) == {0}
+    assert kept_leaves(events, 220, 10**9) == {0, 1, 2}
+    # The cap counts the kept elements plus the largest unit gathered (100); the leaves with
+    # the shortest distance are kept first: the embedding (20), then layer 2 (200), while
+    # they fit (199 leaves no room for the embedding, but for both layers).
+    assert kept_leaves(events, 220, 199) == {1, 2}
+    assert kept_leaves(events, 220, 100 + 100) == {0}
+    assert kept_leaves(events, 220, 100 + 100 + 10) == {0, 2}
+    # A use's gather may start at an earlier use while what is gathered in between, its own
+    # included, fits the bucket.
+    assert prefetch_anchors(events, 0) == [0, 1, 2, 3]
+    assert prefetch_anchors(events, 10) == [0, 0, 1, 3]
+    assert prefetch_anchors(events, 20) == [0, 0, 0, 3]
+    assert prefetch_anchors(events, 110) == [0, 0, 0, 1]
+
+
+def test_prefetch_bucket_lets_gathers_start_earlier():
+    """DeepSpeed's ``stage3_prefetch_bucket_size``: each forward gather of a Python loop may
+    start up to that many elements ahead of its use, so more layers are gathered at once (on
+    CPU XLA issues them as early as allowed); the traffic and the losses do not change."""
+    params = {f"w{i}": w for i, w in enumerate(weights())}
+    out = {}
+    for bucket in (None, 3 * D * D):
+        keys = {} if bucket is None else {"stage3_prefetch_bucket_size": bucket}
+        engine = jzero.initialize(params, loop_loss, optax.sgd(0.1), zero3(**keys))
+        compiled = engine.lower(batches(1)[0]).compile()
+        losses = [float(engine.train_step(b)["loss"]) for b in batches(2)]
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        out[bucket] = collectives(compiled)["all-gather"].bytes, temp, losses
+    layer = D * D * 4
+    assert out[3 * D * D][0] == out[None][0]
+    assert out[3 * D * D][1] > out[None][1] + layer  # more than one more layer gathered at once
+    np.testing.assert_allclose(out[3 * D * D][2], out[None][2], rtol=1e-6)

@@ -110,8 +110,14 @@ class ZeroConfig:
         1_000_000_000, min=0, no_effect="the optimizer step is one compiled op"
     )
     """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
-    stage3_prefetch_bucket_size: int = _f(50_000_000, min=0, no_effect=_XLA_GATHER)
-    """DeepSpeed: elements fetched ahead of use at stage 3. No effect."""
+    stage3_prefetch_bucket_size: int | None = _f(None, min=0)
+    """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
+    scan may start its forward all-gather at an earlier use, as long as what is gathered from
+    there to its own use is at most this many elements (the tie that orders the gathers moves
+    earlier; XLA decides within that). Not set: 0, each gather waits for its own use, so about
+    one layer is gathered at a time (DeepSpeed's default, 5e7, would gather all of a model under
+    50M elements at the start). Scanned layers and the backward pass are not prefetched: a
+    scan body gathers its own layer, and a backward gather waits for its use's gradient."""
     stage3_max_live_parameters: int = _f(1_000_000_000, min=0)
     """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
     layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
@@ -121,8 +127,15 @@ class ZeroConfig:
     and gather it again in the backward pass (3 Psi of traffic, about one layer of weights live
     at a time). ``false`` keeps the gathered weights from the forward to the backward pass: 2 Psi
     of traffic, but every gathered weight is alive at the peak, about the whole model."""
-    stage3_max_reuse_distance: int = _f(1_000_000_000, min=0, no_effect=_XLA_GATHER)
-    """DeepSpeed: keep a gathered parameter if reused within this distance. No effect."""
+    stage3_max_reuse_distance: int | None = _f(None, min=0)
+    """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
+    gathered parameters. Here: from the traced order of the gathers outside scans, a leaf
+    whose every next use (a later forward use, e.g. a tied embedding; then its backward use,
+    twice what is gathered after it) is within this distance is gathered once and kept until
+    its backward use, while the kept elements plus the largest gathered unit stay within
+    ``stage3_max_live_parameters``. Not set: every use gathers (DeepSpeed's default, 1e9,
+    would keep nearly every parameter of a model under 500M elements gathered from its
+    forward to its backward use)."""
     stage3_model_persistence_threshold: int = _f(
         2**63 - 1, min=0, no_effect="jzero bounds persistence per parameter only"
     )
@@ -241,9 +254,8 @@ class ActivationCheckpointingConfig:
       with ``dots_no_batch``, so each layer's weights are gathered again in the backward pass.
     * The section without ``policy``: ``full``, as DeepSpeed (each layer keeps its input only).
 
-    A model written as a Python loop over layers gets no per-layer checkpointing from this
-    section (its trace has no layer boundary): write the layers as a scan, or call
-    ``jax.checkpoint`` in the model.
+    Each layer is checkpointed: every scan body, and each layer of a Python loop over layers,
+    found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.remat`).
     """
 
     policy: str | None = None
