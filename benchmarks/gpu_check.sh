@@ -7,8 +7,9 @@
 #                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile
 #                 time, collective bytes, layout copies, peak memory. $OUT/gpu_step_time.json
 #   memory wall   benchmarks/gpu_step_time.py --name memory_wall: the GPT at stage 3 as a scan,
-#                 as a Python loop over layers, with activation_checkpointing (policy full)
-#                 and with cpu_checkpointing: device peak and step time. $OUT/gpu_memory_wall.json
+#                 as a Python loop over layers, that loop with activation_checkpointing (policy
+#                 full) and with cpu_checkpointing, the scan with policy full: device peak and
+#                 step time. $OUT/gpu_memory_wall.json
 #
 #   bash benchmarks/gpu_check.sh [flags for every section, e.g. --layers 12]
 #   JZERO_GPU_SECTIONS="step_time memory_wall" bash benchmarks/gpu_check.sh   # some sections
@@ -98,7 +99,7 @@ for section in $sections; do
     memory_wall)
       limit=$(limit_for 110)
       run_section "memory wall" "$limit" \
-        "$py" benchmarks/gpu_step_time.py --name memory_wall --stages 3,3-unrolled,3-ac,3-ac-cpu \
+        "$py" benchmarks/gpu_step_time.py --name memory_wall --stages 3,3-unrolled,3-unrolled-ac,3-unrolled-ac-cpu,3-ac \
         --time-budget $((limit - 15)) "$@"
       ;;
     *)

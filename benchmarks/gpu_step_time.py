@@ -7,10 +7,12 @@ on every device of the machine) or ``--smoke`` (a tiny GPT and 2 steps, seconds 
 test suite runs it on 8 virtual CPU devices so that the script cannot rot).
 
 The same script serves the memory-wall check (issue "The memory wall"): ``--name memory_wall
---stages 3,3-unrolled,3-ac,3-ac-cpu`` runs stage 3 of the GPT as written (a scan over stacked
-layers), of the same GPT written as a Python loop over layers (``gpt.unrolled_loss_fn``), and
-of the scanned GPT with ``activation_checkpointing: {policy: full}``, then with
-``cpu_checkpointing: true`` (saved activations in host memory), each with its device peak.
+--stages 3,3-unrolled,3-unrolled-ac,3-unrolled-ac-cpu,3-ac`` runs stage 3 of the GPT as
+written (a scan over stacked layers), of the same GPT written as a Python loop over layers
+(``gpt.unrolled_loss_fn``), of that loop with ``activation_checkpointing: {policy: full}``
+(each layer of the loop checkpointed), then with ``cpu_checkpointing: true`` (saved
+activations in host memory), and of the scanned GPT with ``policy: full``, each with its
+device peak.
 
 What is measured, per variant (``plain-dp``, ``zero-0`` ... ``zero-3``, and the memory-wall
 variants):
@@ -91,9 +93,10 @@ from gpu_check import SMOKE_XLA_FLAGS, add_size_args, child_argv, fill_sizes  # 
 MIB = 1 << 20
 GIB = 1 << 30
 STEP_TIME = ("plain-dp", "zero-0", "zero-1", "zero-2", "zero-3")
-# The memory wall: stage 3 of the GPT written as a Python loop over layers, and of the scanned
-# GPT with activation checkpointing (policy full), and with its activations in host memory.
-MEMORY_WALL = ("zero-3-unrolled", "zero-3-ac", "zero-3-ac-cpu")
+# The memory wall: stage 3 of the GPT written as a Python loop over layers, without and with
+# activation checkpointing (policy full), then with its activations in host memory; and of the
+# scanned GPT with activation checkpointing.
+MEMORY_WALL = ("zero-3-unrolled", "zero-3-unrolled-ac", "zero-3-unrolled-ac-cpu", "zero-3-ac")
 VARIANTS = STEP_TIME + MEMORY_WALL
 VOCAB = 256
 LEARNING_RATE = 1e-4
@@ -154,7 +157,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=_variants,
         default=list(STEP_TIME),
         help="variants to run, comma-separated among plain,0,1,2,3 (default) and "
-        "3-unrolled, 3-ac, 3-ac-cpu (the memory-wall section)",
+        "3-unrolled, 3-unrolled-ac, 3-unrolled-ac-cpu, 3-ac (the memory-wall section)",
     )
     ap.add_argument(
         "--name",
@@ -224,7 +227,7 @@ def _zero(cfg: Any, loss: Any, tx: Any, variant: str, batch: Any) -> tuple:
             "cpu_checkpointing": variant.endswith("-cpu"),
         }
     init = lambda key: gpt.init_params(key, cfg)  # noqa: E731
-    if variant.endswith("-unrolled"):
+    if "-unrolled" in variant:
         init = lambda key: gpt.unstack_blocks(gpt.init_params(key, cfg))  # noqa: E731
         loss = lambda p, b: gpt.unrolled_loss_fn(p, b, cfg)  # noqa: E731
     engine = jzero.initialize(loss_fn=loss, optimizer=tx, config=config, init_fn=init)

@@ -7,6 +7,16 @@ and prints ``compiled.memory_analysis()`` per device: the temporaries (activatio
 weights, gradients in flight) and the arguments (the state's shards), beside the size of the
 full fp32 parameters. A model whose gathered layers all stayed alive would need about the full
 parameters more temporaries than the scan.
+
+Two more tables on the Python-loop pytree and the scan:
+
+* activation checkpointing: residual MLP layers with a wide hidden activation and a batch
+  where activations dominate (``--ac-width``, ``--ac-batch``), as a scan and as a Python loop:
+  the temporaries at stages 0 and 3 without the section and with ``policy: full`` (each layer
+  of the loop, or the scan body, keeps only its input);
+* stage 3's gather settings: all-gather bytes and temporaries by default, with
+  ``stage3_prefetch_bucket_size`` of four layers, ``stage3_max_reuse_distance: 1e9`` and
+  ``reshard_after_forward: false``.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import optax  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 
 import jzero  # noqa: E402
+from jzero.hlo import collectives  # noqa: E402
 
 MB = 1 << 20
 
@@ -35,6 +46,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ac-batch", type=int, default=2048)
+    ap.add_argument("--ac-width", type=int, default=64)
     args = ap.parse_args(argv)
     n_layers, d = args.layers, args.width
     rng = np.random.default_rng(0)
@@ -109,6 +122,76 @@ def main(argv=None) -> None:
         print(
             f"{name:<22}  {temp:8.2f}  {mem.argument_size_in_bytes / MB:8.2f}  {temp / base:11.2f}"
         )
+
+    # Activation checkpointing: residual MLP layers with a wide hidden activation, so that
+    # activations dominate; the layers as a scan and as a Python loop, at stages 0 and 3.
+    f, width = 4 * args.ac_width, args.ac_width
+    w1 = (rng.normal(size=(n_layers, width, f)) / np.sqrt(width)).astype(np.float32)
+    w2 = (rng.normal(size=(n_layers, f, width)) / np.sqrt(f)).astype(np.float32)
+    ac_batch = {"x": rng.normal(size=(args.ac_batch, width)).astype(np.float32)}
+
+    def mlp_scan(p, b):
+        def layer(x, w):
+            return x + jnp.tanh(x @ w["w1"]) @ w["w2"], None
+
+        return jnp.mean(jax.lax.scan(layer, b["x"], p)[0] ** 2)
+
+    def mlp_loop(p, b):
+        x = b["x"]
+        for i in range(n_layers):
+            x = x + jnp.tanh(x @ p[f"layers_{i}"]["w1"]) @ p[f"layers_{i}"]["w2"]
+        return jnp.mean(x**2)
+
+    print(
+        f"\nactivation checkpointing: {n_layers} residual MLP layers {width} -> {f} -> {width}, "
+        f"batch {args.ac_batch}: temporaries MiB per device"
+    )
+    hdr = f"{'model':<22}  stage  no section  policy full  full / none"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, params, loss in (
+        ("scan (stacked layers)", {"w1": w1, "w2": w2}, mlp_scan),
+        (
+            "Python loop, pytree",
+            {f"layers_{i}": {"w1": w1[i], "w2": w2[i]} for i in range(n_layers)},
+            mlp_loop,
+        ),
+    ):
+        for stage in (0, 3):
+            temps = []
+            for section in (None, {"policy": "full"}):
+                cfg = {
+                    "train_batch_size": args.ac_batch,
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                }
+                if section:
+                    cfg["activation_checkpointing"] = section
+                engine = jzero.initialize(params, loss, optax.adam(1e-3), cfg)
+                mem = engine.lower(ac_batch).compile().memory_analysis()
+                temps.append(mem.temp_size_in_bytes / MB)
+            print(
+                f"{name:<22}  {stage:5d}  {temps[0]:10.2f}  {temps[1]:11.2f}  "
+                f"{temps[1] / temps[0]:11.2f}"
+            )
+
+    # Stage 3's gather settings on the Python loop.
+    print(f"\nstage 3 gather settings, Python loop, batch {args.batch}")
+    hdr = f"{'zero_optimization':<38}  all-gather MiB  temp MiB"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, keys in (
+        ("(defaults)", {}),
+        (f"stage3_prefetch_bucket_size: {4 * d * d}", {"stage3_prefetch_bucket_size": 4 * d * d}),
+        ("stage3_max_reuse_distance: 1e9", {"stage3_max_reuse_distance": 10**9}),
+        ("reshard_after_forward: false", {"reshard_after_forward": False}),
+    ):
+        cfg = {**config, "zero_optimization": {**config["zero_optimization"], **keys}}
+        loop_params = {f"w{i}": w[i] for i in range(n_layers)}
+        engine = jzero.initialize(loop_params, loop_loss, optax.adam(1e-3), cfg)
+        compiled = engine.lower(batch).compile()
+        gathered = collectives(compiled)["all-gather"].bytes / MB
+        temp = compiled.memory_analysis().temp_size_in_bytes / MB
+        print(f"{name:<38}  {gathered:14.2f}  {temp:8.2f}")
 
 
 if __name__ == "__main__":

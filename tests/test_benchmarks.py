@@ -39,14 +39,15 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "stage3_layers.py"), "--layers", "2"]
-        + ["--width", "64", "--batch", "8"],
+        + ["--width", "64", "--batch", "8", "--ac-batch", "512", "--ac-width", "32"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = proc.stdout.splitlines()[3:]
+    tables = proc.stdout.split("\n\n")
+    rows = tables[0].splitlines()[3:]
     names = [row[:22].strip() for row in rows]
     assert names == [
         "scan (stacked layers)",
@@ -55,3 +56,14 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
         "nnx.List of layers",
     ]
     assert all(float(row.split()[-1]) > 0 for row in rows)
+    # Activation checkpointing: the scan and the loop, each at stages 0 and 3.
+    ac = [row.split() for row in tables[1].splitlines()[3:]]
+    assert [(r[-5], r[-4]) for r in ac] == [("layers)", "0"), ("layers)", "3")] + [
+        ("pytree", "0"),
+        ("pytree", "3"),
+    ]
+    # Gather settings: reuse and reshard_after_forward: false gather each layer once, the
+    # default twice (less the last layer, whose two gathers meet).
+    gathers = {row[:38].strip(): float(row.split()[-2]) for row in tables[2].splitlines()[3:]}
+    assert gathers["stage3_max_reuse_distance: 1e9"] == gathers["reshard_after_forward: false"]
+    assert gathers["(defaults)"] > 1.5 * gathers["reshard_after_forward: false"]
