@@ -406,16 +406,6 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def memory_report(
-        self, batch: PyTree = None, device_memory: Any = None, devices: int | None = None
-    ) -> Any:
-        """Per-device memory of this engine's stage (see :func:`jzero.memory.memory_report`):
-        model state from the plan, device vs host, and, given a batch, the compiled step's
-        activations and temporaries."""
-        from jzero import memory
-
-        return memory.memory_report(self, batch, device_memory=device_memory, devices=devices)
-
     def describe(self) -> str:
         """The plan report: every leaf's shape, spec per category and per-device bytes."""
         return self.plan.describe()

@@ -13,8 +13,8 @@ Decisions:
   (``jzero.paths``), so :func:`load_exported` gives back the same nesting as the parameters.
 * A file is written under a temporary name and renamed when complete: a crash never leaves a
   half-written export under the requested name.
-* This module knows nothing about checkpoints (no Orbax): :mod:`jzero.checkpoint_info` reads
-  the leaves (through :mod:`jzero.checkpoint`) and calls :func:`write_leaves`.
+* This module knows nothing about checkpoints (no Orbax): :mod:`jzero.checkpoint.info` reads
+  the leaves (through :mod:`jzero.checkpoint.orbax_io`) and calls :func:`write_leaves`.
 """
 
 from __future__ import annotations

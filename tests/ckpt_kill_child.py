@@ -15,6 +15,7 @@ import numpy as np
 import toy
 
 from jzero import checkpoint
+from jzero.checkpoint import checkpointer
 
 BIG = 16 * 1024 * 1024  # float32 elements: 64 MiB
 
@@ -23,14 +24,14 @@ def main(directory: str) -> None:
     ckpt = checkpoint.Checkpointer(directory)
     ckpt.save(1, {"step": np.int32(1), "params": toy.make_params()}, meta={"step": 1})
     ckpt.wait_until_finished()
-    seal = checkpoint._seal
+    seal = checkpointer.seal
 
     def blocking_seal(step_dir):
         if step_dir.name.startswith("2"):
             time.sleep(3600)
         seal(step_dir)
 
-    checkpoint._seal = blocking_seal
+    checkpointer.seal = blocking_seal
     big = {"step": np.int32(2), "params": toy.make_params(), "big": jnp.ones((BIG,), jnp.float32)}
     ckpt.save(2, big, meta={"step": 2})
     print("saving", flush=True)

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jzero import checkpoint
+from jzero.checkpoint import checkpointer
 
 
 def main(directory: str) -> None:
@@ -25,7 +26,7 @@ def main(directory: str) -> None:
     def blocking_seal(step_dir):
         time.sleep(3600)
 
-    checkpoint._seal = blocking_seal
+    checkpointer.seal = blocking_seal
     ckpt.save(2, {"w": np.full((64, 64), -1.0, np.float32)}, meta={"step": 2}, overwrite=True)
     print("saving", flush=True)
     time.sleep(3600)

@@ -32,7 +32,7 @@ from jzero.checkpoint import (
     inspect,
     list_steps,
 )
-from jzero.cli_checkpoint import add_commands
+from jzero.cli.checkpoint import add_commands
 from jzero.export import load_exported
 from jzero.step import init_train_state, state_shardings
 

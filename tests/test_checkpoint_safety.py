@@ -18,7 +18,7 @@ import pytest
 import toy
 
 import jzero
-from jzero import checkpoint, cli
+from jzero import checkpoint, cli, train
 from jzero.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -185,7 +185,7 @@ def test_a_failed_write_is_a_write_error_and_keeps_the_earlier_steps(tmp_path, m
     def disk_full(step_dir):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_seal", disk_full)
+    monkeypatch.setattr(checkpoint.checkpointer, "seal", disk_full)
     ckpt = Checkpointer(tmp_path)
     ckpt.restore(TARGET)
     ckpt.save(2, state(-1.0), overwrite=True)  # async: the failure comes later
@@ -225,5 +225,12 @@ def test_nan_params_are_never_checkpointed_and_the_good_ones_are_kept(tmp_path, 
 
 
 def test_json_output_has_no_bare_nan():
-    text = cli._dumps({"loss": float("nan"), "x": [float("inf"), 1.5]})
+    text = train.strict_json({"loss": float("nan"), "x": [float("inf"), 1.5]})
     assert json.loads(text) == {"loss": None, "x": [None, 1.5]}
+
+
+def test_the_unfinished_save_suffix_is_orbaxs():
+    """jzero.checkpoint.dirs names Orbax's temporary step folders without importing Orbax."""
+    import orbax.checkpoint as ocp
+
+    assert checkpoint.dirs.TMP_SUFFIX == ocp.path.step.TMP_DIR_SUFFIX

@@ -11,7 +11,8 @@ import pytest
 import toy
 
 import jzero
-from jzero import cli_memory, memory
+from jzero import memory
+from jzero.cli import memory as cli_memory
 
 TINY = {"vocab_size": 256, "seq_len": 16, "num_layers": 2, "num_heads": 2, "d_model": 32}
 CONFIG = {

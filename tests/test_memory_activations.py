@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from jzero import cli_memory, memory
+from jzero import memory
+from jzero.cli import memory as cli_memory
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,

@@ -104,7 +104,7 @@ def _unit_for(n: float) -> tuple[str, float]:
     return "B", 1
 
 
-def _show(n: float, unit: tuple[str, float] | None = None) -> str:
+def _format_size(n: float, unit: tuple[str, float] | None = None) -> str:
     name, size = _unit_for(n) if unit is None else unit
     return f"{n / size:.2f} {name}"
 
@@ -191,7 +191,7 @@ class Recommendation:
         return "stage" if self.stage else None
 
     def __str__(self) -> str:
-        show = lambda n: _show(n, self.unit)
+        show = lambda n: _format_size(n, self.unit)
         what = _option_name(self.stage, self.offload, self.checkpointing)
         budget = f"{show(self.usable)} usable ({1 - self.margin:.0%} of {show(self.device_memory)})"
         if self.fits:

@@ -1,8 +1,8 @@
-"""Sharded, asynchronous, atomic checkpoints over Orbax; restore anywhere; inspect; export.
+"""The checkpointer: sharded, asynchronous, atomic saves of training state; restore anywhere.
 
-This is the only jzero module that imports Orbax. What a step holds on disk, its file record
-and the restore targets are in :mod:`jzero.checkpoint_layout`; inspect and export in
-:mod:`jzero.checkpoint_info`. Every name of both that callers use is re-exported here.
+Orbax is reached through :mod:`jzero.checkpoint.orbax_io`; what a step holds on disk, its file
+record and restore targets are in :mod:`jzero.checkpoint.layout`; whose the directory is and
+which steps in it are jzero's, in :mod:`jzero.checkpoint.dirs`.
 
 Decisions:
 
@@ -10,206 +10,45 @@ Decisions:
   write finishes in the background. ``async_save=False`` waits for it.
 * Atomicity is Orbax's: a step is written under ``<step>.orbax-checkpoint-tmp`` and renamed to
   ``<step>`` only after every process has finished. :meth:`Checkpointer.all_steps` and
-  :func:`list_steps` read the directory and list renamed (finalized) steps only, so a save that
-  is still running, or one killed mid-write, is never listed or restored. A writer removes
-  left-over temporary directories when it first saves.
-* Before the rename, process 0 writes the step's file record (``_seal``, looked up in this
+  :func:`~jzero.checkpoint.dirs.list_steps` read the directory and list renamed (finalized)
+  steps only, so a save that is still running, or one killed mid-write, is never listed or
+  restored. A writer removes left-over temporary directories when it first saves.
+* Before the rename, process 0 writes the step's file record (``seal``, looked up in this
   module when the hook runs); restore checks the files against it before reading.
 * Restore goes into a target whose leaves carry the new plan's shardings; Orbax reshards and
   places each restored shard in the sharding's memory kind (``pinned_host`` too) directly.
-* Inspect and export read Orbax's metadata and single leaves through the helpers here
-  (:func:`_tree_metadata`, :func:`_read_json`, :func:`_leaf_reader`), so they need no Orbax
-  import of their own.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
-from etils import epath
 from jax.experimental import multihost_utils
 
-from jzero import checkpoint_dir as dirs
-from jzero.checkpoint_dir import CheckpointWriteError as CheckpointWriteError
-from jzero.checkpoint_info import CheckpointInfo as CheckpointInfo
-from jzero.checkpoint_info import LeafInfo as LeafInfo
-from jzero.checkpoint_info import export as export
-from jzero.checkpoint_info import format_info as format_info
-from jzero.checkpoint_info import inspect as inspect
-from jzero.checkpoint_info import read_info as read_info
-from jzero.checkpoint_layout import (
+from jzero.checkpoint import dirs, orbax_io
+from jzero.checkpoint.dirs import TMP_SUFFIX, CheckpointWriteError, latest_step, list_steps
+from jzero.checkpoint.layout import (
     FORMAT_VERSION,
-    JZERO,
     META,
-    STATE,
+    CheckpointError,
     PyTree,
-    _as_target,
-    _damage,
-    _damaged,
-    _match,
-    _path_str,
-    _require_dir,
-    _seal,
+    as_target,
+    check_target,
+    path_str,
+    seal,
 )
-from jzero.checkpoint_layout import CheckpointError as CheckpointError
-from jzero.checkpoint_layout import abstract_target as abstract_target
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointWriteError",
-    "CheckpointInfo",
-    "Checkpointer",
-    "LeafInfo",
-    "abstract_target",
-    "export",
-    "format_info",
-    "inspect",
-    "list_steps",
-    "read_info",
-]
+__all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
-TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX
 
 
-# -- the directory: steps, partial saves, integrity ------------------------------------------
-def list_steps(directory: str | os.PathLike) -> list[int]:
-    """The committed jzero steps in ``directory``, ascending; ``[]`` if it does not exist.
-
-    Only folders holding a jzero step count: a user's numbered folders are never listed.
-    """
-    return sorted(dirs.step_dirs(Path(directory).expanduser()))
-
-
-def latest_step(directory: str | os.PathLike) -> int | None:
-    """The step written last into ``directory`` (not the highest number), or ``None``."""
-    order = dirs.write_order(Path(directory).expanduser())
-    return order[-1] if order else None
-
-
-def _partial_steps(directory: Path) -> list[int]:
-    if not directory.is_dir():
-        return []
-    names = [p.name.split(TMP_SUFFIX)[0] for p in directory.iterdir() if TMP_SUFFIX in p.name]
-    return sorted(int(n) for n in names if n.isdigit())
-
-
-def _resolve_step(directory: Path, step: int | None) -> int:
-    _require_dir(directory)
-    steps = list_steps(directory)
-    partial = _partial_steps(directory)
-    note = f" (step(s) {partial} were never completed and are ignored)" if partial else ""
-    if not steps:
-        raise CheckpointError(
-            f"The checkpoint directory {str(directory)!r} holds no complete checkpoint{note}. "
-            "Pass a directory a training run has saved into."
-        )
-    if step is None:
-        return int(latest_step(directory))
-    if int(step) not in steps:
-        raise CheckpointError(
-            f"Step {step} is not a complete checkpoint in {str(directory)!r}; the steps there "
-            f"are {steps}{note}. Pass one of them."
-        )
-    return int(step)
-
-
-def _verified_step_dir(directory: Path, step: int) -> Path:
-    step_dir = dirs.step_dirs(directory).get(step, directory / str(step))
-    problem = _damage(step_dir)
-    if problem:
-        others = [s for s in list_steps(directory) if s != step]
-        hint = f"Restore another step ({others}) or delete it." if others else "Delete it."
-        raise CheckpointError(
-            f"Checkpoint step {step} in {str(directory)!r} is damaged: {problem}. {hint}"
-        )
-    return step_dir
-
-
-def _read_or_fail(read: Callable[[], Any], step: int, directory: Path) -> Any:
-    """Runs one Orbax read; a failure becomes one :class:`CheckpointError`.
-
-    Orbax gathers one coroutine per shard; when one read of a damaged step fails, the others
-    are left unfinished, held by the failure's traceback, and each raises again ("Encountered
-    error while reading array index") whenever the garbage collector later closes it, far
-    from the restore. So the original exception is dropped (its first line is in the message)
-    and those abandoned reads are collected here, silently, before the error is raised.
-    """
-    try:
-        return read()
-    except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
-        error = _damaged(step, directory, e)
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda _: None
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = hook
-    raise error
-
-
-def _tree_metadata(directory: Path, step: int, step_dir: Path) -> PyTree:
-    try:
-        return ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir / STATE)).tree
-    except Exception as e:  # Orbax raises several types for unreadable metadata
-        raise _damaged(step, directory, e) from e
-
-
-def _read_json(step_dir: Path, item: str) -> dict[str, Any]:
-    if not (step_dir / item).is_dir():
-        return {}
-    return dict(ocp.JsonCheckpointHandler().restore(epath.Path(step_dir / item)) or {})
-
-
-def _leaf_reader(
-    directory: Path, step: int, step_dir: Path, saved: PyTree
-) -> Callable[[tuple[Any, ...]], np.ndarray]:
-    """Reads one leaf of a step's state at a time, as a host numpy array.
-
-    Args:
-      directory: the checkpoint directory, for error messages.
-      step: the step, for error messages.
-      step_dir: the step's verified directory.
-      saved: the step's state metadata (:func:`_tree_metadata`).
-
-    Returns:
-      A function from a leaf's key path in ``saved`` to its array; only that leaf is read.
-    """
-    handler = ocp.PyTreeCheckpointHandler()
-
-    def read(want: tuple[Any, ...]) -> np.ndarray:
-        def pick(value: Callable[[], Any]) -> Callable[..., Any]:
-            return lambda p, _: value() if p == want else ocp.PLACEHOLDER
-
-        item = jax.tree_util.tree_map_with_path(pick(lambda: 0), saved)
-        args = jax.tree_util.tree_map_with_path(
-            pick(lambda: ocp.RestoreArgs(restore_type=np.ndarray)), saved
-        )
-        out = _read_or_fail(
-            lambda: handler.restore(
-                epath.Path(step_dir / STATE), args=ocp.args.PyTreeRestore(item, restore_args=args)
-            ),
-            step,
-            directory,
-        )
-        for k in want:
-            out = out[k.idx if isinstance(k, jax.tree_util.SequenceKey) else k.key]
-        return out
-
-    return read
-
-
-# -- the checkpointer ------------------------------------------------------------------------
 def _sync(name: str) -> None:
     """Every process waits here (one process needs no barrier)."""
     if jax.process_count() > 1:
@@ -219,7 +58,7 @@ def _sync(name: str) -> None:
 class Checkpointer:
     """Saves and restores training state in one directory, one sub-directory per step.
 
-    The directory is jzero's own (:mod:`jzero.checkpoint_dir`): a directory holding anything
+    The directory is jzero's own (:mod:`jzero.checkpoint.dirs`): a directory holding anything
     else is refused, and only step folders jzero wrote are ever replaced or deleted.
 
     Args:
@@ -261,7 +100,7 @@ class Checkpointer:
         self.save_interval_steps = int(save_interval_steps)
         self.async_save = bool(async_save)
         self.overwrite = bool(overwrite)
-        self._manager: ocp.CheckpointManager | None = None
+        self._manager: orbax_io.StepWriter | None = None
         self._lock: dirs.DirectoryLock | None = None
         self._inflight: int | None = None
         self._aside: int | None = None  # the step whose previous copy waits as <N>.jzero-replaced
@@ -275,7 +114,7 @@ class Checkpointer:
     def _main(self) -> bool:
         return jax.process_index() == 0
 
-    def _writer(self) -> ocp.CheckpointManager:
+    def _writer(self) -> orbax_io.StepWriter:
         """Opens the directory for writing: ownership, the lock, the marker, cut-short re-saves."""
         if self._manager is None:
             dirs.check_ownership(self.directory)  # every process: all refuse alike
@@ -287,15 +126,7 @@ class Checkpointer:
                 dirs.write_marker(self.directory)
                 dirs.recover_asides(self.directory)
             _sync("jzero-checkpoint-open")
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=None,  # rotation is jzero's: it deletes only steps jzero wrote
-                save_interval_steps=1,
-                create=True,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=True,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._on_written),
-            )
-            self._manager = ocp.CheckpointManager(epath.Path(self.directory), options=options)
+            self._manager = orbax_io.StepWriter(self.directory, self._on_written)
             self._seq = dirs.next_seq(self.directory)
         return self._manager
 
@@ -303,7 +134,7 @@ class Checkpointer:
         """Orbax's hook after every process has written, before the rename (process 0 only)."""
         step = self._inflight
         tmp = self.directory / f"{step}{TMP_SUFFIX}"
-        _seal(tmp if tmp.is_dir() else self.directory / str(step))
+        seal(tmp if tmp.is_dir() else self.directory / str(step))
 
     def _write_failed(self, step: int | None, e: BaseException) -> CheckpointWriteError:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -420,7 +251,7 @@ class Checkpointer:
         for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
             if not isinstance(x, jax.Array | np.ndarray | np.generic | int | float):
                 raise CheckpointError(
-                    f"State leaf {_path_str(path)!r} is a {type(x).__name__}; a checkpoint "
+                    f"State leaf {path_str(path)!r} is a {type(x).__name__}; a checkpoint "
                     "holds arrays and numbers only. Put other values into meta."
                 )
         manager = self._writer()
@@ -453,15 +284,8 @@ class Checkpointer:
             "device_count": jax.device_count(),
             "jax": jax.__version__,
         }
-        args = ocp.args.Composite(
-            **{
-                STATE: ocp.args.StandardSave(state),
-                META: ocp.args.JsonSave(meta),
-                JZERO: ocp.args.JsonSave(info),
-            }
-        )
         try:
-            manager.save(step, args=args, force=True)
+            manager.save(step, state, meta, info)
         except Exception as e:  # a synchronous part of the write failed
             raise self._write_failed(step, e) from e
         self._seq = int(self._seq or 0) + 1
@@ -485,28 +309,19 @@ class Checkpointer:
           ``(state, meta)``: the state laid out as ``target`` says, and the saved meta dict.
         """
         self._settle()
-        step = _resolve_step(self.directory, step)
-        step_dir = _verified_step_dir(self.directory, step)
-        target = _as_target(target)
-        _match(_tree_metadata(self.directory, step, step_dir), target, step, self.directory)
-        state, meta = _read_or_fail(
-            lambda: (
-                ocp.StandardCheckpointHandler().restore(
-                    epath.Path(step_dir / STATE), args=ocp.args.StandardRestore(target)
-                ),
-                _read_json(step_dir, META),
-            ),
+        step = dirs.resolve_step(self.directory, step)
+        step_dir = dirs.verified_step_dir(self.directory, step)
+        target = as_target(target)
+        saved = orbax_io.tree_metadata(self.directory, step, step_dir)
+        check_target(saved, target, step, self.directory)
+        state, meta = orbax_io.read_or_fail(
+            lambda: (orbax_io.read_state(step_dir, target), orbax_io.read_json(step_dir, META)),
             step,
             self.directory,
         )
         self._continues = True
         logger.info("jzero: restored checkpoint step %d from %s", step, self.directory)
         return state, meta
-
-    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-        """The meta dict of a step (the latest by default), without loading arrays."""
-        step = _resolve_step(self.directory, step)
-        return _read_json(_verified_step_dir(self.directory, step), META)
 
     def latest_step(self) -> int | None:
         """The committed step written last, or ``None``; a save in flight is not counted."""
@@ -518,7 +333,7 @@ class Checkpointer:
 
     def partial_steps(self) -> list[int]:
         """Steps whose save never completed (temporary directories), which are ignored."""
-        return _partial_steps(self.directory)
+        return dirs.partial_steps(self.directory)
 
     def wait_until_finished(self) -> None:
         """Blocks until the save in flight (if any) is committed.

@@ -1,46 +1,60 @@
-"""The ``jzero`` command: ``jzero train CONFIG [--set key=value ...]``.
+"""The ``jzero train`` loop as a library function: :func:`run` trains the built-in GPT.
+
+``run(config)`` does what ``jzero train CONFIG`` does, without argparse: the CLI
+(:mod:`jzero.cli`) parses the flags, gives the CPU its virtual devices, calls :func:`run` and
+prints the summary it returns.
 
 Decisions:
 
-* With no accelerator, the CLI asks JAX for 8 virtual CPU devices before anything touches a
-  backend, so every stage shards for real on a laptop (``--cpu-devices`` changes the count).
-* ``jzero train`` trains the built-in GPT (``model`` section) as a byte-level language model on
-  the ``data`` section's corpus, by default the Python standard library's own source. A held-out
-  tail gives an eval loss every ``train.eval_interval`` steps.
-* A user's mistake (a bad config, a missing file) exits with status 2 and one message, never a
-  traceback. Ctrl-C stops after the current step and prints the summary.
-* Progress goes to a tqdm bar; every ``steps_per_print`` steps a log line; every step a JSON line
-  in ``<train.log_dir>/metrics.jsonl``.
+* The model is the built-in GPT (the ``model`` section), trained as a byte-level language model
+  on the ``data`` section's corpus, by default the Python standard library's own source. A
+  held-out tail gives an eval loss at step 0, every ``train.eval_interval`` steps and at the
+  last step.
+* With ``checkpoint.directory`` set, the run resumes from the checkpoint written last (unless
+  ``resume=False``), and saves a final checkpoint at the end, also when it was interrupted or
+  stopped. Starting fresh into a directory holding an earlier run's checkpoints needs
+  ``overwrite=True``; the check runs before any model is built.
+* The first SIGINT (Ctrl-C) or SIGTERM (what SLURM and Kubernetes send before they kill a job)
+  stops the loop after the current step, every process after the same step; a second one stops
+  at once. The run saves and returns its summary with ``interrupted`` true and the signal's
+  name (the CLI exits with 128 + its number: 130, 143). The handlers are installed only while
+  the loop runs, and only from the main thread.
+* ``train.max_consecutive_nonfinite`` steps in a row with inf/NaN gradients stop the run
+  (``stopped`` says why; the CLI exits 1).
+* Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` (a fresh run truncates
+  it, a resumed one appends) and the end writes ``summary.json``; both are strict JSON (NaN
+  and infinities are ``null``) and written by process 0 only, which alone logs and shows the
+  progress bar.
+* The peak memory per device is the allocator's figure on an accelerator; on CPU, where the
+  allocator keeps none, it is the compiled step's peak (:func:`jzero.memory.memory_report`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import os
 import signal
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("jzero")
+import jax
+from flax import nnx
+from tqdm import tqdm
 
+from jzero import data as data_lib
+from jzero import distributed, memory
+from jzero.config import Config, load_config
+from jzero.engine import Engine, initialize
+from jzero.models import gpt
 
-def _use_virtual_cpu_devices(count: int) -> None:
-    """Gives the CPU backend ``count`` devices unless the user already chose a count."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    import jax
+__all__ = ["exit_code", "run", "strict_json"]
 
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:  # a backend is already up; keep what it has
-        pass
+logger = logging.getLogger(__name__)
 
 
 class _StopOnSignal:
@@ -65,9 +79,9 @@ class _StopOnSignal:
     def requested(self) -> bool:
         return self.received is not None
 
-    def exit_code(self) -> int:
-        """128 + the signal's number, as a shell reports a process the signal ended."""
-        return 128 + int(self.received or signal.SIGINT)
+    def name(self) -> str:
+        """The signal's name; ``SIGINT`` for a KeyboardInterrupt the handler did not see."""
+        return signal.Signals(self.received or signal.SIGINT).name
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
@@ -86,22 +100,38 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _dumps(value: Any, **kwargs: Any) -> str:
+def strict_json(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` of ``value`` with NaN and infinities as ``null``, as the run writes them.
+
+    Args:
+      value: a JSON-serialisable value (a metrics record, the summary).
+      **kwargs: passed to ``json.dumps`` (``indent``, ...).
+    """
     return json.dumps(_json_safe(value), allow_nan=False, **kwargs)
 
 
-def _peak_bytes(engine: Any, batches: Any) -> Any:
+def exit_code(summary: Mapping[str, Any]) -> int:
+    """The exit status ``jzero train`` ends with for a summary :func:`run` returned.
+
+    Returns:
+      128 + the signal's number for an interrupted run (130 for Ctrl-C, 143 for SIGTERM), as a
+      shell reports a process the signal ended; 1 for a run stopped by inf/NaN gradients; else 0.
+    """
+    if summary["interrupted"]:
+        return 128 + int(signal.Signals[summary.get("signal") or "SIGINT"])
+    return 1 if summary["stopped"] else 0
+
+
+def _peak_bytes(engine: Engine, batches: data_lib.BatchIterator) -> Callable[[], int]:
     """The measured peak memory per device: the allocator's figure on an accelerator, else
     (CPU) the compiled step's peak from ``memory_analysis()``, computed once."""
-    import jax
-
     device = jax.local_devices()[0]
     if device.memory_stats() is not None:
         return lambda: device.memory_stats().get("peak_bytes_in_use", 0)
     position = batches.state()
     probe = batches.next()  # a real batch to compile with; the data position is put back
     batches.restore(position)
-    compiled = engine.memory_report(probe).rows[0].peak
+    compiled = memory.memory_report(engine, probe).rows[0].peak
     return lambda: compiled
 
 
@@ -113,31 +143,88 @@ def _format_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _train(args: argparse.Namespace) -> int:
-    _use_virtual_cpu_devices(args.cpu_devices)
-    import jax
-    from tqdm import tqdm
+def _check_checkpoint_directory(cfg: Config, *, fresh: bool) -> None:
+    """Before training: the checkpoint directory is jzero's, and a fresh start into an earlier
+    run's steps was asked for explicitly (``--overwrite``)."""
+    from jzero.checkpoint import dirs  # Orbax is needed only for checkpoints
 
-    import jzero
-    from jzero import data as data_lib
-    from jzero.models import gpt
+    directory = Path(cfg.checkpoint.directory)
+    dirs.check_ownership(directory)
+    existing = dirs.write_order(directory)
+    if fresh and existing and not cfg.checkpoint.overwrite:
+        raise ValueError(
+            f"--no-resume, but the checkpoint directory {str(directory)!r} holds the checkpoints "
+            f"of an earlier run (steps {existing}, the latest {existing[-1]}). Pass --overwrite "
+            "to replace them with this run's, set another checkpoint.directory, or drop "
+            "--no-resume to continue that run."
+        )
 
-    overrides = [*(args.set or ()), *(["checkpoint.overwrite=true"] if args.overwrite else [])]
-    cfg = jzero.load_config(args.config, overrides=overrides)
+
+def _resume(engine: Engine, cfg: Config, *, fresh: bool) -> int | None:
+    """Restores the latest checkpoint unless the run starts fresh; the step restored."""
+    if fresh:
+        return None
+    resumed = engine.latest_checkpoint()
+    if resumed is not None:
+        engine.restore(resumed)
+        logger.info("resumed from checkpoint %d in %s", resumed, cfg.checkpoint.directory)
+    return resumed
+
+
+def run(
+    config: str | os.PathLike | Mapping[str, Any] | Config,
+    *,
+    overrides: Sequence[str] = (),
+    steps: int | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Trains the built-in GPT as ``jzero train`` does, and returns the run's summary.
+
+    Call it before anything else touches JAX devices in this process: it starts
+    ``jax.distributed`` from the config's ``distributed`` section (or the environment) first.
+
+    Args:
+      config: a YAML or JSON file, a mapping with DeepSpeed's keys plus jzero's, or a
+        ``Config`` (see :func:`jzero.load_config`).
+      overrides: ``"dotted.key=value"`` strings applied on top (``jzero train --set``).
+      steps: the last step to train to; ``None`` for ``train.steps``. A resumed run continues
+        from the step after its checkpoint.
+      resume: continue from the latest checkpoint in ``checkpoint.directory``. ``False``
+        starts fresh, and is refused when the directory holds an earlier run's checkpoints
+        unless ``overwrite`` is given too.
+      overwrite: start fresh and replace an earlier run's checkpoints in
+        ``checkpoint.directory`` (deleted once this run's first checkpoint is committed);
+        implies ``resume=False``.
+      progress: show a progress bar (on process 0).
+
+    Returns:
+      The summary, as written to ``<train.log_dir>/summary.json`` (NaN as ``None``):
+      ``steps`` (the last step trained), ``interrupted`` and ``signal`` (the signal that
+      stopped the run, or ``None``), ``stopped`` (why inf/NaN gradients stopped it, or
+      ``None``), ``skipped_steps``, ``final_loss``, ``first_eval_loss``, ``eval_loss``,
+      ``seconds``, ``tokens_per_s``, ``resumed_from``, ``stage``, ``devices``,
+      ``model_state_bytes_per_device``, ``host_state_bytes_per_device``,
+      ``peak_bytes_per_device`` and ``metrics`` (the path of ``metrics.jsonl``).
+
+    Raises:
+      ConfigError: a bad config (a ``ValueError``, as are the refusals above).
+      CheckpointWriteError: a checkpoint could not be written (disk full, ...).
+    """
+    all_overrides = [*overrides, *(["checkpoint.overwrite=true"] if overwrite else [])]
+    cfg = load_config(config, overrides=all_overrides)
+    fresh = not resume or overwrite
     if cfg.checkpoint.directory:
-        _check_checkpoint_directory(cfg, fresh=args.no_resume or args.overwrite)
-    from jzero import distributed
-
+        _check_checkpoint_directory(cfg, fresh=fresh)
     distributed.init_distributed(cfg.distributed)  # before any JAX call
     main_process = distributed.is_main_process()  # only process 0 logs and writes files
     if not main_process:
-        logger.setLevel(logging.WARNING)
+        logging.getLogger("jzero").setLevel(logging.WARNING)
     model_cfg = gpt.config_for(cfg)
-    steps = args.steps if args.steps is not None else cfg.train.steps
-    from flax import nnx
-
+    steps = steps if steps is not None else cfg.train.steps
     # The built-in GPT is a Flax NNX module, built directly into its shards.
-    engine = jzero.initialize(
+    engine = initialize(
         model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
         loss_fn=gpt.nnx_loss_fn,
         config=cfg,
@@ -157,7 +244,7 @@ def _train(args: argparse.Namespace) -> int:
     engine.data_iterator = batches  # checkpoints carry the data position
     resumed = None
     if cfg.checkpoint.directory:
-        resumed = _resume(engine, cfg, fresh=args.no_resume or args.overwrite)
+        resumed = _resume(engine, cfg, fresh=fresh)
     first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -190,7 +277,7 @@ def _train(args: argparse.Namespace) -> int:
         initial=first_step - 1,
         desc="jzero",
         unit="step",
-        disable=args.quiet or not main_process,
+        disable=not progress or not main_process,
         dynamic_ncols=True,
     )
     t_start = time.perf_counter()
@@ -223,7 +310,7 @@ def _train(args: argparse.Namespace) -> int:
                 last_eval = evaluate()
                 record["eval_loss"] = last_eval
                 logger.info("step %d: eval loss %.4f", step, last_eval)
-            metrics_file.write(_dumps(record) + "\n")
+            metrics_file.write(strict_json(record) + "\n")
             metrics_file.flush()
             postfix = {
                 "loss": f"{loss:.3f}",
@@ -267,6 +354,7 @@ def _train(args: argparse.Namespace) -> int:
     summary = {
         "steps": done,
         "interrupted": interrupted,
+        "signal": stop.name() if interrupted else None,
         "stopped": stopped,
         "skipped_steps": skipped,
         "final_loss": loss,
@@ -282,104 +370,7 @@ def _train(args: argparse.Namespace) -> int:
         "peak_bytes_per_device": peak(),
         "metrics": str(log_dir / "metrics.jsonl"),
     }
+    summary = _json_safe(summary)  # as written: NaN is None
     if main_process:
-        (log_dir / "summary.json").write_text(_dumps(summary, indent=2) + "\n")
-        word = "interrupted: " if interrupted else "stopped: " if stopped else "done: "
-        print(word + _dumps(summary))
-    del jax
-    if interrupted:
-        return stop.exit_code()
-    return 1 if stopped else 0
-
-
-def _check_checkpoint_directory(cfg: Any, *, fresh: bool) -> None:
-    """Before training: the checkpoint directory is jzero's, and a fresh start into an earlier
-    run's steps was asked for explicitly (``--overwrite``)."""
-    from jzero import checkpoint_dir
-
-    directory = Path(cfg.checkpoint.directory)
-    checkpoint_dir.check_ownership(directory)
-    existing = checkpoint_dir.write_order(directory)
-    if fresh and existing and not cfg.checkpoint.overwrite:
-        raise ValueError(
-            f"--no-resume, but the checkpoint directory {str(directory)!r} holds the checkpoints "
-            f"of an earlier run (steps {existing}, the latest {existing[-1]}). Pass --overwrite "
-            "to replace them with this run's, set another checkpoint.directory, or drop "
-            "--no-resume to continue that run."
-        )
-
-
-def _resume(engine: Any, cfg: Any, *, fresh: bool) -> int | None:
-    """Restores the latest checkpoint unless the run starts fresh; the step restored."""
-    if fresh:
-        return None
-    resumed = engine.latest_checkpoint()
-    if resumed is not None:
-        engine.restore(resumed)
-        logger.info("resumed from checkpoint %d in %s", resumed, cfg.checkpoint.directory)
-    return resumed
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``jzero`` argument parser."""
-    ap = argparse.ArgumentParser(prog="jzero", description="DeepSpeed's ZeRO for JAX.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train the built-in GPT from a config file")
-    train.add_argument("config", help="a YAML or JSON config (DeepSpeed keys plus jzero's)")
-    train.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set zero_optimization.stage=3 (repeatable)",
-    )
-    train.add_argument("--steps", type=int, help="override train.steps")
-    train.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        help="virtual CPU devices when there is no accelerator (default 8)",
-    )
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
-    train.add_argument(
-        "--no-resume",
-        action="store_true",
-        help="start fresh; refused when checkpoint.directory holds an earlier run's checkpoints "
-        "unless --overwrite is given too",
-    )
-    train.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start fresh and replace the checkpoints of an earlier run in checkpoint.directory "
-        "(deleted once this run's first checkpoint is committed); implies --no-resume",
-    )
-    train.set_defaults(func=_train)
-    from jzero import cli_checkpoint, cli_memory, launch
-
-    cli_checkpoint.add_commands(sub)
-    cli_memory.add_commands(sub)
-    launch.add_commands(sub)
-    return ap
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jzero`` console script."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from jzero.checkpoint_dir import CheckpointWriteError
-
-    try:
-        return int(args.func(args))
-    except CheckpointWriteError as e:  # the disk, not the config: not a usage error
-        print(f"jzero: error: {e}", file=sys.stderr)
-        return 1
-    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
-        print(f"jzero: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _main() -> Any:
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    _main()
+        (log_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
+    return summary

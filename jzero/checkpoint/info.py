@@ -15,9 +15,9 @@ Decisions:
   exclusively (a fresh name) beside the output and renames it onto the output when complete:
   no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or symlink
   there is never written through or removed; a failed export removes only its own file.
-* Orbax is reached only through :mod:`jzero.checkpoint`, the one module that imports it. That
-  module re-exports every name here, so it is imported inside the functions: importing either
-  module first works.
+* Orbax is reached only through :mod:`jzero.checkpoint.orbax_io`, the one module that imports
+  it; which step to read, and whether its files are intact, through
+  :mod:`jzero.checkpoint.dirs`.
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero import export as export_lib
-from jzero.checkpoint_layout import (
+from jzero.checkpoint import dirs, orbax_io
+from jzero.checkpoint.layout import (
     JZERO,
     META,
     CheckpointError,
     StepCheck,
-    _damage,
-    _flat,
-    _path_parts,
-    _verify,
+    first_problem,
+    flat,
+    path_parts,
+    verify_step,
 )
 
 __all__ = [
@@ -110,23 +111,15 @@ def read_info(
         checksums): every complete step when ``step`` is ``None``, else that step only. Without
         it only file sizes are compared (metadata only, fast).
     """
-    from jzero.checkpoint import (
-        _partial_steps,
-        _read_json,
-        _resolve_step,
-        _tree_metadata,
-        list_steps,
-    )
-
     d = Path(directory).absolute()
     every_step = step is None
-    step = _resolve_step(d, step)
+    step = dirs.resolve_step(d, step)
     step_dir = d / str(step)
-    steps = list_steps(d)
+    steps = dirs.list_steps(d)
     verified: tuple[StepCheck, ...] = ()
     if verify:
-        verified = tuple(_verify(s, d / str(s)) for s in (steps if every_step else [step]))
-    problem = _damage(step_dir, contents=False)  # sizes: verified covers the contents
+        verified = tuple(verify_step(s, d / str(s)) for s in (steps if every_step else [step]))
+    problem = first_problem(step_dir, contents=False)  # sizes: verified covers the contents
     for check in verified:
         if check.step == step and check.problems:
             problem = check.problems[0]
@@ -134,7 +127,7 @@ def read_info(
     meta: dict[str, Any] = {}
     info: dict[str, Any] = {}
     try:
-        for key, (_, md) in _flat(_tree_metadata(d, step, step_dir)).items():
+        for key, (_, md) in flat(orbax_io.tree_metadata(d, step, step_dir)).items():
             shape = tuple(int(n) for n in md.shape)
             dtype = np.dtype(md.dtype)
             spec = getattr(getattr(md, "sharding", None), "partition_spec", None)
@@ -147,11 +140,11 @@ def read_info(
                     str(tuple(spec)) if spec is not None else "()",
                 )
             )
-        meta, info = _read_json(step_dir, META), _read_json(step_dir, JZERO)
+        meta, info = orbax_io.read_json(step_dir, META), orbax_io.read_json(step_dir, JZERO)
     except (CheckpointError, ValueError, OSError) as e:
         problem = problem or str(e)
     return CheckpointInfo(
-        str(d), steps, _partial_steps(d), step, trees, meta, info, problem, verified
+        str(d), steps, dirs.partial_steps(d), step, trees, meta, info, problem, verified
     )
 
 
@@ -253,32 +246,30 @@ def export(
     Returns:
       The written path.
     """
-    from jzero.checkpoint import _leaf_reader, _resolve_step, _tree_metadata, _verified_step_dir
-
     if dtype not in _DTYPES:
         raise CheckpointError(
             f"Export dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}."
         )
     out_dtype = np.dtype(_DTYPES[dtype])
     d = Path(directory).absolute()
-    step = _resolve_step(d, step)
-    step_dir = _verified_step_dir(d, step)
-    saved = _tree_metadata(d, step, step_dir)
+    step = dirs.resolve_step(d, step)
+    step_dir = dirs.verified_step_dir(d, step)
+    saved = orbax_io.tree_metadata(d, step, step_dir)
     prefix = tuple(tree.split(".")) if tree else ()
     selected = [
         (p, md)
-        for p, md in _flat(saved).values()
-        if tuple(str(x) for x in _path_parts(p)[: len(prefix)]) == prefix
+        for p, md in flat(saved).values()
+        if tuple(str(x) for x in path_parts(p)[: len(prefix)]) == prefix
     ]
     if not selected:
-        tops = sorted({k.split(".")[0] for k in _flat(saved)})
+        tops = sorted({k.split(".")[0] for k in flat(saved)})
         raise CheckpointError(
             f"Step {step} of {str(d)!r} has no tree {tree!r}; its trees are {tops}. "
             "Pass one of them as tree."
         )
     entries = []
     for p, md in selected:
-        rel = _path_parts(p)[len(prefix) :] or (_path_parts(p)[-1],)
+        rel = path_parts(p)[len(prefix) :] or (path_parts(p)[-1],)
         keep = not jnp.issubdtype(md.dtype, jnp.floating)
         entries.append(
             export_lib.ExportEntry(
@@ -288,7 +279,7 @@ def export(
                 np.dtype(md.dtype) if keep else out_dtype,
             )
         )
-    read = _leaf_reader(d, step, step_dir, saved)
+    read = orbax_io.leaf_reader(d, step, step_dir, saved)
 
     def fetch(i: int) -> np.ndarray:
         return read(selected[i][0])

@@ -1,7 +1,8 @@
 """Whose a checkpoint directory is, which steps in it are jzero's, their order, and its writer.
 
-This module imports no Orbax: :mod:`jzero.checkpoint` writes and reads the steps through Orbax
-and asks this module what it may touch.
+This module imports no Orbax: the checkpointer (:mod:`jzero.checkpoint.checkpointer`) writes and
+reads the steps through :mod:`jzero.checkpoint.orbax_io` and asks this module what it may touch;
+inspect and export (:mod:`jzero.checkpoint.info`) ask it which step to read.
 
 Decisions:
 
@@ -26,6 +27,9 @@ Decisions:
   drops the lock when its process dies, so a stale lock (text left by a process that was killed)
   is taken over, with a message naming the dead holder. Across hosts this relies on the file
   system's ``flock``; NFS without lock support cannot detect a second writer.
+* **A step is read only when it is complete and intact.** :func:`resolve_step` names the
+  step to read (the latest by default) among the committed ones, saying which saves never
+  completed; :func:`verified_step_dir` checks its files against their record first.
 """
 
 from __future__ import annotations
@@ -42,16 +46,16 @@ import weakref
 from pathlib import Path
 from typing import IO, Any
 
-from jzero.checkpoint_layout import JZERO, CheckpointError
+from jzero.checkpoint.layout import JZERO, CheckpointError, first_problem
 
-__all__ = ["CheckpointWriteError", "DirectoryLock", "MARKER"]
+__all__ = ["CheckpointWriteError", "DirectoryLock", "MARKER", "latest_step", "list_steps"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = "jzero_checkpoints.json"
 LOCK = "jzero.lock"
 ASIDE = ".jzero-replaced"
-_TMP = ".orbax-checkpoint-tmp"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax names a step being written <step><this>
 
 
 class CheckpointWriteError(RuntimeError):
@@ -115,7 +119,11 @@ def _is_ours(p: Path) -> bool:
     if name in (MARKER, LOCK) or is_step_dir(p):
         return True
     base = (
-        name.split(_TMP)[0] if _TMP in name else name[: -len(ASIDE)] if name.endswith(ASIDE) else ""
+        name.split(TMP_SUFFIX)[0]
+        if TMP_SUFFIX in name
+        else name[: -len(ASIDE)]
+        if name.endswith(ASIDE)
+        else ""
     )
     return base.isdigit() and p.is_dir()
 
@@ -192,6 +200,75 @@ def recover_asides(directory: Path) -> None:
                 stem,
                 directory,
             )
+
+
+# -- which step to read ------------------------------------------------------------------------
+def list_steps(directory: str | os.PathLike) -> list[int]:
+    """The committed jzero steps in ``directory``, ascending; ``[]`` if it does not exist.
+
+    Only folders holding a jzero step count: a user's numbered folders are never listed.
+    """
+    return sorted(step_dirs(Path(directory).expanduser()))
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The step written last into ``directory`` (not the highest number), or ``None``."""
+    order = write_order(Path(directory).expanduser())
+    return order[-1] if order else None
+
+
+def partial_steps(directory: Path) -> list[int]:
+    """Steps whose save never completed (Orbax's temporary directories), ascending."""
+    if not directory.is_dir():
+        return []
+    names = [p.name.split(TMP_SUFFIX)[0] for p in directory.iterdir() if TMP_SUFFIX in p.name]
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def resolve_step(directory: Path, step: int | None) -> int:
+    """The committed step to read: ``step``, or the latest when ``None``.
+
+    Raises:
+      CheckpointError: no such directory, no complete step, or ``step`` is not one of them.
+    """
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"The checkpoint directory {str(directory)!r} does not exist. Check the path (a "
+            "training run creates it on its first save)."
+        )
+    steps = list_steps(directory)
+    partial = partial_steps(directory)
+    note = f" (step(s) {partial} were never completed and are ignored)" if partial else ""
+    if not steps:
+        raise CheckpointError(
+            f"The checkpoint directory {str(directory)!r} holds no complete checkpoint{note}. "
+            "Pass a directory a training run has saved into."
+        )
+    if step is None:
+        return int(latest_step(directory))
+    if int(step) not in steps:
+        raise CheckpointError(
+            f"Step {step} is not a complete checkpoint in {str(directory)!r}; the steps there "
+            f"are {steps}{note}. Pass one of them."
+        )
+    return int(step)
+
+
+def verified_step_dir(directory: Path, step: int) -> Path:
+    """A committed step's folder, once its files match their record (sizes and checksums).
+
+    Raises:
+      CheckpointError: naming what is damaged and the steps that could be restored instead.
+    """
+    step_dir = step_dirs(directory).get(step, directory / str(step))
+    problem = first_problem(step_dir)
+    if problem:
+        others = [s for s in list_steps(directory) if s != step]
+        hint = f"Restore another step ({others}) or delete it." if others else "Delete it."
+        raise CheckpointError(
+            f"Checkpoint step {step} in {str(directory)!r} is damaged: {problem}. {hint}"
+        )
+    return step_dir
 
 
 # -- the writer's lock ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """What a jzero checkpoint step holds on disk, how its files are checked, and restore targets.
 
-This module imports no Orbax: :mod:`jzero.checkpoint` (the only module that does) writes and
-reads the steps, and imports the names below.
+This module imports no Orbax (:mod:`jzero.checkpoint.orbax_io` is the only one that does) and
+nothing else of the package: every other module of :mod:`jzero.checkpoint` imports it.
 
 Decisions:
 
@@ -9,9 +9,9 @@ Decisions:
   ``StandardSave``: every process writes only its own shards), ``meta`` (the caller's
   JSON-serialisable dict) and ``jzero`` (format version, process and device count).
 * Before the rename that finalizes a step, process 0 records the size and the CRC-32 of every
-  file of the step in ``jzero_files.json`` (:func:`_seal`, run from Orbax's post-finalization
+  file of the step in ``jzero_files.json`` (:func:`seal`, run from Orbax's post-finalization
   hook; format 2: ``{"format": 2, "files": {path: {"size": n, "crc32": "8 hex digits"}}}``).
-  Restore and export compare the files on disk with that record (:func:`_damage`) before Orbax
+  Restore and export compare the files on disk with that record (:func:`first_problem`) before Orbax
   reads them, so a truncated or deleted shard file is named instead of being read as zeros (a
   deleted OCDBT manifest silently reads as zeros otherwise), and so are flipped bytes (bit rot,
   a bad disk or copy), which Orbax would read as different numbers without any error.
@@ -19,14 +19,14 @@ Decisions:
   through ``zlib.crc32`` (stdlib; 1 MiB at a time, so memory stays flat). That is one extra
   read of the step per restore, sealed save and export, usually served by the page cache on
   restore; CRC-32 is chosen for speed: it catches accidental damage, not tampering. Inspect
-  compares sizes only unless asked to verify (:func:`_verify`), so it stays metadata-only.
+  compares sizes only unless asked to verify (:func:`verify_step`), so it stays metadata-only.
 * Records written before checksums (format 1, ``{path: size}``) are still read and checked
   for sizes; steps written without any record get a structural check. Neither can detect
   changed contents, and ``inspect --verify`` says so instead of calling them verified.
 * Restore always goes into a target of ``jax.ShapeDtypeStruct`` that carries shardings (from
   the new plan), so Orbax reshards: any stage, any device count the shapes allow. Shardings may
   carry ``memory_kind="pinned_host"``. Leaf paths and shapes are checked against the saved
-  metadata first (:func:`_match`).
+  metadata first (:func:`check_target`).
 * Every failure a user can cause is a :class:`CheckpointError` (a ``ValueError``) that names
   the directory, the step and the fix, never a raw Orbax or TensorStore traceback.
 * Leaves are named by dotted paths (``params.blocks.w``), as inspect shows them.
@@ -59,11 +59,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged, or does not fit what it is restored into."""
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
+def path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-def _path_parts(path: tuple[Any, ...]) -> tuple[str | int, ...]:
+def path_parts(path: tuple[Any, ...]) -> tuple[str | int, ...]:
     out: list[str | int] = []
     for k in path:
         if isinstance(k, jax.tree_util.SequenceKey):
@@ -71,19 +71,11 @@ def _path_parts(path: tuple[Any, ...]) -> tuple[str | int, ...]:
         elif isinstance(k, jax.tree_util.DictKey):
             out.append(str(k.key))
         else:
-            out.append(_path_str((k,)))
+            out.append(path_str((k,)))
     return tuple(out)
 
 
 # -- the file record and damage ------------------------------------------------------------
-def _require_dir(directory: Path) -> None:
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"The checkpoint directory {str(directory)!r} does not exist. Check the path (a "
-            "training run creates it on its first save)."
-        )
-
-
 def _step_files(step_dir: Path) -> list[Path]:
     return sorted(
         Path(root) / name
@@ -105,7 +97,7 @@ def _crc32(path: Path) -> tuple[int, int]:
     return crc, size
 
 
-def _seal(step_dir: Path) -> None:
+def seal(step_dir: Path) -> None:
     """Records the size and CRC-32 of every file of the step's items (run before the rename)."""
     files = {}
     for p in _step_files(step_dir):
@@ -194,7 +186,7 @@ def _file_problems(step_dir: Path, contents: bool = True) -> Iterator[str]:
             )
 
 
-def _damage(step_dir: Path, contents: bool = True) -> str | None:
+def first_problem(step_dir: Path, contents: bool = True) -> str | None:
     """What is wrong with a finalized step's files, or ``None`` when they are intact.
 
     Args:
@@ -228,7 +220,7 @@ class StepCheck:
         return not self.problems
 
 
-def _verify(step: int, step_dir: Path) -> StepCheck:
+def verify_step(step: int, step_dir: Path) -> StepCheck:
     """Reads every file of a step and checks it against the record: all problems, not the
     first."""
     problems = tuple(_file_problems(step_dir, contents=True))
@@ -242,16 +234,8 @@ def _verify(step: int, step_dir: Path) -> StepCheck:
     return StepCheck(step, problems, checked, len(files), sum(size for size, _ in files.values()))
 
 
-def _damaged(step: int, directory: Path, e: BaseException) -> CheckpointError:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    return CheckpointError(
-        f"Reading checkpoint step {step} in {str(directory)!r} failed ({first}). The step is "
-        "damaged or was not written by jzero; restore another step."
-    )
-
-
-def _flat(tree: PyTree) -> dict[str, tuple[tuple[Any, ...], Any]]:
-    return {_path_str(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+def flat(tree: PyTree) -> dict[str, tuple[tuple[Any, ...], Any]]:
+    return {path_str(p): (p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 # -- restore targets -------------------------------------------------------------------------
@@ -279,12 +263,12 @@ def abstract_target(tree: PyTree, shardings: PyTree) -> PyTree:
     return jax.tree.map(subtree, shardings, tree)
 
 
-def _as_target(target: PyTree) -> PyTree:
+def as_target(target: PyTree) -> PyTree:
     def leaf(path: tuple[Any, ...], x: Any) -> jax.ShapeDtypeStruct:
         sharding = getattr(x, "sharding", None)
         if sharding is None or not hasattr(x, "shape"):
             raise CheckpointError(
-                f"Target leaf {_path_str(path)!r} ({x!r}) carries no sharding. Restore into "
+                f"Target leaf {path_str(path)!r} ({x!r}) carries no sharding. Restore into "
                 "jax.ShapeDtypeStruct leaves built from the new plan's shardings, e.g. "
                 "jzero.checkpoint.abstract_target(abstract_state, state_shardings(plan))."
             )
@@ -293,8 +277,8 @@ def _as_target(target: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(leaf, target)
 
 
-def _match(saved: PyTree, target: PyTree, step: int, directory: Path) -> None:
-    s, t = _flat(saved), _flat(target)
+def check_target(saved: PyTree, target: PyTree, step: int, directory: Path) -> None:
+    s, t = flat(saved), flat(target)
     where = f"step {step} of {str(directory)!r}"
     fix = (
         "Restore with the model and optimizer the checkpoint was saved with (the ZeRO stage and "

@@ -7,7 +7,7 @@ Decisions:
   library with the full message, and the ``jzero`` entry point prints it and exits with 2.
 * ``estimate`` is pure arithmetic and never starts JAX. ``plan`` compiles the config's built-in
   GPT once per stage; with no accelerator it asks for ``--cpu-devices`` virtual CPU devices
-  first, as ``jzero train`` does.
+  first, as ``jzero train`` does (:mod:`jzero.cli.devices`).
 * The table goes to stdout; ``--plot FILE.png`` also writes the stacked-bar chart.
 """
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from jzero.cli import devices
 
 __all__ = ["add_commands"]
 
@@ -81,13 +83,11 @@ def _estimate(args: argparse.Namespace) -> int:
         heads=args.heads,
         activation_dtype=args.activation_dtype,
     )
-    return _show(result, args.plot)
+    return _print_report(result, args.plot)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from jzero.cli import _use_virtual_cpu_devices
-
-    _use_virtual_cpu_devices(args.cpu_devices)
+    devices.use_cpu_devices(args.cpu_devices)
     from jzero import memory
 
     extra = {}  # "auto" is the library's default, and is not passed
@@ -101,10 +101,11 @@ def _plan(args: argparse.Namespace) -> int:
         margin=args.margin,
         **extra,
     )
-    return _show(result, args.plot)
+    return _print_report(result, args.plot)
 
 
-def _show(result: Any, plot: str | None) -> int:
+def _print_report(result: Any, plot: str | None) -> int:
+    """Prints the report's table and, with ``--plot``, draws its chart; exit status 0."""
     print(result.table())
     if plot:
         result.plot(plot)
@@ -195,12 +196,7 @@ def add_commands(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set model.num_layers=24 (repeatable)",
     )
-    plan.add_argument(
-        "--cpu-devices",
-        type=int,
-        default=8,
-        help="virtual CPU devices when there is no accelerator (default 8)",
-    )
+    devices.add_cpu_devices_flag(plan)
     plan.add_argument(
         "--compare-ac",
         choices=["auto", "always", "never"],

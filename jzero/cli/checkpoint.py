@@ -3,7 +3,7 @@
 Decisions:
 
 * :func:`add_commands` adds the ``checkpoint`` command to any argparse subparsers object, so
-  ``jzero.cli`` wires it with one call; each command is ``func(args) -> int``.
+  :mod:`jzero.cli` wires it with one call; each command is ``func(args) -> int``.
 * Errors are raised (``CheckpointError`` is a ``ValueError``, a missing file a
   ``FileNotFoundError``); ``jzero.cli.main`` turns both into ``jzero: error: ...`` and exit 2.
 * ``inspect`` reads metadata only and exits 0 (a damaged step is reported in its text).

@@ -1,0 +1,51 @@
+"""Sharded, asynchronous, atomic checkpoints over Orbax; restore anywhere; inspect; export.
+
+Only this package imports Orbax, and within it only :mod:`~jzero.checkpoint.orbax_io`. The
+modules, each importing only those listed before it:
+
+* ``layout``: what a step holds on disk, its file record (sizes and CRC-32s), restore targets,
+  :class:`CheckpointError`.
+* ``dirs``: whose a directory is, which steps in it are jzero's and which is the latest, the
+  writer's lock, :class:`CheckpointWriteError`.
+* ``orbax_io``: every Orbax call (write a step; read its state, JSON items, metadata, a leaf).
+* ``checkpointer``: :class:`Checkpointer`, which saves and restores training state.
+* ``info``: :func:`inspect` and :func:`export`, which read a directory without an engine.
+
+The names below are the package's public surface; the modules' other names serve the package.
+"""
+
+from jzero.checkpoint.checkpointer import Checkpointer as Checkpointer
+from jzero.checkpoint.dirs import TMP_SUFFIX as TMP_SUFFIX
+from jzero.checkpoint.dirs import CheckpointWriteError as CheckpointWriteError
+from jzero.checkpoint.dirs import latest_step as latest_step
+from jzero.checkpoint.dirs import list_steps as list_steps
+from jzero.checkpoint.info import CheckpointInfo as CheckpointInfo
+from jzero.checkpoint.info import LeafInfo as LeafInfo
+from jzero.checkpoint.info import export as export
+from jzero.checkpoint.info import format_info as format_info
+from jzero.checkpoint.info import inspect as inspect
+from jzero.checkpoint.info import read_info as read_info
+from jzero.checkpoint.layout import FORMAT_VERSION as FORMAT_VERSION
+from jzero.checkpoint.layout import JZERO as JZERO
+from jzero.checkpoint.layout import META as META
+from jzero.checkpoint.layout import STATE as STATE
+from jzero.checkpoint.layout import CheckpointError as CheckpointError
+from jzero.checkpoint.layout import PyTree as PyTree
+from jzero.checkpoint.layout import StepCheck as StepCheck
+from jzero.checkpoint.layout import abstract_target as abstract_target
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriteError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "LeafInfo",
+    "StepCheck",
+    "abstract_target",
+    "export",
+    "format_info",
+    "inspect",
+    "latest_step",
+    "list_steps",
+    "read_info",
+]

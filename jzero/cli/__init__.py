@@ -1,0 +1,105 @@
+"""The ``jzero`` command: ``train``, ``estimate``, ``plan``, ``checkpoint``, ``launch``.
+
+Decisions:
+
+* Each subcommand lives beside what it drives: ``train`` here (the loop is
+  :func:`jzero.train.run`), ``estimate`` and ``plan`` in :mod:`jzero.cli.memory`,
+  ``checkpoint inspect | export`` in :mod:`jzero.cli.checkpoint`, ``launch`` in
+  :mod:`jzero.launch`; each is ``func(args) -> int``, the exit status.
+* With no accelerator, ``train`` and ``plan`` ask JAX for 8 virtual CPU devices before anything
+  touches a backend, so every stage shards for real on a laptop (``--cpu-devices`` changes the
+  count; :mod:`jzero.cli.devices`).
+* A user's mistake (a bad config, a missing file) exits with status 2 and one message, never a
+  traceback; a checkpoint that could not be written exits with 1. ``train`` exits 130 or 143
+  after Ctrl-C or SIGTERM (it stops after the current step, saves and prints the summary), and
+  1 when inf/NaN gradients stopped it.
+* ``train``'s progress goes to a tqdm bar on stderr; every ``steps_per_print`` steps a log line;
+  every step a JSON line in ``<train.log_dir>/metrics.jsonl``; at the end one line on stdout,
+  ``done:``, ``interrupted:`` or ``stopped:`` and the summary as JSON.
+* The modules behind the commands (the training loop, the model, the planner) are imported
+  when a command runs, after the device count is set; nothing imported before touches a JAX
+  backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from jzero.cli import checkpoint, devices, memory
+
+__all__ = ["build_parser", "main"]
+
+
+def _train(args: argparse.Namespace) -> int:
+    devices.use_cpu_devices(args.cpu_devices)
+    from jzero import distributed, train
+
+    summary = train.run(
+        args.config,
+        overrides=args.set or (),
+        steps=args.steps,
+        resume=not args.no_resume,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    if distributed.is_main_process():  # only process 0 prints
+        ended = (
+            "interrupted" if summary["interrupted"] else "stopped" if summary["stopped"] else "done"
+        )
+        print(f"{ended}: {train.strict_json(summary)}")
+    return train.exit_code(summary)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jzero`` argument parser."""
+    ap = argparse.ArgumentParser(prog="jzero", description="DeepSpeed's ZeRO for JAX.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the built-in GPT from a config file")
+    train.add_argument("config", help="a YAML or JSON config (DeepSpeed keys plus jzero's)")
+    train.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set zero_optimization.stage=3 (repeatable)",
+    )
+    train.add_argument("--steps", type=int, help="override train.steps")
+    devices.add_cpu_devices_flag(train)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start fresh; refused when checkpoint.directory holds an earlier run's checkpoints "
+        "unless --overwrite is given too",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start fresh and replace the checkpoints of an earlier run in checkpoint.directory "
+        "(deleted once this run's first checkpoint is committed); implies --no-resume",
+    )
+    train.set_defaults(func=_train)
+    from jzero import launch
+
+    checkpoint.add_commands(sub)
+    memory.add_commands(sub)
+    launch.add_commands(sub)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jzero`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from jzero.checkpoint.dirs import CheckpointWriteError
+
+    try:
+        return int(args.func(args))
+    except CheckpointWriteError as e:  # the disk, not the config: not a usage error
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        print(f"jzero: error: {e}", file=sys.stderr)
+        return 2

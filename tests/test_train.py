@@ -1,0 +1,61 @@
+"""`jzero.train.run`, the `jzero train` loop as a library function: no argparse, its summary
+returned, written and printed alike, and a SIGTERM stops it after the step with a checkpoint."""
+
+import json
+import signal
+import threading
+
+import pytest
+
+from jzero import train
+from jzero.checkpoint import list_steps
+from jzero.engine import Engine
+
+TINY = [
+    "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 64}",
+    "data={source: stdlib, max_bytes: 200000}",
+    "train_micro_batch_size_per_gpu=2",
+    "train.eval_interval=0",  # no eval step: one compiled train step
+]
+
+
+def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkeypatch):
+    """SIGTERM (what SLURM sends before a kill) during step 2: the run ends after step 2,
+    saves it, and reports the signal the CLI turns into exit status 143."""
+    assert threading.current_thread() is threading.main_thread()  # run installs the handler
+    log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    step = Engine.train_step
+    calls = []
+
+    def train_step(self, batch):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)  # caught by run's handler, not the process
+        return step(self, batch)
+
+    monkeypatch.setattr(Engine, "train_step", train_step)
+    handler = signal.getsignal(signal.SIGTERM)
+    overrides = [*TINY, f"train.log_dir={log_dir}", f"checkpoint.directory={ckpt}"]
+    summary = train.run("configs/zero2.yaml", overrides=overrides, steps=50, progress=False)
+
+    assert summary["steps"] == 2 and summary["interrupted"] is True
+    assert summary["signal"] == "SIGTERM" and summary["stopped"] is None
+    assert train.exit_code(summary) == 128 + signal.SIGTERM
+    assert summary["stage"] == 2 and summary["devices"] == 8 and summary["resumed_from"] is None
+    assert summary["first_eval_loss"] is None  # eval_interval 0
+    # What the CLI writes and prints (`interrupted: ` + this JSON) is what run returned.
+    assert json.loads((log_dir / "summary.json").read_text()) == summary
+    assert json.loads(train.strict_json(summary)) == summary
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["loss"] == pytest.approx(summary["final_loss"])
+    assert list_steps(ckpt) == [2]  # the interrupted run's state, saved at the step it ended
+    assert signal.getsignal(signal.SIGTERM) is handler  # run's handler is gone again
+
+
+def test_exit_code_of_a_summary():
+    done = {"interrupted": False, "signal": None, "stopped": None}
+    assert train.exit_code(done) == 0
+    assert train.exit_code({**done, "stopped": "stopped at step 3: ..."}) == 1
+    assert train.exit_code({**done, "interrupted": True, "signal": "SIGINT"}) == 130
+    assert train.exit_code({**done, "interrupted": True, "signal": "SIGTERM"}) == 143
