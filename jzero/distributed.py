@@ -417,6 +417,39 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // count
 
 
+def check_batch(batch: Any, global_batch_size: int, explain: str = "") -> None:
+    """Every leaf of this process's ``batch`` has its rows of the global batch: leading dim
+    ``global_batch_size / jax.process_count()``; else a clear error naming the leaf.
+
+    Args:
+      batch: this process's batch (a pytree of arrays).
+      global_batch_size: the global batch's leading dim.
+      explain: where that size comes from, for the one-process message (e.g. ``" (=
+        train_micro_batch_size_per_gpu 4 x ...)"``).
+    """
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not flat:
+        raise ValueError("The batch is empty; pass a pytree of arrays with a leading batch dim.")
+    expected = local_batch_size(global_batch_size)
+    for path, x in flat:
+        lead = np.shape(x)[0] if np.ndim(x) else None
+        if lead == expected:
+            continue
+        name = jax.tree_util.keystr(path, simple=True, separator=".") or "<batch>"
+        if expected != global_batch_size:  # several processes: each passes its rows
+            raise ValueError(
+                f"Batch leaf {name!r} has leading dim {lead}, but each of the "
+                f"{jax.process_count()} processes passes its {expected} rows of the global "
+                f"train_batch_size {global_batch_size}. Pass this process's slice of {expected} "
+                "rows (jzero.data.BatchIterator with process_index/process_count yields it)."
+            )
+        raise ValueError(
+            f"Batch leaf {name!r} has leading dim {lead} but train_batch_size is "
+            f"{global_batch_size}{explain}. Pass a global batch of that size, or change the "
+            "config's batch keys."
+        )
+
+
 def _check_rows(sharding: jax.sharding.Sharding, global_shape: Sequence[int]) -> None:
     """Process ``p``'s devices must hold rows ``p*b : (p+1)*b`` of the global batch."""
     count, index = jax.process_count(), jax.process_index()
@@ -453,20 +486,20 @@ def global_batch(
     """
     if jax.process_count() == 1:
         return local_batch
-    b = local_batch_size(global_batch_size)
     checked: set[tuple[int, ...]] = set()
+    local = {
+        id(x): x
+        for x in jax.tree.leaves(local_batch)
+        if not (isinstance(x, jax.Array) and not x.is_fully_addressable)  # already global
+    }
+    if local:
+        check_batch(list(local.values()), global_batch_size)
 
     def one(x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x  # already global
+        if id(x) not in local:
+            return x
         x = np.asarray(x)
         shape = (global_batch_size, *x.shape[1:])
-        if x.shape[:1] != (b,):
-            raise ValueError(
-                f"A batch leaf of shape {x.shape} was passed on process {jax.process_index()}, "
-                f"but each of the {jax.process_count()} processes passes its {b} rows of the "
-                f"global batch of {global_batch_size}. Pass leading dim {b}."
-            )
         if shape not in checked:
             _check_rows(sharding, shape)
             checked.add(shape)

@@ -87,9 +87,8 @@ class Engine:
         self._to_model = to_model
         self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
         self._layout_fitted = replan is None
-        self._steps: dict[bool, Callable[..., Any]] = {}
-        self._evals: dict[bool, Callable[..., Any]] = {}
-        self._aux_seen: dict[Any, bool] = {}
+        self._step: Callable[..., Any] | None = None  # built at the first step (fit_layout)
+        self._eval: Callable[..., Any] | None = None
         self.iteration = 0
         """Train steps run so far, skipped ones included: the number checkpoints are saved as."""
         self.data_iterator: Any = None
@@ -130,58 +129,12 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
     def _check_batch(self, batch: PyTree) -> None:
-        flat = jax.tree_util.tree_flatten_with_path(batch)[0]
-        if not flat:
-            raise ValueError(
-                "The batch is empty; pass a pytree of arrays with a leading batch dim."
-            )
-        expected = distributed.local_batch_size(self.train_batch_size)
-        for path, x in flat:
-            lead = np.shape(x)[0] if np.ndim(x) else None
-            if lead != expected:
-                name = jax.tree_util.keystr(path, simple=True, separator=".") or "<batch>"
-                if expected != self.train_batch_size:  # several processes: each passes its rows
-                    raise ValueError(
-                        f"Batch leaf {name!r} has leading dim {lead}, but each of the "
-                        f"{jax.process_count()} processes passes its {expected} rows of the "
-                        f"global train_batch_size {self.train_batch_size}. Pass this "
-                        f"process's slice of {expected} rows (jzero.data.BatchIterator with "
-                        "process_index/process_count yields it)."
-                    )
-                raise ValueError(
-                    f"Batch leaf {name!r} has leading dim {lead} but train_batch_size is "
-                    f"{self.train_batch_size} (= train_micro_batch_size_per_gpu "
-                    f"{self.micro_batch_size} x gradient_accumulation_steps "
-                    f"{self.accumulation_steps} x data-parallel size {self.plan.num_shards}). "
-                    "Pass a global batch of that size, or change the config's batch keys."
-                )
-
-    def _has_aux(self, batch: PyTree) -> bool:
-        """Whether the loss returns ``(loss, aux)``; traced once per batch structure and shapes
-        (tracing a model's loss on every step would cost host time between steps)."""
-        if self.stateful:
-            return False
-        key = (
-            jax.tree.structure(batch),
-            tuple((np.shape(x)[1:], np.dtype(x.dtype)) for x in jax.tree.leaves(batch)),
-        )
-        if key not in self._aux_seen:
-            self._aux_seen[key] = self._trace_has_aux(batch)
-        return self._aux_seen[key]
-
-    def _trace_has_aux(self, batch: PyTree) -> bool:
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
+        distributed.check_batch(
             batch,
-        )
-        out = jax.eval_shape(self.loss_fn, self.plan.abstract_params, micro)
-        if isinstance(out, tuple) and len(out) == 2:
-            return True
-        if isinstance(out, jax.ShapeDtypeStruct) and out.shape == ():
-            return False
-        raise ValueError(
-            f"loss_fn must return a scalar loss or a (loss, aux) pair, but it returned {out}. "
-            "Return the mean loss of the batch it is given."
+            self.train_batch_size,
+            f" (= train_micro_batch_size_per_gpu {self.micro_batch_size} x "
+            f"gradient_accumulation_steps {self.accumulation_steps} x data-parallel size "
+            f"{self.plan.num_shards})",
         )
 
     def fit_layout(self, batch: PyTree) -> None:
@@ -218,8 +171,7 @@ class Engine:
         ]
         self.state = jax.device_put(self.state, state_shardings(new))
         self.plan = new
-        self._steps.clear()
-        self._evals.clear()
+        self._step = self._eval = None
         logger.info(
             "jzero: %d stacked-layer parameters (%s) are now sharded beside the dimension their "
             "scan consumes, so stage 3 gathers one layer at a time",
@@ -229,20 +181,18 @@ class Engine:
 
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
         self.fit_layout(batch)
-        has_aux = self._has_aux(batch)
-        if has_aux not in self._steps:
-            self._steps[has_aux] = make_train_step(
+        if self._step is None:  # whether the loss returns aux is read when the step traces
+            self._step = make_train_step(
                 self.plan,
                 self.loss_fn,
                 self.optimizer,
                 accumulation_steps=self.accumulation_steps,
                 gradient_clipping=self.config.gradient_clipping,
-                has_aux=has_aux,
                 stateful=self.stateful,
                 learning_rate=self.learning_rate,
                 remat_policy=remat.from_config(self.config),
             )
-        return self._steps[has_aux]
+        return self._step
 
     def train_step(self, batch: PyTree) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch (leading dim ``train_batch_size``).
@@ -277,12 +227,9 @@ class Engine:
             )
         batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
         self.fit_layout(batch)
-        has_aux = self._has_aux(batch)
-        if has_aux not in self._evals:
-            self._evals[has_aux] = make_eval_step(
-                self.plan, self.loss_fn, has_aux=has_aux, stateful=self.stateful
-            )
-        return self._evals[has_aux](self.state.params, self.state.extra, batch)
+        if self._eval is None:
+            self._eval = make_eval_step(self.plan, self.loss_fn, stateful=self.stateful)
+        return self._eval(self.state.params, self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""

@@ -159,10 +159,34 @@ def _spec(mesh_axis: str, ndim: int, dim: int | None) -> P:
     return P(*entries)
 
 
-def _stateful(loss_fn: LossFn, has_aux: bool, stateful: bool) -> LossFn:
-    """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``."""
+def _loss_and_aux(out: Any) -> tuple[Any, Any]:
+    """Splits what a loss returned: a scalar, or a ``(loss, aux)`` pair; else a clear error."""
+    if isinstance(out, tuple) and len(out) == 2:
+        return out
+    if getattr(out, "shape", None) == ():
+        return out, {}
+    shown = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out)
+    raise ValueError(
+        f"loss_fn must return a scalar loss or a (loss, aux) pair, but it returned {shown}. "
+        "Return the mean loss of the batch it is given."
+    )
+
+
+def _stateful(loss_fn: LossFn, has_aux: bool | None, stateful: bool) -> LossFn:
+    """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``.
+
+    ``has_aux`` None: whether the loss returns ``(loss, aux)`` is read from what it returns
+    when the step is traced (once per batch shape, at no cost per step).
+    """
     if stateful:
         return loss_fn
+    if has_aux is None:
+
+        def detect(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
+            loss, aux = _loss_and_aux(loss_fn(params, batch))
+            return loss, (aux, extra)
+
+        return detect
     if has_aux:
         return lambda params, extra, batch: (lambda o: (o[0], (o[1], extra)))(
             loss_fn(params, batch)
@@ -215,11 +239,12 @@ def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def make_eval_step(
-    plan: Plan, loss_fn: LossFn, *, has_aux: bool = False, stateful: bool = False
+    plan: Plan, loss_fn: LossFn, *, has_aux: bool | None = None, stateful: bool = False
 ) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
     """Builds the jitted ``(params, extra, batch) -> mean loss`` over a global batch.
 
-    At stage 3 the parameters are gathered layer by layer, as in the train step.
+    At stage 3 the parameters are gathered layer by layer, as in the train step. ``has_aux``
+    as in :func:`make_train_step` (None: read from what the loss returns).
     """
     full_loss = _stateful(loss_fn, has_aux, stateful)
     treedef = jax.tree.structure(plan.abstract_params)
@@ -256,7 +281,7 @@ def make_train_step(
     *,
     accumulation_steps: int = 1,
     gradient_clipping: float = 0.0,
-    has_aux: bool = False,
+    has_aux: bool | None = None,
     stateful: bool = False,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
@@ -267,29 +292,32 @@ def make_train_step(
     Args:
       plan: the sharding plan (see :func:`jzero.plan.make_plan`); its ``precision`` decides
         the compute, communication and accumulation dtypes and the loss scaling.
-      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
-        the mean loss of the batch it is given, written for full parameters.
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), the mean loss of the
+        batch it is given, written for full parameters.
       optimizer: the optax transformation the plan was made for. Gradient clipping is done by
         the step itself (``gradient_clipping``), not inside it.
       accumulation_steps: micro-batches per step; the batch's leading dim must be
-        ``accumulation_steps x micro-batch x data-parallel size``.
+        ``accumulation_steps x micro-batch x data-parallel size`` (checked when the step is
+        traced).
       gradient_clipping: clip the global gradient norm to this value (0 disables), as
         DeepSpeed's ``gradient_clipping``.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux leaves are averaged over the
-        global batch and returned in the metrics.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``None`` (the default): read from
+        what it returns when the step is traced. Aux leaves are averaged over the global batch
+        and returned in the metrics.
       stateful: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))`` carries
         non-trainable state (``TrainState.extra``) through the micro-batches; floating leaves
         of the new state are averaged over the data axis.
       learning_rate: the schedule, for the ``lr`` metric; else read from an
         ``inject_hyperparams`` state when present. With neither the learning rate is unknown
         and ``lr`` is left out of the metrics.
-      donate: donate the incoming state's buffers to the new state.
-      remat_policy: activation checkpointing of each stacked layer (the body of every
-        ``lax.scan`` in the loss), a :class:`jzero.remat.RematPolicy` or its text (``"full"``,
-        ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see :mod:`jzero.remat`.
-        ``None`` (the default): no checkpointing at stages 0-2; stage 3 checkpoints the
-        layers it gathers with :data:`jzero.gather.checkpoint_policy`. The engine passes the
-        config's ``activation_checkpointing``.
+      donate: donate the incoming state's buffers to the new state: arrays taken from the
+        state before the step (``state.params``) are deleted by it; copy what you keep.
+      remat_policy: activation checkpointing of each layer (every ``lax.scan`` body in the
+        loss, each layer of a Python loop), a :class:`jzero.remat.RematPolicy` or its text
+        (``"full"``, ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see
+        :mod:`jzero.remat`. ``None`` (the default): no checkpointing at stages 0-2; stage 3
+        checkpoints the scans it gathers with :data:`jzero.gather.checkpoint_policy`. The
+        engine passes the config's ``activation_checkpointing``.
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -304,110 +332,12 @@ def make_train_step(
       and stage; without mixed precision the params are the master weights. The
       :class:`~jzero.precision.LossScaleState` counts skipped and non-finite steps always.
     """
-    axis = plan.axis
-    n = plan.num_shards
     accum = int(accumulation_steps)
-    prec = plan.precision
-    leaves = plan.leaves
-    param_dims = plan.param_dims
-    grad_dims = plan.grad_dims()
-    treedef = jax.tree.structure(plan.abstract_params)
-    full_loss = _stateful(loss_fn, has_aux, stateful)
-    stage = plan.stage
-    master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
     if isinstance(remat_policy, str):
         remat_policy = parse_policy(remat_policy)
-
-    param_in_specs = treedef.unflatten(
-        [_spec(axis, len(leaf.shape), d) for leaf, d in zip(leaves, param_dims, strict=True)]
-    )
-    grad_out_specs = treedef.unflatten(
-        [_spec(axis, len(leaf.shape), d) for leaf, d in zip(leaves, grad_dims, strict=True)]
-    )
-
-    def reduce(grads: PyTree, *, now_sharded: bool) -> PyTree:
-        """Sums local gradients over the data axis in the communication dtype, scattering
-        where the plan shards. Leaves come back in the dtype they went in."""
-        out = []
-        for g, pd, gd in zip(jax.tree.leaves(grads), param_dims, grad_dims, strict=True):
-            if pd is not None:
-                out.append(g)  # reduce-scattered already by the all-gather's transpose
-                continue
-            c = g.astype(prec.communication(g.dtype))
-            if gd is not None and now_sharded:
-                c = jax.lax.psum_scatter(c, axis, scatter_dimension=gd, tiled=True)
-            else:
-                c = jax.lax.psum(c, axis)
-            out.append(c.astype(g.dtype))
-        return treedef.unflatten(out)
-
-    def accumulate(grads: PyTree) -> PyTree:
-        return treedef.unflatten(
-            [
-                g.astype(prec.accumulator(m))
-                for g, m in zip(jax.tree.leaves(grads), master_dtypes, strict=True)
-            ]
-        )
-
-    def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
-        local = _local_loss(plan, full_loss, remat_policy)
-
-        def scaled(params: PyTree, extra: PyTree, batch: PyTree) -> tuple[jax.Array, Any]:
-            loss, (aux, extra) = local(params, extra, batch)
-            if not prec.mixed:
-                return loss, (loss, aux, extra)
-            loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
-            return (loss * scale if prec.scaled else loss), (loss, aux, extra)
-
-        grad_fn = jax.grad(scaled, has_aux=True)
-        # Stages 2-3 reduce every micro-batch; 0-1 only at the accumulation boundary.
-        reduce_each = stage.shard_grads
-
-        def micro(extra: PyTree, mb: PyTree) -> tuple[PyTree, tuple[Any, ...]]:
-            g, (loss, aux, extra) = grad_fn(params, extra, mb)
-            if reduce_each:
-                g = reduce(g, now_sharded=True)
-            if accum > 1:
-                g = accumulate(g)
-            return extra, (loss, _float_aux(aux), g)
-
-        if accum == 1:
-            extra, (loss, aux, g) = micro(extra, batch)
-        else:
-            mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-            first = jax.tree.map(lambda x: x[0], mbs)
-            shapes = jax.eval_shape(micro, extra, first)[1]
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-            def body(carry: Any, mb: PyTree) -> tuple[Any, None]:
-                extra, sums = carry
-                extra, out = micro(extra, mb)
-                return (extra, jax.tree.map(jnp.add, sums, out)), None
-
-            (extra, (loss, aux, g)), _ = jax.lax.scan(body, (extra, zeros), mbs)
-            loss = loss / accum
-            aux = jax.tree.map(lambda a: a / accum, aux)
-        if not reduce_each:
-            g = reduce(g, now_sharded=stage.reduce_scatter)
-        g = treedef.unflatten(
-            [
-                x.astype(m) / (accum * n)
-                for x, m in zip(jax.tree.leaves(g), master_dtypes, strict=True)
-            ]
-        )
-        loss = jax.lax.pmean(loss, axis)
-        aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
-        return loss, aux, g, _mean_extra(extra, axis)
-
-    grads_fn = jax.shard_map(
-        local_grads,
-        mesh=plan.mesh,
-        in_specs=(param_in_specs, P(), P(), P(axis)),
-        out_specs=(P(), P(), grad_out_specs, P()),
-        axis_names={axis},
-        check_vma=False,
-    )
-    update_dev = on_device(plan.update)
+    full_loss = _stateful(loss_fn, has_aux, stateful)
+    grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
+    prec = plan.precision
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         if not isinstance(state.loss_scale, LossScaleState):
@@ -415,70 +345,34 @@ def make_train_step(
                 "The TrainState has no loss-scale state; build it with "
                 "jzero.step.init_train_state(plan, params, optimizer)."
             )
+        _check_batch_rows(batch, accum * plan.num_shards, accum)
         params = _to_device(state.params, plan.params)
-        opt_state = _to_device(state.opt_state, plan.opt_state)
         ls = state.loss_scale
         loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
         grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
-        if prec.scaled:
+        if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
             grads = jax.tree.map(lambda g: g / ls.scale, grads)
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(grad_norm)
-        if gradient_clipping and gradient_clipping > 0:
-            # DeepSpeed's rule: scale by max_norm / (norm + 1e-6) when that is below one.
-            coef = jnp.minimum(1.0, gradient_clipping / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: (g * coef).astype(g.dtype), grads)
-        # The update runs on the local shard of the master weights (the params themselves
-        # without mixed precision, cut to the update layout with no communication), then the
-        # params are laid out at rest: an all-gather at stages 1-2, nothing at stage 3.
-        if prec.mixed:
-            master = _to_device(state.master, plan.master)
-        else:
-            master = jax.lax.with_sharding_constraint(params, update_dev)
+        grads = _clip(grads, grad_norm, gradient_clipping)
+        master, opt_state = _update_inputs(plan, state, params)
         updates, new_opt_state = optimizer.update(grads, opt_state, master)
         new_master = optax.apply_updates(master, updates)
-        # A skipped step leaves every bit of the state as it was; without mixed precision
-        # ``master`` is the params themselves, cut to the update layout, so the same
-        # selection keeps them.
-        if prec.skips:
-            keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(finite, new, old))
-            new_master, new_opt_state = keep(new_master, master), keep(new_opt_state, opt_state)
-            # Floating model state (BatchNorm statistics) of a skipped step may hold the same
-            # NaN: it is kept too. Integer state (RNG counters) advances as usual.
-            extra = jax.tree.map(
-                lambda new, old: (
-                    jnp.where(finite, new, old) if jnp.issubdtype(new.dtype, jnp.inexact) else new
-                ),
-                extra,
-                state.extra,
+        if prec.skips:  # a skipped step leaves every bit of the state as it was
+            new_master, new_opt_state, extra = _keep_old_when_nonfinite(
+                finite, (new_master, new_opt_state, extra), (master, opt_state, state.extra)
             )
-        new_params = _params_at_rest(plan, new_master)
         applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
-        metrics = {"loss": loss, "grad_norm": grad_norm}
-        # The learning rate when it is known; an unknown one is left out rather than NaN, so
-        # a NaN in the metrics always comes from the run itself.
-        if learning_rate is not None:
-            lr = learning_rate(state.step)
-        else:
-            lr = find_learning_rate(state.opt_state)
-        if lr is not None:
-            metrics["lr"] = jnp.asarray(lr, jnp.float32)
-        metrics.update(aux)
-        metrics.update(
-            skipped=(1 - applied).astype(jnp.float32),
-            nonfinite=(~finite).astype(jnp.float32),
-        )
-        if prec.mixed:
-            metrics["loss_scale"] = ls.scale
         new_state = TrainState(
             step=state.step + applied,
-            params=new_params,
+            params=_params_at_rest(plan, new_master),
             opt_state=new_opt_state,
             extra=extra,
             master=new_master if prec.mixed else (),
             loss_scale=next_loss_scale(prec, ls, finite),
         )
-        return new_state, metrics
+        lr = learning_rate(state.step) if learning_rate else find_learning_rate(state.opt_state)
+        return new_state, _metrics(prec, loss, grad_norm, lr, aux, applied, finite, ls)
 
     shardings = state_shardings(plan)
     return jax.jit(
@@ -487,6 +381,198 @@ def make_train_step(
         out_shardings=(shardings, plan.replicated),
         donate_argnums=(0,) if donate else (),
     )
+
+
+def _check_batch_rows(batch: PyTree, multiple: int, accum: int) -> None:
+    """Trace-time check: every batch leaf splits into ``accum`` micro-batches per device."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        lead = x.shape[0] if x.ndim else None
+        if lead is None or lead % multiple:
+            name = jax.tree_util.keystr(path, simple=True, separator=".") or "<batch>"
+            raise ValueError(
+                f"Batch leaf {name!r} has leading dim {lead}, which does not split into "
+                f"{accum} micro-batch(es) on each of the {multiple // accum} devices of the "
+                f"data axis. Pass a global batch whose leading dim is a multiple of {multiple} "
+                "(accumulation_steps x data-parallel size)."
+            )
+
+
+def _local_grads(
+    plan: Plan, full_loss: LossFn, accum: int, policy: RematPolicy | None
+) -> Callable[..., Any]:
+    """The per-device gradient computation, run inside ``shard_map`` over the data axis.
+
+    ``(params, extra, scale, batch) -> (loss, aux, grads, extra)``: each device differentiates
+    the loss of its own rows (``accum`` micro-batches of them, accumulated by a scan) and the
+    gradients leave reduced over the data axis as the stage says (:func:`_reduce`), already
+    divided into the mean over the global batch, in the master weights' dtype.
+    """
+    prec, axis, n = plan.precision, plan.axis, plan.num_shards
+    treedef = jax.tree.structure(plan.abstract_params)
+    master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
+    # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,
+    # at the accumulation boundary.
+    reduce_each = plan.stage.shard_grads
+    local = _local_loss(plan, full_loss, policy)
+
+    def scaled(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        """The loss to differentiate (times the loss scale under fp16), and what to report."""
+        loss, (aux, extra) = local(params, extra, batch)
+        if not prec.mixed:
+            return loss, (loss, aux, extra)
+        loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
+        return (loss * scale if prec.scaled else loss), (loss, aux, extra)
+
+    grad_fn = jax.grad(scaled, has_aux=True)
+
+    def micro(params: PyTree, extra: PyTree, scale: jax.Array, mb: PyTree) -> tuple[Any, Any]:
+        """One micro-batch: its gradient, reduce-scattered now at stages 2-3, and widened to
+        the accumulator's dtype when there is more than one micro-batch to add up."""
+        g, (loss, aux, extra) = grad_fn(params, extra, scale, mb)
+        if reduce_each:
+            g = _reduce(plan, g, now_sharded=True)
+        if accum > 1:
+            leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
+            g = treedef.unflatten([x.astype(prec.accumulator(m)) for x, m in leaves])
+        return extra, (loss, _float_aux(aux), g)
+
+    def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        if accum == 1:
+            extra, (loss, aux, g) = micro(params, extra, scale, batch)
+        else:
+            extra, (loss, aux, g) = _accumulate(
+                functools.partial(micro, params), extra, scale, batch, accum
+            )
+        if not reduce_each:
+            g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
+        # The mean over the global batch: local sums over accum micro-batches and n devices.
+        leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
+        g = treedef.unflatten([x.astype(m) / (accum * n) for x, m in leaves])
+        loss = jax.lax.pmean(loss, axis)
+        aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
+        return loss, aux, g, _mean_extra(extra, axis)
+
+    return local_grads
+
+
+def _accumulate(
+    micro: Callable[..., Any], extra: PyTree, scale: jax.Array, batch: PyTree, accum: int
+) -> tuple[PyTree, tuple[Any, Any, Any]]:
+    """Runs ``micro`` over ``accum`` micro-batches of ``batch`` (a scan) and sums what it
+    returns: the loss and aux come back as means, the gradients as sums. Model state
+    (``extra``) threads through the micro-batches in order."""
+    mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    shapes = jax.eval_shape(micro, extra, scale, first)[1]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry: Any, mb: PyTree) -> tuple[Any, None]:
+        extra, sums = carry
+        extra, out = micro(extra, scale, mb)
+        return (extra, jax.tree.map(jnp.add, sums, out)), None
+
+    (extra, (loss, aux, g)), _ = jax.lax.scan(body, (extra, zeros), mbs)
+    return extra, (loss / accum, jax.tree.map(lambda a: a / accum, aux), g)
+
+
+def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
+    """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
+    where the plan shards the gradient (and ``now_sharded``), else an all-reduce. Leaves come
+    back in the dtype they went in; stage 3's arrive reduce-scattered already (the transpose
+    of their all-gather) and pass through."""
+    out = []
+    leaves = zip(jax.tree.leaves(grads), plan.param_dims, plan.grad_dims(), strict=True)
+    for g, param_dim, grad_dim in leaves:
+        if param_dim is not None:
+            out.append(g)
+            continue
+        c = g.astype(plan.precision.communication(g.dtype))
+        if grad_dim is not None and now_sharded:
+            c = jax.lax.psum_scatter(c, plan.axis, scatter_dimension=grad_dim, tiled=True)
+        else:
+            c = jax.lax.psum(c, plan.axis)
+        out.append(c.astype(g.dtype))
+    return jax.tree.structure(grads).unflatten(out)
+
+
+def _sharded_grads(plan: Plan, local_grads: Callable[..., Any]) -> Callable[..., Any]:
+    """``local_grads`` under ``shard_map``: params come in as the plan rests them (shards at
+    stage 3), the batch split over the data axis; gradients leave in the plan's grad layout."""
+    treedef = jax.tree.structure(plan.abstract_params)
+
+    def specs(dims: list[int | None]) -> PyTree:
+        shapes = zip(plan.leaves, dims, strict=True)
+        return treedef.unflatten([_spec(plan.axis, len(leaf.shape), d) for leaf, d in shapes])
+
+    return jax.shard_map(
+        local_grads,
+        mesh=plan.mesh,
+        in_specs=(specs(plan.param_dims), P(), P(), P(plan.axis)),
+        out_specs=(P(), P(), specs(plan.grad_dims()), P()),
+        axis_names={plan.axis},
+        check_vma=False,
+    )
+
+
+def _clip(grads: PyTree, grad_norm: jax.Array, max_norm: float) -> PyTree:
+    """DeepSpeed's clipping: scale by ``max_norm / (norm + 1e-6)`` when that is below one."""
+    if not max_norm or max_norm <= 0:
+        return grads
+    coef = jnp.minimum(1.0, max_norm / (grad_norm + 1e-6))
+    return jax.tree.map(lambda g: (g * coef).astype(g.dtype), grads)
+
+
+def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree, PyTree]:
+    """What the optax update runs on, on the device: the local shard of the master weights
+    (the float32 masters under mixed precision, else the params themselves cut to the update
+    layout, with no communication) and the optimizer state."""
+    if plan.precision.mixed:
+        master = _to_device(state.master, plan.master)
+    else:
+        master = jax.lax.with_sharding_constraint(params, on_device(plan.update))
+    return master, _to_device(state.opt_state, plan.opt_state)
+
+
+def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
+    """A skipped step's ``(master, opt_state, extra)``: the old values where ``finite`` is
+    false. Floating model state (BatchNorm statistics may hold the same NaN) is kept too;
+    integer model state (RNG counters) advances as usual."""
+    (new_master, new_opt, new_extra), (master, opt, extra) = new, old
+
+    def keep(a: PyTree, b: PyTree) -> PyTree:
+        return jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
+
+    extra = jax.tree.map(
+        lambda x, y: jnp.where(finite, x, y) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        new_extra,
+        extra,
+    )
+    return keep(new_master, master), keep(new_opt, opt), extra
+
+
+def _metrics(
+    prec: Any,
+    loss: jax.Array,
+    grad_norm: jax.Array,
+    lr: Any,
+    aux: PyTree,
+    applied: jax.Array,
+    finite: jax.Array,
+    ls: LossScaleState,
+) -> dict[str, jax.Array]:
+    """The step's metrics. The learning rate only when it is known: an unknown one is left
+    out rather than NaN, so a NaN in the metrics always comes from the run itself."""
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if lr is not None:
+        metrics["lr"] = jnp.asarray(lr, jnp.float32)
+    metrics.update(aux)
+    metrics.update(
+        skipped=(1 - applied).astype(jnp.float32),
+        nonfinite=(~finite).astype(jnp.float32),
+    )
+    if prec.mixed:
+        metrics["loss_scale"] = ls.scale
+    return metrics
 
 
 def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
