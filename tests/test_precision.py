@@ -165,7 +165,10 @@ def test_fp16_skips_overflowing_steps_and_follows_the_scale_schedule():
             assert all(same), f"step {i} overflowed but the state changed"
         else:
             applied += 1
-            assert not all(same)
+            # Every weight moved, 16-bit params and masters alike (Adam's step count in the
+            # optimizer state changes on any applied step, so it proves nothing).
+            weights = jax.tree.leaves((before[0], before[1])), jax.tree.leaves((after[0], after[1]))
+            assert not any(np.array_equal(x, y) for x, y in zip(*weights, strict=True)), i
         assert int(e.state.step) == applied  # the schedule's step does not advance on a skip
     assert int(e.state.loss_scale.skipped) == len(overflow)
     assert float(m["loss"]) < 1.2  # and it still trains in fp16

@@ -1,0 +1,45 @@
+"""DeepSpeed optimizer and LR-schedule names, mapped onto optax.
+
+The package has three parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
+functions of the update count), :mod:`~jzero.optim.transforms` (the update rules optax lacks in
+DeepSpeed's / PyTorch's form) and :mod:`~jzero.optim.builder` (a config's ``optimizer`` and
+``scheduler`` sections to one optax transformation).
+
+Decisions:
+
+* **DeepSpeed's update rules, not optax's look-alikes.** ``Adam``/``AdamW`` follow DeepSpeed's
+  ``FusedAdam`` (AdamW unless ``adam_w_mode: false``, which adds L2 decay to the gradient like
+  ``torch.optim.Adam``), ``Lamb`` follows ``FusedLamb`` (trust ratio clamped to
+  [min_coeff, max_coeff], bias correction folded into the step size), ``SGD`` and ``Adagrad``
+  follow ``torch.optim`` (first momentum step undamped; eps outside the square root), ``Lion``
+  follows ``FusedLion`` (with sign(0) = 0, where the CUDA kernel moves by +lr). Where optax has
+  the same rule (weight decay, the learning-rate scale) its transform is reused.
+* **No gradient clipping here.** The engine clips from the gradient shards before the update.
+* **The learning rate is an injected hyperparameter** (``optax.inject_hyperparams``), so the
+  optimizer state carries the rate of the last update under ``hyperparams["learning_rate"]``;
+  ``current_lr`` evaluates the schedule for any step.
+* **DeepSpeed's step semantics.** DeepSpeed sets the rate once when the scheduler is built and
+  calls ``scheduler.step()`` after each optimizer step, so update ``k`` (0-based) uses the
+  schedule at ``last_batch_iteration = k - 1``, and update 0 the construction-time rate
+  (``warmup_min_lr``, ``cycle_min_lr``, or 0 for ``WarmupCosineLR``). ``build_schedule(cfg)(k)``
+  is exactly the rate DeepSpeed uses for update ``k``.
+* **OneCycle cycles momentum** (``cycle_momentum``, true by default in DeepSpeed) for the
+  optimizers with betas (Adam, AdamW, Lamb, Lion): beta1 moves between ``cycle_max_mom`` and
+  ``cycle_min_mom`` and beta2 is set to 0.99, as DeepSpeed does. SGD and Adagrad have no betas,
+  so DeepSpeed (and jzero) leave their momentum alone.
+* Lamb's trust ratio uses per-tensor norms: apply the optimizer to whole (logical) arrays, as
+  ``jit`` with shardings does, not to local shards inside ``shard_map``.
+"""
+
+from jzero.optim.builder import build_optimizer as build_optimizer
+from jzero.optim.schedules import build_schedule as build_schedule
+from jzero.optim.schedules import current_lr as current_lr
+from jzero.optim.transforms import TorchAdagradState as TorchAdagradState
+from jzero.optim.transforms import TorchSgdState as TorchSgdState
+from jzero.optim.transforms import scale_by_fused_adam as scale_by_fused_adam
+from jzero.optim.transforms import scale_by_fused_lamb as scale_by_fused_lamb
+from jzero.optim.transforms import scale_by_fused_lion as scale_by_fused_lion
+from jzero.optim.transforms import scale_by_torch_adagrad as scale_by_torch_adagrad
+from jzero.optim.transforms import scale_by_torch_sgd as scale_by_torch_sgd
+
+__all__ = ["build_optimizer", "build_schedule", "current_lr"]

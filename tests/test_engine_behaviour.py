@@ -1,0 +1,131 @@
+"""Engine behaviours a user relies on: ``evaluate``, ``checkpoint.max_to_keep``, the data
+position carried by checkpoints, and what donation does to a parameter handle held across a
+``train_step``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy
+
+import jzero
+from jzero.data import BatchIterator
+
+BATCH = 32
+
+
+def config(stage, **extra):
+    return {
+        "train_batch_size": BATCH,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
+
+
+def test_evaluate_is_the_mean_loss_of_the_current_params_and_changes_nothing():
+    # Stage 3 (params gathered inside the eval step), a loss with aux (evaluate returns the loss).
+    engine = jzero.initialize(toy.make_params(), toy.loss_with_aux, optax.sgd(0.1), config(3))
+    train, held_out = toy.make_batches(1, BATCH)[0], toy.make_batches(1, 16, seed=5)[0]
+    before = float(engine.evaluate(held_out))  # 16 rows: any multiple of the 8 devices
+    assert before == pytest.approx(float(toy.loss_fn(toy.make_params(), held_out)), rel=1e-6)
+    engine.train_step(train)
+    params = jax.device_get(engine.params)
+    after = engine.evaluate(held_out)
+    assert after.shape == () and after.dtype == jnp.float32
+    assert float(after) == pytest.approx(float(toy.loss_fn(params, held_out)), rel=1e-6)
+    assert float(after) != pytest.approx(before, rel=1e-3)  # it reads the trained params
+    # Evaluating updates nothing.
+    assert engine.global_step == 1 and engine.iteration == 1
+    now = jax.device_get(engine.params)
+    for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"divisible by the data-parallel size 8 .* \[12\]"):
+        engine.evaluate(toy.make_batches(1, 12)[0])
+
+
+# -- checkpoints: rotation and the data position ------------------------------------------------
+VOCAB, SEQ = 32, 8
+TOKENS = np.random.default_rng(0).integers(0, VOCAB, 4000).astype(np.uint8)
+
+
+def _token_params():
+    rng = np.random.default_rng(1)
+    return {
+        "embed": (rng.normal(size=(VOCAB, 16)) * 0.3).astype(np.float32),
+        "out": (rng.normal(size=(16, VOCAB)) * 0.3).astype(np.float32),
+    }
+
+
+def _token_loss(p, batch):
+    tokens = batch["tokens"]
+    logits = jnp.tanh(p["embed"][tokens[:, :-1]]) @ p["out"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], -1))
+
+
+def _token_engine(directory):
+    cfg = config(
+        2,
+        train_batch_size=16,
+        checkpoint={"directory": str(directory), "save_interval_steps": 1, "max_to_keep": 2},
+    )
+    engine = jzero.initialize(_token_params(), _token_loss, optax.adam(1e-2), cfg)
+    engine.data_iterator = BatchIterator(TOKENS, 16, SEQ, seed=7)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def five_saved_steps(tmp_path_factory):
+    """Five steps with a checkpoint after each and max_to_keep 2: (directory, losses)."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    with _token_engine(directory) as engine:
+        losses = [float(engine.train_step(engine.data_iterator.next())["loss"]) for _ in range(5)]
+    return directory, losses
+
+
+def test_max_to_keep_leaves_only_the_newest_checkpoints_on_disk(five_saved_steps):
+    directory, _ = five_saved_steps
+    on_disk = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    assert on_disk == [4, 5]
+
+
+def test_resume_continues_with_the_next_batch_not_batch_0(five_saved_steps):
+    directory, losses = five_saved_steps
+    with _token_engine(directory) as engine:
+        assert engine.data_iterator.step == 0
+        meta = engine.restore(4)
+        assert meta["data"] == {"step": 4, "seed": 7}
+        assert engine.data_iterator.step == 4
+        batch = engine.data_iterator.next()
+        fresh = BatchIterator(TOKENS, 16, SEQ, seed=7)
+        expected = [fresh.next()["tokens"] for _ in range(5)]
+        np.testing.assert_array_equal(batch["tokens"], expected[4])
+        assert not np.array_equal(batch["tokens"], expected[0])
+        # The resumed step is the fifth step of the run that never stopped, bit for bit.
+        assert float(engine.train_step(batch)["loss"]) == losses[4]
+
+
+# -- donation ---------------------------------------------------------------------------------
+def test_a_held_params_handle_is_deleted_by_the_next_step_and_a_copy_survives():
+    """The step donates the state, so ``engine.params`` taken before a ``train_step`` is
+    deleted by it; ``jax.tree.map(jnp.copy, engine.params)`` (or ``jax.device_get``) keeps it."""
+    engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.sgd(0.1), config(3))
+    held = engine.params
+    copy = jax.tree.map(jnp.copy, engine.params)
+    # Values read from the copy: on CPU a NumPy view of a leaf (``jax.device_get`` or
+    # ``np.asarray`` of a replicated one is zero-copy) holds its buffer, and XLA then copies
+    # instead of donating it, so that one leaf would survive.
+    values = jax.device_get(copy)
+    engine.train_step(toy.make_batches(1, BATCH)[0])
+    # Every leaf, sharded ones and the ones ZeRO keeps whole, is gone.
+    assert all(x.is_deleted() for x in jax.tree.leaves(held))
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        np.asarray(held["blocks"]["w"])
+    with pytest.raises(RuntimeError, match="Array has been deleted"):
+        held["head"]["b"] + 1
+    for c, v in zip(jax.tree.leaves(copy), jax.tree.leaves(values), strict=True):
+        np.testing.assert_array_equal(np.asarray(c), v)
+    # The engine's own handle is the new state's.
+    assert not any(x.is_deleted() for x in jax.tree.leaves(engine.params))
