@@ -29,6 +29,7 @@ Decisions:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.precision import Precision, cast_floating
-from jzero.stages import StageSpec, stage_spec
+from jzero.stages import StageSpec, check_offload, stage_spec
 
 __all__ = [
     "DATA_AXIS",
@@ -230,19 +231,41 @@ class Plan:
         """Per parameter leaf, the dimension gradients and optimizer state are sharded on."""
         return [leaf.state_dim for leaf in self.leaves]
 
-    def largest_gathered(self) -> tuple[int, str]:
-        """The most elements stage 3 gathers at once, and the leaf: a scanned leaf one layer
-        slice at a time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when
-        nothing is sharded at rest."""
-        best, path = 0, ""
+    def largest_gathered(self, in_bytes: bool = False) -> tuple[int, str]:
+        """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
+        time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
+        sharded at rest.
+
+        Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
+        its siblings: two or more leaves of one parent with the same leading dimension (> 1)
+        are taken for a layer stack, gathered one slice at a time.
+
+        Args:
+          in_bytes: count bytes of the compute dtype instead of elements.
+        """
+        dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(self.compute_params)]
+        parents: dict[str, set[int | None]] = {}
         for leaf in self.leaves:
+            lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
+            parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
+        siblings = Counter(leaf.path.rpartition(".")[0] for leaf in self.leaves)
+        best, path = 0, ""
+        for leaf, dtype in zip(self.leaves, dtypes, strict=True):
             if leaf.param_dim is None:
                 continue
-            elems = math.prod(leaf.shape)
-            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
-                elems //= leaf.shape[leaf.layer_dim]
-            if elems > best:
-                best, path = elems, leaf.path
+            size = math.prod(leaf.shape)
+            if self.layers_traced:  # from the traced loss: a scan gathers one slice at a time
+                if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
+                    size //= leaf.shape[leaf.layer_dim]
+            else:
+                parent = leaf.path.rpartition(".")[0]
+                leads = parents[parent]
+                if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
+                    if leaf.param_dim != 0 and leaf.shape[0] > 1:
+                        size //= leaf.shape[0]
+            size *= dtype.itemsize if in_bytes else 1
+            if size > best:
+                best, path = size, leaf.path
         return best, path
 
     def grad_dims(self) -> list[int | None]:
@@ -459,17 +482,10 @@ def make_plan(
     """
     spec = stage if isinstance(stage, StageSpec) else stage_spec(stage)
     precision = precision if precision is not None else Precision()
-    if offload_optimizer is not None and not spec.shard_opt_state:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3, but the stage is "
-            f"{spec.stage}. Set zero_optimization.stage to 1 or higher, or offload_optimizer."
-            "device to none."
-        )
-    if offload_params is not None and not spec.shard_params:
-        raise ValueError(
-            f"zero_optimization.offload_param needs ZeRO stage 3, but the stage is {spec.stage}. "
-            "Set zero_optimization.stage to 3, or offload_param.device to none."
-        )
+    if offload_optimizer is not None:
+        check_offload(spec, "optimizer")
+    if offload_params is not None:
+        check_offload(spec, "optimizer+params")
     if axis not in mesh.shape:
         raise ValueError(
             f"The mesh has no axis {axis!r}; its axes are {list(mesh.shape)}. "

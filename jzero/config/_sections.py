@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jzero.config._common import _f
+from jzero.stages import STAGES
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -27,6 +28,8 @@ __all__ = [
     "OffloadConfig",
     "ZeroConfig",
 ]
+
+StageNumber = Literal[tuple(STAGES)]  # the ZeRO stages, from the one table
 
 # Reasons shared by several no-effect keys.
 _XLA_COLLECTIVES = "XLA schedules, buckets and fuses collectives itself"
@@ -78,8 +81,9 @@ class OffloadConfig:
 class ZeroConfig:
     """``zero_optimization``: what is sharded over the data axis, and where it lives."""
 
-    stage: Literal[0, 1, 2, 3] = 0
-    """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    stage: StageNumber = 0
+    """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
+    allowed values are the rows of :data:`jzero.stages.STAGES`)."""
     stage3_param_persistence_threshold: int = _f(100_000, min=0)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5)."""
     offload_optimizer: OffloadConfig = _f(factory=OffloadConfig)

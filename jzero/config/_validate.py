@@ -32,6 +32,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from jzero import stages
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
@@ -203,17 +204,13 @@ def _check_config(cfg: Config, noted: list) -> None:
             "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
             "steps with inf/NaN gradients)."
         )
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError(
-            f"zero_optimization.offload_param.device: {_show(zero.offload_param.device)} needs "
-            f"stage 3, but zero_optimization.stage is {zero.stage}; set stage: 3 or device: none."
-        )
-    if zero.offload_optimizer.device != "none" and zero.stage == 0:
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device: "
-            f"{_show(zero.offload_optimizer.device)} needs stage 1, 2 or 3, but "
-            "zero_optimization.stage is 0; set stage to 1, 2 or 3, or device: none."
-        )
+    spec = stages.stage_spec(zero.stage)
+    for key, offload in (("offload_optimizer", "optimizer"), ("offload_param", "optimizer+params")):
+        if getattr(zero, key).device != "none":
+            try:
+                stages.check_offload(spec, offload)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     if zero.offload_optimizer.ratio < 1.0:
         raise ConfigError(
             f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
@@ -252,7 +249,9 @@ def _check_activation_checkpointing(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(f"activation_checkpointing.policy: {e}") from None
     stage = cfg.zero_optimization.stage
-    if ac.cpu_checkpointing and (policy is None or (not policy.active and stage != 3)):
+    # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.remat).
+    gathers = stages.stage_spec(stage).shard_params
+    if ac.cpu_checkpointing and (policy is None or (not policy.active and not gathers)):
         why = (
             "policy is null"
             if policy is None

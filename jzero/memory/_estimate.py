@@ -2,23 +2,16 @@
 
 Decisions:
 
-* Device memory of the model states follows the ZeRO paper with mixed-precision Adam (K = 12:
-  fp16 params 2 + fp16 grads 2 + fp32 master params, momentum and variance 12 bytes per
-  parameter): stage 0 16 Psi, stage 1 4 Psi + 12 Psi/N, stage 2 2 Psi + 14 Psi/N, stage 3
-  16 Psi/N bytes, Psi = parameter count, N = devices.
-* Offload and host memory follow DeepSpeed's estimators
-  (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``,
-  ``additional_buffer_factor`` 1.5, host memory per node): stages 1-2 with optimizer offload keep
-  2 Psi on the device and Psi x max(4 N, 16) x 1.5 on the host; stage 3 with optimizer offload
-  2 Psi/N + 4 LL on the device and 16 Psi / nodes x 1.5 on the host; stage 3 with optimizer and
-  parameter offload 4 LL on the device and 18 Psi / nodes x 1.5 on the host, LL being the
-  largest layer's parameter count (4 bytes: its fp16 params and grads, gathered at once; stage 3
-  without offload adds it too).
-* Without offload the host holds the fp32 model while it is loaded: 4 Psi x devices per node x
-  1.5, at stage 3 only the largest layer (parameters are created in their shards, DeepSpeed's
-  ``zero_init``).
-* Communication per step, in elements: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi
-  (reduce-scatter + all-gather), stage 3 3 Psi.
+* Every byte and traffic term comes from the stage table's flags (:mod:`jzero.stages`): a
+  stage's row lists the offload options it allows; device memory without offload is the ZeRO
+  paper's, mixed-precision Adam with K = 12 (:meth:`~jzero.stages.StageSpec.model_state_bytes`,
+  the formulas printed by :func:`~jzero.stages.formula_text`); the communication per step is
+  :meth:`~jzero.stages.StageSpec.traffic`.
+* Offload and host memory follow DeepSpeed's estimators (:func:`_model_states`;
+  ``additional_buffer_factor`` 1.5, host memory per node), where LL is the largest layer's
+  parameter count: a stage that shards the parameters also holds that layer gathered (4 bytes
+  a parameter: its 16-bit params and grads), and its host holds only that layer while loading
+  (parameters are created in their shards, DeepSpeed's ``zero_init``).
 * Activations, only when the transformer's shape is given (sequence length s, micro batch per
   device b, hidden size h, layers L, attention heads a): Korthikanti et al. 2022, "Reducing
   Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), section 4, without
@@ -43,6 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from jzero import stages
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -54,6 +48,7 @@ from jzero.memory._format import (
     parse_size,
 )
 from jzero.memory._plot import plot_bars
+from jzero.stages import OFFLOADS, StageSpec, formula_text
 
 __all__ = [
     "BUFFER_FACTOR",
@@ -65,15 +60,37 @@ __all__ = [
 ]
 
 BUFFER_FACTOR = 1.5
-_COMM = {
-    0: (2.0, "2 Psi all-reduce"),
-    1: (2.0, "Psi reduce-scatter + Psi all-gather"),
-    2: (2.0, "Psi reduce-scatter + Psi all-gather"),
-    3: (3.0, "2 Psi all-gather + Psi reduce-scatter"),
-}
 Offload = Literal["none", "cpu"]
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
+
+
+def _model_states(
+    spec: StageSpec,
+    option: str,
+    psi: float,
+    n: int,
+    ll: float,
+    buf: float,
+    nodes: int,
+    per_node: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(device, host) bytes of one stage's row with one offload option, from its flags: the
+    ZeRO paper's model states without offload (:meth:`StageSpec.model_state_bytes`), and
+    DeepSpeed's estimators with it (``estimate_zero2_model_states_mem_needs`` where the
+    parameters are whole, ``estimate_zero3_...`` where they are sharded). Sharded parameters
+    add the largest layer gathered at once (4 bytes: its 16-bit params and grads)."""
+    gathered = {"gathered layer": 4 * ll} if spec.shard_params else {}
+    if option == "none":
+        # Loading, the host holds the fp32 model (at stage 3 only the largest layer at once).
+        loading = 4 * (ll if spec.shard_params else psi) * per_node * buf
+        return {**spec.model_state_bytes(psi, n), **gathered}, {"loading": loading}
+    if option == "optimizer":
+        params = {"params": spec.model_state_bytes(psi, n)["params"]}
+        if spec.shard_params:
+            return {**params, **gathered}, {"grads and optimizer state": 16 * psi / nodes * buf}
+        return params, {"grads and optimizer state": psi * max(4 * n, 16) * buf}
+    return gathered, {"params, grads and optimizer state": 18 * psi / nodes * buf}
 
 
 def transformer_activations(
@@ -212,8 +229,7 @@ class Estimate:
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}); "
             "GB = 10^9 bytes",
             *_render(header, rows, (1, len(header) - 1)),
-            "device: ZeRO paper, mixed-precision Adam (K = 12): 16 Psi, 4 Psi + 12 Psi/N, "
-            "2 Psi + 14 Psi/N, 16 Psi/N for stages 0-3",
+            f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}",
             f"  (+ 4 bytes x the largest layer's {self.largest_layer_params:.4g} parameters "
             "at stage 3, gathered at once).",
             "offload and host: DeepSpeed's estimators, additional_buffer_factor "
@@ -368,50 +384,25 @@ def estimate(
             )
         act, act_ac = transformer_activations(**shape, dtype=activation_dtype)
     buf, nodes = float(additional_buffer_factor), n // per_node
-    loading = 4 * psi * per_node * buf
     rows = []
-    if offload != "cpu":
-        rows += [
-            (0, "none", {"params": 2 * psi, "grads": 2 * psi, "optimizer state": 12 * psi}),
-            (1, "none", {"params": 2 * psi, "grads": 2 * psi, "optimizer state": 12 * psi / n}),
-            (2, "none", {"params": 2 * psi, "grads": 2 * psi / n, "optimizer state": 12 * psi / n}),
-        ]
-        rows = [(s, o, d, {"loading": loading}) for s, o, d in rows]
-        stage3 = {"params": 2 * psi / n, "grads": 2 * psi / n, "optimizer state": 12 * psi / n}
-        rows.append(
-            (3, "none", {**stage3, "gathered layer": 4 * ll}, {"loading": 4 * ll * per_node * buf})
-        )
-    if offload != "none":
-        host12 = {"grads and optimizer state": psi * max(4 * n, 16) * buf}
-        rows += [(1, "optimizer", {"params": 2 * psi}, host12)]
-        rows += [(2, "optimizer", {"params": 2 * psi}, host12)]
-        rows.append(
-            (
-                3,
-                "optimizer",
-                {"params": 2 * psi / n, "gathered layer": 4 * ll},
-                {"grads and optimizer state": 16 * psi / nodes * buf},
-            )
-        )
-        rows.append(
-            (
-                3,
-                "optimizer+params",
-                {"gathered layer": 4 * ll},
-                {"params, grads and optimizer state": 18 * psi / nodes * buf},
-            )
-        )
+    for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
+        if offload == ("cpu" if option == "none" else "none"):  # the rows not asked for
+            continue
+        for spec in stages.STAGES.values():
+            if option in spec.offloads:
+                device, host = _model_states(spec, option, psi, n, ll, buf, nodes, per_node)
+                rows.append((spec, option, device, host))
     out = tuple(
         EstimateRow(
-            s,
+            spec.stage,
             o,
             {k: v for k, v in d.items() if v},
             {k: v for k, v in h.items() if v},
-            *_COMM[s],
+            *spec.traffic(),
             act,
             act_ac,
         )
-        for s, o, d, h in rows
+        for spec, o, d, h in rows
     )
     return Estimate(
         psi, n, per_node, out, memory, _check_margin(margin), ll, buf, shape, activation_dtype

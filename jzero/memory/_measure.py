@@ -43,8 +43,6 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from jzero.memory._format import _check_margin, _positive, _recommend, parse_size
 from jzero.memory._report import PlanReport, StageMemory
 from jzero.plan import HOST_MEMORY_KINDS
@@ -80,35 +78,14 @@ def _offload_name(plan: Any) -> str:
     )
 
 
-def _largest_gathered(plan: Any) -> tuple[int, str]:
-    """The largest leaf slice stage 3 gathers at once, in bytes of the compute dtype."""
-    import jax
+def offload_variants(stages: Sequence[int]) -> list[tuple[int, str]]:
+    """The (stage, offload) rows with offload that ``stages`` allow, from the stage table,
+    in the order the plan prints them (each offload option, then the stages)."""
+    from jzero.stages import OFFLOADS, stage_spec
 
-    if not plan.stage.shard_params:
-        return 0, ""
-    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(plan.compute_params)]
-    groups: dict[str, list[Any]] = {}
-    for leaf in plan.leaves:
-        groups.setdefault(leaf.path.rpartition(".")[0], []).append(leaf)
-
-    def stacked(leaf: Any) -> bool:
-        group = groups[leaf.path.rpartition(".")[0]]
-        leads = {g.shape[0] if len(g.shape) >= 2 else None for g in group}
-        return len(group) >= 2 and len(leads) == 1 and None not in leads and leaf.shape[0] > 1
-
-    best, path = 0, ""
-    for leaf, dtype in zip(plan.leaves, dtypes, strict=True):
-        if leaf.param_dim is None:
-            continue
-        elems = math.prod(leaf.shape)
-        if plan.layers_traced:  # from the traced loss: a scan gathers one slice at a time
-            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
-                elems //= leaf.shape[leaf.layer_dim]
-        elif leaf.param_dim != 0 and stacked(leaf):
-            elems //= leaf.shape[0]
-        if elems * dtype.itemsize > best:
-            best, path = elems * dtype.itemsize, leaf.path
-    return best, path
+    return [
+        (s, option) for option in OFFLOADS[1:] for s in stages if option in stage_spec(s).offloads
+    ]
 
 
 def _plan_on(engine: Any, devices: int) -> Any:
@@ -149,7 +126,7 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
     accum = engine.accumulation_steps
     device = _state_bytes(plan, "model_state_bytes", accum)
     host = {k: v for k, v in _state_bytes(plan, "host_state_bytes", accum).items() if v}
-    layer, leaf = _largest_gathered(plan)
+    layer, leaf = plan.largest_gathered(in_bytes=True)
     row = StageMemory(plan.stage.stage, _offload_name(plan), device, host, layer, leaf)
     if batch is None:
         return row
@@ -355,8 +332,7 @@ def plan_report(
     options = [(r.stage, r.offload, p, peak) for r in rows for p, _, peak in r.variants()]
     fits = _recommend(options, memory, margin)
     if offload or (offload is None and fits is not None and not fits.fits):
-        variants = [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer+params")]
-        rows += [measure_row(stage, name) for stage, name in variants if stage in stages]
+        rows += [measure_row(stage, name) for stage, name in offload_variants(stages)]
     micro, accum = seen["micro"]
     title = (
         f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
