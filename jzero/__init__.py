@@ -5,8 +5,9 @@ The public surface fits on one screen:
 * :func:`initialize` builds an :class:`Engine` from params (or ``init_fn``), a loss function,
   an optax optimizer (or the config's) and a DeepSpeed-style config.
 * The pure pieces for users who run their own loop: :func:`make_mesh`, :func:`make_plan`,
-  :func:`make_train_step`, :func:`init_train_state`, :class:`TrainState`, :class:`Precision`,
-  :func:`load_config`.
+  :func:`make_train_step`, :func:`make_eval_step`, :func:`init_train_state`,
+  :class:`TrainState`, :class:`Precision`, :func:`load_config`; the stage table
+  (:data:`STAGES` of :class:`StageSpec`).
 * :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
   processes; DeepSpeed's name).
 """
@@ -23,8 +24,10 @@ from jzero.plan import Plan as Plan
 from jzero.plan import make_plan as make_plan
 from jzero.precision import Precision as Precision
 from jzero.stages import STAGES as STAGES
+from jzero.stages import StageSpec as StageSpec
 from jzero.step import TrainState as TrainState
 from jzero.step import init_train_state as init_train_state
+from jzero.step import make_eval_step as make_eval_step
 from jzero.step import make_train_step as make_train_step
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "Engine",
     "Plan",
     "STAGES",
+    "StageSpec",
     "TrainState",
     "Precision",
     "estimate",
@@ -41,6 +45,7 @@ __all__ = [
     "initialize",
     "load_config",
     "make_mesh",
+    "make_eval_step",
     "make_plan",
     "make_train_step",
 ]

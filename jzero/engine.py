@@ -72,7 +72,7 @@ class Engine:
         optimizer: optax.GradientTransformation,
         learning_rate: Callable[[jax.Array], jax.Array] | None,
         batch_sizes: tuple[int, int, int],
-        stateful: bool = False,
+        takes_extra: bool = False,
         to_model: Callable[[PyTree, PyTree], Any] | None = None,
         replan: Callable[..., Plan] | None = None,
     ):
@@ -83,7 +83,7 @@ class Engine:
         self.optimizer = optimizer
         self.learning_rate = learning_rate
         self.train_batch_size, self.micro_batch_size, self.accumulation_steps = batch_sizes
-        self.stateful = stateful
+        self.takes_extra = takes_extra  # the loss takes and returns ``state.extra``
         self._to_model = to_model
         self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
         self._layout_fitted = replan is None
@@ -99,7 +99,14 @@ class Engine:
     # -- state -------------------------------------------------------------------------------
     @property
     def params(self) -> PyTree:
-        """The current parameters, sharded per the plan."""
+        """The current parameters, sharded per the plan.
+
+        They are donated to the next ``train_step``, which deletes these arrays (no second copy
+        of the state in device memory): a handle kept across a step raises ``RuntimeError:
+        Array has been deleted``. Keep a copy instead: ``jax.tree.map(jnp.copy,
+        engine.params)`` on the device, or ``jax.device_get(engine.params)`` on the host. The
+        same holds for :attr:`opt_state` and :attr:`state`.
+        """
         return self.state.params
 
     @property
@@ -114,7 +121,8 @@ class Engine:
 
     @property
     def opt_state(self) -> PyTree:
-        """The current optimizer state, sharded per the plan."""
+        """The current optimizer state, sharded per the plan (donated to the next step, as
+        :attr:`params`)."""
         return self.state.opt_state
 
     @property
@@ -157,7 +165,7 @@ class Engine:
             lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
             batch,
         )
-        args = (self.state.extra, micro) if self.stateful else (micro,)
+        args = (self.state.extra, micro) if self.takes_extra else (micro,)
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
         new = self._replan(layer_dims=dims)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
@@ -188,7 +196,7 @@ class Engine:
                 self.optimizer,
                 accumulation_steps=self.accumulation_steps,
                 gradient_clipping=self.config.gradient_clipping,
-                stateful=self.stateful,
+                takes_extra=self.takes_extra,
                 learning_rate=self.learning_rate,
                 remat_policy=remat.from_config(self.config),
             )
@@ -228,7 +236,7 @@ class Engine:
         batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
         self.fit_layout(batch)
         if self._eval is None:
-            self._eval = make_eval_step(self.plan, self.loss_fn, stateful=self.stateful)
+            self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)
         return self._eval(self.state.params, self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
@@ -541,7 +549,7 @@ def initialize(
         optimizer=tx,
         learning_rate=schedule,
         batch_sizes=sizes,
-        stateful=adapted is not None,
+        takes_extra=adapted is not None,
         to_model=None if adapted is None else adapted.to_model,
         replan=replan,
     )

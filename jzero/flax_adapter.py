@@ -112,7 +112,7 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
             nnx.replace_by_pure_dict(e, extra)
             return nnx.merge(graphdef, p, e)
 
-    def stateful(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
+    def loss_with_extra(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
         module = to_model(params, extra)
         loss, aux = _split_aux(loss_fn(module, batch))
         _, _, new_extra = nnx.split(module, nnx.Param, ...)
@@ -122,7 +122,7 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
         abstract_params=p_template.to_pure_dict(),
         abstract_extra=e_template.to_pure_dict(),
         init_fn=init_fn,
-        loss_fn=stateful,
+        loss_fn=loss_with_extra,
         to_model=to_model,
         values=values,
         param_specs=param_specs,
@@ -147,7 +147,7 @@ def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tu
             "model.apply({'params': params, **state}, ..., mutable=list(state))."
         )
 
-    def stateful(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
+    def loss_with_extra(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
         if takes_state:
             out, new_extra = loss_fn(params, extra, batch)
         else:
@@ -159,7 +159,7 @@ def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tu
         return {"params": params, **extra}
 
     return Adapted(
-        abstract_params, abstract_extra, init_fn, stateful, to_model, param_specs=param_specs
+        abstract_params, abstract_extra, init_fn, loss_with_extra, to_model, param_specs=param_specs
     )
 
 

@@ -18,7 +18,6 @@ an all-reduce twice (a reduce-scatter plus an all-gather), as the ZeRO paper doe
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
@@ -33,7 +32,6 @@ __all__ = [
     "collectives",
     "layout_copies",
     "program_text",
-    "summary",
 ]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -279,10 +277,3 @@ def program_text(lowered: Any) -> str:
             return compiled.as_text()
         with open(found[-1]) as f:
             return f.read()
-
-
-def summary(stats: dict[str, CollectiveStats]) -> str:
-    """One line per collective kind that occurs."""
-    return json.dumps(
-        {k: {"count": s.count, "bytes": s.bytes} for k, s in stats.items() if s.count}
-    )

@@ -23,9 +23,10 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh
 
-from jzero.plan import DATA_AXIS
+__all__ = ["DATA_AXIS", "make_mesh"]
 
-__all__ = ["make_mesh"]
+DATA_AXIS = "data"
+"""The name of the data-parallel mesh axis, the one ZeRO shards over."""
 
 
 def make_mesh(

@@ -41,6 +41,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.mesh import DATA_AXIS
 from jzero.precision import Precision, cast_floating
 from jzero.stages import StageSpec, check_offload, stage_spec
 
@@ -56,7 +57,6 @@ __all__ = [
     "shard_dim",
 ]
 
-DATA_AXIS = "data"
 HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 PyTree = Any
 
@@ -164,7 +164,8 @@ class Plan:
       leaves: one :class:`LeafPlan` per parameter leaf, in ``jax.tree.leaves`` order.
       params: shardings of the params at rest.
       grads: shardings of the reduced gradients, as the optimizer update sees them.
-      update: shardings the optimizer update runs in (params are cut to these for the update).
+      update_layout: shardings the optimizer update runs in (params are cut to these for the
+        update); :attr:`update` is its old name.
       abstract_opt_state: the optimizer state as ``jax.ShapeDtypeStruct``.
       opt_state: shardings of the optimizer state.
       batch: sharding of every batch leaf (leading dim over the data axis).
@@ -197,7 +198,7 @@ class Plan:
     leaves: tuple[LeafPlan, ...]
     params: PyTree
     grads: PyTree
-    update: PyTree
+    update_layout: PyTree
     abstract_opt_state: PyTree
     opt_state: PyTree
     batch: NamedSharding
@@ -210,6 +211,11 @@ class Plan:
     prefetch_bucket_size: int = 0
     max_reuse_distance: int | None = None
     max_live_parameters: int | None = None
+
+    @property
+    def update(self) -> PyTree:
+        """The old name of :attr:`update_layout`."""
+        return self.update_layout
 
     @property
     def num_shards(self) -> int:
@@ -407,7 +413,6 @@ def _leaf_plan(
     base: P,
     num_shards: int,
     stage: StageSpec,
-    axis: str,
     persistence_threshold: int,
     layer_dim: int | None = None,
 ) -> LeafPlan:
@@ -524,7 +529,7 @@ def make_plan(
             "pass one stacked-layer dimension (or None) per leaf."
         )
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, n, spec, axis, persistence_threshold, ld)
+        _leaf_plan(_path_str(path), x, b, n, spec, persistence_threshold, ld)
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 
@@ -575,7 +580,7 @@ def make_plan(
         leaves=leaves,
         params=params_sh,
         grads=grads_sh,
-        update=update_sh,
+        update_layout=update_sh,
         abstract_opt_state=abstract_opt_state,
         opt_state=opt_sh,
         batch=NamedSharding(mesh, P(axis)),

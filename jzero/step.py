@@ -172,13 +172,13 @@ def _loss_and_aux(out: Any) -> tuple[Any, Any]:
     )
 
 
-def _stateful(loss_fn: LossFn, has_aux: bool | None, stateful: bool) -> LossFn:
+def _with_extra(loss_fn: LossFn, has_aux: bool | None, takes_extra: bool) -> LossFn:
     """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``.
 
     ``has_aux`` None: whether the loss returns ``(loss, aux)`` is read from what it returns
     when the step is traced (once per batch shape, at no cost per step).
     """
-    if stateful:
+    if takes_extra:
         return loss_fn
     if has_aux is None:
 
@@ -239,14 +239,20 @@ def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:
 
 
 def make_eval_step(
-    plan: Plan, loss_fn: LossFn, *, has_aux: bool | None = None, stateful: bool = False
+    plan: Plan,
+    loss_fn: LossFn,
+    *,
+    has_aux: bool | None = None,
+    takes_extra: bool = False,
+    stateful: bool | None = None,
 ) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
     """Builds the jitted ``(params, extra, batch) -> mean loss`` over a global batch.
 
     At stage 3 the parameters are gathered layer by layer, as in the train step. ``has_aux``
-    as in :func:`make_train_step` (None: read from what the loss returns).
+    and ``takes_extra`` as in :func:`make_train_step` (``stateful`` is ``takes_extra``'s old
+    name).
     """
-    full_loss = _stateful(loss_fn, has_aux, stateful)
+    full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
     treedef = jax.tree.structure(plan.abstract_params)
     in_specs = treedef.unflatten(
         [_spec(plan.axis, len(leaf.shape), leaf.param_dim) for leaf in plan.leaves]
@@ -282,7 +288,8 @@ def make_train_step(
     accumulation_steps: int = 1,
     gradient_clipping: float = 0.0,
     has_aux: bool | None = None,
-    stateful: bool = False,
+    takes_extra: bool = False,
+    stateful: bool | None = None,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
     remat_policy: RematPolicy | str | None = None,
@@ -304,9 +311,10 @@ def make_train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``None`` (the default): read from
         what it returns when the step is traced. Aux leaves are averaged over the global batch
         and returned in the metrics.
-      stateful: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))`` carries
-        non-trainable state (``TrainState.extra``) through the micro-batches; floating leaves
-        of the new state are averaged over the data axis.
+      takes_extra: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))`` carries the
+        non-trainable model state (``TrainState.extra``: BatchNorm statistics, RNG counters)
+        through the micro-batches; floating leaves of the new state are averaged over the data
+        axis. ``stateful`` is its old name, still accepted.
       learning_rate: the schedule, for the ``lr`` metric; else read from an
         ``inject_hyperparams`` state when present. With neither the learning rate is unknown
         and ``lr`` is left out of the metrics.
@@ -335,7 +343,7 @@ def make_train_step(
     accum = int(accumulation_steps)
     if isinstance(remat_policy, str):
         remat_policy = parse_policy(remat_policy)
-    full_loss = _stateful(loss_fn, has_aux, stateful)
+    full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
     grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
     prec = plan.precision
 
@@ -352,7 +360,7 @@ def make_train_step(
         grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
         if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
             grads = jax.tree.map(lambda g: g / ls.scale, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         grads = _clip(grads, grad_norm, gradient_clipping)
         master, opt_state = _update_inputs(plan, state, params)
@@ -529,7 +537,7 @@ def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTre
     if plan.precision.mixed:
         master = _to_device(state.master, plan.master)
     else:
-        master = jax.lax.with_sharding_constraint(params, on_device(plan.update))
+        master = jax.lax.with_sharding_constraint(params, on_device(plan.update_layout))
     return master, _to_device(state.opt_state, plan.opt_state)
 
 

@@ -59,7 +59,8 @@ def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["checkpoint", "inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "6" in out and "8" in out and "params" in out
+    assert "complete steps: [6, 8]" in out and "\nstep 8 (saved on 8 devices):" in out
+    assert "  tree params:" in out
     # --no-resume into this run's directory is refused, and nothing there is touched ...
     assert cli.main([*args, "--steps", "1", "--no-resume"]) == 2
     assert "earlier run (steps [6, 8], the latest 8). Pass --overwrite" in capsys.readouterr().err

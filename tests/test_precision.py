@@ -62,7 +62,7 @@ def test_bf16_tracks_float32_with_float32_masters_in_the_optimizer_shards(stage)
         jax.tree.leaves(e.state.master),
         jax.tree.leaves(plan.params),
         jax.tree.leaves(plan.master),
-        jax.tree.leaves(plan.update),
+        jax.tree.leaves(plan.update_layout),
         strict=True,
     ):
         assert p.dtype == jnp.bfloat16 and m.dtype == jnp.float32

@@ -73,7 +73,7 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-def _f(default: Any = dataclasses.MISSING, *, factory: Any = None, **meta: Any) -> Any:
+def _field(default: Any = dataclasses.MISSING, *, factory: Any = None, **meta: Any) -> Any:
     """A dataclass field whose metadata carries the validation rules."""
     if factory is not None:
         return field(default_factory=factory, metadata=meta)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jzero.config._common import FrozenMap, _f, _thaw
+from jzero.config._common import FrozenMap, _field, _thaw
 from jzero.config._sections import (
     _CKPT,
     _MONITOR,
@@ -52,7 +52,7 @@ class OptimizerConfig:
 
     type: str
     """Optimizer name, case-insensitive: Adam, AdamW, Lamb, SGD, Adagrad, Lion."""
-    params: Mapping[str, Any] = _f(factory=FrozenMap)
+    params: Mapping[str, Any] = _field(factory=FrozenMap)
     """Constructor parameters with DeepSpeed / PyTorch names (lr, betas, eps, weight_decay ...)."""
 
 
@@ -62,7 +62,7 @@ class SchedulerConfig:
 
     type: str
     """Schedule name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest."""
-    params: Mapping[str, Any] = _f(factory=FrozenMap)
+    params: Mapping[str, Any] = _field(factory=FrozenMap)
     """Schedule parameters with DeepSpeed's names."""
 
 
@@ -75,9 +75,9 @@ class MeshConfig:
     be the number of devices.
     """
 
-    data: int = _f(-1, min=-1, nonzero=True)
+    data: int = _field(-1, min=-1, nonzero=True)
     """Size of the data-parallel axis; -1 uses all devices left by the other axes."""
-    axes: Mapping[str, int] = _f(factory=FrozenMap, rest=True)
+    axes: Mapping[str, int] = _field(factory=FrozenMap, rest=True)
     """The other axes, name -> size (-1: the devices left), written beside ``data`` in YAML."""
 
     def sizes(self) -> dict[str, int]:
@@ -89,15 +89,15 @@ class MeshConfig:
 class TrainConfig:
     """``train``: jzero's training-loop settings (``jzero train``)."""
 
-    steps: int = _f(200, min=1)
+    steps: int = _field(200, min=1)
     """Optimizer steps to run."""
-    eval_interval: int = _f(50, min=0)
+    eval_interval: int = _field(50, min=0)
     """Evaluate every this many steps; 0 disables evaluation."""
-    eval_batches: int = _f(4, min=1)
+    eval_batches: int = _field(4, min=1)
     """Batches per evaluation."""
-    log_dir: str = _f("runs/default", path=True)
+    log_dir: str = _field("runs/default", path=True)
     """Directory for logs and metrics (a leading ``~`` is expanded)."""
-    max_consecutive_nonfinite: int = _f(32, min=0)
+    max_consecutive_nonfinite: int = _field(32, min=0)
     """jzero's own: stop with an error after this many steps in a row with inf/NaN gradients
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
 
@@ -106,24 +106,24 @@ class TrainConfig:
 class CheckpointConfig:
     """``checkpoint``: jzero's Orbax checkpointing, plus DeepSpeed's own checkpoint keys."""
 
-    directory: str | None = _f(None, path=True)
+    directory: str | None = _field(None, path=True)
     """Checkpoint directory (a leading ``~`` is expanded); None disables checkpointing."""
-    save_interval_steps: int = _f(0, min=0)
+    save_interval_steps: int = _field(0, min=0)
     """Save every this many steps; 0 saves only at the end (when a directory is set)."""
-    max_to_keep: int | None = _f(3, min=1)
+    max_to_keep: int | None = _field(3, min=1)
     """Checkpoints kept on disk; None keeps all."""
-    async_: bool = _f(True, key="async")
+    async_: bool = _field(True, key="async")
     """Save in the background while training continues (YAML key ``async``)."""
     overwrite: bool = False
     """jzero's own: a run started without resuming may replace the checkpoints an earlier run
     left in ``directory``; false refuses to start such a run."""
-    tag_validation: str = _f("Warn", no_effect=_CKPT)
+    tag_validation: str = _field("Warn", no_effect=_CKPT)
     """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""
-    load_universal: bool = _f(False, no_effect=_CKPT)
+    load_universal: bool = _field(False, no_effect=_CKPT)
     """DeepSpeed: load a universal checkpoint. No effect (every checkpoint reshards)."""
-    use_node_local_storage: bool = _f(False, no_effect=_CKPT)
+    use_node_local_storage: bool = _field(False, no_effect=_CKPT)
     """DeepSpeed: write checkpoints to node-local storage. No effect."""
-    parallel_write: Mapping[str, Any] | None = _f(None, no_effect=_CKPT)
+    parallel_write: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
     """DeepSpeed: parallel checkpoint writing. No effect."""
 
 
@@ -134,27 +134,27 @@ _AUTO = {"auto": True}
 class Config:
     """A whole jzero training config: DeepSpeed's ``ds_config`` keys plus jzero's sections."""
 
-    train_batch_size: int | None = _f(None, min=1, **_AUTO)
+    train_batch_size: int | None = _field(None, min=1, **_AUTO)
     """Global batch per optimizer step = micro x accumulation x data-parallel size; "auto" ok."""
-    train_micro_batch_size_per_gpu: int | None = _f(None, min=1, **_AUTO)
+    train_micro_batch_size_per_gpu: int | None = _field(None, min=1, **_AUTO)
     """Batch per device per forward/backward pass; "auto" ok."""
-    gradient_accumulation_steps: int | None = _f(None, min=1, **_AUTO)
+    gradient_accumulation_steps: int | None = _field(None, min=1, **_AUTO)
     """Micro-batches accumulated per optimizer step; "auto" ok."""
-    gradient_clipping: float = _f(1.0, min=0.0)
+    gradient_clipping: float = _field(1.0, min=0.0)
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0)."""
-    steps_per_print: int | None = _f(10, min=1)
+    steps_per_print: int | None = _field(10, min=1)
     """Log every this many steps; None never."""
     seed: int = 0
     """Seed for parameter initialisation and data order."""
-    zero_optimization: ZeroConfig = _f(factory=ZeroConfig)
+    zero_optimization: ZeroConfig = _field(factory=ZeroConfig)
     """ZeRO stage and offload."""
     optimizer: OptimizerConfig | None = None
     """The optimizer; None: the engine needs one passed in code."""
     scheduler: SchedulerConfig | None = None
     """The learning-rate schedule; None: constant ``optimizer.params.lr``."""
-    bf16: BF16Config = _f(factory=BF16Config)
+    bf16: BF16Config = _field(factory=BF16Config)
     """bfloat16 mixed precision."""
-    fp16: FP16Config = _f(factory=FP16Config)
+    fp16: FP16Config = _field(factory=FP16Config)
     """float16 mixed precision."""
     skip_nonfinite: bool | None = None
     """jzero's own: skip the optimizer update of a step whose gradients are inf/NaN, at any
@@ -163,73 +163,77 @@ class Config:
     false is refused with fp16, whose loss scaling must skip an overflowing step."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype of gradient reductions; None: the gradient dtype."""
-    data_types: DataTypesConfig = _f(factory=DataTypesConfig)
+    data_types: DataTypesConfig = _field(factory=DataTypesConfig)
     """Accumulation dtypes."""
-    activation_checkpointing: ActivationCheckpointingConfig = _f(
+    activation_checkpointing: ActivationCheckpointingConfig = _field(
         factory=ActivationCheckpointingConfig
     )
     """Activation checkpointing of each stacked layer (every scan body), at any stage."""
-    mesh: MeshConfig = _f(factory=MeshConfig)
+    mesh: MeshConfig = _field(factory=MeshConfig)
     """Device mesh."""
-    model: Mapping[str, Any] = _f(factory=FrozenMap)
+    model: Mapping[str, Any] = _field(factory=FrozenMap)
     """Built-in GPT settings (vocab_size, seq_len, num_layers, num_heads, d_model, d_ff ...)."""
-    data: Mapping[str, Any] = _f(factory=FrozenMap)
+    data: Mapping[str, Any] = _field(factory=FrozenMap)
     """Data settings for ``jzero train`` (source, path ...)."""
-    train: TrainConfig = _f(factory=TrainConfig)
+    train: TrainConfig = _field(factory=TrainConfig)
     """Training-loop settings."""
-    checkpoint: CheckpointConfig = _f(factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = _field(factory=CheckpointConfig)
     """Checkpointing."""
-    distributed: Mapping[str, Any] = _f(factory=FrozenMap)
+    distributed: Mapping[str, Any] = _field(factory=FrozenMap)
     """Several processes (see :mod:`jzero.distributed`): coordinator_address, num_processes,
     process_id, ...; empty: the ``JZERO_*`` variables or JAX's cluster detection."""
     # DeepSpeed's top-level keys that have no effect in jzero.
-    wall_clock_breakdown: bool = _f(False, no_effect="profile with jax.profiler instead")
+    wall_clock_breakdown: bool = _field(False, no_effect="profile with jax.profiler instead")
     """DeepSpeed: time forward/backward/step. No effect."""
-    memory_breakdown: bool = _f(False, no_effect="use `jzero plan` for the memory report")
+    memory_breakdown: bool = _field(False, no_effect="use `jzero plan` for the memory report")
     """DeepSpeed: print memory use. No effect."""
-    dump_state: bool = _f(False, no_effect=_TORCH_ONLY)
+    dump_state: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: print the engine state. No effect."""
-    prescale_gradients: bool = _f(False, no_effect="it only changes fp16 rounding")
+    prescale_gradients: bool = _field(False, no_effect="it only changes fp16 rounding")
     """DeepSpeed: scale gradients before the mean reduction. No effect."""
-    gradient_predivide_factor: float = _f(1.0, no_effect="it only changes fp16 rounding")
+    gradient_predivide_factor: float = _field(1.0, no_effect="it only changes fp16 rounding")
     """DeepSpeed: divide gradients before the mean reduction. No effect."""
-    sparse_gradients: bool = _f(False, no_effect="JAX gradients are dense")
+    sparse_gradients: bool = _field(False, no_effect="JAX gradients are dense")
     """DeepSpeed: sparse embedding gradients. No effect."""
-    disable_allgather: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    disable_allgather: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: broadcast instead of all-gather. No effect."""
-    zero_allow_untested_optimizer: bool = _f(
+    zero_allow_untested_optimizer: bool = _field(
         False, no_effect="every optax optimizer works with ZeRO"
     )
     """DeepSpeed: allow optimizers untested with ZeRO. No effect."""
-    zero_force_ds_cpu_optimizer: bool = _f(True, no_effect=_TORCH_ONLY)
+    zero_force_ds_cpu_optimizer: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: force DeepSpeed's CPU optimizer with offload. No effect."""
-    dataloader_drop_last: bool = _f(
+    dataloader_drop_last: bool = _field(
         False, no_effect="jzero's data loader always drops the last batch"
     )
     """DeepSpeed: drop the last incomplete batch. No effect."""
-    amp: Mapping[str, Any] | None = _f(None, no_effect="Apex AMP is PyTorch-only; use bf16 or fp16")
+    amp: Mapping[str, Any] | None = _field(
+        None, no_effect="Apex AMP is PyTorch-only; use bf16 or fp16"
+    )
     """DeepSpeed: Apex AMP. No effect."""
-    torch_autocast: Mapping[str, Any] | None = _f(None, no_effect="use bf16 or fp16")
+    torch_autocast: Mapping[str, Any] | None = _field(None, no_effect="use bf16 or fp16")
     """DeepSpeed: torch.autocast. No effect."""
-    compile: Mapping[str, Any] | None = _f(None, no_effect="jzero always compiles with XLA")
+    compile: Mapping[str, Any] | None = _field(None, no_effect="jzero always compiles with XLA")
     """DeepSpeed: torch.compile settings. No effect."""
-    elasticity: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED + " (elastic batch)")
+    elasticity: Mapping[str, Any] | None = _field(
+        None, no_effect=_NOT_IMPLEMENTED + " (elastic batch)"
+    )
     """DeepSpeed: elastic training. No effect."""
-    aio: Mapping[str, Any] | None = _f(None, no_effect=_NVME_ONLY)
+    aio: Mapping[str, Any] | None = _field(None, no_effect=_NVME_ONLY)
     """DeepSpeed: asynchronous NVMe I/O. No effect."""
-    flops_profiler: Mapping[str, Any] | None = _f(None, no_effect="profile with jax.profiler")
+    flops_profiler: Mapping[str, Any] | None = _field(None, no_effect="profile with jax.profiler")
     """DeepSpeed: FLOPs profiler. No effect."""
-    comms_logger: Mapping[str, Any] | None = _f(None, no_effect="collectives are read from HLO")
+    comms_logger: Mapping[str, Any] | None = _field(None, no_effect="collectives are read from HLO")
     """DeepSpeed: communication logger. No effect."""
-    autotuning: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED)
+    autotuning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: autotuner. No effect."""
-    tensorboard: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    tensorboard: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
     """DeepSpeed monitor. No effect."""
-    wandb: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    wandb: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
     """DeepSpeed monitor. No effect."""
-    csv_monitor: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    csv_monitor: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
     """DeepSpeed monitor. No effect."""
-    comet: Mapping[str, Any] | None = _f(None, no_effect=_MONITOR)
+    comet: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
     """DeepSpeed monitor. No effect."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jzero.config._common import _f
+from jzero.config._common import _field
 from jzero.stages import STAGES
 
 __all__ = [
@@ -48,32 +48,32 @@ _CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
 class OffloadConfig:
     """``zero_optimization.offload_optimizer`` / ``offload_param``: host-memory offload."""
 
-    device: Literal["none", "cpu", "nvme"] = _f(
+    device: Literal["none", "cpu", "nvme"] = _field(
         "none",
         refuse={"nvme": "NVMe offload (ZeRO-Infinity) has no XLA equivalent"},
     )
     """Where the state lives: "none" (device memory) or "cpu" (host memory). "nvme" is refused."""
     pin_memory: bool = True
     """Page-locked host memory (``pinned_host``); false uses ``unpinned_host``. DeepSpeed: true."""
-    ratio: float = _f(1.0, min=0.0, max=1.0)
+    ratio: float = _field(1.0, min=0.0, max=1.0)
     """Fraction of the optimizer state to offload (DeepSpeed's partial offload, stage 3)."""
-    nvme_path: str | None = _f(None, no_effect=_NVME_ONLY)
+    nvme_path: str | None = _field(None, no_effect=_NVME_ONLY)
     """DeepSpeed: NVMe directory. No effect."""
-    buffer_count: int = _f(5, min=0, no_effect=_NVME_ONLY)
+    buffer_count: int = _field(5, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: NVMe buffer pool size (5 for params, 4 for optimizer state). No effect."""
-    buffer_size: int = _f(100_000_000, min=0, no_effect=_NVME_ONLY)
+    buffer_size: int = _field(100_000_000, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: NVMe buffer size in elements. No effect."""
-    max_in_cpu: int = _f(1_000_000_000, min=0, no_effect=_NVME_ONLY)
+    max_in_cpu: int = _field(1_000_000_000, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: parameter elements kept in CPU memory with NVMe offload. No effect."""
-    pipeline_read: bool = _f(False, no_effect=_NVME_ONLY)
+    pipeline_read: bool = _field(False, no_effect=_NVME_ONLY)
     """DeepSpeed: overlap NVMe reads with the optimizer step. No effect."""
-    pipeline_write: bool = _f(False, no_effect=_NVME_ONLY)
+    pipeline_write: bool = _field(False, no_effect=_NVME_ONLY)
     """DeepSpeed: overlap NVMe writes with the optimizer step. No effect."""
-    fast_init: bool = _f(False, no_effect=_NVME_ONLY)
+    fast_init: bool = _field(False, no_effect=_NVME_ONLY)
     """DeepSpeed: fast optimizer initialisation with NVMe offload. No effect."""
-    super_offload: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    super_offload: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: SuperOffload for Superchips. No effect."""
-    cpuadam_cores_perc: float = _f(0.8, min=0.0, max=1.0, no_effect=_TORCH_ONLY)
+    cpuadam_cores_perc: float = _field(0.8, min=0.0, max=1.0, no_effect=_TORCH_ONLY)
     """DeepSpeed: share of CPU cores for CPU Adam. No effect."""
 
 
@@ -84,37 +84,37 @@ class ZeroConfig:
     stage: StageNumber = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
     allowed values are the rows of :data:`jzero.stages.STAGES`)."""
-    stage3_param_persistence_threshold: int = _f(100_000, min=0)
+    stage3_param_persistence_threshold: int = _field(100_000, min=0)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5)."""
-    offload_optimizer: OffloadConfig = _f(factory=OffloadConfig)
+    offload_optimizer: OffloadConfig = _field(factory=OffloadConfig)
     """Optimizer-state offload to host memory (stages 1-3)."""
-    offload_param: OffloadConfig = _f(factory=OffloadConfig)
+    offload_param: OffloadConfig = _field(factory=OffloadConfig)
     """Parameter offload to host memory (stage 3 only)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather the full weights when the model is saved for export."""
-    allgather_partitions: bool = _f(True, no_effect=_XLA_COLLECTIVES)
+    allgather_partitions: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: all-gather vs. broadcasts after the step. No effect."""
-    allgather_bucket_size: int = _f(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
+    allgather_bucket_size: int = _field(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: elements per all-gather bucket. No effect."""
-    reduce_scatter: bool = _f(
+    reduce_scatter: bool = _field(
         True, no_effect=_XLA_COLLECTIVES + "; the stage decides the reduction"
     )
     """DeepSpeed: reduce-scatter vs. all-reduce for gradients. No effect (the stage decides)."""
-    reduce_bucket_size: int = _f(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
+    reduce_bucket_size: int = _field(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: elements per reduction bucket. No effect."""
-    use_multi_rank_bucket_allreduce: bool = _f(True, no_effect=_XLA_COLLECTIVES)
+    use_multi_rank_bucket_allreduce: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: merge reduce buckets of ranks into one all-reduce. No effect."""
-    overlap_comm: bool | None = _f(None, no_effect=_XLA_OVERLAP)
+    overlap_comm: bool | None = _field(None, no_effect=_XLA_OVERLAP)
     """DeepSpeed: overlap gradient reduction with backward (default: true at stage 3). No effect."""
-    contiguous_gradients: bool = _f(True, no_effect="XLA allocates gradient buffers itself")
+    contiguous_gradients: bool = _field(True, no_effect="XLA allocates gradient buffers itself")
     """DeepSpeed: copy gradients into one contiguous buffer. No effect."""
-    round_robin_gradients: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    round_robin_gradients: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: parallel gradient copies for CPU offload. No effect."""
-    sub_group_size: int = _f(
+    sub_group_size: int = _field(
         1_000_000_000, min=0, no_effect="the optimizer step is one compiled op"
     )
     """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
-    stage3_prefetch_bucket_size: int | None = _f(None, min=0)
+    stage3_prefetch_bucket_size: int | None = _field(None, min=0)
     """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
     scan may start its forward all-gather at an earlier use, as long as what is gathered from
     there to its own use is at most this many elements (the tie that orders the gathers moves
@@ -122,7 +122,7 @@ class ZeroConfig:
     one layer is gathered at a time (DeepSpeed's default, 5e7, would gather all of a model under
     50M elements at the start). Scanned layers and the backward pass are not prefetched: a
     scan body gathers its own layer, and a backward gather waits for its use's gradient."""
-    stage3_max_live_parameters: int = _f(1_000_000_000, min=0)
+    stage3_max_live_parameters: int = _field(1_000_000_000, min=0)
     """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
     layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
     must fit: a smaller value is an error at the first step that names both numbers."""
@@ -131,7 +131,7 @@ class ZeroConfig:
     and gather it again in the backward pass (3 Psi of traffic, about one layer of weights live
     at a time). ``false`` keeps the gathered weights from the forward to the backward pass: 2 Psi
     of traffic, but every gathered weight is alive at the peak, about the whole model."""
-    stage3_max_reuse_distance: int | None = _f(None, min=0)
+    stage3_max_reuse_distance: int | None = _field(None, min=0)
     """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
     gathered parameters. Here: from the traced order of the gathers outside scans, a leaf
     whose every next use (a later forward use, e.g. a tied embedding; then its backward use,
@@ -140,55 +140,55 @@ class ZeroConfig:
     ``stage3_max_live_parameters``. Not set: every use gathers (DeepSpeed's default, 1e9,
     would keep nearly every parameter of a model under 500M elements gathered from its
     forward to its backward use)."""
-    stage3_model_persistence_threshold: int = _f(
+    stage3_model_persistence_threshold: int = _field(
         2**63 - 1, min=0, no_effect="jzero bounds persistence per parameter only"
     )
     """DeepSpeed: cap on the total persisted (unsharded) elements at stage 3. No effect."""
-    stage3_module_granularity_threshold: int = _f(0, min=0, no_effect=_XLA_GATHER)
+    stage3_module_granularity_threshold: int = _field(0, min=0, no_effect=_XLA_GATHER)
     """DeepSpeed: fetch fine-grained modules as one unit. No effect."""
-    stage3_use_all_reduce_for_fetch_params: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    stage3_use_all_reduce_for_fetch_params: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: fetch parameters with all-reduce. No effect."""
-    stage3_allgather_sequential: bool = _f(False, no_effect=_XLA_COLLECTIVES)
+    stage3_allgather_sequential: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: gather parameters one at a time without buckets. No effect."""
-    load_from_fp32_weights: bool = _f(True, no_effect=_CKPT + " and always keeps fp32 state")
+    load_from_fp32_weights: bool = _field(True, no_effect=_CKPT + " and always keeps fp32 state")
     """DeepSpeed: initialise fp32 master weights from fp32 checkpoint copies. No effect."""
-    elastic_checkpoint: bool = _f(False, no_effect=_CKPT)
+    elastic_checkpoint: bool = _field(False, no_effect=_CKPT)
     """DeepSpeed: legacy elastic checkpoints. No effect."""
-    ignore_unused_parameters: bool = _f(True, no_effect="unused parameters get zero gradients")
+    ignore_unused_parameters: bool = _field(True, no_effect="unused parameters get zero gradients")
     """DeepSpeed: tolerate parameters without gradients. No effect."""
-    legacy_stage1: bool = _f(False, no_effect=_TORCH_ONLY)
+    legacy_stage1: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: old stage-1 implementation. No effect."""
-    grad_hooks: bool = _f(True, no_effect=_TORCH_ONLY)
+    grad_hooks: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: gradient hooks for reduction. No effect."""
-    zero_hpz_partition_size: int = _f(1, min=0, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ hpZ)")
+    zero_hpz_partition_size: int = _field(1, min=0, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ hpZ)")
     """DeepSpeed ZeRO++: secondary partition size. No effect."""
-    zero_quantized_weights: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qwZ)")
+    zero_quantized_weights: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qwZ)")
     """DeepSpeed ZeRO++: quantized weight all-gather. No effect."""
-    zero_quantized_nontrainable_weights: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    zero_quantized_nontrainable_weights: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed ZeRO++: store frozen weights quantized. No effect."""
-    zero_quantized_gradients: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qgZ)")
+    zero_quantized_gradients: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qgZ)")
     """DeepSpeed ZeRO++: quantized gradient reduction. No effect."""
-    zeropp_loco_param: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED)
+    zeropp_loco_param: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed ZeRO++: LoCo error feedback. No effect."""
-    mics_shard_size: int = _f(-1, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
+    mics_shard_size: int = _field(-1, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
     """DeepSpeed MiCS: shard group size. No effect."""
-    mics_hierarchical_params_gather: bool = _f(False, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
+    mics_hierarchical_params_gather: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
     """DeepSpeed MiCS: hierarchical gather. No effect."""
-    memory_efficient_linear: bool = _f(True, no_effect=_TORCH_ONLY)
+    memory_efficient_linear: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: memory-efficient linear layer at stage 3. No effect."""
-    pipeline_loading_checkpoint: bool = _f(False, no_effect=_CKPT)
+    pipeline_loading_checkpoint: bool = _field(False, no_effect=_CKPT)
     """DeepSpeed: load checkpoints in pipeline mode. No effect."""
-    override_module_apply: bool = _f(True, no_effect=_TORCH_ONLY)
+    override_module_apply: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: override ``nn.Module.apply`` at stage 3. No effect."""
-    log_trace_cache_warnings: bool = _f(False, no_effect=_TORCH_ONLY)
+    log_trace_cache_warnings: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: log stage-3 trace-cache warnings. No effect."""
-    enable_sanity_checks: bool = _f(False, no_effect=_TORCH_ONLY)
+    enable_sanity_checks: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: internal sanity checks. No effect."""
-    save_muon_momentum_buffer_in_memory: bool = _f(False, no_effect=_NVME_ONLY)
+    save_muon_momentum_buffer_in_memory: bool = _field(False, no_effect=_NVME_ONLY)
     """DeepSpeed: keep the Muon momentum off NVMe. No effect."""
-    zenflow: Mapping[str, Any] | None = _f(None, no_effect=_NOT_IMPLEMENTED + " (ZenFlow)")
+    zenflow: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED + " (ZenFlow)")
     """DeepSpeed ZenFlow settings. No effect."""
-    leaf_module: Mapping[str, Any] | None = _f(None, no_effect=_TORCH_ONLY)
+    leaf_module: Mapping[str, Any] | None = _field(None, no_effect=_TORCH_ONLY)
     """DeepSpeed: modules treated as stage-3 leaves. No effect."""
 
 
@@ -207,11 +207,11 @@ class BF16Config:
     """Skip a step whose gradients are inf/NaN (DeepSpeed >= 0.19: true); false applies it."""
     skip_nonfinite: bool = False
     """jzero's older key: true also skips steps with inf/NaN gradients (see above)."""
-    immediate_grad_update: bool = _f(True, no_effect=_TORCH_ONLY)
+    immediate_grad_update: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: apply gradients as they arrive. No effect."""
-    bf16_master_weights_and_grads: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    bf16_master_weights_and_grads: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: keep master weights in bf16. No effect."""
-    bf16_optimizer_states: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    bf16_optimizer_states: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: keep optimizer states in bf16. No effect."""
 
 
@@ -221,21 +221,23 @@ class FP16Config:
 
     enabled: bool = False
     """Compute in float16 with fp32 master weights and loss scaling."""
-    loss_scale: float = _f(0.0, min=0.0)
+    loss_scale: float = _field(0.0, min=0.0)
     """0 means dynamic loss scaling; any other value is a fixed loss scale."""
-    initial_scale_power: int = _f(16, min=0)
+    initial_scale_power: int = _field(16, min=0)
     """The dynamic loss scale starts at 2**initial_scale_power."""
-    loss_scale_window: int = _f(1000, min=1)
+    loss_scale_window: int = _field(1000, min=1)
     """Steps without overflow before the dynamic loss scale is doubled."""
-    hysteresis: int = _f(2, min=1)
+    hysteresis: int = _field(2, min=1)
     """Overflows tolerated before the dynamic loss scale is halved."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis after every step without overflow."""
-    min_loss_scale: float = _f(1.0, min=0.0)
+    min_loss_scale: float = _field(1.0, min=0.0)
     """Lower bound of the dynamic loss scale."""
-    auto_cast: bool = _f(False, no_effect="the model's dtype decides what its inputs are cast to")
+    auto_cast: bool = _field(
+        False, no_effect="the model's dtype decides what its inputs are cast to"
+    )
     """DeepSpeed: cast inputs to fp16. No effect."""
-    fp16_master_weights_and_grads: bool = _f(False, no_effect=_NOT_IMPLEMENTED)
+    fp16_master_weights_and_grads: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: keep master weights in fp16. No effect."""
 
 
@@ -278,7 +280,7 @@ class ActivationCheckpointingConfig:
     pass (a ``jax.checkpoint`` offload policy). Needs a policy that checkpoints something (not
     ``none`` at stages 0-2). On CPU devices it changes nothing measurable: host and device
     memory are the same there."""
-    partition_activations: bool = _f(
+    partition_activations: bool = _field(
         False,
         no_effect=(
             "the saved activations are not split over a model axis; jzero's layers run data "
@@ -289,16 +291,18 @@ class ActivationCheckpointingConfig:
     a ``model`` mesh axis it would shard each saved layer input over that axis and all-gather it
     before the recomputation; jzero does not implement that (the saved values keep the
     sharding the compiler gives them)."""
-    contiguous_memory_optimization: bool = _f(False, no_effect="XLA allocates activations itself")
+    contiguous_memory_optimization: bool = _field(
+        False, no_effect="XLA allocates activations itself"
+    )
     """DeepSpeed: copy checkpoints into one buffer. No effect."""
-    number_checkpoints: int | None = _f(
+    number_checkpoints: int | None = _field(
         None,
         min=0,
         no_effect="there is one checkpoint per scanned layer, in buffers XLA allocates",
     )
     """DeepSpeed: number of checkpoints, to size the contiguous buffer. No effect: every
     iteration of a scan is one checkpoint."""
-    synchronize_checkpoint_boundary: bool = _f(False, no_effect=_TORCH_ONLY)
+    synchronize_checkpoint_boundary: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: synchronise at checkpoint boundaries. No effect."""
-    profile: bool = _f(False, no_effect=_TORCH_ONLY)
+    profile: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: time the checkpoint functions. No effect."""
