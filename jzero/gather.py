@@ -23,7 +23,7 @@ modules at run time, only a traced program, so jzero rewrites the program:
   forward pass (FSDP's reshard-after-forward). Two things make that hold on every backend,
   both measured on CPU, where a Python loop of 16 layers of 512x512 kept 16.1 MiB of
   temporaries without them and 4.0 MiB with them (the same layers as a scan: 4.1 MiB):
-  each gather is tied (``_tied``: the shard plus zero times one element) to an operand of its
+  each gather is tied (``tied``: the shard plus zero times one element) to an operand of its
   use, or in the backward pass to the use's cotangent, so XLA's scheduler cannot hoist every
   layer's gather to the start of the step; and the backward gather is thereby a different
   value, which XLA's CSE cannot merge with the forward one (``jax.checkpoint`` cannot do this
@@ -38,17 +38,18 @@ modules at run time, only a traced program, so jzero rewrites the program:
 * The same replay serves activation checkpointing at every stage (:func:`replay`, and
   :func:`gathered` with a ``policy``): every scan reached outside other scans (through nested
   ``jit`` calls too) is re-emitted with its body under ``jax.checkpoint``, and a model
-  written as a Python loop has each of its layers (:func:`_segments`, named by the
-  parameters' paths) re-emitted as one checkpointed function (:func:`_checkpointed`). Inside
-  such a layer stage 3 gathers plainly: the recomputation gathers again and also serves the
-  backward pass, two gathers per weight as in a scan. Scans inside other higher-order
-  primitives (``cond``, ``while``, custom derivatives, the model's own ``jax.checkpoint``)
+  written as a Python loop has each of its layers (:func:`jzero.trace.find_layers`, named
+  by the parameters' paths) re-emitted as one checkpointed function
+  (:func:`jzero.trace.checkpointed_layer`). Inside such a layer stage 3 gathers plainly:
+  the recomputation gathers again and also serves the backward pass, two gathers per weight
+  as in a scan. Scans inside other higher-order primitives (``cond``, ``while``, custom
+  derivatives, the model's own ``jax.checkpoint``)
   are left as written.
 * DeepSpeed's stage-3 knobs act on the uses outside scans and checkpointed layers, from the
-  gather order one recording pass of the replay finds (:class:`_Event`):
-  ``stage3_prefetch_bucket_size`` ties a forward gather to an earlier use's operand
-  (:func:`prefetch_anchors`), ``stage3_max_reuse_distance`` gathers a leaf reused soon enough
-  once and keeps it (:func:`kept_leaves`), within ``stage3_max_live_parameters``.
+  gather order one recording pass of the replay finds (:mod:`jzero.schedule`):
+  ``stage3_prefetch_bucket_size`` ties a forward gather to an earlier use's operand,
+  ``stage3_max_reuse_distance`` gathers a leaf reused soon enough once and keeps it, within
+  ``stage3_max_live_parameters``.
 
 The rewrite happens at trace time only; the compiled step contains no interpreter. The result
 is a function of the shards with exactly the numerics of the original function of the full
@@ -58,7 +59,6 @@ parameters.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +67,22 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
-from jzero.remat import ACTIVATION, LAYER_INPUT, RematPolicy, parse_policy
+from jzero.remat import LAYER_INPUT, RematPolicy, parse_policy
+from jzero.schedule import Event, kept_leaves, prefetch_anchors
+from jzero.trace import (
+    Segment,
+    bind,
+    checkpointed_layer,
+    eval_tagged,
+    find_layers,
+    first_element,
+    has_scan,
+    inline_calls,
+    inner_jaxpr,
+    layer_keys,
+    named,
+    tied,
+)
 
 __all__ = [
     "all_gather",
@@ -136,357 +151,7 @@ def all_gather(x: jax.Array, axis_name: str, dim: int, grad_dtype: Any = None) -
 # nothing 11 MiB at the cost of a second forward pass.
 checkpoint_policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
-
-def _first(anchor: Any) -> Any:
-    """One element of the first floating array in ``anchor`` (a pytree), or None."""
-    for x in jax.tree.leaves(anchor):
-        if _floating(x) and getattr(x, "size", 0):
-            return x.reshape(-1)[0]
-    return None
-
-
-def _tied(shard: Any, anchor: Any) -> Any:
-    """``shard`` made to depend on one element of ``anchor`` (its value unchanged): a gather of
-    it cannot start before ``anchor`` exists, and two such gathers are never merged."""
-    first = _first(anchor)
-    if first is None or not _floating(shard):
-        return shard
-    return shard + (first != first).astype(shard.dtype) * 0  # 0 even for inf or NaN
-
-
-def _tie_all(tree: Any, anchor: Any) -> Any:
-    """Every floating leaf of ``tree`` tied to ``anchor`` (see :func:`_tied`)."""
-    first = _first(anchor)
-    if first is None:
-        return tree
-    return jax.tree.map(
-        lambda x: x + (first != first).astype(x.dtype) * 0 if _floating(x) else x, tree
-    )
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    if isinstance(params, tuple):  # older JAX returns (subfuns, params)
-        subfuns, params = params
-        invals = [*subfuns, *invals]
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-_CALLS = ("pjit", "jit", "closed_call")
-
-
-def _inner(eqn: Any) -> Any:
-    """The closed jaxpr a call eqn (``jit``, ``closed_call``) runs, or None."""
-    if eqn.primitive.name not in _CALLS:
-        return None
-    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    return inner if hasattr(inner, "jaxpr") else None
-
-
-def _has_scan(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` runs a scan at its top level or inside calls (not inside other
-    higher-order primitives, which the replay leaves as written)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            return True
-        inner = _inner(eqn)
-        if inner is not None and _has_scan(inner.jaxpr):
-            return True
-    return False
-
-
-def _floating(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)
-
-
-GATHERED = "jzero_gathered_weight"
-
-
-def _name(x: Any, name: str) -> Any:
-    return jax.ad_checkpoint.checkpoint_name(x, name) if _floating(x) else x
-
-
-def _eval_tagged(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], live: Sequence[bool]):
-    """Evaluates ``jaxpr``, naming :data:`~jzero.remat.ACTIVATION` every floating value that
-    depends on an argument flagged in ``live`` (calls are inlined, so their insides too)."""
-    env: dict[Any, Any] = {}
-    tainted: set[Any] = set()
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    def is_live(v: Any) -> bool:
-        return not isinstance(v, jex_core.Literal) and v in tainted
-
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x, flag in zip(jaxpr.invars, args, live, strict=True):
-        env[v] = x
-        if flag:
-            tainted.add(v)
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        flags = [is_live(v) for v in eqn.invars]
-        inner = _inner(eqn)
-        if not any(flags):
-            outs = _bind(eqn, invals)
-        elif inner is not None:
-            outs = _eval_tagged(inner.jaxpr, inner.consts, invals, flags)
-        else:
-            outs = [_name(x, ACTIVATION) for x in _bind(eqn, invals)]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
-            if any(flags):
-                tainted.add(v)
-    return [read(v) for v in jaxpr.outvars]
-
-
-# ---------------------------------------------------------------------------------------------
-# Layers of a model written as a Python loop: found in the trace, checkpointed one by one.
-
-
-def _inline(closed: Any) -> Any:
-    """``closed`` with every nested ``jit``/``closed_call`` inlined: one flat list of eqns, so
-    layer boundaries can be found whatever calls the model makes."""
-
-    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            inner = _inner(eqn)
-            outs = run(inner.jaxpr, inner.consts, invals) if inner else _bind(eqn, invals)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
-
-    if not any(_inner(eqn) is not None for eqn in closed.jaxpr.eqns):
-        return closed
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-    )
-
-
-_NUMBERED = re.compile(r"(.*_)?\d+")
-
-
-def layer_keys(params: Any) -> list[str | None]:
-    """Per leaf of ``params``, the layer it belongs to, read from its path: the path up to its
-    first numbered part (a list index, ``layers_3``, an ``nnx.List`` index), e.g.
-    ``params/layers_3`` for ``params/layers_3/attn/kernel``; ``None`` for a leaf with no
-    numbered part (an embedding, a final norm)."""
-    keys: list[str | None] = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-        parts, key = [], None
-        for entry in path:
-            name = next(
-                (getattr(entry, a) for a in ("key", "idx", "name") if hasattr(entry, a)), entry
-            )
-            parts.append(str(name))
-            if isinstance(name, int) or _NUMBERED.fullmatch(str(name)):
-                key = "/".join(parts)
-                break
-        keys.append(key)
-    return keys
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """Eqns ``[start, stop)`` of a flat jaxpr (one layer), with the values they read from
-    before (``live_in``) and the values read after them (``live_out``)."""
-
-    start: int
-    stop: int
-    live_in: tuple[Any, ...]
-    live_out: tuple[Any, ...]
-
-
-def _segments(jaxpr: Any, keys: Sequence[str | None]) -> dict[int, _Segment]:
-    """The layers of a model written as a Python loop, by start eqn (empty for a model whose
-    parameters reach a ``scan``: there the scan body is the layer).
-
-    ``jaxpr`` is flat (:func:`_inline`); its first ``len(keys)`` inputs are the parameter
-    leaves, with their :func:`layer_keys`. A layer's *uses* are the eqns that combine one of its
-    parameters (or a value computed from parameters alone, such as a cast) with a value that
-    depends on the other inputs (the activations). Layer ``i`` runs from its first use to the
-    first use of layer ``i + 1``, so what sits between (a residual add, a norm without
-    parameters) belongs to the layer before; the last layer ends at its last use.
-    """
-    num = len(keys)
-    # Values computed from parameters alone, with the layers they belong to (None: none).
-    origin: dict[Any, frozenset[str | None]] = {}
-    live: set[Any] = set()
-    for i, v in enumerate(jaxpr.invars):
-        if i < num:
-            origin[v] = frozenset((keys[i],))
-        else:
-            live.add(v)
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
-        layers = frozenset().union(*(origin.get(v, frozenset()) for v in ins))
-        active = any(v in live for v in ins)
-        if layers and eqn.primitive.name == "scan":
-            return {}
-        if layers and active:
-            for key in layers - {None}:
-                first.setdefault(key, k)
-                last[key] = k
-        elif layers and eqn.primitive.name == "slice" and len(ins) == 1:
-            # One slice of a stacked parameter (``p["w"][i]`` in a loop) is a layer of its own.
-            start, stop = eqn.params["start_indices"][0], eqn.params["limit_indices"][0]
-            if stop - start == 1 and eqn.invars[0].aval.shape[0] > 1:
-                layers = frozenset(f"{key or ''}[{start}]" for key in layers)
-        for v in eqn.outvars:
-            if active:
-                live.add(v)
-            elif layers:
-                origin[v] = layers
-    if len(first) < 2:
-        return {}
-    order = sorted(first, key=first.__getitem__)
-    starts = [first[key] for key in order]
-    stops = [*starts[1:], last[order[-1]] + 1]
-    defined: dict[Any, int] = {}
-    last_read: dict[Any, int] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
-                last_read[v] = k
-        for v in eqn.outvars:
-            defined[v] = k
-    for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
-            last_read[v] = len(jaxpr.eqns)
-    found: dict[int, _Segment] = {}
-    for a, b in zip(starts, stops, strict=True):
-        if b <= a:
-            continue
-        live_in: dict[Any, None] = {}
-        live_out: dict[Any, None] = {}
-        for eqn in jaxpr.eqns[a:b]:
-            for v in eqn.invars:
-                if not isinstance(v, jex_core.Literal) and defined.get(v, -1) < a:
-                    live_in[v] = None
-            for v in eqn.outvars:
-                if last_read.get(v, -1) >= b:
-                    live_out[v] = None
-        found[a] = _Segment(a, b, tuple(live_in), tuple(live_out))
-    return found
-
-
-def _checkpointed(fn: Callable[[list[Any]], list[Any]], policy: RematPolicy) -> Callable:
-    """``fn`` (one layer: a list of arrays to a list of arrays) rematerialised by ``policy``:
-    the forward pass keeps what the policy saves and the backward pass recomputes the rest.
-
-    ``jax.checkpoint`` alone does not do this for a layer that is not a scan body: on CPU,
-    XLA removes its optimization barriers before CSE, which then merges the recomputation
-    with the forward pass and keeps every activation (measured: 8 layers of an MLP, 52 MiB of
-    temporaries with and without it). So the checkpointed layer's VJP is taken in the forward
-    pass and its saved values are tied to the cotangent (:func:`_tie_all`) before the backward
-    pass recomputes from them: the recomputation is then a different value (24 MiB). Values
-    offloaded to host memory are left untied: they come back through a transfer, which is
-    already a different value.
-    """
-    offload = policy.offload
-
-    def named(arrays: list[Any]) -> list[Any]:
-        if offload:  # the layer's inputs, kept in host memory
-            arrays = [_name(a, LAYER_INPUT) for a in arrays]
-        return fn(arrays)
-
-    inner = jax.checkpoint(named, policy=policy.jax_policy())
-
-    @jax.custom_vjp
-    def layer(arrays: list[Any]) -> list[Any]:
-        return fn(arrays)
-
-    def fwd(arrays: list[Any]) -> tuple[list[Any], Any]:
-        return jax.vjp(inner, arrays)
-
-    def bwd(pull: Any, cts: list[Any]) -> Any:
-        return (pull if offload else _tie_all(pull, cts))(cts)
-
-    layer.defvjp(fwd, bwd)
-    return layer
-
-
-# ---------------------------------------------------------------------------------------------
-# Stage 3's gather order, recorded in one pass, for prefetch and reuse (DeepSpeed's knobs).
-
-
-@dataclass(frozen=True)
-class _Event:
-    """One place the program gathers parameters: ``leaves`` maps leaf index to the elements
-    gathered; ``kind`` is ``use`` (a use outside scans and checkpointed layers), ``layer`` (a
-    checkpointed layer of a Python loop) or ``scan`` (a stacked leaf, one slice at a time);
-    ``unit``: the most elements gathered at once here."""
-
-    leaves: dict[int, int]
-    kind: str
-    unit: int
-
-
-def _between(events: Sequence[_Event], leaf: int) -> int:
-    """Elements of the other leaves ``events`` gather (each leaf counted once)."""
-    sizes: dict[int, int] = {}
-    for e in events:
-        for i, n in e.leaves.items():
-            if i != leaf:
-                sizes[i] = max(sizes.get(i, 0), n)
-    return sum(sizes.values())
-
-
-def kept_leaves(events: Sequence[_Event], distance: int, max_live: int) -> frozenset[int]:
-    """DeepSpeed's ``stage3_max_reuse_distance`` on a recorded gather order: the leaves whose
-    every next use is within ``distance`` elements of other gathered parameters are gathered
-    once and kept until their last backward use.
-
-    A leaf's reuses are its later forward uses (a tied embedding) and, after its last forward
-    use, its backward use: the backward pass mirrors the forward, so that distance is twice
-    what is gathered after it. Leaves with the shortest distance are kept first, while the
-    kept elements plus the largest unit gathered stay within ``max_live``
-    (``stage3_max_live_parameters``). Only uses outside scans and checkpointed layers count.
-    """
-    fixed = {i for e in events if e.kind != "use" for i in e.leaves}
-    largest = max((e.unit for e in events), default=0)
-    candidates = []
-    for leaf in sorted({i for e in events if e.kind == "use" for i in e.leaves} - fixed):
-        pos = [k for k, e in enumerate(events) if leaf in e.leaves]
-        gaps = [_between(events[a + 1 : b], leaf) for a, b in zip(pos, pos[1:], strict=False)]
-        gaps.append(2 * _between(events[pos[-1] + 1 :], leaf))
-        if max(gaps) <= distance:
-            size = max(events[k].leaves[leaf] for k in pos)
-            candidates.append((max(gaps), leaf, size))
-    kept, total = set(), 0
-    for _, leaf, size in sorted(candidates):
-        if total + size + largest <= max_live:
-            kept.add(leaf)
-            total += size
-    return frozenset(kept)
-
-
-def prefetch_anchors(events: Sequence[_Event], bucket: int) -> list[int]:
-    """DeepSpeed's ``stage3_prefetch_bucket_size`` on a recorded gather order: per use (the
-    ``use`` events, in order), the earliest use whose operands its gather may wait for, such
-    that what is gathered from there to it is at most ``bucket`` elements."""
-    uses = [k for k, e in enumerate(events) if e.kind == "use"]
-    anchors = []
-    for j, at in enumerate(uses):
-        i = j
-        while i > 0 and sum(sum(e.leaves.values()) for e in events[uses[i - 1] + 1 : at + 1]) <= (
-            bucket
-        ):
-            i -= 1
-        anchors.append(i)
-    return anchors
+GATHERED = "jzero_gathered_weight"  # the name of a gathered weight kept for backward
 
 
 class _Replay:
@@ -517,8 +182,8 @@ class _Replay:
         self.shards = shards  # the size of the axis
         self.kept = kept  # leaves gathered once and kept (``stage3_max_reuse_distance``)
         self.anchors = list(anchors)  # per use, the use its gather waits for (prefetch)
-        self.record = record  # only record the gather order (:class:`_Event`), gather nothing
-        self.events: list[_Event] = []
+        self.record = record  # only record the gather order (:class:`Event`), gather nothing
+        self.events: list[Event] = []
         self._firsts: list[Any] = []  # per use so far, one element of its first operand
         self._kept_values: dict[Any, Any] = {}
 
@@ -527,7 +192,7 @@ class _Replay:
         jaxpr: Any,
         consts: Sequence[Any],
         args: Sequence[Any],
-        segments: dict[int, _Segment] | None = None,
+        segments: dict[int, Segment] | None = None,
     ) -> list[Any]:
         env: dict[Any, Any] = {}
 
@@ -551,14 +216,14 @@ class _Replay:
             if any(isinstance(x, _Pending) for x in invals) or self._rewrites(eqn):
                 outs = self._eqn(eqn, invals)
             else:
-                outs = _bind(eqn, invals)
+                outs = bind(eqn, invals)
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
             k += 1
         return [read(v) for v in jaxpr.outvars]
 
-    def _layer(self, eqns: Sequence[Any], seg: _Segment, vals: list[Any]) -> list[Any]:
-        """One layer of a Python loop, checkpointed by the policy (:func:`_checkpointed`).
+    def _layer(self, eqns: Sequence[Any], seg: Segment, vals: list[Any]) -> list[Any]:
+        """One layer of a Python loop, checkpointed by the policy (:func:`checkpointed_layer`).
 
         Its parameters come in as shards and are gathered at their uses inside, plainly: the
         backward pass recomputes the layer, gathers included, so no gathered weight is saved.
@@ -566,7 +231,7 @@ class _Replay:
         pend = [x if isinstance(x, _Pending) else None for x in vals]
         if self.record:
             leaves = {p.index: p.numel(self.shards) for p in pend if p is not None}
-            self.events.append(_Event(leaves, "layer", sum(leaves.values())))
+            self.events.append(Event(leaves, "layer", sum(leaves.values())))
         arrays = [x.shard if p is not None else x for x, p in zip(vals, pend, strict=True)]
         out_pend: list[Any] = [None] * len(seg.live_out)
 
@@ -582,7 +247,7 @@ class _Replay:
             for eqn in eqns:
                 invals = [read(v) for v in eqn.invars]
                 if not any(isinstance(x, _Pending) for x in invals):
-                    outs = _bind(eqn, invals)
+                    outs = bind(eqn, invals)
                 elif eqn.primitive.name == "convert_element_type":
                     outs = self._eqn(eqn, invals)
                 else:
@@ -592,7 +257,7 @@ class _Replay:
                             if x.key not in gathered:
                                 gathered[x.key] = self.materialize(x, anchor)
                             invals[i] = gathered[x.key]
-                    outs = _bind(eqn, invals)
+                    outs = bind(eqn, invals)
                 env.update(zip(eqn.outvars, outs, strict=True))
             outs = []
             for i, v in enumerate(seg.live_out):
@@ -605,7 +270,7 @@ class _Replay:
         if self.record or self.policy is None or not self.policy.active:
             outs = body(arrays)
         else:
-            outs = _checkpointed(body, self.policy)(arrays)
+            outs = checkpointed_layer(body, self.policy)(arrays)
         return [
             x if p is None else dataclasses.replace(p, shard=x)
             for x, p in zip(outs, out_pend, strict=True)
@@ -617,18 +282,18 @@ class _Replay:
             return False
         if eqn.primitive.name == "scan":
             return True
-        inner = _inner(eqn)
-        return inner is not None and _has_scan(inner.jaxpr)
+        inner = inner_jaxpr(eqn)
+        return inner is not None and has_scan(inner.jaxpr)
 
     def materialize(self, x: Any, anchor: Any = None) -> Any:
-        """``x`` gathered if pending (tied to ``anchor``, see :func:`_tied`); else ``x``."""
+        """``x`` gathered if pending (tied to ``anchor``, see :func:`tied`); else ``x``."""
         if not isinstance(x, _Pending):
             return x
         if self.record:  # the right shape, nothing gathered
             shape = list(x.shard.shape)
             shape[x.dim] *= self.shards
             return jax.numpy.zeros(shape, x.dtype or x.shard.dtype)
-        shard = x.shard if anchor is None else _tied(x.shard, anchor)
+        shard = x.shard if anchor is None else tied(x.shard, anchor)
         return x.gather(self.axis_name, self.grad_dtype, shard=shard)
 
     def _eqn(self, eqn: Any, invals: list[Any]) -> list[Any]:
@@ -641,7 +306,7 @@ class _Replay:
             if new.itemsize <= p.shard.dtype.itemsize:
                 return [_Pending(p.shard.astype(new), p.dim, index=p.index)]
             return [_Pending(p.shard, p.dim, new, p.index)]
-        inner = _inner(eqn)
+        inner = inner_jaxpr(eqn)
         if inner is not None:
             return self.run(inner.jaxpr, inner.consts, invals)
         if name == "scan":
@@ -656,11 +321,11 @@ class _Replay:
         use's when prefetch lets it start there (``anchors``)."""
         j = len(self._firsts)
         operands = [x for x in invals if not isinstance(x, _Pending)]
-        self._firsts.append(_first(operands))
+        self._firsts.append(first_element(operands))
         if self.record:
             leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
-            self.events.append(_Event(leaves, "use", max(leaves.values())))
-            return _bind(eqn, [self.materialize(x) for x in invals])
+            self.events.append(Event(leaves, "use", max(leaves.values())))
+            return bind(eqn, [self.materialize(x) for x in invals])
         invals = list(invals)
         for i, x in enumerate(invals):
             if isinstance(x, _Pending) and x.index in self.kept:  # gathered once, kept
@@ -668,10 +333,10 @@ class _Replay:
                     self._kept_values[x.key] = self.materialize(x, operands)
                 invals[i] = self._kept_values[x.key]
         if not self.reshard:  # the gathered value is kept for the backward pass
-            return _bind(eqn, [self.materialize(x) for x in invals])
+            return bind(eqn, [self.materialize(x) for x in invals])
         pending = [i for i, x in enumerate(invals) if isinstance(x, _Pending)]
         if not pending:
-            return _bind(eqn, invals)
+            return bind(eqn, invals)
         others = [None if isinstance(x, _Pending) else x for x in invals]
         early = self.anchors[j] if j < len(self.anchors) else j
         ahead = [self._firsts[early]] if early < j and self._firsts[early] is not None else []
@@ -680,8 +345,8 @@ class _Replay:
         def run(shards: list[Any], others: list[Any], anchor: Any) -> list[Any]:
             vals = list(others)
             for i, shard in zip(pending, shards, strict=True):
-                vals[i] = invals[i].gather(axis_name, grad_dtype, shard=_tied(shard, anchor))
-            return _bind(eqn, vals)
+                vals[i] = invals[i].gather(axis_name, grad_dtype, shard=tied(shard, anchor))
+            return bind(eqn, vals)
 
         @jax.custom_vjp
         def use(shards: list[Any], others: list[Any], ahead: list[Any]) -> list[Any]:
@@ -715,8 +380,8 @@ class _Replay:
         if self.record:
             leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
             if leaves:
-                self.events.append(_Event(leaves, "scan", max(leaves.values()) // p["length"]))
-            return _bind(eqn, [self.materialize(x) for x in invals])
+                self.events.append(Event(leaves, "scan", max(leaves.values()) // p["length"]))
+            return bind(eqn, [self.materialize(x) for x in invals])
         num_consts, num_carry = p["num_consts"], p["num_carry"]
         consts = [self.materialize(x) for x in invals[:num_consts]]
         init = [self.materialize(x) for x in invals[num_consts : num_consts + num_carry]]
@@ -726,7 +391,7 @@ class _Replay:
         gathers = any(isinstance(x, _Pending) for x in xs)
         policy = self._body_policy(gathers)
         if policy is None:
-            return _bind(eqn, [*consts, *init, *xs])
+            return bind(eqn, [*consts, *init, *xs])
         body_closed = p["jaxpr"]
         pending = [x if isinstance(x, _Pending) else None for x in xs]
         xs_vals = [x.shard if isinstance(x, _Pending) else x for x in xs]
@@ -742,20 +407,20 @@ class _Replay:
 
         def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
             if offload:  # the layer's input, kept in host memory
-                carry = [_name(c, LAYER_INPUT) for c in carry]
+                carry = [named(c, LAYER_INPUT) for c in carry]
             x = [
                 xi if p is None else p.gather(axis_name, grad_dtype, shard=xi, dim=p.dim - 1)
                 for xi, p in zip(x, pending, strict=True)
             ]
             if keep:
                 x = [
-                    xi if p is None else _name(xi, GATHERED)
+                    xi if p is None else named(xi, GATHERED)
                     for xi, p in zip(x, pending, strict=True)
                 ]
             args = [*consts, *carry, *x]
             if tag:
                 live = [False] * num_consts + [True] * num_carry + [False] * num_xs
-                outs = _eval_tagged(body_closed.jaxpr, body_closed.consts, args, live)
+                outs = eval_tagged(body_closed.jaxpr, body_closed.consts, args, live)
             else:
                 outs = jax.core.eval_jaxpr(body_closed.jaxpr, body_closed.consts, *args)
             return list(outs[:num_carry]), list(outs[num_carry:])
@@ -780,11 +445,11 @@ def _abstract(tree: Any) -> Any:
 
 
 def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, Any]:
-    """The flat program and its layers (:func:`_segments`) when ``policy`` checkpoints."""
+    """The flat program and its layers (:func:`find_layers`) when ``policy`` checkpoints."""
     if policy is None or not policy.active:
         return closed, None
-    closed = _inline(closed)
-    return closed, _segments(closed.jaxpr, layer_keys(params))
+    closed = inline_calls(closed)
+    return closed, find_layers(closed.jaxpr, layer_keys(params))
 
 
 def replay(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., Any]:

@@ -33,13 +33,13 @@ Decisions:
   ``jax.lax.scan`` have their body checkpointed. A model written as a Python loop over layers
   (Linen submodules, an ``nnx.List``, a list of pytrees, slices ``p["w"][i]`` of a stacked
   leaf) has its layers found in the trace: the parameters' paths name the layers
-  (:func:`jzero.gather.layer_keys`: the path up to its first numbered part, such as
+  (:func:`jzero.trace.layer_keys`: the path up to its first numbered part, such as
   ``layers_3`` or ``blocks/3``), and a layer runs from the first eqn that applies one of its
   parameters to an activation up to the next layer's first (the last layer: to its last use).
   Each such layer is checkpointed with the policy; what lies before the first layer (the
   embedding) and after the last (the head, the loss) is not. ``jax.checkpoint`` alone is not
   enough there on CPU (XLA's CSE merges the recomputation back into the forward pass), so the
-  layer's saved values are tied to its cotangent (:func:`jzero.gather._checkpointed`):
+  layer's saved values are tied to its cotangent (:func:`jzero.trace.checkpointed_layer`):
   measured, 8 layers of a residual MLP at stage 0, 5.0 MiB of temporaries without a policy
   and 2.2 MiB with ``full``. Scans inside a scan body, or inside the model's own
   ``jax.checkpoint``, ``cond`` or custom derivative, are left as the model wrote them.

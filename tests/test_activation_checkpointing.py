@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jzero
-from jzero import gather, remat
+from jzero import gather, remat, trace
 from jzero.config import ConfigError, load_config
 from jzero.hlo import collectives
 
@@ -225,7 +225,7 @@ def test_slices_of_a_stacked_leaf_in_a_loop_are_layers_too():
 
 def test_layer_keys_of_pytrees_linen_and_nnx_paths():
     tree = {"embed": 0, "layers": [{"w": 0}, {"w": 0}], "Dense_3": {"kernel": 0}}
-    assert gather.layer_keys(tree) == ["Dense_3", None, "layers/0", "layers/1"]
+    assert trace.layer_keys(tree) == ["Dense_3", None, "layers/0", "layers/1"]
 
 
 def test_checkpoint_scans_on_its_own_changes_what_is_saved_not_the_gradient():
