@@ -296,12 +296,12 @@ def checkpointed_layer(fn: Callable[[list[Any]], list[Any]], policy: RematPolicy
     """
     offload = policy.offload
 
-    def named(arrays: list[Any]) -> list[Any]:
+    def body(arrays: list[Any]) -> list[Any]:
         if offload:  # the layer's inputs, kept in host memory
             arrays = [named(a, LAYER_INPUT) for a in arrays]
         return fn(arrays)
 
-    inner = jax.checkpoint(named, policy=policy.jax_policy())
+    inner = jax.checkpoint(body, policy=policy.jax_policy())
 
     @jax.custom_vjp
     def layer(arrays: list[Any]) -> list[Any]:

@@ -131,6 +131,16 @@ def test_cpu_checkpointing_trains_with_unchanged_losses():
     # At stage 3, policy none keeps every activation of a gathered layer, in host memory.
     e3 = engine(3, {"policy": "none", "cpu_checkpointing": True})
     assert losses(e3) == pytest.approx(run(3)[1], rel=1e-5)
+    # A Python loop's layers offload their inputs the same way, at stage 3 too.
+    cfg = {
+        "train_batch_size": B,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "activation_checkpointing": {"policy": "full", "cpu_checkpointing": True},
+    }
+    loop = jzero.initialize(layered(params()), layered_loss, optax.adam(1e-3), cfg)
+    text = str(jax.make_jaxpr(loop._step_fn(batches(1)[0]))(loop.state, batches(1)[0]))
+    assert "<host>" in text and remat.LAYER_INPUT in text
+    assert losses(loop) == pytest.approx(run(3)[1], rel=1e-5)
 
 
 def test_bad_settings_are_clear_errors():
