@@ -9,6 +9,7 @@ control calls those directly.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import math
@@ -82,7 +83,10 @@ class Engine:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.learning_rate = learning_rate
-        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = batch_sizes
+        # None: all "auto"; the first batch given to train_step decides (_take_batch_sizes).
+        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = (
+            batch_sizes if batch_sizes is not None else (None, None, None)
+        )
         self.takes_extra = takes_extra  # the loss takes and returns ``state.extra``
         self._to_model = to_model
         self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
@@ -136,7 +140,40 @@ class Engine:
         return self.plan.mesh
 
     # -- the step ----------------------------------------------------------------------------
+    def _take_batch_sizes(self, batch: PyTree) -> None:
+        """With every batch key "auto", the first batch sets them: its leading dimension (times
+        the processes) is the global batch, split over the data axis and
+        ``gradient_accumulation_steps`` (1 unless set); the config records the values."""
+        if self.train_batch_size is not None:
+            return
+        leads = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+        if len(leads) != 1 or None in leads:
+            raise ValueError(
+                'The batch sizes are "auto", so the first batch sets them, but its leaves have '
+                f"leading dims {sorted(leads, key=str)}; pass a batch whose leaves share one "
+                "leading dim, or set train_micro_batch_size_per_gpu in the config."
+            )
+        cfg = dataclasses.replace(
+            self.config,
+            train_batch_size=leads.pop() * jax.process_count(),
+            gradient_accumulation_steps=self.config.gradient_accumulation_steps or 1,
+        )
+        sizes = config_lib.resolve_batch_sizes(cfg, self.plan.num_shards)
+        self.config = dataclasses.replace(
+            cfg,
+            train_micro_batch_size_per_gpu=sizes[1],
+            gradient_accumulation_steps=sizes[2],
+        )
+        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = sizes
+        logger.info(
+            "jzero: batch sizes from the first batch: train_batch_size %d = "
+            "train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x data-parallel %d",
+            *sizes,
+            self.plan.num_shards,
+        )
+
     def _check_batch(self, batch: PyTree) -> None:
+        self._take_batch_sizes(batch)
         distributed.check_batch(
             batch,
             self.train_batch_size,
@@ -161,9 +198,11 @@ class Engine:
             return
         from jzero.gather import layer_dims
 
+        rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
+        if rows is None:
+            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.num_shards)
         micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((self.micro_batch_size, *np.shape(x)[1:]), x.dtype),
-            batch,
+            lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
         )
         args = (self.state.extra, micro) if self.takes_extra else (micro,)
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
@@ -307,10 +346,42 @@ class Engine:
         }
         # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
         # overwrites a tag it saves again; the old copy stays until the new one is committed.
+        gather16 = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if gather16:
+            from jzero import weights
+
+            weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
         saved = ckpt.save(step, self.state, meta=meta, force=True, overwrite=True)
         if saved:
             self._unchanged_since = step if step == self.iteration else None
+        if saved and gather16:  # the params in their compute dtype, beside the checkpoints
+            weights.save_step_weights(ckpt.directory, step, self.state.params, ckpt.all_steps())
         return saved
+
+    def save_16bit_model(
+        self, directory: str | Any, *, max_shard_size: int | str = "5GB", dtype: Any = None
+    ) -> Any:
+        """Writes the parameters as Hugging Face's sharded safetensors (DeepSpeed's name).
+
+        ``model-00001-of-0000N.safetensors`` files of at most ``max_shard_size`` and
+        ``model.safetensors.index.json``, tensors named by their dotted paths, one leaf on the
+        host at a time; each process writes its own files. Load them back with
+        ``jzero.initialize(init_from=directory)`` or Hugging Face's loaders.
+
+        Args:
+          directory: the output directory (created if missing).
+          max_shard_size: the most bytes per file (``5GB``, ``500MiB`` or an int).
+          dtype: the dtype of floating tensors; ``None``: the compute dtype (bf16/fp16 under
+            mixed precision, else the params' own).
+
+        Returns:
+          The index file's path.
+        """
+        from jzero import weights
+
+        return weights.save_weights(
+            directory, self.state.params, dtype=dtype, max_shard_size=max_shard_size
+        )
 
     def restore(self, step: int | None = None) -> dict[str, Any]:
         """Restores a checkpoint (the latest by default) into this engine's plan.
@@ -373,7 +444,7 @@ def _check_live_parameters(plan: Plan, limit: int) -> None:
     """Stage 3 gathers one unit at a time: DeepSpeed's ``stage3_max_live_parameters`` must
     admit the largest one."""
     largest, path = plan.largest_gathered()
-    if largest > limit:
+    if limit and largest > limit:  # 0 (Axolotl's configs): keep nothing beyond the unit used
         raise ValueError(
             f"zero_optimization.stage3_max_live_parameters is {limit:,}, but stage 3 gathers "
             f"{largest:,} elements at once for {path!r} (one layer of a scanned stack, or a "
@@ -441,6 +512,8 @@ def initialize(
     init_args: tuple = (),
     mesh: jax.sharding.Mesh | None = None,
     param_specs: PyTree | None = None,
+    init_from: str | Any = None,
+    name_map: Mapping[str, str] | Callable[[str], str] | None = None,
 ) -> Engine:
     """Builds a ZeRO engine, DeepSpeed's ``deepspeed.initialize`` for JAX.
 
@@ -461,6 +534,13 @@ def initialize(
         (see :mod:`jzero.flax_adapter`). Non-trainable state (BatchNorm statistics) is
         carried through the step and never sharded as parameters.
       init_args: example inputs for a Linen module's ``init``.
+      init_from: load the initial parameters from a ``.safetensors`` file, a sharded export
+        (directory with ``model.safetensors.index.json``) or a jzero checkpoint directory,
+        each process reading only its own shards (see :mod:`jzero.weights`); ``params`` (or
+        ``init_fn``/``model``) then only give the shapes. Under mixed precision the loaded
+        values become the float32 master weights.
+      name_map: with ``init_from``, a parameter's dotted path -> the tensor's name in the
+        file (a dict, or a function).
 
     Returns:
       The :class:`Engine`.
@@ -489,6 +569,13 @@ def initialize(
     if params is None:
         params = jax.eval_shape(init_fn, key)
     abstract = _abstract(params)
+    from_first_batch = config_lib.batch_from_first_batch(cfg)
+    cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
+        cfg,
+        abstract,
+        optimizer_given=optimizer is not None,
+        data_parallel_size=mesh.shape.get("data", 1),
+    )
     tx, schedule = _optimizer(cfg, optimizer)
     opt_kind, param_kind = offload.memory_kinds_from_config(
         cfg.zero_optimization, mesh.devices.flat
@@ -510,8 +597,15 @@ def initialize(
         max_live_parameters=cfg.zero_optimization.stage3_max_live_parameters,
     )
     plan = replan()
-    sizes = config_lib.resolve_batch_sizes(cfg, plan.num_shards)
-    if init_fn is not None:
+    sizes = None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.num_shards)
+    init_from = init_from if init_from is not None else cfg.checkpoint.init_from
+    if init_from is not None:
+        from jzero import weights
+        from jzero.plan import on_device
+
+        shardings = on_device(plan.master if plan.precision.mixed else plan.params)
+        values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
+    elif init_fn is not None:
         made = jax.eval_shape(init_fn, key)
         if jax.tree.structure(made) != jax.tree.structure(abstract) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
@@ -534,12 +628,13 @@ def initialize(
     state = init_train_state(plan, values, tx, extra)
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(
-        "jzero: stage %d, %s parameters, data-parallel %d, batch %d = %d x %d x %d",
+        "jzero: stage %d, %s parameters, data-parallel %d, batch %s",
         plan.stage.stage,
         f"{total:,}",
         plan.num_shards,
-        *sizes,
-        plan.num_shards,
+        "from the first batch"
+        if sizes is None
+        else "{} = {} x {} x {}".format(*sizes, plan.num_shards),
     )
     return Engine(
         config=cfg,

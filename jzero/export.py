@@ -1,4 +1,6 @@
-"""Exported parameters: one safetensors (or ``.npz``) file, written leaf by leaf, read back nested.
+"""Exported parameters: one safetensors (or ``.npz``) file, or Hugging Face's sharded layout
+(``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``), written leaf
+by leaf, read back nested.
 
 Decisions:
 
@@ -13,6 +15,16 @@ Decisions:
   (``jzero.paths``), so :func:`load_exported` gives back the same nesting as the parameters.
 * A file is written under a temporary name and renamed when complete: a crash never leaves a
   half-written export under the requested name.
+* The sharded layout is Hugging Face's: tensors are packed in file order into files of at most
+  ``max_shard_size`` bytes (a tensor larger than that gets a file of its own), and the index
+  ``{"metadata": {"total_size": ...}, "weight_map": {name: file}}`` names each tensor's file.
+  The index is written always, even for one file (``model-00001-of-00001.safetensors``), so a
+  reader has one layout to handle; it is written last, so a directory with an index holds a
+  complete export. Sizes take Hugging Face's units: ``5GB`` is 5e9 bytes, ``5GiB`` 5 * 2**30.
+* With several processes, file ``i`` is written by process ``i % process_count`` only, and
+  process 0 writes the index once every process has finished (a barrier). A file named by an
+  earlier export that this one does not rewrite is left alone (the index no longer names it);
+  a warning lists such files, nothing is deleted.
 * This module knows nothing about checkpoints (no Orbax): :mod:`jzero.checkpoint.info` reads
   the leaves (through :mod:`jzero.checkpoint.orbax_io`) and calls :func:`write_leaves`.
 """
@@ -20,6 +32,7 @@ Decisions:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import sys
@@ -33,9 +46,22 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["ExportEntry", "load_exported", "read_safetensors_header", "write_leaves"]
+__all__ = [
+    "ExportEntry",
+    "INDEX_NAME",
+    "leaf_entries",
+    "load_exported",
+    "parse_size",
+    "read_index",
+    "read_safetensors_header",
+    "shard_groups",
+    "write_leaves",
+    "write_sharded",
+]
 
 PATHS_KEY = "jzero.paths"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 _NPZ_TABLE = "__jzero__"
 
 # safetensors dtype names <-> numpy dtypes.
@@ -58,6 +84,7 @@ _FROM_ST = {v: k for k, v in _TO_ST.items()}
 _BY_NAME = {d.name: d for d in _TO_ST}
 
 PathEntry = str | int
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -197,6 +224,180 @@ def write_leaves(
     return out
 
 
+def leaf_entries(tree: Any, dtype: Any = None) -> list[ExportEntry]:
+    """One :class:`ExportEntry` per leaf of a pytree of arrays (or ``ShapeDtypeStruct``).
+
+    Args:
+      tree: the parameters.
+      dtype: the dtype floating leaves are written as; ``None`` keeps each leaf's own.
+
+    Returns:
+      The entries in ``jax.tree.leaves`` order, keyed by their dotted paths.
+    """
+    import jax  # only here: the rest of this module needs no JAX
+
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts: list[PathEntry] = []
+        for k in path:
+            if isinstance(k, jax.tree_util.SequenceKey):
+                parts.append(k.idx)
+            elif isinstance(k, jax.tree_util.DictKey):
+                parts.append(str(k.key))
+            else:
+                parts.append(jax.tree_util.keystr((k,), simple=True, separator="."))
+        own = np.dtype(x.dtype)
+        floating = np.issubdtype(own, np.floating) or own == np.dtype(ml_dtypes.bfloat16)
+        out.append(
+            ExportEntry(
+                ".".join(map(str, parts)),
+                tuple(parts),
+                tuple(int(n) for n in x.shape),
+                np.dtype(dtype) if dtype is not None and floating else own,
+            )
+        )
+    return out
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (5e9), ``500MiB`` (500 * 2**20) or an int, as Hugging Face reads them."""
+    if isinstance(size, int | np.integer):
+        n = int(size)
+    else:
+        text = str(size).strip().upper().replace(" ", "")
+        num = text.rstrip("KMGTIB")
+        unit = text[len(num) :]
+        if unit not in _UNITS or not num:
+            raise ValueError(
+                f"Can't read the size {size!r}: write a number of bytes or a number with a unit "
+                f"({', '.join(u for u in _UNITS if u)}), e.g. 5GB or 500MiB."
+            )
+        n = int(float(num) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"A shard size must be positive, not {size!r}.")
+    return n
+
+
+def shard_groups(entries: Sequence[ExportEntry], max_shard_size: int | str) -> list[list[int]]:
+    """Entries packed in order into files of at most ``max_shard_size`` bytes (Hugging Face's
+    rule: a tensor that does not fit starts a new file; one larger than the limit is alone)."""
+    limit = parse_size(max_shard_size)
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, e in enumerate(entries):
+        if groups[-1] and size + e.nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += e.nbytes
+    return groups
+
+
+def _barrier(name: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def write_sharded(
+    out_dir: str | os.PathLike,
+    entries: Sequence[ExportEntry],
+    fetch: Callable[[int], np.ndarray],
+    max_shard_size: int | str = "5GB",
+    *,
+    skip: Callable[[int], None] | None = None,
+) -> Path:
+    """Writes Hugging Face's sharded safetensors layout, leaf by leaf (see the decisions).
+
+    Args:
+      out_dir: the directory; created (with its parents) if missing.
+      entries: the tensors, in file order.
+      fetch: ``fetch(i) -> array`` for ``entries[i]``; called on the process that writes the
+        entry's file only, in order, and dropped before the next call.
+      max_shard_size: the most bytes per file (``5GB``, ``500MiB`` or an int).
+      skip: ``skip(i)``, called in order for each entry another process writes (for fetches
+        that are collective, every process must take part in each).
+
+    Returns:
+      The index file's path.
+    """
+    import jax
+
+    out = Path(out_dir)
+    _check_entries(entries)
+    groups = shard_groups(entries, max_shard_size)
+    names = [_SHARD_NAME.format(k + 1, len(groups)) for k in range(len(groups))]
+    pid, count = jax.process_index(), jax.process_count()
+    if pid == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    _barrier("jzero_export_mkdir")
+    for k, group in enumerate(groups):
+        if k % count != pid:
+            for i in group:
+                if skip is not None:
+                    skip(i)
+            continue
+        part = [entries[i] for i in group]
+        write_leaves(out / names[k], part, lambda j, group=group: fetch(group[j]))
+    _barrier("jzero_export_files")
+    index = out / INDEX_NAME
+    if pid == 0:
+        weight_map = {entries[i].key: names[k] for k, g in enumerate(groups) for i in g}
+        text = json.dumps(
+            {
+                "metadata": {
+                    "total_size": sum(e.nbytes for e in entries),
+                    PATHS_KEY: json.dumps({e.key: list(e.path) for e in entries}),
+                },
+                "weight_map": weight_map,
+            },
+            indent=2,
+        )
+        fd, name = tempfile.mkstemp(dir=out, prefix=f".{INDEX_NAME}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text + "\n")
+            os.chmod(name, 0o666 & ~_umask())
+            os.replace(name, index)
+        finally:
+            Path(name).unlink(missing_ok=True)
+        stale = sorted(
+            p.name for p in out.glob("model-*-of-*.safetensors") if p.name not in set(names)
+        )
+        if stale:
+            logger.warning(
+                "jzero: %s also holds %s from an earlier export; the new index does not name "
+                "them. Delete them if they are not needed.",
+                out,
+                ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else ""),
+            )
+    _barrier("jzero_export_index")
+    return index
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the byte offset where its data starts."""
     with open(path, "rb") as f:
@@ -239,35 +440,10 @@ def _paths(keys: Sequence[str], known: dict[str, Any]) -> dict[str, tuple[PathEn
     return {k: tuple(known[k]) if k in known else tuple(k.split(".")) for k in keys}
 
 
-def load_exported(path: str | os.PathLike) -> Any:
-    """Reads an exported file back as the nested dict (lists where the params had lists).
-
-    Args:
-      path: a ``.safetensors`` file (from jzero or any other writer) or a jzero ``.npz``.
-
-    Returns:
-      The parameters as numpy arrays (``bfloat16`` as ``ml_dtypes.bfloat16``), nested like
-      the exported tree, ready for ``jzero.initialize(params=...)``.
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"The export file {str(p)!r} does not exist.")
-    if p.suffix == ".npz":
-        with np.load(p, allow_pickle=False) as z:
-            table = json.loads(str(z[_NPZ_TABLE])) if _NPZ_TABLE in z.files else {}
-            keys = [k for k in z.files if k != _NPZ_TABLE]
-            paths = _paths(keys, table.get("paths", {}))
-            dtypes = table.get("dtypes", {})
-            flat = {}
-            for k in keys:
-                x = z[k]
-                if k in dtypes and x.dtype != _BY_NAME.get(dtypes[k], x.dtype):
-                    x = x.view(_BY_NAME[dtypes[k]])
-                flat[paths[k]] = x
-            return _nest(flat)
+def _read_safetensors(p: Path, known: dict[str, Any] | None = None) -> dict:
     header, start = read_safetensors_header(p)
     meta = header.pop("__metadata__", None) or {}
-    paths = _paths(list(header), json.loads(meta.get(PATHS_KEY, "{}")))
+    paths = _paths(list(header), known or json.loads(meta.get(PATHS_KEY, "{}")))
     flat = {}
     with open(p, "rb") as f:
         for key, info in header.items():
@@ -289,4 +465,64 @@ def load_exported(path: str | os.PathLike) -> Any:
             if sys.byteorder == "big" and dtype.itemsize > 1:
                 arr = arr.byteswap()
             flat[paths[key]] = arr
-    return _nest(flat)
+    return flat
+
+
+def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, str], dict[str, Any]]:
+    """A sharded export's index: its directory, ``weight_map`` and ``metadata``.
+
+    Args:
+      path: the directory holding ``model.safetensors.index.json``, or the index file.
+    """
+    p = Path(path)
+    index = p / INDEX_NAME if p.is_dir() else p
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{str(p)!r} holds no {INDEX_NAME}; pass a safetensors file or a directory written "
+            "by a sharded export (Hugging Face's layout)."
+        )
+    try:
+        data = json.loads(index.read_text())
+        weight_map = dict(data["weight_map"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"{str(index)!r} is not a safetensors index: it needs a 'weight_map' object."
+        ) from e
+    return index.parent, weight_map, dict(data.get("metadata") or {})
+
+
+def load_exported(path: str | os.PathLike) -> Any:
+    """Reads an exported file back as the nested dict (lists where the params had lists).
+
+    Args:
+      path: a ``.safetensors`` file (from jzero or any other writer), a jzero ``.npz``, or a
+        sharded export (its directory or its ``model.safetensors.index.json``).
+
+    Returns:
+      The parameters as numpy arrays (``bfloat16`` as ``ml_dtypes.bfloat16``), nested like
+      the exported tree, ready for ``jzero.initialize(params=...)``.
+    """
+    p = Path(path)
+    if p.is_dir() or p.name.endswith(".index.json"):
+        root, weight_map, meta = read_index(p)
+        known = json.loads(meta.get(PATHS_KEY, "{}"))
+        flat = {}
+        for name in dict.fromkeys(weight_map.values()):
+            flat.update(_read_safetensors(root / name, known))
+        return _nest(flat)
+    if not p.is_file():
+        raise FileNotFoundError(f"The export file {str(p)!r} does not exist.")
+    if p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as z:
+            table = json.loads(str(z[_NPZ_TABLE])) if _NPZ_TABLE in z.files else {}
+            keys = [k for k in z.files if k != _NPZ_TABLE]
+            paths = _paths(keys, table.get("paths", {}))
+            dtypes = table.get("dtypes", {})
+            flat = {}
+            for k in keys:
+                x = z[k]
+                if k in dtypes and x.dtype != _BY_NAME.get(dtypes[k], x.dtype):
+                    x = x.view(_BY_NAME[dtypes[k]])
+                flat[paths[k]] = x
+            return _nest(flat)
+    return _nest(_read_safetensors(p))

@@ -70,6 +70,7 @@ from jax.extend import core as jex_core
 from jzero.remat import LAYER_INPUT, RematPolicy, parse_policy
 from jzero.schedule import Event, kept_leaves, prefetch_anchors
 from jzero.trace import (
+    Partition,
     Segment,
     bind,
     checkpointed_layer,
@@ -152,6 +153,7 @@ def all_gather(x: jax.Array, axis_name: str, dim: int, grad_dtype: Any = None) -
 checkpoint_policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 GATHERED = "jzero_gathered_weight"  # the name of a gathered weight kept for backward
+PARTITIONED = "jzero_partitioned_input"  # a layer's input saved split over the model axes
 
 
 class _Replay:
@@ -174,6 +176,7 @@ class _Replay:
         kept: frozenset[int] = frozenset(),
         anchors: Sequence[int] = (),
         record: bool = False,
+        partition: Partition | None = None,
     ):
         self.axis_name = axis_name
         self.grad_dtype = grad_dtype
@@ -183,6 +186,7 @@ class _Replay:
         self.kept = kept  # leaves gathered once and kept (``stage3_max_reuse_distance``)
         self.anchors = list(anchors)  # per use, the use its gather waits for (prefetch)
         self.record = record  # only record the gather order (:class:`Event`), gather nothing
+        self.partition = partition  # saved layer inputs split over model axes (remat policy)
         self.events: list[Event] = []
         self._firsts: list[Any] = []  # per use so far, one element of its first operand
         self._kept_values: dict[Any, Any] = {}
@@ -270,7 +274,8 @@ class _Replay:
         if self.record or self.policy is None or not self.policy.active:
             outs = body(arrays)
         else:
-            outs = checkpointed_layer(body, self.policy)(arrays)
+            split = seg.activations_in  # the saved activations, not the weights
+            outs = checkpointed_layer(body, self.policy, self.partition, split)(arrays)
         return [
             x if p is None else dataclasses.replace(p, shard=x)
             for x, p in zip(outs, out_pend, strict=True)
@@ -403,10 +408,18 @@ class _Replay:
             policy = jax.checkpoint_policies.save_from_both_policies(
                 policy, jax.checkpoint_policies.save_only_these_names(GATHERED)
             )
+        part = self.partition
+        if part is not None and not offload:  # the layer's input is saved as a slice
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                policy, jax.checkpoint_policies.save_only_these_names(PARTITIONED)
+            )
         num_xs = len(xs)
 
         def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-            if offload:  # the layer's input, kept in host memory
+            if part is not None:  # saved split over the model axes, used whole
+                name = LAYER_INPUT if offload else PARTITIONED
+                carry = [part.join(named(part.split(c), name)) for c in carry]
+            elif offload:  # the layer's input, kept in host memory
                 carry = [named(c, LAYER_INPUT) for c in carry]
             x = [
                 xi if p is None else p.gather(axis_name, grad_dtype, shard=xi, dim=p.dim - 1)
@@ -483,6 +496,7 @@ def gathered(
     prefetch: int = 0,
     reuse_distance: int | None = None,
     max_live: int | None = None,
+    partition: Partition | None = None,
 ) -> Callable[..., Any]:
     """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
 
@@ -508,6 +522,8 @@ def gathered(
       reuse_distance: DeepSpeed's ``stage3_max_reuse_distance``: leaves reused within this
         many elements are gathered once and kept (:func:`kept_leaves`); ``None``: none.
       max_live: DeepSpeed's ``stage3_max_live_parameters``, the cap on what reuse keeps.
+      partition: DeepSpeed's ``partition_activations``: each checkpointed layer's saved input
+        split over the mesh's model-parallel axes (:class:`jzero.trace.Partition`).
 
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
@@ -553,7 +569,16 @@ def gathered(
                 kept = kept_leaves(rec.events, reuse_distance, limit)
             if prefetch:
                 anchors = prefetch_anchors(rec.events, prefetch)
-        rep = _Replay(axis_name, grad_dtype, policy, reshard, shards=n, kept=kept, anchors=anchors)
+        rep = _Replay(
+            axis_name,
+            grad_dtype,
+            policy,
+            reshard,
+            shards=n,
+            kept=kept,
+            anchors=anchors,
+            partition=partition,
+        )
         outs = rep.run(closed.jaxpr, closed.consts, [*pending(leaves), *flat_args], segments)
         outs = [rep.materialize(o) for o in outs]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -54,6 +54,12 @@ Decisions:
   are recomputed (re-gathered). JAX's ``save_anything_except_these_names`` cannot do this: in
   JAX 0.10.2 it saves everything.
   ``names:`` at stage 3 saves exactly the tagged values, so a tag on a weight would keep it.
+* **``partition_activations: true``** (DeepSpeed's, for model parallelism): on a mesh with
+  axes besides ``data`` (``{data: 4, model: 2}``), each layer's saved input is split over
+  them and gathered back before the layer is recomputed (:class:`jzero.trace.Partition`), so
+  a model-parallel group keeps one copy of it instead of one per device. A scan body saves
+  the split carry by name; a Python loop's layer takes its VJP at the split input. Without
+  such an axis it has no effect (the config warning lists it).
 * **``cpu_checkpointing: true``** keeps what the policy saves in ``pinned_host`` memory instead
   of device memory (``jax.ad_checkpoint.Offloadable``: moved to the host in the forward pass
   and back in the backward pass), DeepSpeed's CPU checkpointing. With ``full`` that is each
@@ -111,11 +117,14 @@ class RematPolicy:
       kind: ``none``, ``full``, ``dots``, ``dots_no_batch`` or ``names``.
       names: for ``names``, the ``checkpoint_name`` tags that are saved.
       offload: keep the saved values in host memory (``cpu_checkpointing``).
+      partition: shard each layer's saved input over the mesh's non-data axes
+        (``partition_activations``; see :class:`jzero.trace.Partition`).
     """
 
     kind: str = "full"
     names: tuple[str, ...] = ()
     offload: bool = False
+    partition: bool = False
 
     @property
     def active(self) -> bool:
@@ -153,7 +162,9 @@ class _Offload:
         return jax.ad_checkpoint.Recompute
 
 
-def parse_policy(text: str | None, *, offload: bool = False) -> RematPolicy | None:
+def parse_policy(
+    text: str | None, *, offload: bool = False, partition: bool = False
+) -> RematPolicy | None:
     """Parses an ``activation_checkpointing.policy`` value.
 
     Args:
@@ -180,7 +191,7 @@ def parse_policy(text: str | None, *, offload: bool = False) -> RematPolicy | No
         raise ValueError(f"{text!r} is not a policy; it must be one of {ALLOWED}.")
     norm = text.strip()
     if norm.lower() in POLICIES:
-        return RematPolicy(norm.lower(), (), offload)
+        return RematPolicy(norm.lower(), (), offload, partition)
     if norm.lower().startswith(NAMES):
         names = tuple(n.strip() for n in norm[len(NAMES) :].split(",") if n.strip())
         if not names:
@@ -188,7 +199,7 @@ def parse_policy(text: str | None, *, offload: bool = False) -> RematPolicy | No
                 f"{text!r} names no value; write names: followed by the checkpoint_name tags to "
                 "save, e.g. names:attn_out,mlp_out."
             )
-        return RematPolicy("names", names, offload)
+        return RematPolicy("names", names, offload, partition)
     close = difflib.get_close_matches(norm.lower(), [*POLICIES, NAMES], n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise ValueError(f"{text!r} is not a policy{hint}; it must be one of {ALLOWED}.")
@@ -200,5 +211,7 @@ def from_config(cfg: Any) -> RematPolicy | None:
     if section is None:
         return None
     return parse_policy(
-        getattr(section, "policy", None), offload=bool(getattr(section, "cpu_checkpointing", 0))
+        getattr(section, "policy", None),
+        offload=bool(getattr(section, "cpu_checkpointing", 0)),
+        partition=bool(getattr(section, "partition_activations", 0)),
     )

@@ -41,6 +41,7 @@ from jzero.gather import gathered
 from jzero.plan import Plan, is_host, on_device
 from jzero.precision import LossScaleState, cast_floating, next_loss_scale
 from jzero.remat import RematPolicy, parse_policy
+from jzero.trace import Partition
 
 __all__ = [
     "TrainState",
@@ -225,8 +226,17 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             prefetch=plan.prefetch_bucket_size,
             reuse_distance=plan.max_reuse_distance,
             max_live=plan.max_live_parameters,
+            partition=_partition(plan, policy),
         )
     return loss_fn
+
+
+def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
+    """``partition_activations``: the mesh's other axes with more than one device, if any."""
+    if policy is None or not policy.partition or not policy.active:
+        return None
+    axes = tuple(a for a, n in plan.mesh.shape.items() if a != plan.axis and n > 1)
+    return Partition(plan.mesh, axes) if axes else None
 
 
 def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:

@@ -18,11 +18,15 @@ from typing import Any
 
 import jax
 import jax.ad_checkpoint
+import numpy as np
 from jax.extend import core as jex_core
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jzero.remat import ACTIVATION, LAYER_INPUT, RematPolicy
 
 __all__ = [
+    "Partition",
     "Segment",
     "bind",
     "checkpointed_layer",
@@ -204,6 +208,7 @@ class Segment:
     stop: int
     live_in: tuple[Any, ...]
     live_out: tuple[Any, ...]
+    activations_in: tuple[bool, ...] = ()  # per live_in: depends on the non-parameter inputs
 
 
 def find_layers(jaxpr: Any, keys: Sequence[str | None]) -> dict[int, Segment]:
@@ -277,11 +282,56 @@ def find_layers(jaxpr: Any, keys: Sequence[str | None]) -> dict[int, Segment]:
             for v in eqn.outvars:
                 if last_read.get(v, -1) >= b:
                     live_out[v] = None
-        found[a] = Segment(a, b, tuple(live_in), tuple(live_out))
+        activations = tuple(v in live for v in live_in)
+        found[a] = Segment(a, b, tuple(live_in), tuple(live_out), activations)
     return found
 
 
-def checkpointed_layer(fn: Callable[[list[Any]], list[Any]], policy: RematPolicy) -> Callable:
+@dataclass(frozen=True)
+class Partition:
+    """DeepSpeed's ``partition_activations`` on a mesh with model-parallel axes: a layer's
+    saved input is sharded over ``axes`` (each device of a model-parallel group keeps a slice)
+    and gathered back before the layer is recomputed.
+
+    Attributes:
+      mesh: the training mesh (its data axis is manual inside the step's ``shard_map``).
+      axes: the mesh axes besides the data axis that have more than one device.
+    """
+
+    mesh: Any
+    axes: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.axes]))
+
+    def dim(self, x: Any) -> int | None:
+        """The dimension of ``x`` split over the axes: the last one they divide."""
+        for d in reversed(range(getattr(x, "ndim", 0))):
+            if x.shape[d] % self.size == 0 and x.shape[d] >= self.size:
+                return d
+        return None
+
+    def split(self, x: Any) -> Any:
+        d = self.dim(x) if is_floating(x) else None
+        if d is None:
+            return x
+        spec = [None] * x.ndim
+        spec[d] = self.axes if len(self.axes) > 1 else self.axes[0]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+    def join(self, x: Any) -> Any:
+        if not is_floating(x) or self.dim(x) is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
+
+
+def checkpointed_layer(
+    fn: Callable[[list[Any]], list[Any]],
+    policy: RematPolicy,
+    partition: Partition | None = None,
+    split: Sequence[bool] = (),
+) -> Callable:
     """``fn`` (one layer: a list of arrays to a list of arrays) rematerialised by ``policy``:
     the forward pass keeps what the policy saves and the backward pass recomputes the rest.
 
@@ -293,10 +343,17 @@ def checkpointed_layer(fn: Callable[[list[Any]], list[Any]], policy: RematPolicy
     pass recomputes from them: the recomputation is then a different value (24 MiB). Values
     offloaded to host memory are left untied: they come back through a transfer, which is
     already a different value.
+
+    With ``partition``, the inputs flagged in ``split`` (the activations, not the weights) are
+    saved split over the model-parallel axes: the VJP is taken at the split inputs and the
+    layer gathers them back first, so what the forward pass keeps is the slice.
     """
     offload = policy.offload
+    flags = list(split) if partition is not None else []
 
     def body(arrays: list[Any]) -> list[Any]:
+        if flags:  # the saved inputs are slices; the layer runs on the whole
+            arrays = [partition.join(a) if f else a for a, f in zip(arrays, flags, strict=True)]
         if offload:  # the layer's inputs, kept in host memory
             arrays = [named(a, LAYER_INPUT) for a in arrays]
         return fn(arrays)
@@ -308,6 +365,8 @@ def checkpointed_layer(fn: Callable[[list[Any]], list[Any]], policy: RematPolicy
         return fn(arrays)
 
     def fwd(arrays: list[Any]) -> tuple[list[Any], Any]:
+        if flags:
+            arrays = [partition.split(a) if f else a for a, f in zip(arrays, flags, strict=True)]
         return jax.vjp(inner, arrays)
 
     def bwd(pull: Any, cts: list[Any]) -> Any:

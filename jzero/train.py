@@ -46,6 +46,7 @@ import jax
 from flax import nnx
 from tqdm import tqdm
 
+from jzero import config as config_lib
 from jzero import data as data_lib
 from jzero import distributed, memory
 from jzero.config import Config, load_config
@@ -224,6 +225,12 @@ def run(
     model_cfg = gpt.config_for(cfg)
     steps = steps if steps is not None else cfg.train.steps
     # The built-in GPT is a Flax NNX module, built directly into its shards.
+    if config_lib.batch_from_first_batch(cfg):
+        raise config_lib.ConfigError(
+            'The batch sizes are all "auto", but jzero train builds the data from them (there is '
+            "no first batch to take them from); set train_micro_batch_size_per_gpu (the batch "
+            "per device) or train_batch_size (the global batch)."
+        )
     engine = initialize(
         model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
         loss_fn=gpt.nnx_loss_fn,

@@ -392,8 +392,8 @@ def error_of(raw):
             "[0.9, 0.999].",
         ),
         (
-            {"optimizer": {"type": "Adam", "params": {"lr": "auto"}}},
-            "optimizer.params.lr: 'auto' is not allowed; it must be a number.",
+            {"optimizer": {"type": "Adam", "params": {"lr": "fast"}}},
+            "optimizer.params.lr: 'fast' is not allowed; it must be a number.",
         ),
         (
             {"optimizer": {"type": "SGD", "params": {"nesterov": True}}},

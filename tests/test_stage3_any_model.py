@@ -174,6 +174,12 @@ def test_max_live_parameters_below_the_largest_layer_is_a_clear_error():
     with pytest.raises(ValueError, match=r"stage3_max_live_parameters is 1,000, but stage 3 "
                        r"gathers 65,536 elements at once for 'w'.*at least 65,536"):  # fmt: skip
         engine.train_step(batches(1)[0])
+    # 0, as some published configs write it: DeepSpeed keeps nothing cached, and trains.
+    zero["stage3_max_live_parameters"] = 0
+    engine = jzero.initialize(
+        {"w": weights()}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
+    )
+    assert np.isfinite(float(engine.train_step(batches(1)[0])["loss"]))
     zero["stage3_max_live_parameters"] = D * D  # one layer of the stack: enough
     engine = jzero.initialize(
         {"w": weights()}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}

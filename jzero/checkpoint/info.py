@@ -1,4 +1,4 @@
-"""Inspect and export: what a checkpoint directory holds, and its parameters as one file.
+"""Inspect and export: what a checkpoint directory holds, and its parameters as files.
 
 Decisions:
 
@@ -15,6 +15,9 @@ Decisions:
   exclusively (a fresh name) beside the output and renames it onto the output when complete:
   no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or symlink
   there is never written through or removed; a failed export removes only its own file.
+* :func:`parameter_leaves` serves ``jzero.initialize(init_from=<checkpoint dir>)``
+  (:mod:`jzero.weights`): the master weights of a mixed-precision run (float32, exact), else
+  the params, one leaf at a time.
 * Orbax is reached only through :mod:`jzero.checkpoint.orbax_io`, the one module that imports
   it; which step to read, and whether its files are intact, through
   :mod:`jzero.checkpoint.dirs`.
@@ -52,6 +55,7 @@ __all__ = [
     "export",
     "format_info",
     "inspect",
+    "parameter_leaves",
     "read_info",
 ]
 
@@ -223,34 +227,11 @@ _DTYPES = {
 }
 
 
-def export(
-    directory: str | os.PathLike,
-    step: int | None,
-    out_path: str | os.PathLike,
-    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
-    tree: str = "params",
-) -> Path:
-    """Writes one tree of a step (the full parameters) as one safetensors or ``.npz`` file.
-
-    Leaves are read from the checkpoint one at a time, so host memory stays near the largest
-    leaf. Floating leaves are cast to ``dtype``; others keep theirs. Read it back with
-    :func:`jzero.export.load_exported`.
-
-    Args:
-      directory: the checkpoint directory.
-      step: the step to export; ``None`` for the latest.
-      out_path: the file; ``.npz`` writes numpy's format, anything else safetensors.
-      dtype: ``float32`` or ``bfloat16`` (``fp32``/``bf16``).
-      tree: the saved tree (a dotted path into the state), ``params`` by default.
-
-    Returns:
-      The written path.
-    """
-    if dtype not in _DTYPES:
-        raise CheckpointError(
-            f"Export dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}."
-        )
-    out_dtype = np.dtype(_DTYPES[dtype])
+def _leaves(
+    directory: str | os.PathLike, step: int | None, tree: str, out_dtype: np.dtype | None
+) -> tuple[int, list[export_lib.ExportEntry], Any]:
+    """A step's leaves under ``tree``: the step, the entries (floating leaves as ``out_dtype``
+    unless ``None``) and ``fetch(i)``, which reads one leaf on the host."""
     d = Path(directory).absolute()
     step = dirs.resolve_step(d, step)
     step_dir = dirs.verified_step_dir(d, step)
@@ -270,7 +251,7 @@ def export(
     entries = []
     for p, md in selected:
         rel = path_parts(p)[len(prefix) :] or (path_parts(p)[-1],)
-        keep = not jnp.issubdtype(md.dtype, jnp.floating)
+        keep = out_dtype is None or not jnp.issubdtype(md.dtype, jnp.floating)
         entries.append(
             export_lib.ExportEntry(
                 ".".join(map(str, rel)),
@@ -284,6 +265,61 @@ def export(
     def fetch(i: int) -> np.ndarray:
         return read(selected[i][0])
 
-    written = export_lib.write_leaves(Path(out_path), entries, fetch)
+    return step, entries, fetch
+
+
+def parameter_leaves(
+    directory: str | os.PathLike, step: int | None = None
+) -> tuple[int, list[export_lib.ExportEntry], Any]:
+    """A step's parameters, one leaf at a time: the float32 master weights where the run was
+    mixed precision (its ``master`` tree), else ``params``.
+
+    Returns:
+      ``(step, entries, fetch)``: the step read, one entry per leaf (saved dtypes) and
+      ``fetch(i)``, which reads ``entries[i]`` alone as a host array.
+    """
+    d = Path(directory).absolute()
+    step = dirs.resolve_step(d, step)
+    saved = orbax_io.tree_metadata(d, step, dirs.verified_step_dir(d, step))
+    has_master = any(k.split(".")[0] == "master" for k in flat(saved))
+    return _leaves(d, step, "master" if has_master else "params", None)
+
+
+def export(
+    directory: str | os.PathLike,
+    step: int | None,
+    out_path: str | os.PathLike,
+    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
+    tree: str = "params",
+    max_shard_size: int | str | None = None,
+) -> Path:
+    """Writes one tree of a step (the full parameters) as one file or as sharded safetensors.
+
+    Leaves are read from the checkpoint one at a time, so host memory stays near the largest
+    leaf. Floating leaves are cast to ``dtype``; others keep theirs. Read it back with
+    :func:`jzero.export.load_exported`, or load it with ``jzero.initialize(init_from=...)``.
+
+    Args:
+      directory: the checkpoint directory.
+      step: the step to export; ``None`` for the latest.
+      out_path: the file (``.npz`` writes numpy's format, anything else safetensors), or with
+        ``max_shard_size`` the directory of Hugging Face's sharded layout.
+      dtype: ``float32`` or ``bfloat16`` (``fp32``/``bf16``).
+      tree: the saved tree (a dotted path into the state), ``params`` by default.
+      max_shard_size: write ``model-00001-of-0000N.safetensors`` files of at most this size
+        (``5GB``, ``500MiB``, bytes) and ``model.safetensors.index.json`` into ``out_path``.
+
+    Returns:
+      The written file, or the index of a sharded export.
+    """
+    if dtype not in _DTYPES:
+        raise CheckpointError(
+            f"Export dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}."
+        )
+    step, entries, fetch = _leaves(directory, step, tree, np.dtype(_DTYPES[dtype]))
+    if max_shard_size is not None:
+        written = export_lib.write_sharded(Path(out_path), entries, fetch, max_shard_size)
+    else:
+        written = export_lib.write_leaves(Path(out_path), entries, fetch)
     logger.info("jzero: exported %d leaves of step %d to %s", len(entries), step, written)
     return written

@@ -35,13 +35,29 @@ def _inspect(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from jzero.checkpoint import export
 
-    out = export(args.directory, args.step, args.out, dtype=args.dtype, tree=args.tree)
-    print(f"wrote {args.tree} as {args.dtype} to {out} ({os.path.getsize(out):,} bytes)")
+    out = export(
+        args.directory,
+        args.step,
+        args.out,
+        dtype=args.dtype,
+        tree=args.tree,
+        max_shard_size=args.max_shard_size,
+    )
+    if args.max_shard_size is None:
+        print(f"wrote {args.tree} as {args.dtype} to {out} ({os.path.getsize(out):,} bytes)")
+        return 0
+    from jzero.export import read_index
+
+    root, weight_map, meta = read_index(out)
+    print(
+        f"wrote {args.tree} as {args.dtype} to {root}: {len(set(weight_map.values()))} "
+        f"safetensors file(s) ({meta['total_size']:,} bytes of tensors) and {out.name}"
+    )
     return 0
 
 
 def add_commands(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds ``checkpoint inspect DIR`` and ``checkpoint export DIR --out FILE`` to a CLI.
+    """Adds ``checkpoint inspect DIR`` and ``checkpoint export DIR --out PATH`` to a CLI.
 
     Args:
       subparsers: the object ``ArgumentParser.add_subparsers()`` returned.
@@ -72,10 +88,27 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     ins.set_defaults(func=_inspect)
-    exp = sub.add_parser("export", help="write the parameters as one safetensors or .npz file")
+    exp = sub.add_parser(
+        "export",
+        help="write the parameters as one safetensors or .npz file, or as sharded safetensors",
+        description=(
+            "Writes one tree of a checkpoint step, leaf by leaf. With --max-shard-size, --out is "
+            "a directory that receives Hugging Face's layout: model-00001-of-0000N.safetensors "
+            "files and model.safetensors.index.json."
+        ),
+    )
     exp.add_argument("directory", help="the checkpoint directory")
     exp.add_argument("--step", type=int, default=None, help="the step to export (latest)")
-    exp.add_argument("--out", required=True, help="the file: .npz, else safetensors")
+    exp.add_argument(
+        "--out",
+        required=True,
+        help="the file (.npz, else safetensors), or with --max-shard-size the directory",
+    )
+    exp.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="write sharded safetensors of at most this size per file (5GB, 500MiB, bytes)",
+    )
     exp.add_argument("--dtype", choices=("fp32", "bf16", "float32", "bfloat16"), default="fp32")
     exp.add_argument("--tree", default="params", help="the saved tree to export (params)")
     exp.set_defaults(func=_export)

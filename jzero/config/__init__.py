@@ -10,15 +10,19 @@ Every public name lives in one of the private modules below and is re-exported h
 * ``_validate``: the schema walk, "did you mean" suggestions, no-effect keys, cross-field rules.
 * ``_loading``: YAML/JSON reading and ``--set`` overrides (the only module importing PyYAML).
 * ``_batch``: DeepSpeed's batch arithmetic.
+* ``_auto``: ``"auto"`` values resolved from the code at ``jzero.initialize``.
 
 Decisions common to all of them: DeepSpeed's names, meanings and defaults (an existing
 ``ds_config.json`` loads unchanged); a ``Config`` is a frozen, hashable dataclass validated
 once; every user-input error is a ``ConfigError`` whose message ends with the fix.
 """
 
+from jzero.config._auto import resolve_auto as resolve_auto
+from jzero.config._batch import batch_from_first_batch as batch_from_first_batch
 from jzero.config._batch import resolve_batch_sizes as resolve_batch_sizes
 from jzero.config._common import ConfigError as ConfigError
 from jzero.config._common import FrozenMap as FrozenMap
+from jzero.config._common import JzeroConfigDeprecationWarning as JzeroConfigDeprecationWarning
 from jzero.config._common import JzeroConfigWarning as JzeroConfigWarning
 from jzero.config._loading import load_config as load_config
 from jzero.config._optimizers import OPTIMIZER_PARAMS as OPTIMIZER_PARAMS
@@ -49,6 +53,7 @@ __all__ = [
     "DataTypesConfig",
     "FP16Config",
     "FrozenMap",
+    "JzeroConfigDeprecationWarning",
     "JzeroConfigWarning",
     "MeshConfig",
     "OffloadConfig",
@@ -57,6 +62,8 @@ __all__ = [
     "TrainConfig",
     "ZeroConfig",
     "load_config",
+    "resolve_auto",
+    "batch_from_first_batch",
     "resolve_batch_sizes",
     "resolve_optimizer",
     "resolve_scheduler",

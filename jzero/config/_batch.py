@@ -21,6 +21,16 @@ def _nearest_multiple(value: int, base: int) -> int:
     return max(base, round(value / base) * base)
 
 
+def batch_from_first_batch(cfg: Config) -> bool:
+    """Whether the batch sizes are left to the first batch: neither ``train_batch_size`` nor
+    ``train_micro_batch_size_per_gpu`` is set and one of them is ``"auto"`` (Hugging Face's
+    templates, whose TrainingArguments know the batch). ``jzero.initialize`` then takes the
+    global batch from the leading dimension of the first batch given to ``train_step``."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    unset = cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None
+    return unset and any(k in cfg.auto for k in keys)
+
+
 def resolve_batch_sizes(cfg: Config, data_parallel_size: int) -> tuple[int, int, int]:
     """Resolves DeepSpeed's batch rule: train_batch_size = micro x accumulation x dp.
 
@@ -43,6 +53,17 @@ def resolve_batch_sizes(cfg: Config, data_parallel_size: int) -> tuple[int, int,
         cfg.gradient_accumulation_steps,
     )
     dp = data_parallel_size
+    written_auto = [
+        k for k in ("train_batch_size", "train_micro_batch_size_per_gpu") if k in cfg.auto
+    ]
+    if tbs is None and micro is None and written_auto:
+        raise ConfigError(
+            f'{" and ".join(written_auto)} {"is" if len(written_auto) == 1 else "are"} "auto", '
+            "but jzero has no batch size in the code to take them from (Hugging Face fills them "
+            "from its TrainingArguments); set train_micro_batch_size_per_gpu (the batch per "
+            "device, e.g. --set train_micro_batch_size_per_gpu=8) or train_batch_size (the "
+            "global batch)."
+        )
     if tbs is None and micro is None:
         raise ConfigError(
             "No batch size is set; set train_micro_batch_size_per_gpu (the batch per device) "

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
-__all__ = ["ConfigError", "FrozenMap", "JzeroConfigWarning"]
+__all__ = ["ConfigError", "FrozenMap", "JzeroConfigDeprecationWarning", "JzeroConfigWarning"]
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,14 @@ class ConfigError(ValueError):
 
 class JzeroConfigWarning(UserWarning):
     """DeepSpeed settings that were accepted but have no effect in jzero."""
+
+
+class JzeroConfigDeprecationWarning(JzeroConfigWarning, FutureWarning):
+    """DeepSpeed keys written with another (often deprecated) spelling, read as jzero's key.
+
+    A ``FutureWarning``, so Python shows it by default (a ``DeprecationWarning`` is hidden
+    outside ``__main__``).
+    """
 
 
 class FrozenMap(Mapping):

@@ -2,9 +2,12 @@
 
 Decisions:
 
-* **One wall.** PyYAML is imported here and nowhere else in jzero. YAML floats such as ``3e-4``
-  (which PyYAML would read as strings) are read as floats; ``.json`` files are read with
-  ``json``, so a DeepSpeed ``ds_config.json`` loads unchanged.
+* **One wall.** PyYAML and json5 are imported here and nowhere else in jzero. YAML floats such
+  as ``3e-4`` (which PyYAML would read as strings) are read as floats.
+* ``.json`` files are read as DeepSpeed reads them (``hjson``): comments and trailing commas
+  are allowed. A file that is strict JSON is read with ``json`` (so a repeated key is reported
+  with both lines); any other goes to ``json5`` (a repeated key is reported with its path, a
+  syntax error with its line).
 * Overrides are ``dotted.key=value`` strings whose value is read as a YAML scalar or flow
   mapping (``--set mesh.model=2``, ``--set 'model={d_model: 64}'``); they create the sections
   they go into.
@@ -15,7 +18,8 @@ Decisions:
 * A leading ``~`` in ``checkpoint.directory``, ``train.log_dir`` and ``data.path`` is expanded
   when the config is validated (``jzero.config._validate``), so the resolved config holds the
   absolute path.
-* The no-effect keys found by validation are listed in one ``JzeroConfigWarning``.
+* The no-effect keys found by validation are listed in one ``JzeroConfigWarning``, the other
+  spellings read as jzero's keys in one ``JzeroConfigDeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -29,9 +33,16 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import json5
 import yaml
 
-from jzero.config._common import ConfigError, JzeroConfigWarning, _show, _thaw
+from jzero.config._common import (
+    ConfigError,
+    JzeroConfigDeprecationWarning,
+    JzeroConfigWarning,
+    _show,
+    _thaw,
+)
 from jzero.config._schema import Config
 from jzero.config._validate import build_config
 
@@ -172,6 +183,19 @@ def _json_tree(node: Any, path: str) -> Any:
     return out
 
 
+def _read_json(text: str) -> Any:
+    """Strict JSON with each key's line; else JSON5 (comments, trailing commas), as hjson."""
+    try:
+        return _json_tree(_JsonDecoder().decode(text), "")
+    except json.JSONDecodeError:
+        pass
+
+    def pairs(items: list[tuple[str, Any]]) -> _JsonObject:
+        return _JsonObject(list(items), [0] * len(items))  # json5 gives no key positions
+
+    return _json_tree(json5.loads(text, object_pairs_hook=pairs), "")
+
+
 def _read_file(path: str | os.PathLike) -> Any:
     text_path = os.fspath(path)
     if not os.path.isfile(text_path):
@@ -183,11 +207,13 @@ def _read_file(path: str | os.PathLike) -> Any:
         text = fh.read()
     try:
         if text_path.endswith(".json"):
-            return _json_tree(_JsonDecoder().decode(text), "")
+            return _read_json(text)
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
+    except (ValueError, yaml.YAMLError) as err:  # json5's syntax errors are ValueErrors
+        message = str(err).replace("<string>:", "line ", 1)
         raise ConfigError(
-            f"The config file {text_path!r} is not valid YAML/JSON: {err}. Fix the syntax there."
+            f"The config file {text_path!r} is not valid YAML/JSON: {message}. Fix the syntax "
+            "there."
         ) from None
     except _DuplicateKey as err:
         raise ConfigError(_duplicate_message(err, f"the config file {text_path!r}")) from None
@@ -280,7 +306,15 @@ def load_config(
         raw["bf16"] = raw.pop("bfloat16")
     for override in overrides:
         _apply_override(raw, override)
-    cfg, noted = build_config(raw)
+    cfg, noted, renamed = build_config(raw)
+    if renamed:
+        lines = "\n".join(f"  - {path}: write {new}" for path, new in renamed)
+        warnings.warn(
+            "These DeepSpeed keys are other spellings of jzero's keys and were read as those:\n"
+            f"{lines}\nRename them to silence this warning.",
+            JzeroConfigDeprecationWarning,
+            stacklevel=2,
+        )
     if noted:
         lines = "\n".join(f"  - {path}: {reason}." for path, reason in noted)
         warnings.warn(

@@ -9,6 +9,9 @@ Decisions:
   with its value or default, so the optax side never guesses a default.
 * PyTorch implementation switches (``fused``, ``foreach`` ...) are accepted and listed in the
   no-effect warning; ``amsgrad`` and a ``last_batch_iteration`` other than -1 are refused.
+* ``"auto"`` (Hugging Face's templates) means "from the optax optimizer passed to
+  ``jzero.initialize``": loading accepts it (``auto_ok``), and ``jzero.config.resolve_auto``
+  either drops the section (an optimizer was passed) or refuses it, naming each such key.
 * Values are range-checked as ``torch.optim`` does: ``lr``, ``eps``, ``weight_decay``,
   ``momentum`` (and Adagrad's ``lr_decay``, ``initial_accumulator_value``) >= 0, each beta in
   [0, 1); every learning rate (and lr ratio) of a schedule >= 0. Numbers must be finite.
@@ -22,7 +25,13 @@ from typing import Any
 from jzero.config._common import ConfigError, _is_number, _show, _suggest
 from jzero.config._schema import OptimizerConfig, SchedulerConfig
 
-__all__ = ["OPTIMIZER_PARAMS", "SCHEDULER_PARAMS", "resolve_optimizer", "resolve_scheduler"]
+__all__ = [
+    "OPTIMIZER_PARAMS",
+    "SCHEDULER_PARAMS",
+    "auto_keys",
+    "resolve_optimizer",
+    "resolve_scheduler",
+]
 
 _REQUIRED = object()
 _ADAM = {
@@ -198,8 +207,27 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
     raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be {allowed}.")
 
 
+def auto_keys(section: OptimizerConfig | SchedulerConfig | None, path: str) -> list[str]:
+    """The dotted paths of the section's parameters written as ``"auto"``."""
+    if section is None:
+        return []
+    return [f"{path}.params.{k}" for k, v in section.params.items() if v == "auto"]
+
+
+def _refuse_auto(sub: str) -> ConfigError:
+    return ConfigError(
+        f'{sub}: "auto" takes the value from the optax optimizer passed to jzero.initialize, '
+        "and none was passed; pass optimizer=optax.adamw(...) (the config's optimizer and "
+        "scheduler sections are then not used) or write the value in the config."
+    )
+
+
 def resolve_optimizer(
-    opt: OptimizerConfig, path: str = "optimizer", *, no_effect: list | None = None
+    opt: OptimizerConfig,
+    path: str = "optimizer",
+    *,
+    no_effect: list | None = None,
+    auto_ok: bool = False,
 ) -> tuple[str, dict[str, Any]]:
     """Validates an optimizer section and fills in DeepSpeed's defaults.
 
@@ -207,6 +235,8 @@ def resolve_optimizer(
       opt: the ``optimizer`` section.
       path: its dotted path, for messages.
       no_effect: if given, (path, reason) pairs of accepted no-effect params are appended.
+      auto_ok: accept ``"auto"`` values (they are returned as the defaults); otherwise an
+        ``"auto"`` is an error.
 
     Returns:
       The lower-case optimizer name and every parameter with its value or default.
@@ -239,6 +269,10 @@ def resolve_optimizer(
                 f"{sub} is not a parameter of {_OPTIMIZER_NAMES[name]}{_suggest(key, spec)}; "
                 f"the allowed parameters are {', '.join(spec)}."
             )
+        if value == "auto":
+            if not auto_ok:
+                raise _refuse_auto(sub)
+            continue
         params[key] = _check_param(spec[key][0], value, sub)
         if key in _OPTIMIZER_NONNEGATIVE:
             _check_nonnegative(value, sub, "torch.optim refuses a negative value too")
@@ -272,13 +306,15 @@ def resolve_optimizer(
 
 
 def resolve_scheduler(
-    sched: SchedulerConfig, path: str = "scheduler"
+    sched: SchedulerConfig, path: str = "scheduler", *, auto_ok: bool = False
 ) -> tuple[str, dict[str, Any]]:
     """Validates a scheduler section and fills in DeepSpeed's defaults.
 
     Args:
       sched: the ``scheduler`` section.
       path: its dotted path, for messages.
+      auto_ok: accept ``"auto"`` values (they count as set, and are returned as the defaults,
+        None for a required one); otherwise an ``"auto"`` is an error.
 
     Returns:
       The canonical schedule name and every parameter with its value or default.
@@ -302,6 +338,12 @@ def resolve_scheduler(
                 f"{sub} is not a parameter of {name}{_suggest(key, spec)}; the allowed "
                 f"parameters are {', '.join(spec)}."
             )
+        if value == "auto":
+            if not auto_ok:
+                raise _refuse_auto(sub)
+            default = spec[key][1]
+            params[key] = None if default is _REQUIRED else default
+            continue
         params[key] = _check_param(spec[key][0], value, sub)
         if key in _SCHEDULER_NONNEGATIVE and value is not None:
             _check_nonnegative(value, sub, "a learning rate or lr ratio cannot be negative")

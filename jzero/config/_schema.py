@@ -11,7 +11,14 @@ Decisions:
   outermost (slowest-varying over the device list), the others follow in the order written,
   so the devices of one model-parallel group are neighbours.
 * ``Config.to_dict`` writes the YAML key names and leaves out no-effect keys at their default,
-  so ``load_config(cfg.to_dict()) == cfg``.
+  so ``load_config(cfg.to_dict()) == cfg``; a key recorded in ``Config.auto`` is written back
+  as ``"auto"``.
+* DeepSpeed's sections for features jzero does not have are accepted and listed in the
+  no-effect warning, except where ignoring them would train something else than what was
+  asked: ``pipeline.stages`` > 1, ``tensor_parallel.autotp_size`` > 1, ``expert_parallel``
+  with ``autoep_size`` > 1, ``sequence_parallel_size`` > 1, an enabled ``compression_training``
+  technique, ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are
+  errors (``jzero.config._validate``).
 """
 
 from __future__ import annotations
@@ -53,7 +60,10 @@ class OptimizerConfig:
     type: str
     """Optimizer name, case-insensitive: Adam, AdamW, Lamb, SGD, Adagrad, Lion."""
     params: Mapping[str, Any] = _field(factory=FrozenMap)
-    """Constructor parameters with DeepSpeed / PyTorch names (lr, betas, eps, weight_decay ...)."""
+    """Constructor parameters with DeepSpeed / PyTorch names (lr, betas, eps, weight_decay ...);
+    "auto" takes the value from the optax optimizer passed to ``jzero.initialize``."""
+    legacy_fusion: bool = _field(False, no_effect="XLA fuses the update itself")
+    """DeepSpeed: the old fused Adam/Lamb kernels. No effect."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,12 @@ class CheckpointConfig:
     overwrite: bool = False
     """jzero's own: a run started without resuming may replace the checkpoints an earlier run
     left in ``directory``; false refuses to start such a run."""
+    init_from: str | None = _field(None, path=True)
+    """jzero's own: start from these weights instead of a fresh initialisation: a
+    ``.safetensors`` file, a sharded export (a directory with ``model.safetensors.index.json``)
+    or a jzero checkpoint directory, loaded straight into the plan's shardings (see
+    ``jzero.initialize(init_from=...)``, which takes precedence). A resumed run restores its
+    own checkpoint over it."""
     tag_validation: str = _field("Warn", no_effect=_CKPT)
     """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""
     load_universal: bool = _field(False, no_effect=_CKPT)
@@ -125,9 +141,14 @@ class CheckpointConfig:
     """DeepSpeed: write checkpoints to node-local storage. No effect."""
     parallel_write: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
     """DeepSpeed: parallel checkpoint writing. No effect."""
+    checkpoint_serialization: bool = _field(True, no_effect=_CKPT)
+    """DeepSpeed: torch.save's serialization format. No effect."""
+    writer: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
+    """DeepSpeed: the checkpoint writer (fast, decoupled ...). No effect."""
 
 
-_AUTO = {"auto": True}
+_AUTO = {"auto": None}  # "auto" loads as None: derived from the other two and the mesh
+_PARALLEL = "jzero parallelises over the data axis (and your own mesh axes) only"
 
 
 @dataclass(frozen=True)
@@ -140,8 +161,9 @@ class Config:
     """Batch per device per forward/backward pass; "auto" ok."""
     gradient_accumulation_steps: int | None = _field(None, min=1, **_AUTO)
     """Micro-batches accumulated per optimizer step; "auto" ok."""
-    gradient_clipping: float = _field(1.0, min=0.0)
-    """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0)."""
+    gradient_clipping: float = _field(1.0, min=0.0, auto=1.0)
+    """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0, which
+    "auto" gives too)."""
     steps_per_print: int | None = _field(10, min=1)
     """Log every this many steps; None never."""
     seed: int = 0
@@ -235,6 +257,58 @@ class Config:
     """DeepSpeed monitor. No effect."""
     comet: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
     """DeepSpeed monitor. No effect."""
+    timers: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
+    """DeepSpeed: throughput timers. No effect."""
+    log_level: str = _field("info", no_effect="jzero logs through Python's logging module")
+    """DeepSpeed: its logger's level. No effect (set the level of the ``jzero`` logger)."""
+    hybrid_engine: Mapping[str, Any] | None = _field(
+        None, no_effect=_NOT_IMPLEMENTED + " (DeepSpeed-Chat's RLHF generation engine)"
+    )
+    """DeepSpeed-Chat: switch between training and inference kernels. No effect."""
+    compression_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed Compression. Accepted only with every technique disabled: an enabled one
+    would change the model that is trained, so it is an error."""
+    data_efficiency: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: data sampling and routing. No effect (the batches are the ones you pass)."""
+    curriculum_learning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: legacy curriculum learning. No effect."""
+    progressive_layer_drop: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: progressive layer dropping. No effect."""
+    eigenvalue: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: Hessian eigenvalue estimation. No effect."""
+    quantize_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    """DeepSpeed: MoQ quantize-aware training. No effect."""
+    sparse_attention: Mapping[str, Any] | None = _field(
+        None, no_effect="attention is the model's code in JAX"
+    )
+    """DeepSpeed: sparse attention kernels. No effect."""
+    nebula: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
+    """DeepSpeed: Azure Nebula checkpointing. No effect."""
+    graph_harvesting: bool = _field(False, no_effect="jzero always compiles with XLA")
+    """DeepSpeed: CUDA graph harvesting. No effect."""
+    use_data_before_expert_parallelism: bool = _field(False, no_effect=_PARALLEL)
+    """DeepSpeed: process-group order for MoE. No effect."""
+    seq_parallel_communication_data_type: str = _field("fp32", no_effect=_PARALLEL)
+    """DeepSpeed: dtype of sequence-parallel collectives. No effect."""
+    pipeline: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
+    """DeepSpeed: pipeline parallelism. Accepted with ``stages`` "auto" or 1 (one stage is what
+    jzero runs); more stages are an error."""
+    tensor_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
+    """DeepSpeed AutoTP. Accepted with ``autotp_size`` 0 or 1; more is an error (shard
+    parameters over a model axis with ``mesh`` and ``param_specs`` instead)."""
+    expert_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
+    """DeepSpeed AutoEP. Accepted disabled or with ``autoep_size`` 1; more is an error."""
+    sequence_parallel_size: int = _field(1, min=1, no_effect=_PARALLEL)
+    """DeepSpeed: Ulysses sequence parallelism. Accepted at 1; more is an error."""
+    gradient_allreduce_op: str = "mean"
+    """DeepSpeed: how gradients are combined over the data axis. jzero averages them, so
+    only "mean" (DeepSpeed's default) is accepted."""
+    managed_gradient_accumulation: bool = True
+    """DeepSpeed: the engine decides the accumulation boundary (true, the default). jzero's
+    ``train_step`` is always a whole optimizer step, so false is an error."""
+    auto: tuple[str, ...] = _field((), internal=True)
+    """Not a key: the dotted keys written as "auto", in the order read. ``resolve_auto``
+    (called by ``jzero.initialize``) resolves them and empties this."""
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain dicts and lists with the YAML key names.
@@ -242,20 +316,27 @@ class Config:
         No-effect DeepSpeed keys appear only when they differ from their default, so
         ``load_config(cfg.to_dict()) == cfg``.
         """
-        return _to_dict(self)
+        return _to_dict(self, "", frozenset(self.auto))
 
 
-def _to_dict(obj: Any) -> Any:
+def _to_dict(obj: Any, path: str = "", auto: frozenset[str] = frozenset()) -> Any:
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            if f.metadata.get("no_effect") and value == _default_of(f):
+            key = f.metadata.get("key", f.name)
+            sub = f"{path}.{key}" if path else key
+            if sub in auto:
+                out[key] = "auto"
+                continue
+            if f.metadata.get("internal") or (
+                f.metadata.get("no_effect") and value == _default_of(f)
+            ):
                 continue
             if f.metadata.get("rest"):  # its keys sit beside the section's own keys
                 out.update(_to_dict(value))
                 continue
-            out[f.metadata.get("key", f.name)] = _to_dict(value)
+            out[key] = _to_dict(value, sub, auto)
         return out
     return _thaw(obj)
 

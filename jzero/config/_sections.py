@@ -9,6 +9,10 @@ Decisions:
 * A key that has no meaning under XLA carries its reason in ``no_effect`` metadata: it is
   accepted and listed in one warning. NVMe offload is refused (``refuse``) with the reason.
 * Every field has a docstring; they are the reference for the YAML keys.
+* A field with ``auto`` metadata accepts ``"auto"`` (what Hugging Face's and Accelerate's
+  DeepSpeed templates write): the config holds the metadata's value and records the key in
+  ``Config.auto``; ``jzero.config.resolve_auto`` (called by ``jzero.initialize``) resolves the
+  keys that depend on the code (``bf16.enabled``, ``fp16.enabled``) and logs them all.
 """
 
 from __future__ import annotations
@@ -84,24 +88,29 @@ class ZeroConfig:
     stage: StageNumber = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
     allowed values are the rows of :data:`jzero.stages.STAGES`)."""
-    stage3_param_persistence_threshold: int = _field(100_000, min=0)
-    """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5)."""
+    stage3_param_persistence_threshold: int = _field(100_000, min=0, auto=100_000)
+    """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5).
+    "auto" is the default, 1e5 (Hugging Face would write 10 x hidden size)."""
     offload_optimizer: OffloadConfig = _field(factory=OffloadConfig)
     """Optimizer-state offload to host memory (stages 1-3)."""
     offload_param: OffloadConfig = _field(factory=OffloadConfig)
     """Parameter offload to host memory (stage 3 only)."""
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    """Stage 3: gather the full weights when the model is saved for export."""
+    stage3_gather_16bit_weights_on_model_save: bool = _field(False, auto=False)
+    """Stage 3: gather the full weights when the model is saved for export; "auto": false."""
     allgather_partitions: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: all-gather vs. broadcasts after the step. No effect."""
-    allgather_bucket_size: int = _field(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
+    allgather_bucket_size: int = _field(
+        500_000_000, min=0, auto=500_000_000, no_effect=_XLA_COLLECTIVES
+    )
     """DeepSpeed: elements per all-gather bucket. No effect."""
     reduce_scatter: bool = _field(
         True, no_effect=_XLA_COLLECTIVES + "; the stage decides the reduction"
     )
     """DeepSpeed: reduce-scatter vs. all-reduce for gradients. No effect (the stage decides)."""
-    reduce_bucket_size: int = _field(500_000_000, min=0, no_effect=_XLA_COLLECTIVES)
-    """DeepSpeed: elements per reduction bucket. No effect."""
+    reduce_bucket_size: int = _field(
+        500_000_000, min=0, auto=500_000_000, no_effect=_XLA_COLLECTIVES
+    )
+    """DeepSpeed: elements per reduction bucket. No effect ("auto": the default)."""
     use_multi_rank_bucket_allreduce: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: merge reduce buckets of ranks into one all-reduce. No effect."""
     overlap_comm: bool | None = _field(None, no_effect=_XLA_OVERLAP)
@@ -114,24 +123,27 @@ class ZeroConfig:
         1_000_000_000, min=0, no_effect="the optimizer step is one compiled op"
     )
     """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
-    stage3_prefetch_bucket_size: int | None = _field(None, min=0)
+    stage3_prefetch_bucket_size: int | None = _field(None, min=0, auto=None)
     """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
     scan may start its forward all-gather at an earlier use, as long as what is gathered from
     there to its own use is at most this many elements (the tie that orders the gathers moves
     earlier; XLA decides within that). Not set: 0, each gather waits for its own use, so about
     one layer is gathered at a time (DeepSpeed's default, 5e7, would gather all of a model under
     50M elements at the start). Scanned layers and the backward pass are not prefetched: a
-    scan body gathers its own layer, and a backward gather waits for its use's gradient."""
-    stage3_max_live_parameters: int = _field(1_000_000_000, min=0)
+    scan body gathers its own layer, and a backward gather waits for its use's gradient.
+    "auto" is "not set" (Hugging Face would write 0.9 x hidden size squared)."""
+    stage3_max_live_parameters: int = _field(1_000_000_000, min=0, auto=1_000_000_000)
     """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
     layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
-    must fit: a smaller value is an error at the first step that names both numbers."""
+    must fit: a smaller value is an error at the first step that names both numbers. It also
+    caps what ``stage3_max_reuse_distance`` keeps. 0 (as some published configs write) keeps
+    nothing gathered beyond the unit in use, as DeepSpeed does with it: no error."""
     reshard_after_forward: bool = True
     """jzero's own (FSDP2's name): at stage 3, drop each gathered weight after its forward use
     and gather it again in the backward pass (3 Psi of traffic, about one layer of weights live
     at a time). ``false`` keeps the gathered weights from the forward to the backward pass: 2 Psi
     of traffic, but every gathered weight is alive at the peak, about the whole model."""
-    stage3_max_reuse_distance: int | None = _field(None, min=0)
+    stage3_max_reuse_distance: int | None = _field(None, min=0, auto=None)
     """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
     gathered parameters. Here: from the traced order of the gathers outside scans, a leaf
     whose every next use (a later forward use, e.g. a tied embedding; then its backward use,
@@ -139,7 +151,7 @@ class ZeroConfig:
     its backward use, while the kept elements plus the largest gathered unit stay within
     ``stage3_max_live_parameters``. Not set: every use gathers (DeepSpeed's default, 1e9,
     would keep nearly every parameter of a model under 500M elements gathered from its
-    forward to its backward use)."""
+    forward to its backward use). "auto" is "not set"."""
     stage3_model_persistence_threshold: int = _field(
         2**63 - 1, min=0, no_effect="jzero bounds persistence per parameter only"
     )
@@ -201,8 +213,9 @@ class BF16Config:
     true, unless the top-level ``skip_nonfinite`` is set: then that decides.
     """
 
-    enabled: bool = False
-    """Compute in bfloat16 with fp32 master weights."""
+    enabled: bool = _field(False, auto=False)
+    """Compute in bfloat16 with fp32 master weights. "auto": true when every floating-point
+    parameter passed to ``jzero.initialize`` is bfloat16 (and fp16 is not enabled), else false."""
     check_grad_overflow: bool = True
     """Skip a step whose gradients are inf/NaN (DeepSpeed >= 0.19: true); false applies it."""
     skip_nonfinite: bool = False
@@ -219,8 +232,10 @@ class BF16Config:
 class FP16Config:
     """``fp16``: float16 mixed precision with (dynamic) loss scaling, DeepSpeed's defaults."""
 
-    enabled: bool = False
-    """Compute in float16 with fp32 master weights and loss scaling."""
+    enabled: bool = _field(False, auto=False)
+    """Compute in float16 with fp32 master weights and loss scaling. "auto": true when every
+    floating-point parameter passed to ``jzero.initialize`` is float16 (and bf16 is not
+    enabled), else false."""
     loss_scale: float = _field(0.0, min=0.0)
     """0 means dynamic loss scaling; any other value is a fixed loss scale."""
     initial_scale_power: int = _field(16, min=0)
@@ -280,17 +295,12 @@ class ActivationCheckpointingConfig:
     pass (a ``jax.checkpoint`` offload policy). Needs a policy that checkpoints something (not
     ``none`` at stages 0-2). On CPU devices it changes nothing measurable: host and device
     memory are the same there."""
-    partition_activations: bool = _field(
-        False,
-        no_effect=(
-            "the saved activations are not split over a model axis; jzero's layers run data "
-            "parallel"
-        ),
-    )
-    """DeepSpeed: partition checkpointed activations over model-parallel ranks. No effect. With
-    a ``model`` mesh axis it would shard each saved layer input over that axis and all-gather it
-    before the recomputation; jzero does not implement that (the saved values keep the
-    sharding the compiler gives them)."""
+    partition_activations: bool = False
+    """DeepSpeed: partition checkpointed activations over model-parallel ranks. Here: each
+    checkpointed layer's saved input is split over the mesh's axes besides ``data`` that have
+    more than one device (e.g. ``mesh: {data: 4, model: 2}``), and gathered back before the
+    layer is recomputed. Without such an axis, or without a policy that checkpoints, it has no
+    effect and is listed in the warning."""
     contiguous_memory_optimization: bool = _field(
         False, no_effect="XLA allocates activations itself"
     )
@@ -298,7 +308,7 @@ class ActivationCheckpointingConfig:
     number_checkpoints: int | None = _field(
         None,
         min=0,
-        no_effect="there is one checkpoint per scanned layer, in buffers XLA allocates",
+        no_effect="there is one checkpoint per layer, in buffers XLA allocates",
     )
     """DeepSpeed: number of checkpoints, to size the contiguous buffer. No effect: every
     iteration of a scan is one checkpoint."""

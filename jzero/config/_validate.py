@@ -6,8 +6,16 @@ Decisions:
   the extra rules. Every error names the dotted path, the value as written, what is allowed,
   and the fix; an unknown key suggests the closest known key ("did you mean").
 * Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
-  ``load_config`` in one ``JzeroConfigWarning``); *refused* (NVMe offload, deprecated
-  aliases) with an error naming what is supported.
+  ``load_config`` in one ``JzeroConfigWarning``); *refused* (NVMe offload, DeepSpeed features
+  whose absence would train something else) with an error naming what is supported.
+* Other spellings DeepSpeed 0.19 accepts in ``zero_optimization`` (its pydantic field names
+  such as ``prefetch_bucket_size`` for ``stage3_prefetch_bucket_size``, and the deprecated
+  ``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory``,
+  ``stage3_gather_fp16_weights_on_model_save``) are rewritten to jzero's key before the walk;
+  ``load_config`` names the new spelling of each in one ``JzeroConfigDeprecationWarning``.
+  Both spellings at once are an error.
+* ``"auto"`` on a field with ``auto`` metadata loads as that value and is recorded in
+  ``Config.auto`` (see ``jzero.config._auto``); an ``internal`` field is not a key.
 * A field with ``rest`` metadata (``mesh.axes``) takes every key of its section that is not a
   field: the other mesh axes. Their names are checked against ``data`` (a near miss such as
   ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
@@ -50,14 +58,16 @@ def _check_number_range(value: int | float, meta: Mapping[str, Any], path: str) 
         raise ConfigError(f"{path}: 0 is not allowed; it must be -1 (all devices) or >= 1.")
 
 
-def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list) -> Any:
+def _coerce(
+    value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list, autos: list
+) -> Any:
     """Checks ``value`` against the type hint ``tp``; returns the normalised value."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], path, meta, noted)
+        return _coerce(value, args[0], path, meta, noted, autos)
     if origin is Literal:
         allowed = typing.get_args(tp)
         norm = value.lower() if isinstance(value, str) else value
@@ -76,7 +86,7 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list
             )
         return norm
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, noted)
+        return _build(tp, value, path, noted, autos)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be true or false.")
@@ -102,17 +112,79 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list
     raise TypeError(f"jzero.config has no rule for the type {tp!r} of {path}.")  # our bug
 
 
-_DEPRECATED = {
-    "zero_optimization.cpu_offload": "offload_optimizer: {device: cpu}",
-    "zero_optimization.cpu_offload_param": "offload_param: {device: cpu}",
-    "zero_optimization.cpu_offload_use_pin_memory": "pin_memory under offload_optimizer/param",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
-        "stage3_gather_16bit_weights_on_model_save"
-    ),
+# zero_optimization: another spelling DeepSpeed 0.19 accepts -> jzero's key.
+_ZERO_ALIASES = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    **{
+        name: f"stage3_{name}"  # DeepSpeedZeroConfig's field names (its aliases are ours)
+        for name in (
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "model_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "gather_16bit_weights_on_model_save",
+            "module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "allgather_sequential",
+        )
+    },
 }
+# Deprecated booleans: true -> that offload section with device cpu.
+_OFFLOAD_ALIASES = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+_PIN_ALIAS = "cpu_offload_use_pin_memory"
 
 
-def _build(cls: type, raw: Any, path: str, noted: list) -> Any:
+def _apply_aliases(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[tuple[str, str]]]:
+    """Rewrites DeepSpeed's other ``zero_optimization`` spellings to jzero's keys.
+
+    Returns:
+      The raw config (a copy where something changed) and ``(old path, new spelling)`` pairs.
+    """
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return raw, []
+    zero, renamed = dict(zero), []
+
+    def take(old: str, new: str, value: Any, shown: str) -> None:
+        if new in zero:
+            raise ConfigError(
+                f"zero_optimization.{old} and zero_optimization.{new} are both set, but {old} "
+                f"is another spelling of {new}; keep only {new}."
+            )
+        zero[new] = value
+        renamed.append((f"zero_optimization.{old}", shown))
+
+    for old, new in _ZERO_ALIASES.items():
+        if old in zero:
+            take(old, new, zero.pop(old), new)
+    for old, new in _OFFLOAD_ALIASES.items():
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"zero_optimization.{old}: {_show(value)} is not allowed; it must be true or false."
+            )
+        if value:
+            take(old, new, {"device": "cpu"}, f"{new}: {{device: cpu}}")
+        elif new in zero:  # false adds nothing to the section written beside it
+            renamed.append((f"zero_optimization.{old}", f"{new} (false: remove it)"))
+        else:
+            take(old, new, {"device": "none"}, f"{new}: {{device: none}}")
+    if _PIN_ALIAS in zero:
+        value = zero.pop(_PIN_ALIAS)
+        for new in ("offload_optimizer", "offload_param"):
+            section = zero.get(new)
+            if isinstance(section, Mapping) and "pin_memory" not in section:
+                zero[new] = {**section, "pin_memory": value}
+        renamed.append(
+            (f"zero_optimization.{_PIN_ALIAS}", "pin_memory under offload_optimizer/offload_param")
+        )
+    return {**raw, "zero_optimization": zero}, renamed
+
+
+def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
     """Builds dataclass ``cls`` from the mapping ``raw``; no-effect keys go to ``noted``."""
     if not isinstance(raw, Mapping):
         where = path or "The config"
@@ -120,7 +192,11 @@ def _build(cls: type, raw: Any, path: str, noted: list) -> Any:
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     rest = next((f for f in fields if f.metadata.get("rest")), None)
-    by_key = {f.metadata.get("key", f.name): f for f in fields if f is not rest}
+    by_key = {
+        f.metadata.get("key", f.name): f
+        for f in fields
+        if f is not rest and not f.metadata.get("internal")
+    }
     if rest is not None:
         others = {k: v for k, v in raw.items() if k not in by_key}
         raw = {k: v for k, v in raw.items() if k in by_key}
@@ -129,9 +205,7 @@ def _build(cls: type, raw: Any, path: str, noted: list) -> Any:
     errors = []
     for key in raw:
         sub = _join(path, key)
-        if sub in _DEPRECATED:
-            errors.append(f"{sub} is a deprecated DeepSpeed key; write {_DEPRECATED[sub]} instead.")
-        elif key not in by_key:
+        if key not in by_key:
             errors.append(
                 f"{sub} is not a known key{_suggest(str(key), by_key)}; remove it or fix its name."
             )
@@ -145,9 +219,10 @@ def _build(cls: type, raw: Any, path: str, noted: list) -> Any:
             continue
         value = raw[key]
         sub = _join(path, key)
-        if f.metadata.get("auto") and value == "auto":
-            value = None
-        kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted)
+        if "auto" in f.metadata and value == "auto":
+            value = f.metadata["auto"]
+            autos.append(sub)
+        kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted, autos)
         reason = f.metadata.get("no_effect")
         disabled = isinstance(value, Mapping) and value.get("enabled") is False
         if reason and not disabled:
@@ -224,16 +299,17 @@ def _check_config(cfg: Config, noted: list) -> None:
             "the devices left over; give every other axis a size."
         )
     if cfg.optimizer is not None:
-        resolve_optimizer(cfg.optimizer, no_effect=noted)
+        resolve_optimizer(cfg.optimizer, no_effect=noted, auto_ok=True)
     if cfg.scheduler is not None:
-        resolve_scheduler(cfg.scheduler)
+        resolve_scheduler(cfg.scheduler, auto_ok=True)
+    _check_unsupported_parallelism(cfg)
     for key in _MODEL_INTS:
         value = cfg.model.get(key)
         if value is not None and not (_is_number(value) and value == int(value) and value >= 1):
             raise ConfigError(
                 f"model.{key}: {_show(value)} is not allowed; it must be a positive integer."
             )
-    _check_activation_checkpointing(cfg)
+    _check_activation_checkpointing(cfg, noted)
     heads, width = cfg.model.get("num_heads"), cfg.model.get("d_model")
     if heads and width and width % heads:
         raise ConfigError(
@@ -242,12 +318,96 @@ def _check_config(cfg: Config, noted: list) -> None:
         )
 
 
-def _check_activation_checkpointing(cfg: Config) -> None:
+def _size(section: Mapping[str, Any] | None, *keys: str) -> Any:
+    """The value at ``keys`` under ``section``, or None."""
+    for key in keys:
+        if not isinstance(section, Mapping):
+            return None
+        section = section.get(key)
+    return section
+
+
+def _enabled_techniques(node: Any, path: str) -> list[str]:
+    """Dotted paths of every ``enabled: true`` under a ``compression_training`` section."""
+    if not isinstance(node, Mapping):
+        return []
+    found = [path] if node.get("enabled") is True else []
+    for key, value in node.items():
+        found += _enabled_techniques(value, f"{path}.{key}")
+    return found
+
+
+def _check_unsupported_parallelism(cfg: Config) -> None:
+    """DeepSpeed features whose absence would train something else than what was asked."""
+    errors = []
+
+    def over_one(value: Any) -> bool:
+        return _is_number(value) and value > 1
+
+    num_stages = _size(cfg.pipeline, "stages")
+    if over_one(num_stages):
+        errors.append(
+            f"pipeline.stages: {_show(num_stages)} asks for pipeline parallelism, which jzero "
+            "does not have (every device of the data axis runs the whole model, sharded by "
+            "ZeRO); remove the pipeline section or set stages: 1, and use ZeRO stage 3 to fit "
+            "a large model."
+        )
+    for keys in (("autotp_size",), ("tp", "tp_size"), ("tensor_parallel", "tp_size")):
+        value = _size(cfg.tensor_parallel, *keys)
+        if over_one(value):
+            errors.append(
+                f"tensor_parallel.{'.'.join(keys)}: {_show(value)} asks for DeepSpeed's "
+                "automatic tensor parallelism, which jzero does not have; remove it, and shard "
+                "parameters over a model axis yourself with mesh: {data: -1, model: N} and "
+                "jzero.initialize(..., param_specs=...)."
+            )
+    ep = cfg.expert_parallel
+    ep_size = _size(ep, "autoep_size")
+    if isinstance(ep, Mapping) and ep.get("enabled") is True and over_one(ep_size):
+        errors.append(
+            f"expert_parallel.autoep_size: {_show(ep_size)} asks for expert parallelism, which "
+            "jzero does not have; set autoep_size: 1 or enabled: false (every expert is then "
+            "trained data parallel, sharded by ZeRO)."
+        )
+    if cfg.sequence_parallel_size > 1:
+        errors.append(
+            f"sequence_parallel_size: {cfg.sequence_parallel_size} asks for sequence "
+            "parallelism, which jzero does not have; remove it (or set 1)."
+        )
+    enabled = _enabled_techniques(cfg.compression_training, "compression_training")
+    if enabled:
+        errors.append(
+            f"{', '.join(enabled)}: DeepSpeed Compression would change the model that is "
+            "trained (quantization, pruning, layer reduction), and jzero does not implement it; "
+            "set enabled: false there or remove the compression_training section."
+        )
+    if cfg.gradient_allreduce_op.lower() != "mean":
+        errors.append(
+            f"gradient_allreduce_op: {_show(cfg.gradient_allreduce_op)} is not supported: jzero "
+            "averages gradients over the data axis (DeepSpeed's default, mean); remove it or "
+            "set it to mean, and scale the loss yourself to get a sum."
+        )
+    if not cfg.managed_gradient_accumulation:
+        errors.append(
+            "managed_gradient_accumulation: false is not supported: every engine.train_step is "
+            "a whole optimizer step over gradient_accumulation_steps micro-batches; remove it "
+            "and set gradient_accumulation_steps: 1 to update after every batch."
+        )
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
+def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
     ac = cfg.activation_checkpointing
     try:
         policy = parse_policy(ac.policy)
     except ValueError as e:
         raise ConfigError(f"activation_checkpointing.policy: {e}") from None
+    model_axes = [a for a, n in cfg.mesh.sizes().items() if a != "data" and n not in (0, 1)]
+    if ac.partition_activations and (not model_axes or policy is None or not policy.active):
+        why = "no policy checkpoints the layers" if model_axes else "the mesh has no axis "
+        why += "" if model_axes else "besides data to split the saved activations over"
+        noted.append(("activation_checkpointing.partition_activations", why))
     stage = cfg.zero_optimization.stage
     # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.remat).
     gathers = stages.stage_spec(stage).shard_params
@@ -273,24 +433,30 @@ def _resolve_activation_checkpointing(cfg: Config, raw: Mapping[str, Any]) -> Co
     return dataclasses.replace(cfg, activation_checkpointing=ac)
 
 
-def build_config(raw: Mapping[str, Any]) -> tuple[Config, list[tuple[str, str]]]:
+def build_config(
+    raw: Mapping[str, Any],
+) -> tuple[Config, list[tuple[str, str]], list[tuple[str, str]]]:
     """Validates a raw config mapping.
 
     Args:
       raw: the config as plain dicts and lists, with DeepSpeed's key names.
 
     Returns:
-      The ``Config`` and the ``(dotted path, reason)`` of every no-effect key present.
+      The ``Config``, the ``(dotted path, reason)`` of every no-effect key present, and the
+      ``(dotted path, new spelling)`` of every other spelling rewritten to jzero's key.
 
     Raises:
       ConfigError: for an unknown key, a wrong value or an impossible combination.
     """
     noted: list[tuple[str, str]] = []
-    cfg = _build(Config, raw, "", noted)
+    autos: list[str] = []
+    raw, renamed = _apply_aliases(raw)
+    cfg = _build(Config, raw, "", noted, autos)
+    cfg = dataclasses.replace(cfg, auto=tuple(autos))
     data_path = cfg.data.get("path")
     if isinstance(data_path, str) and data_path.startswith("~"):
         data = FrozenMap({**cfg.data, "path": os.path.expanduser(data_path)})
         cfg = dataclasses.replace(cfg, data=data)
     cfg = _resolve_activation_checkpointing(cfg, raw)
     _check_config(cfg, noted)
-    return cfg, noted
+    return cfg, noted, renamed
