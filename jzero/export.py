@@ -224,6 +224,22 @@ def write_leaves(
     return out
 
 
+def path_parts(path: tuple[Any, ...]) -> tuple[PathEntry, ...]:
+    """A ``jax.tree_util`` key path as plain parts: list indices as ints, dict keys as strings,
+    anything else (an attribute) as its dotted text."""
+    import jax  # only here: the rest of this module needs no JAX
+
+    out: list[PathEntry] = []
+    for k in path:
+        if isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        else:
+            out.append(jax.tree_util.keystr((k,), simple=True, separator="."))
+    return tuple(out)
+
+
 def leaf_entries(tree: Any, dtype: Any = None) -> list[ExportEntry]:
     """One :class:`ExportEntry` per leaf of a pytree of arrays (or ``ShapeDtypeStruct``).
 
@@ -238,14 +254,7 @@ def leaf_entries(tree: Any, dtype: Any = None) -> list[ExportEntry]:
 
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        parts: list[PathEntry] = []
-        for k in path:
-            if isinstance(k, jax.tree_util.SequenceKey):
-                parts.append(k.idx)
-            elif isinstance(k, jax.tree_util.DictKey):
-                parts.append(str(k.key))
-            else:
-                parts.append(jax.tree_util.keystr((k,), simple=True, separator="."))
+        parts = list(path_parts(path))
         own = np.dtype(x.dtype)
         floating = np.issubdtype(own, np.floating) or own == np.dtype(ml_dtypes.bfloat16)
         out.append(

@@ -44,9 +44,9 @@ from jzero.checkpoint.layout import (
     StepCheck,
     first_problem,
     flat,
-    path_parts,
     verify_step,
 )
+from jzero.export import path_parts
 
 __all__ = [
     "CheckpointInfo",

@@ -63,18 +63,6 @@ def path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-def path_parts(path: tuple[Any, ...]) -> tuple[str | int, ...]:
-    out: list[str | int] = []
-    for k in path:
-        if isinstance(k, jax.tree_util.SequenceKey):
-            out.append(k.idx)
-        elif isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        else:
-            out.append(path_str((k,)))
-    return tuple(out)
-
-
 # -- the file record and damage ------------------------------------------------------------
 def _step_files(step_dir: Path) -> list[Path]:
     return sorted(
