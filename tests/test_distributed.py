@@ -124,6 +124,20 @@ def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "jzero.launch", *args]
 
 
+def run_two(script: str, *args: str, timeout: float = 400) -> dict:
+    """Runs ``tests/<script> args`` as two processes of 4 devices under ``jzero launch``;
+    returns the JSON record process 0 printed."""
+    c = Children()
+    try:
+        cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
+        p = c.start([*cmd, str(TESTS / script), *args], child_env())
+        assert c.finish(p, timeout=timeout) == 0, "".join(p.out + p.err)
+        line = next(line for line in p.out if line.startswith("[p0] {"))
+        return json.loads(line.split(" ", 1)[1])
+    finally:
+        c.kill_all()
+
+
 # -- 2 processes x 4 devices against 1 process x 8 devices ---------------------------------------
 @pytest.fixture(scope="module")
 def runs():

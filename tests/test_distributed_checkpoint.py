@@ -1,15 +1,12 @@
 """A checkpoint written by two processes (4 devices each) restores in one process with 8
 devices, and the reverse, and training goes on as if nothing had changed."""
 
-import json
-import sys
-
 import dist_ckpt
 import dist_train
 import numpy as np
 import pytest
 import toy
-from test_distributed import LOSS_RTOL, TESTS, Children, child_env, launcher
+from test_distributed import LOSS_RTOL, run_two
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +17,7 @@ def reference():
 
 
 def launch_two(mode: str, directory) -> dict:
-    c = Children()
-    try:
-        cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
-        p = c.start([*cmd, str(TESTS / "dist_ckpt.py"), mode, str(directory)], child_env())
-        assert c.finish(p, timeout=400) == 0, "".join(p.out + p.err)
-        line = next(line for line in p.out if line.startswith("[p0] {"))
-        return json.loads(line.split(" ", 1)[1])
-    finally:
-        c.kill_all()
+    return run_two("dist_ckpt.py", mode, str(directory))
 
 
 def test_saved_by_two_processes_restored_in_one(tmp_path, reference):

@@ -281,17 +281,9 @@ def test_each_shard_reads_only_its_own_bytes(tmp_path, monkeypatch):
 
 
 def _launch_two(mode, directory):
-    from test_distributed import TESTS, Children, child_env, launcher
+    from test_distributed import run_two
 
-    c = Children()
-    try:
-        cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
-        p = c.start([*cmd, str(TESTS / "dist_weights.py"), mode, str(directory)], child_env())
-        assert c.finish(p, timeout=300) == 0, "".join(p.out + p.err)
-        line = next(line for line in p.out if line.startswith("[p0] {"))
-        return json.loads(line.split(" ", 1)[1])
-    finally:
-        c.kill_all()
+    return run_two("dist_weights.py", mode, str(directory), timeout=300)
 
 
 def test_two_processes_export_each_its_own_files_and_import_their_own_shards(tmp_path):
