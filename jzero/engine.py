@@ -480,18 +480,7 @@ def _close_open_engines() -> None:
 def _optimizer(
     cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
 ) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
-    if optimizer is not None:
-        if cfg.optimizer is not None:
-            raise ValueError(
-                "An optax optimizer was passed to jzero.initialize and the config has an "
-                f"'optimizer' section ({cfg.optimizer.type}). Pass one of the two."
-            )
-        if cfg.scheduler is not None:
-            raise ValueError(
-                "The config has a 'scheduler' section, but jzero can't change the learning rate "
-                "of an optax optimizer it did not build. Put the schedule into your optax "
-                "optimizer, or describe the optimizer in the config's 'optimizer' section."
-            )
+    if optimizer is not None:  # the config's sections were dropped (config.resolve_auto)
         return optimizer, None
     if cfg.optimizer is None:
         raise ValueError(
