@@ -57,11 +57,15 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
     ]
     assert all(float(row.split()[-1]) > 0 for row in rows)
     # Activation checkpointing: the scan and the loop, each at stages 0 and 3.
-    ac = [row.split() for row in tables[1].splitlines()[3:]]
+    ac = [row.split() for row in tables[1].splitlines()[3:7]]
     assert [(r[-5], r[-4]) for r in ac] == [("layers)", "0"), ("layers)", "3")] + [
         ("pytree", "0"),
         ("pytree", "3"),
     ]
+    # The model's own jax.checkpoint per layer, no section: on CPU no less than the plain loop.
+    own = tables[1].splitlines()[7]
+    assert own.startswith("loop + jax.checkpoint")
+    assert float(own.split()[4]) >= float(ac[2][-3])
     # Gather settings: reuse and reshard_after_forward: false gather each layer once, the
     # default twice (less the last layer, whose two gathers meet).
     gathers = {row[:38].strip(): float(row.split()[-2]) for row in tables[2].splitlines()[3:]}
