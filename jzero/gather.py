@@ -326,7 +326,9 @@ class _Replay:
         use's when prefetch lets it start there (``anchors``)."""
         j = len(self._firsts)
         operands = [x for x in invals if not isinstance(x, _Pending)]
-        self._firsts.append(first_element(operands))
+        # Only prefetch ties a gather to an earlier use's operand: without it, no element is
+        # taken (the op would be traced on every use for nothing).
+        self._firsts.append(first_element(operands) if self.anchors else None)
         if self.record:
             leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
             self.events.append(Event(leaves, "use", max(leaves.values())))
