@@ -1,4 +1,5 @@
-"""GPU check of host offload: ZeRO stage 2 in bf16 with and without ``offload_optimizer``.
+"""GPU check of offload: ZeRO stage 2 in bf16 without offload, with ``offload_optimizer`` to host
+memory (whole, and streamed over sub-groups) and to NVMe files.
 
 Run on one accelerator through ``benchmarks/gpu_check.sh`` (it builds a fresh venv), or directly:
 ``python benchmarks/gpu_check.py`` (a GPT of about 300 M parameters) or ``--smoke`` (a tiny
@@ -7,9 +8,11 @@ GPT, seconds on CPU; the test suite runs it so that the script cannot rot).
 Decisions:
 
 * Each variant (``none``: everything in device memory; ``optimizer``: optimizer state and fp32
-  master weights in ``pinned_host``) runs in its own Python process, because a device's
-  ``peak_bytes_in_use`` only ever grows within a process: one process per variant gives each
-  its own peak. The parent gathers their JSON, prints one table and writes it to
+  master weights in ``pinned_host``; ``subgroups``: the same with ``sub_group_size`` at a quarter
+  of the parameters, the update streamed one group at a time; ``nvme``: the state in files under
+  a temporary ``nvme_path``, read ahead and written behind) runs in its own Python process,
+  because a device's ``peak_bytes_in_use`` only ever grows within a process: one process per
+  variant gives each its own peak. The parent gathers their JSON, prints one table and writes it to
   ``$OUT/gpu_check.json`` when ``OUT`` is set.
 * Device memory is read three ways: the live allocator (``memory_stats()``: ``bytes_in_use``
   after the timed steps and ``peak_bytes_in_use``), the compiled step's ``memory_analysis()``
@@ -40,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-VARIANTS = ("none", "optimizer")
+VARIANTS = ("none", "optimizer", "subgroups", "nvme")
 FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
 SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -110,8 +113,23 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     )
     n = jax.device_count()
     zero: dict[str, Any] = {"stage": 2}
-    if args.variant == "optimizer":
+    psi = sum(
+        math.prod(x.shape)
+        for x in jax.tree.leaves(jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg)))
+    )
+    if args.variant in ("optimizer", "subgroups"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if args.variant in ("subgroups", "nvme"):
+        zero["sub_group_size"] = max(1, psi // 4)
+    nvme_dir = None
+    if args.variant == "nvme":
+        nvme_dir = tempfile.mkdtemp(prefix="jzero-gpu-nvme-")
+        zero["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": nvme_dir,
+            "pipeline_read": True,
+            "pipeline_write": True,
+        }
     config = {
         "train_batch_size": args.micro_batch * n,
         "bf16": {"enabled": True},
@@ -143,6 +161,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"]))
     kinds = sorted({x.sharding.memory_kind for x in jax.tree.leaves(engine.state.opt_state)})
+    if nvme_dir is not None:
+        kinds = ["nvme"]
+        engine.close()
+        os.rmdir(nvme_dir)
     return {
         "variant": args.variant,
         "params": sum(math.prod(leaf.shape) for leaf in engine.plan.leaves),
@@ -246,9 +268,16 @@ def main(argv: list[str] | None = None) -> int:
         f"ms/step is the median of {args.steps} steps after {args.warmup}; memory in MiB per device"
     )
     print(table(results))
-    a, b = results["none"]["losses"], results["optimizer"]["losses"]
-    diff = max(abs(x - y) for x, y in zip(a, b, strict=True))
-    print(f"losses without offload {a}\nlosses with offload    {b}\nlargest difference {diff:g}")
+    a = results["none"]["losses"]
+    diff = 0.0
+    for name, r in results.items():
+        if name != "none":
+            diff = max([diff] + [abs(x - y) for x, y in zip(a, r["losses"], strict=True)])
+    print(f"losses without offload {a}")
+    for name, r in results.items():
+        if name != "none":
+            print(f"losses {name:<10} {r['losses']}")
+    print(f"largest difference from none {diff:g}")
     if not any(r["memory_analysis"]["host_argument"] for r in results.values()):
         print(
             "memory_analysis() reports no host bytes on this backend: its device/host split "

@@ -2,7 +2,9 @@
 # jzero's checks for one lent GPU: one section per issue that asks for one, run one after the other.
 #
 #   host offload  benchmarks/gpu_check.py: ZeRO stage 2 in bf16 on a GPT of about 300 M
-#                 parameters, with and without offload_optimizer (pinned_host). $OUT/gpu_check.json
+#                 parameters, without offload, with offload_optimizer (pinned_host) whole and
+#                 streamed over sub-groups, and with the NVMe tier: device peak from
+#                 memory_stats(), step-time ratios. $OUT/gpu_check.json
 #   step time     benchmarks/gpu_step_time.py: the same GPT under ZeRO stages 0-3 against a
 #                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile
 #                 time, collective bytes, layout copies, peak memory. $OUT/gpu_step_time.json
@@ -10,6 +12,10 @@
 #                 as a Python loop over layers, that loop with activation_checkpointing (policy
 #                 full) and with cpu_checkpointing, the scan with policy full: device peak and
 #                 step time. $OUT/gpu_memory_wall.json
+#   comm          benchmarks/gpu_comm.py: the GPT at stage 3 with overlap_comm false/true,
+#                 ZeRO++ qwZ, qgZ and all three: ms/step, MFU, collective bytes, how many
+#                 collectives XLA runs asynchronously beside compute. $OUT/gpu_comm.json
+#                 (last in the default order: JZERO_GPU_SECTIONS=comm runs it alone)
 #
 #   bash benchmarks/gpu_check.sh [flags for every section, e.g. --layers 12]
 #   JZERO_GPU_SECTIONS="step_time memory_wall" bash benchmarks/gpu_check.sh   # some sections
@@ -24,9 +30,10 @@
 # machine (its own JAX, jzero from this source tree); each table prints the JAX version used.
 #
 # Time: the whole script finishes in under 8 minutes. The install is bounded to 150 s (on a
-# machine with no package index it fails at once), the host offload section to 110 s, the
+# machine with no package index it fails at once), the host offload section to 130 s, the
 # step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
-# a little under that, so they stop their variants and still print their tables); each section
+# a little under that, so they stop their variants and still print their tables), the comm
+# section to 120 s (no variant starts in its last 40 s); each section
 # is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
 set -euo pipefail
@@ -34,7 +41,7 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 overall=465  # seconds: 8 minutes less a margin for start-up and a last SIGKILL grace
 venv="${JZERO_GPU_VENV:-/tmp/jzero-gpu-venv}"
-sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall}"
+sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall comm}"
 jax_version="$(sed -n 's/^jax==//p' constraints.txt)"
 source_opts=(--retries 1 --timeout 15)
 if [[ -n "${JZERO_WHEELS:-}" ]]; then
@@ -90,7 +97,7 @@ run_section() {  # run_section NAME LIMIT COMMAND...: runs COMMAND for at most L
 
 for section in $sections; do
   case "$section" in
-    offload) run_section "host offload" "$(limit_for 110)" "$py" benchmarks/gpu_check.py "$@" ;;
+    offload) run_section "host offload" "$(limit_for 130)" "$py" benchmarks/gpu_check.py "$@" ;;
     step_time)
       limit=$(limit_for 120)  # the script's own budget ends 15 s earlier: its table still prints
       run_section "step time" "$limit" \
@@ -102,8 +109,12 @@ for section in $sections; do
         "$py" benchmarks/gpu_step_time.py --name memory_wall --stages 3,3-unrolled,3-unrolled-ac,3-unrolled-ac-cpu,3-ac \
         --time-budget $((limit - 15)) "$@"
       ;;
+    comm)
+      limit=$(limit_for 120)  # variants start until 40 s before the end: the table still prints
+      run_section "comm" "$limit" "$py" benchmarks/gpu_comm.py --time-budget $((limit - 40)) "$@"
+      ;;
     *)
-      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall)"
+      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall, comm)"
       failed+=("$section")
       ;;
   esac

@@ -1,10 +1,12 @@
-"""Host offload at ZeRO stages 1-3: device and host bytes per device, and the step-time cost.
+"""Offload tiers at ZeRO stages 1-3: device, host and disk bytes, and the step-time cost.
 
 Run: ``python benchmarks/offload.py`` (8 virtual CPU devices are set up when no accelerator is
-present; about a minute or two on 2 CPU cores). For every stage it trains the built-in GPT
-without offload and with ``offload_optimizer: {device: cpu}`` (optimizer state, and the fp32
-master weights under ``--bf16``, in ``pinned_host``), and at stage 3 also with
-``offload_param`` on top. Figures per device:
+present; a few minutes on 2 CPU cores). For every stage it trains the built-in GPT without
+offload, with ``offload_optimizer: {device: cpu}`` (optimizer state, and the fp32 master
+weights under ``--bf16``, in ``pinned_host``), the same with ``sub_group_size`` at a quarter of
+the parameters (the update streamed one group at a time), and with ``device: nvme`` (the state
+in files under a temporary ``nvme_path``); at stage 3 also with ``offload_param`` on top.
+Figures per device:
 
 * plan device / plan host: :meth:`jzero.plan.Plan.model_state_bytes` and
   :meth:`~jzero.plan.Plan.host_state_bytes` (params, grads, masters, optimizer state);
@@ -13,7 +15,11 @@ master weights under ``--bf16``, in ``pinned_host``), and at stage 3 also with
 * params in / opt in: the memory kinds the live arrays rest in after the steps;
 * ms/step: the median of ``--steps`` steps after ``--warmup``, each waited for with its new
   state (so the copies back to host memory are inside the time), and its ratio to the same
-  stage without offload.
+  stage without offload;
+* RSS: the process's resident memory at its highest during the timed steps (sampled every
+  5 ms from ``/proc/self/status``), less the resident memory just before them: what a step
+  adds in host memory while it runs (on CPU the devices' memory is this process's too);
+* disk: bytes of the NVMe tier's files after the steps (one version of the state).
 
 On CPU, host and device memory are the same RAM: the compiler counts offloaded arguments among
 the device arguments and reports 0 for every ``host_*`` field. The script detects that and says
@@ -27,7 +33,9 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -44,15 +52,44 @@ from jzero.models import gpt  # noqa: E402
 
 MIB = 1 << 20
 HOST = {"device": "cpu", "pin_memory": True}
-VARIANTS = (
-    (1, "none"),
-    (1, "optimizer"),
-    (2, "none"),
-    (2, "optimizer"),
-    (3, "none"),
-    (3, "optimizer"),
-    (3, "optimizer+param"),
-)
+VARIANTS = tuple(
+    (stage, variant)
+    for stage in (1, 2, 3)
+    for variant in ("none", "optimizer", "optimizer+subgroups", "nvme")
+) + ((3, "optimizer+param"),)
+
+
+def rss_bytes() -> int:
+    """The process's resident memory now (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakRss:
+    """Samples the resident memory every 5 ms while open; ``peak`` is the highest seen."""
+
+    def __enter__(self) -> PeakRss:
+        self.peak, self._stop = rss_bytes(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
 FIELDS = ("argument", "output", "temp", "host_argument", "host_output", "host_temp")
 
 
@@ -60,13 +97,23 @@ def _kinds(tree) -> str:
     return ",".join(sorted({x.sharding.memory_kind for x in jax.tree.leaves(tree)}))
 
 
-def measure(stage: int, variant: str, params, loss, batch, args) -> dict:
+def measure(stage: int, variant: str, params, loss, batch, args, nvme_dir: str) -> dict:
     """Builds, compiles and times one (stage, offload) configuration."""
+    psi = sum(x.size for x in jax.tree.leaves(params))
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if "optimizer" in variant:
         zero["offload_optimizer"] = HOST
     if "param" in variant:
         zero["offload_param"] = HOST
+    if "subgroups" in variant or variant == "nvme":
+        zero["sub_group_size"] = max(1, psi // 4)
+    if variant == "nvme":
+        zero["offload_optimizer"] = {
+            "device": "nvme",
+            "nvme_path": nvme_dir,
+            "pipeline_read": True,
+            "pipeline_write": True,
+        }
     config = {
         "train_batch_size": batch["tokens"].shape[0],
         "bf16": {"enabled": args.bf16},
@@ -75,20 +122,33 @@ def measure(stage: int, variant: str, params, loss, batch, args) -> dict:
     engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
     mem = engine.lower(batch).compile().memory_analysis()
     times = []
-    for i in range(args.warmup + args.steps):
-        start = time.perf_counter()
+    for _ in range(args.warmup):
         jax.block_until_ready((engine.train_step(batch), engine.state))
-        if i >= args.warmup:
+    before = rss_bytes()
+    with PeakRss() as rss:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            jax.block_until_ready((engine.train_step(batch), engine.state))
             times.append(time.perf_counter() - start)
+    store = getattr(engine, "_nvme_store", None)
+    disk = store.disk_bytes() if store is not None else 0
+    opt_in = "nvme" if variant == "nvme" else _kinds(engine.state.opt_state)
+    engine.close()
     return {
         "stage": stage,
         "variant": variant,
         "params_in": _kinds(engine.state.params),
-        "opt_in": _kinds(engine.state.opt_state),
-        "plan_device": sum(engine.plan.model_state_bytes().values()),
+        "opt_in": opt_in,
+        "plan_device": sum(
+            v
+            for k, v in engine.plan.model_state_bytes().items()
+            if variant != "nvme" or k not in ("opt_state", "master_params")  # on disk
+        ),
         "plan_host": sum(engine.plan.host_state_bytes().values()),
         **{f: int(getattr(mem, f"{f}_size_in_bytes", 0) or 0) for f in FIELDS},
         "seconds": statistics.median(times),
+        "rss": max(0, rss.peak - before),
+        "disk": disk,
     }
 
 
@@ -108,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters offloaded too")
+    ap.add_argument("--stages", default="1,2,3", help="stages to measure (default 1,2,3)")
     args = ap.parse_args(argv)
 
     cfg = gpt.GPTConfig(
@@ -132,7 +193,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{'bf16 compute with fp32 masters' if args.bf16 else 'fp32'}, AdamW, {n} {platform} "
         f"devices, global batch {args.micro_batch * n} x {args.seq_len} tokens"
     )
-    rows = [measure(stage, variant, params, loss, batch, args) for stage, variant in VARIANTS]
+    with tempfile.TemporaryDirectory(prefix="jzero-bench-nvme-") as nvme_dir:
+        rows = [
+            measure(stage, variant, params, loss, batch, args, nvme_dir)
+            for stage, variant in VARIANTS
+            if str(stage) in args.stages.split(",")
+        ]
 
     print("\nPer-device memory (MiB): the plan's split, then the compiled step's memory_analysis()")
     header = ("stage", "offload", "params in", "opt in", "plan device", "plan host")
@@ -164,16 +230,21 @@ def main(argv: list[str] | None = None) -> None:
         )
         print("\n" + textwrap.fill(note, 100))
 
-    print(f"\nStep time (median of {args.steps} steps after {args.warmup})")
+    print(
+        f"\nStep time (median of {args.steps} steps after {args.warmup}), host memory a step "
+        "adds while it runs (RSS MiB) and disk bytes (MiB)"
+    )
     print(
         _table(
-            ("stage", "offload", "ms/step", "vs no offload"),
+            ("stage", "offload", "ms/step", "vs no offload", "RSS", "disk"),
             [
                 (
                     str(r["stage"]),
                     r["variant"],
                     f"{r['seconds'] * 1e3:.1f}",
                     f"{r['seconds'] / base[r['stage']]['seconds']:.2f}",
+                    f"{r['rss'] / MIB:.1f}",
+                    f"{r['disk'] / MIB:.2f}",
                 )
                 for r in rows
             ],

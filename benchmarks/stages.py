@@ -19,6 +19,12 @@ present). Every figure comes from the compiled program or from live arrays:
   rematerialised, the same step under ``jax.checkpoint``), at each ``--devices`` count. The
   variants run interleaved (``--repeats`` rounds of ``--steps`` steps each, every variant once
   per round), so a slow phase of the machine hits them all alike;
+* across hosts: each stage on ``{data: N}``, on ``mesh: {replica: 2, data: N/2}`` (hybrid
+  sharding) and, at stage 3, with ZeRO++ hpZ (``zero_hpz_partition_size: N/2``): full-buffer
+  bytes per step by where the collective's device groups lie, read from the compiled program
+  (``jzero.hlo.collectives_by_axes``), with the first and second half of the devices taken as
+  two hosts: within a host, or across them. The per-device model state shows what hybrid
+  sharding costs in memory;
 * mixed precision (``bf16: {enabled: true}``): the live bytes per device of the 16-bit params,
   the float32 master weights and the moments, plus the 16-bit gradient, against the ZeRO
   paper's K = 12 formulas (16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N with Psi the
@@ -44,7 +50,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero.hlo import collectives, layout_copies, program_text  # noqa: E402
+from jzero.hlo import (  # noqa: E402
+    collectives,
+    collectives_by_axes,
+    layout_copies,
+    program_text,
+)
 from jzero.models import gpt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -203,6 +214,8 @@ def main(argv=None) -> None:
     print("-" * len(hdr))
     for r in rows:
         print(f"{r[0]:>5}  {r[12]:5d}  {r[13]:6.2f}")
+    if n % 2 == 0 and n > 2:
+        across_hosts(params, loss, batch, tbs, psi, n)
     for count in [int(c) for c in args.devices.split(",") if c]:
         if count > n:
             print(f"\n(skipping {count} devices: this machine has {n})")
@@ -232,6 +245,44 @@ def main(argv=None) -> None:
     sys.stdout.flush()
     if not args.no_bf16:
         mixed_precision(params, loss, batch, tbs, psi_elems, n)
+
+
+def across_hosts(params, loss, batch, tbs, psi, n) -> None:
+    """Collective bytes within and across two halves of the devices (two hosts), per stage, on
+    a flat data axis, a hybrid mesh and (stage 3) hpZ; and the model state per device."""
+    hosts = {"replica": 2, "data": n // 2}
+    variants = [(stage, "flat", {}) for stage in range(4)]
+    variants += [(stage, "hybrid", {"mesh": hosts}) for stage in range(4)]
+    variants.append((3, "hpZ", {"zero": {"zero_hpz_partition_size": n // 2}}))
+    rows = []
+    for stage, name, extra in variants:
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.get("zero", {})}
+        config = {"train_batch_size": tbs, "zero_optimization": zero}
+        if "mesh" in extra:
+            config["mesh"] = extra["mesh"]
+        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
+        # Device ids are mesh positions: the first n/2 are one host, the rest the other.
+        by = collectives_by_axes(engine.lower(batch).compile(), hosts)
+        within = sum(
+            s.wire_bytes for a, st in by.items() if "replica" not in a for s in st.values()
+        )
+        across = sum(s.wire_bytes for a, st in by.items() if "replica" in a for s in st.values())
+        state = sum(engine.plan.model_state_bytes().values())
+        rows.append((stage, name, within / psi, across / psi, state / MB))
+    print(
+        f"\nAcross hosts: collective bytes per step in units of Psi (all-reduce counted twice), "
+        f"devices 0-{n // 2 - 1} and {n // 2}-{n - 1} taken as two hosts"
+    )
+    hdr = "stage  mesh     within a host  across hosts  model state MiB/device"
+    print(hdr)
+    print("-" * len(hdr))
+    for stage, name, within, across, state in rows:
+        print(f"{stage:>5}  {name:<7}  {within:13.3f}  {across:12.3f}  {state:22.2f}")
+    print(
+        f"(hybrid: {{replica: 2, data: {n // 2}}}, gradient shards all-reduced across hosts; "
+        f"hpZ: zero_hpz_partition_size {n // 2}, gathers within a host, optimizer state over "
+        "all devices)"
+    )
 
 
 def mixed_precision(params, loss, batch, tbs, psi_elems, n) -> None:

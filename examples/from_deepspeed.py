@@ -21,8 +21,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=30)
 args = ap.parse_args()
 
-# The kind of file a DeepSpeed user already has. Keys with no meaning under XLA (overlap_comm,
-# bucket sizes) are accepted and listed once in a warning.
+# The kind of file a DeepSpeed user already has: overlap_comm and the bucket size act (one
+# reduce-scatter per bucket); keys with no meaning under XLA (contiguous_gradients) are accepted
+# and listed once in a warning.
 DS_CONFIG = {
     "train_batch_size": 64,
     "gradient_accumulation_steps": 2,

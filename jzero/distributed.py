@@ -69,6 +69,7 @@ PyTree = Any
 ENV_COORDINATOR = "JZERO_COORDINATOR"
 ENV_NUM_PROCESSES = "JZERO_NUM_PROCESSES"
 ENV_PROCESS_ID = "JZERO_PROCESS_ID"
+ENV_REPLICAS = "JZERO_REPLICAS"
 
 DEFAULT_INITIALIZATION_TIMEOUT = 120
 DEFAULT_HEARTBEAT_TIMEOUT = 30
@@ -395,6 +396,23 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.bool_(flag))))
+
+
+def launcher_replicas() -> int | None:
+    """The replica groups ``jzero launch --replicas`` asked for (``JZERO_REPLICAS``), if any.
+
+    Raises:
+      ValueError: for a value that is not a positive integer.
+    """
+    value = os.environ.get(ENV_REPLICAS)
+    if value is None or value == "":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{ENV_REPLICAS}={value!r} is not a positive integer; it is set by `jzero launch "
+            "--replicas R`. Unset it, or set a number of replica groups."
+        )
+    return int(value)
 
 
 def is_main_process() -> bool:

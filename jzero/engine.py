@@ -76,6 +76,7 @@ class Engine:
         takes_extra: bool = False,
         to_model: Callable[[PyTree, PyTree], Any] | None = None,
         replan: Callable[..., Plan] | None = None,
+        nvme_store: Any = None,
     ):
         self.config = config
         self.plan = plan
@@ -99,6 +100,15 @@ class Engine:
         """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
         self._ckpt: Any = None
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
+        self._nvme_store = nvme_store  # offload_optimizer.device nvme: the state's files
+        self._nvme: Any = None  # the NVMe step (jzero.nvme_step.NvmeStep), from the first step
+
+    def _full_state(self) -> TrainState:
+        """The state with everything in memory: under the NVMe tier, the optimizer state (and
+        masters) read back from their files; else :attr:`state` itself."""
+        if self._nvme is None:
+            return self.state
+        return self._nvme.materialize(self.state)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -126,8 +136,8 @@ class Engine:
     @property
     def opt_state(self) -> PyTree:
         """The current optimizer state, sharded per the plan (donated to the next step, as
-        :attr:`params`)."""
-        return self.state.opt_state
+        :attr:`params`). Under the NVMe tier it is read from its files, a copy."""
+        return self._full_state().opt_state
 
     @property
     def global_step(self) -> int:
@@ -158,7 +168,7 @@ class Engine:
             train_batch_size=leads.pop() * jax.process_count(),
             gradient_accumulation_steps=self.config.gradient_accumulation_steps or 1,
         )
-        sizes = config_lib.resolve_batch_sizes(cfg, self.plan.num_shards)
+        sizes = config_lib.resolve_batch_sizes(cfg, self.plan.data_parallel_size)
         self.config = dataclasses.replace(
             cfg,
             train_micro_batch_size_per_gpu=sizes[1],
@@ -169,7 +179,7 @@ class Engine:
             "jzero: batch sizes from the first batch: train_batch_size %d = "
             "train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x data-parallel %d",
             *sizes,
-            self.plan.num_shards,
+            self.plan.data_parallel_size,
         )
 
     def _check_batch(self, batch: PyTree) -> None:
@@ -179,7 +189,7 @@ class Engine:
             self.train_batch_size,
             f" (= train_micro_batch_size_per_gpu {self.micro_batch_size} x "
             f"gradient_accumulation_steps {self.accumulation_steps} x data-parallel size "
-            f"{self.plan.num_shards})",
+            f"{self.plan.data_parallel_size})",
         )
 
     def fit_layout(self, batch: PyTree) -> None:
@@ -200,7 +210,7 @@ class Engine:
 
         rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
         if rows is None:
-            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.num_shards)
+            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.data_parallel_size)
         micro = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
         )
@@ -228,6 +238,8 @@ class Engine:
 
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
         self.fit_layout(batch)
+        if self._step is None and self._nvme_store is not None:
+            self._step = self._nvme = self._nvme_step()
         if self._step is None:  # whether the loss returns aux is read when the step traces
             self._step = make_train_step(
                 self.plan,
@@ -238,8 +250,32 @@ class Engine:
                 takes_extra=self.takes_extra,
                 learning_rate=self.learning_rate,
                 remat_policy=remat.from_config(self.config),
+                sub_group_size=self.config.zero_optimization.sub_group_size,
             )
         return self._step
+
+    def _nvme_step(self) -> Any:
+        """The step of the NVMe tier (:mod:`jzero.nvme_step`)."""
+        from jzero.nvme_step import NvmeStep
+
+        zero = self.config.zero_optimization
+        opt = zero.offload_optimizer
+        if self._nvme is not None:  # the plan changed (fit_layout): write the state out anew
+            self.state = self._nvme.materialize(self.state)
+        return NvmeStep(
+            self.plan,
+            self.loss_fn,
+            self.optimizer,
+            self._nvme_store,
+            sub_group_size=zero.sub_group_size,
+            pipeline_read=opt.pipeline_read,
+            pipeline_write=opt.pipeline_write,
+            accumulation_steps=self.accumulation_steps,
+            gradient_clipping=self.config.gradient_clipping,
+            takes_extra=self.takes_extra,
+            learning_rate=self.learning_rate,
+            remat_policy=remat.from_config(self.config),
+        )
 
     def train_step(self, batch: PyTree) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch (leading dim ``train_batch_size``).
@@ -266,11 +302,12 @@ class Engine:
         """
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
         count = jax.process_count()  # several processes: each passes its rows
-        if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.num_shards:
+        if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.data_parallel_size:
             raise ValueError(
-                f"An evaluation batch needs one leading dim divisible by the data-parallel size "
-                f"{self.plan.num_shards} (over all {count} process(es)), but its leaves have "
-                f"leading dims {sorted(lead)} on this process. Pass a batch of that size."
+                "An evaluation batch needs one leading dim divisible by the data-parallel "
+                f"size {self.plan.data_parallel_size} (over all {count} process(es)), but its "
+                f"leaves have leading dims {sorted(lead)} on this process. Pass a batch of that "
+                "size."
             )
         batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
         self.fit_layout(batch)
@@ -327,7 +364,8 @@ class Engine:
         if self._unchanged_since == step and step in ckpt.all_steps():
             logger.info("jzero: checkpoint step %d is already on disk and unchanged", step)
             return False
-        if not _finite(self.state.params, self.state.master):
+        state = self._full_state()
+        if not _finite(state.params, state.master):
             logger.warning(
                 "jzero: NOT saving checkpoint step %d: the parameters hold inf/NaN (a step with "
                 "non-finite gradients was applied). The checkpoints on disk (%s) are kept. Set "
@@ -342,7 +380,7 @@ class Engine:
             "iteration": self.iteration,
             "data": data,
             "stage": self.plan.stage.stage,
-            "devices": self.plan.num_shards,
+            "devices": self.plan.data_parallel_size,
         }
         # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
         # overwrites a tag it saves again; the old copy stays until the new one is committed.
@@ -351,7 +389,7 @@ class Engine:
             from jzero import weights
 
             weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
-        saved = ckpt.save(step, self.state, meta=meta, force=True, overwrite=True)
+        saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True)
         if saved:
             self._unchanged_since = step if step == self.iteration else None
         if saved and gather16:  # the params in their compute dtype, beside the checkpoints
@@ -395,7 +433,8 @@ class Engine:
         """
         from jzero.checkpoint import abstract_target
 
-        target = abstract_target(self.state, state_shardings(self.plan))
+        current = self.state if self._nvme is None else self._nvme.abstract_full(self.state)
+        target = abstract_target(current, state_shardings(self.plan))
         self.state, meta = self._checkpointer().restore(target, step)
         self.iteration = int(meta.get("iteration", self.global_step))
         restored = self._ckpt.latest_step() if step is None else int(step)
@@ -424,6 +463,19 @@ class Engine:
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+        if self._nvme_store is not None and self._nvme is not None:
+            try:  # the state outlives its files
+                self.state = self._nvme.materialize(self.state)
+            except OSError as e:
+                logger.warning(
+                    "jzero: the optimizer state could not be read back from its NVMe files "
+                    "(%s); it is lost with them. Restore a checkpoint to continue.",
+                    e,
+                )
+            self._nvme = self._step = None
+        if self._nvme_store is not None:
+            self._nvme_store.close()
+            self._nvme_store = None
         _OPEN_ENGINES.discard(self)
 
     def __enter__(self) -> Engine:
@@ -490,6 +542,22 @@ def _optimizer(
     return optim.build_optimizer(cfg), optim.build_schedule(cfg)
 
 
+def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
+    """The config's mesh, with ``jzero launch --replicas R`` as its replica axis."""
+    sizes = cfg.mesh_sizes()
+    replicas = distributed.launcher_replicas()
+    if replicas is None:
+        return sizes
+    if sizes.get("replica", -1) not in (-1, replicas):
+        raise ValueError(
+            f"jzero launch --replicas {replicas} contradicts the config's mesh.replica: "
+            f"{sizes['replica']}; drop one of them."
+        )
+    sizes["replica"] = replicas
+    logger.info("jzero: %d replica groups from jzero launch --replicas", replicas)
+    return sizes
+
+
 def initialize(
     params: PyTree | None = None,
     loss_fn: Callable[..., Any] | None = None,
@@ -553,7 +621,7 @@ def initialize(
             params, extra = adapted.values
     if params is None and init_fn is None:
         raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
-    mesh = mesh if mesh is not None else make_mesh(cfg.mesh.sizes())
+    mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
     key = jax.random.key(cfg.seed)
     if params is None:
         params = jax.eval_shape(init_fn, key)
@@ -563,7 +631,7 @@ def initialize(
         cfg,
         abstract,
         optimizer_given=optimizer is not None,
-        data_parallel_size=mesh.shape.get("data", 1),
+        data_parallel_size=mesh.shape.get("data", 1) * mesh.shape.get("replica", 1),
     )
     tx, schedule = _optimizer(cfg, optimizer)
     opt_kind, param_kind = offload.memory_kinds_from_config(
@@ -580,13 +648,18 @@ def initialize(
         precision=precision.from_config(cfg),
         offload_optimizer=opt_kind,
         offload_params=param_kind,
+        offload_ratio=cfg.zero_optimization.offload_optimizer.ratio,
         reshard_after_forward=cfg.zero_optimization.reshard_after_forward,
         prefetch_bucket_size=cfg.zero_optimization.stage3_prefetch_bucket_size or 0,
         max_reuse_distance=cfg.zero_optimization.stage3_max_reuse_distance,
         max_live_parameters=cfg.zero_optimization.stage3_max_live_parameters,
+        hpz=cfg.zero_optimization.zero_hpz_partition_size > 1,
+        **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
     )
     plan = replan()
-    sizes = None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.num_shards)
+    sizes = (
+        None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
+    )
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
     if init_from is not None:
         from jzero import weights
@@ -620,10 +693,10 @@ def initialize(
         "jzero: stage %d, %s parameters, data-parallel %d, batch %s",
         plan.stage.stage,
         f"{total:,}",
-        plan.num_shards,
+        plan.data_parallel_size,
         "from the first batch"
         if sizes is None
-        else "{} = {} x {} x {}".format(*sizes, plan.num_shards),
+        else "{} = {} x {} x {}".format(*sizes, plan.data_parallel_size),
     )
     return Engine(
         config=cfg,
@@ -636,4 +709,23 @@ def initialize(
         takes_extra=adapted is not None,
         to_model=None if adapted is None else adapted.to_model,
         replan=replan,
+        nvme_store=_nvme_store(cfg, plan),
+    )
+
+
+def _nvme_store(cfg: config_lib.Config, plan: Plan) -> Any:
+    """The NVMe tier's store (``offload_optimizer.device: nvme``), its path checked now: room
+    for two versions of this process's part of the state."""
+    opt = cfg.zero_optimization.offload_optimizer
+    if opt.device != "nvme":
+        return None
+    from jzero.nvme import NvmeStore
+    from jzero.nvme_step import state_bytes
+
+    needed = 2 * state_bytes(plan) * jax.local_device_count() // max(1, jax.device_count())
+    return NvmeStore(
+        opt.nvme_path,
+        buffer_count=opt.buffer_count,
+        needed_bytes=needed,
+        what="zero_optimization.offload_optimizer.nvme_path",
     )

@@ -80,6 +80,7 @@ __all__ = [
     "placeholder",
     "shared_state",
     "update_group",
+    "update_group_leaves",
 ]
 
 PyTree = Any
@@ -321,6 +322,39 @@ def update_group(
         params=[new_params[i] for i in group],
         opt_state=[new_s[k] for k in owned],
         shared=[new_s[k] for k in shared],
+    )
+
+
+def update_group_leaves(
+    optimizer: optax.GradientTransformation,
+    abstract_params: PyTree,
+    abstract_opt_state: PyTree,
+    group: Sequence[int],
+    owner: Sequence[int | None],
+    grads: Sequence[Any],
+    params: Sequence[Any],
+    state: Sequence[Any],
+    shared_old: Sequence[Any],
+) -> GroupUpdate:
+    """:func:`update_group` given only the group's own leaves (``grads`` and ``params`` in the
+    group's order, ``state`` in :func:`owned_state` order) and the old shared state; the other
+    leaves come from the abstract trees (only their shapes and dtypes are read). How a caller
+    that moves one group at a time (host memory, files) runs the update."""
+    p_leaves, p_def = jax.tree.flatten(abstract_params)
+    s_leaves, s_def = jax.tree.flatten(abstract_opt_state)
+    p_tree, g_tree, s_tree = list(p_leaves), list(p_leaves), list(s_leaves)
+    for i, p, g in zip(group, params, grads, strict=True):
+        p_tree[i], g_tree[i] = p, g
+    for k, x in zip(owned_state(owner, group), state, strict=True):
+        s_tree[k] = x
+    return update_group(
+        optimizer,
+        p_def.unflatten(g_tree),
+        s_def.unflatten(s_tree),
+        p_def.unflatten(p_tree),
+        group,
+        owner,
+        shared_old,
     )
 
 

@@ -13,6 +13,24 @@ With these conventions ZeRO's volumes read directly, in units of the parameter b
 stage 0 all-reduces Psi (2 Psi on the wire), stages 1-2 reduce-scatter Psi and all-gather Psi,
 stage 3 all-gathers 2 Psi (forward and backward) and reduce-scatters Psi. ``wire_bytes`` counts
 an all-reduce twice (a reduce-scatter plus an all-gather), as the ZeRO paper does.
+
+``collectives_by_axes(compiled, mesh)`` splits the same counts by the mesh axes each
+collective's device groups span (read from its ``replica_groups`` in any of XLA's three
+spellings: explicit lists, iota ``[G,S]<=[dims]T(perm)``, and ``mesh[...] device_ids=...
+{axes}``), which is how hybrid sharding's claim (only ``1/data`` of the gradient bytes cross the
+``replica`` axis, i.e. the hosts) is read from the program.
+
+``async_collectives(compiled)`` lists the collectives a scheduled program runs asynchronously
+(``all-gather-start`` ... ``all-gather-done``, and ``async-start`` ... ``async-done`` around a
+reduce-scatter or all-to-all, as XLA's GPU backend emits them) and the compute scheduled
+between each start and its done: the communication that is hidden behind work. The CPU
+backend runs every collective synchronously, so on CPU the list is empty.
+
+``loop_collectives(compiled)`` says, for every collective inside a ``while`` body (a scan over
+layers), whether it reads a matmul of the same iteration and whether a matmul of the same
+iteration reads it: a gather fetched one layer ahead does neither, a gather at its own layer
+feeds the layer's matmuls. This is how stage 3's ``overlap_comm`` is checked on CPU, where
+nothing runs asynchronously.
 """
 
 from __future__ import annotations
@@ -22,15 +40,25 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = [
+    "AsyncCollective",
     "CollectiveStats",
     "KINDS",
     "LayoutCopy",
+    "LoopCollective",
+    "async_collectives",
     "collectives",
+    "collectives_by_axes",
+    "collectives_by_dtype",
+    "replica_groups",
     "layout_copies",
+    "loop_collectives",
     "program_text",
 ]
 
@@ -126,21 +154,14 @@ def _text(compiled: Any) -> str:
     return compiled.as_text()
 
 
-def collectives(compiled: Any) -> dict[str, CollectiveStats]:
-    """Per collective kind, executions and full-buffer bytes per call of a compiled program.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
-
-    Returns:
-      ``{kind: CollectiveStats}`` for every kind in :data:`KINDS` (zero when absent).
-    """
+def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
+    """Every collective executed by a compiled program: ``(kind, full-buffer bytes, times per
+    call, instruction line)``, loops multiplied out."""
     comps, entry = _computations(_text(compiled))
-    stats = {k: CollectiveStats(k) for k in KINDS}
     if entry is None:
-        return stats
+        return
 
-    def visit(name: str, times: int, depth: int = 0) -> None:
+    def visit(name: str, times: int, depth: int = 0) -> Iterator[tuple[str, int, int, str]]:
         if depth > 64 or name not in comps:
             return
         for line in comps[name]:
@@ -149,7 +170,7 @@ def collectives(compiled: Any) -> dict[str, CollectiveStats]:
                 continue
             shape, op, _ = m.groups()
             base = op.removesuffix("-start")
-            if base in stats and not op.endswith("-done"):
+            if base in KINDS and not op.endswith("-done"):
                 sizes = _shape_bytes(shape)
                 if op.endswith("-start") and base != "all-reduce":
                     # Async forms return (operands, results): keep the results.
@@ -159,15 +180,135 @@ def collectives(compiled: Any) -> dict[str, CollectiveStats]:
                     size = sum(sizes)
                     if base == "reduce-scatter":
                         size *= _group_size(line)
-                    stats[base].count += times
-                    stats[base].bytes += size * times
+                    yield base, size, times, line
             inner = times * (_trip_count(line, comps) if op == "while" else 1)
             for callee in _CALLEES.findall(line):
                 for c in re.findall(r"%?([\w.\-]+)", callee):
-                    visit(c, inner, depth + 1)
+                    yield from visit(c, inner, depth + 1)
 
-    visit(entry, 1)
+    yield from visit(entry, 1)
+
+
+def collectives(compiled: Any) -> dict[str, CollectiveStats]:
+    """Per collective kind, executions and full-buffer bytes per call of a compiled program.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+    Returns:
+      ``{kind: CollectiveStats}`` for every kind in :data:`KINDS` (zero when absent).
+    """
+    stats = {k: CollectiveStats(k) for k in KINDS}
+    for kind, size, times, _ in _walk(compiled):
+        stats[kind].count += times
+        stats[kind].bytes += size * times
     return stats
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",") if d]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective instruction, as lists of device ids.
+
+    Reads the three spellings XLA prints: ``replica_groups={{0,1},{2,3}}``, the iota form
+    ``replica_groups=[2,2]<=[4]`` (optionally ``T(1,0)``), and the mesh form
+    ``replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'a'}`` (groups along the axes in
+    braces). An empty or absent list is one group of all ``num_devices``.
+    """
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", line
+    )
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids_text = (m.group(2) or "").strip()
+        iota = re.fullmatch(r"\[([0-9,]*)\](?:T\(([0-9,]*)\))?", ids_text)
+        if iota:
+            ids = _iota(iota.group(1), iota.group(2)).reshape(-1)
+        elif ids_text:
+            ids = np.array([int(x) for x in re.findall(r"\d+", ids_text)])
+        else:
+            ids = np.arange(math.prod(sizes))
+        grid = ids.reshape(sizes)
+        along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        rest = [i for i in range(len(sizes)) if i not in along]
+        size = math.prod(sizes[i] for i in along)
+        return grid.transpose(rest + along).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", line)
+    if m:
+        groups, size = int(m.group(1)), int(m.group(2))
+        return _iota(m.group(3), m.group(4)).reshape(groups, size).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if m:
+        found = [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
+        ]
+        found = [g for g in found if g]
+        if found:
+            return found
+    return [list(range(num_devices))]
+
+
+def _axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes along which the devices of any group differ (mesh order)."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    spanned: set[str] = set()
+    for g in groups:
+        coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
+        for i, name in enumerate(names):
+            if len(set(coords[:, i].tolist())) > 1:
+                spanned.add(name)
+    return tuple(n for n in names if n in spanned)
+
+
+def collectives_by_axes(
+    compiled: Any, mesh: Any
+) -> dict[tuple[str, ...], dict[str, CollectiveStats]]:
+    """:func:`collectives`, split by the mesh axes each collective's groups span.
+
+    Device ids in the program are positions in the mesh's device order (SPMD partition ids),
+    so a group's ids are read as mesh coordinates.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` (of a step jitted over ``mesh``) or its text.
+      mesh: the ``jax.sharding.Mesh`` (or a mapping of axis name to size, in mesh order).
+
+    Returns:
+      ``{axes: {kind: CollectiveStats}}``, e.g. ``("data",)`` for collectives within each
+      data group, ``("replica",)`` across replicas, ``("replica", "data")`` over every device.
+      Only the axes present appear.
+    """
+    shape = dict(getattr(mesh, "shape", mesh))
+    n = math.prod(shape.values())
+    out: dict[tuple[str, ...], dict[str, CollectiveStats]] = {}
+    for kind, size, times, line in _walk(compiled):
+        axes = _axes_spanned(replica_groups(line, n), shape)
+        stats = out.setdefault(axes, {k: CollectiveStats(k) for k in KINDS})
+        stats[kind].count += times
+        stats[kind].bytes += size * times
+    return out
+
+
+def collectives_by_dtype(compiled: Any) -> dict[str, dict[str, CollectiveStats]]:
+    """:func:`collectives`, split by the element type each collective moves (``f32``, ``bf16``,
+    ``s8`` for ZeRO++'s quantized bytes, ...): ``{kind: {dtype: CollectiveStats}}``, only the
+    kinds and dtypes present. Read from :func:`program_text` to see 16-bit collectives on CPU.
+    """
+    out: dict[str, dict[str, CollectiveStats]] = {}
+    for kind, size, times, line in _walk(compiled):
+        m = _INSTR.match(line)
+        found = [d for d, _ in _SHAPE.findall(m.group(1) if m else line) if d in _DTYPE_BYTES]
+        dtype = found[-1] if found else "?"  # async forms list operands, then results
+        stats = out.setdefault(kind, {}).setdefault(dtype, CollectiveStats(kind))
+        stats.count += times
+        stats.bytes += size * times
+    return out
 
 
 @dataclass(frozen=True)
@@ -277,3 +418,200 @@ def program_text(lowered: Any) -> str:
             return compiled.as_text()
         with open(found[-1]) as f:
             return f.read()
+
+
+@dataclass(frozen=True)
+class AsyncCollective:
+    """A collective that runs asynchronously, and what is scheduled while it is in flight.
+
+    Attributes:
+      kind: the collective (one of :data:`KINDS`).
+      start: the name of its start instruction (``all-gather-start``, ``async-start``, ...).
+      done: the name of its done instruction.
+      computation: the computation both are in (a ``while`` body for a scan's collectives).
+      between: the opcodes scheduled after the start and before the done, bookkeeping
+        (tuples, bitcasts, parameters, constants) left out; other collectives' starts and
+        dones included.
+      compute: how many of ``between`` are compute (not collective starts or dones): the work
+        the collective's transfer can hide behind. 0 means it is asynchronous in form only.
+    """
+
+    kind: str
+    start: str
+    done: str
+    computation: str
+    between: tuple[str, ...]
+    compute: int
+
+
+_BOOKKEEPING = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier",
+    "partition-id", "replica-id", "after-all", "add-dependency",
+}  # fmt: skip
+
+
+def _async_kind(op: str, line: str, comps: dict[str, list[str]]) -> str | None:
+    """The collective an async start runs, or None when ``op`` starts none."""
+    base = op.removesuffix("-start")
+    if op.endswith("-start") and base in KINDS:
+        return base
+    if op == "async-start":
+        callee = re.search(r"calls=%?([\w.\-]+)", line)
+        for inner in comps.get(callee.group(1), []) if callee else []:
+            m = _INSTR.match(inner)
+            if m and m.group(2) in KINDS:
+                return m.group(2)
+    return None
+
+
+def async_collectives(compiled: Any) -> list[AsyncCollective]:
+    """Every asynchronous collective of a scheduled program, with the work it overlaps.
+
+    Reads the instruction order of each computation (a compiled module is scheduled: its text
+    lists instructions in execution order) and pairs each start with the done that consumes
+    it.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+    Returns:
+      One :class:`AsyncCollective` per start/done pair, per computation (each counted once, not
+      per loop iteration); empty for a program whose collectives are synchronous (CPU).
+    """
+    comps, _ = _computations(_text(compiled))
+    found: list[AsyncCollective] = []
+    for comp, lines in comps.items():
+        instrs = []
+        for line in lines:
+            n, m = _NAME.match(line), _INSTR.match(line)
+            if n and m:
+                instrs.append((n.group(1), m.group(2), _operands(m.group(3)), line))
+        for i, (name, op, _, line) in enumerate(instrs):
+            kind = _async_kind(op, line, comps)
+            if kind is None:
+                continue
+            end = next(
+                (
+                    j
+                    for j in range(i + 1, len(instrs))
+                    if instrs[j][1].endswith("-done") and name in instrs[j][2]
+                ),
+                None,
+            )
+            if end is None:
+                continue
+            between = tuple(
+                other for _, other, _, _ in instrs[i + 1 : end] if other not in _BOOKKEEPING
+            )
+            compute = sum(1 for other in between if not other.endswith(("-start", "-done")))
+            found.append(AsyncCollective(kind, name, instrs[end][0], comp, between, compute))
+    return found
+
+
+@dataclass(frozen=True)
+class LoopCollective:
+    """A collective in a ``while`` body, and its data dependences within one iteration.
+
+    Attributes:
+      kind: the collective (one of :data:`KINDS`).
+      name: its instruction name.
+      body: the ``while`` body computation.
+      after_compute: its operand depends on a matmul of the same iteration (it cannot start
+        before that matmul is done).
+      feeds_compute: a matmul of the same iteration depends on its result (that matmul waits
+        for it). A collective with neither is free to run beside the iteration's compute.
+    """
+
+    kind: str
+    name: str
+    body: str
+    after_compute: bool
+    feeds_compute: bool
+
+
+_MATMUL_OPS = ("dot", "convolution")
+
+
+def loop_collectives(compiled: Any) -> list[LoopCollective]:
+    """Every collective of every ``while`` body, with what it waits for and what waits for it.
+
+    A matmul is a ``dot`` or ``convolution``, a fusion whose computation holds one, or a GEMM
+    custom call (GPU). Dependences are followed within the body only, through any instruction.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+    Returns:
+      One :class:`LoopCollective` per collective instruction in a loop body (its ``-done`` half
+      not counted separately).
+    """
+    comps, _ = _computations(_text(compiled))
+    bodies = []
+    for lines in comps.values():
+        for line in lines:
+            m = _INSTR.match(line)
+            body = re.search(r"\bbody=%?([\w.\-]+)", line)
+            if m and m.group(2) == "while" and body and body.group(1) not in bodies:
+                bodies.append(body.group(1))
+
+    def holds_matmul(name: str, depth: int = 0) -> bool:
+        for line in comps.get(name, []):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            if m.group(2) in _MATMUL_OPS:
+                return True
+            callee = re.search(r"calls=%?([\w.\-]+)", line)
+            if m.group(2) == "fusion" and callee and depth < 8:
+                if holds_matmul(callee.group(1), depth + 1):
+                    return True
+        return False
+
+    found: list[LoopCollective] = []
+    for body in bodies:
+        found += _body_collectives(body, comps.get(body, []), holds_matmul)
+    return found
+
+
+def _body_collectives(body: str, lines: list[str], holds_matmul: Any) -> list[LoopCollective]:
+    """:func:`loop_collectives` of one ``while`` body."""
+    ops: dict[str, tuple[str, list[str], str]] = {}
+    users: dict[str, list[str]] = {}
+    for line in lines:
+        n, m = _NAME.match(line), _INSTR.match(line)
+        if n and m:
+            operands = _operands(m.group(3))
+            ops[n.group(1)] = (m.group(2), operands, line)
+            for o in operands:
+                users.setdefault(o, []).append(n.group(1))
+
+    def matmul(name: str) -> bool:
+        op, _, line = ops[name]
+        if op in _MATMUL_OPS:
+            return True
+        if op == "custom-call":
+            return bool(re.search(r"gemm|matmul", line, re.I))
+        callee = re.search(r"calls=%?([\w.\-]+)", line)
+        return op == "fusion" and callee is not None and holds_matmul(callee.group(1))
+
+    def reaches(start: str, edges: dict[str, list[str]]) -> bool:
+        seen, todo = set(), list(edges.get(start, []))
+        while todo:
+            x = todo.pop()
+            if x in seen or x not in ops:
+                continue
+            seen.add(x)
+            if matmul(x):
+                return True
+            todo.extend(edges.get(x, []))
+        return False
+
+    operands = {name: ops_[1] for name, ops_ in ops.items()}
+    found = []
+    for name, (op, _, _) in ops.items():
+        base = op.removesuffix("-start")
+        if base in KINDS and not op.endswith("-done"):
+            found.append(
+                LoopCollective(base, name, body, reaches(name, operands), reaches(name, users))
+            )
+    return found

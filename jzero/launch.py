@@ -32,6 +32,9 @@ Decisions:
   itself is covered, not processes it starts (those are stopped through its group when the
   launcher lives to do so). On other systems the wrapper skips ``prctl``. A launcher output
   that goes away (a closed terminal) does not block the children: their lines are then dropped.
+* ``--replicas R`` (hybrid sharding) sets ``JZERO_REPLICAS=R`` in every child;
+  ``jzero.initialize`` then builds ``mesh: {replica: R, data: -1}`` where the config names no
+  replica axis, so ZeRO shards within each group of processes and replicates across them.
 * The launcher runs no JAX computation: it only starts and stops processes.
 """
 
@@ -51,7 +54,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from jzero.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jzero.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_REPLICAS
 
 __all__ = ["add_commands", "child_env", "free_port", "launch", "main"]
 
@@ -116,6 +119,7 @@ def child_env(
     num_processes: int,
     port: int,
     devices_per_process: int | None = None,
+    replicas: int | None = None,
 ) -> dict[str, str]:
     """The environment of child ``process_id``: ``base`` plus the ``JZERO_*`` layout."""
     env = dict(base)
@@ -127,6 +131,8 @@ def child_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if replicas is not None:
+        env[ENV_REPLICAS] = str(replicas)
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
         env["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
@@ -223,6 +229,7 @@ def launch(
     devices_per_process: int | None = None,
     port: int | None = None,
     grace_period: float = DEFAULT_GRACE_PERIOD,
+    replicas: int | None = None,
     env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
@@ -238,6 +245,8 @@ def launch(
       port: the coordinator port; a free one when ``None``.
       grace_period: seconds between the forwarded signal (SIGTERM on a failure) and SIGKILL
         when stopping the children.
+      replicas: hybrid sharding's replica groups (``JZERO_REPLICAS`` in every child; see the
+        module docstring); ``None``: the config's mesh as written.
       env: the base environment; ``os.environ`` by default.
       stdout / stderr: where the prefixed lines go; ``sys.stdout`` / ``sys.stderr`` by default.
 
@@ -254,6 +263,13 @@ def launch(
         raise ValueError(
             f"--devices-per-process is {devices_per_process}; it must be a positive integer "
             "(virtual CPU devices per process). Pass e.g. --devices-per-process 4, or leave it out."
+        )
+    if replicas is not None and (
+        isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
+    ):
+        raise ValueError(
+            f"--replicas is {replicas!r}; it must be a positive integer (replica groups, e.g. "
+            "one per host). Pass e.g. --replicas 2, or leave it out."
         )
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"--port is {port}; it must be in 1..65535. Leave it out for a free one.")
@@ -278,7 +294,7 @@ def launch(
             try:
                 p = subprocess.Popen(
                     _wrapped(argv, launcher_pid),
-                    env=child_env(base, pid, num_processes, port, devices_per_process),
+                    env=child_env(base, pid, num_processes, port, devices_per_process, replicas),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -343,6 +359,7 @@ def _run(args: argparse.Namespace) -> int:
         devices_per_process=args.devices_per_process,
         port=args.port,
         grace_period=args.grace_period,
+        replicas=args.replicas,
     )
 
 
@@ -359,6 +376,12 @@ def add_commands(subparsers: Any) -> None:
         "--devices-per-process",
         type=int,
         help="virtual CPU devices per process (sets XLA_FLAGS; for development and tests)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="hybrid sharding: replica groups R (e.g. one per host); the mesh becomes "
+        "{replica: R, data: -1} where the config names no replica axis",
     )
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
     p.add_argument(

@@ -12,21 +12,37 @@ Decisions:
   neighbouring devices. One axis may be ``-1``: the devices the others leave.
 * The product of the sizes must equal the number of devices: a mesh that silently left
   devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
+* ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis and
+  ``data`` the next, so each ``data`` group is made of neighbouring devices: within one host.
+  With several processes the devices are laid out by ``create_hybrid_device_mesh`` with the
+  processes as the slow (cross-host) dimension, so that ``replica`` runs across processes and
+  ``data`` within them wherever the sizes allow.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["DATA_AXIS", "make_mesh"]
+__all__ = ["DATA_AXIS", "REPLICA_AXIS", "make_mesh"]
+
+logger = logging.getLogger("jzero")
 
 DATA_AXIS = "data"
 """The name of the data-parallel mesh axis, the one ZeRO shards over."""
+
+REPLICA_AXIS = "replica"
+"""The name of the replica axis (hybrid sharding): the batch is split over it too, but ZeRO's
+shards are replicated across it (the gradient shards are all-reduced over it), so that with
+``replica`` across hosts and ``data`` within one, only ``1/data`` of the gradient bytes cross
+hosts. Under ZeRO++'s hierarchical partition (hpZ) the optimizer state is sharded over both."""
 
 
 def make_mesh(
@@ -98,10 +114,44 @@ def make_mesh(
             f"mesh {sizes} asks for {total} devices but only {len(devices)} {platform} "
             f"device(s) are available. Lower mesh.data (or set it to -1 for all devices).{hint}"
         )
+    if REPLICA_AXIS in sizes:  # replica outermost, then data: data groups are neighbours
+        sizes = {
+            REPLICA_AXIS: sizes[REPLICA_AXIS],
+            DATA_AXIS: sizes[DATA_AXIS],
+            **{k: v for k, v in sizes.items() if k not in (REPLICA_AXIS, DATA_AXIS)},
+        }
     names = tuple(sizes)
-    return jax.make_mesh(
-        tuple(sizes.values()),
-        names,
-        axis_types=(AxisType.Auto,) * len(names),
-        devices=devices,
+    shape = tuple(sizes.values())
+    processes = len({getattr(d, "process_index", 0) for d in devices})
+    if REPLICA_AXIS in sizes and processes > 1:
+        grid = _across_processes(shape, devices, processes)
+        if grid is not None:
+            return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def _across_processes(
+    shape: tuple[int, ...], devices: list[Any], processes: int
+) -> np.ndarray | None:
+    """The device grid of a hybrid mesh (``replica`` first, ``data`` second) whose replica axis
+    runs across processes: ``gcd(replica, processes)`` process groups along ``replica``, the
+    rest of the processes along ``data``. ``None`` (with a log line) where the processes'
+    devices cannot be laid out that way."""
+    replicas, data, rest = shape[0], shape[1], shape[2:]
+    outer_r = math.gcd(replicas, processes)
+    outer_d = processes // outer_r
+    if data % outer_d or len(devices) % processes:
+        logger.warning(
+            "jzero: mesh replica=%d x data=%d can't keep each data group within a process on "
+            "%d processes; the devices are laid out in order.",
+            replicas,
+            data,
+            processes,
+        )
+        return None
+    return mesh_utils.create_hybrid_device_mesh(
+        (replicas // outer_r, data // outer_d, *rest),
+        (outer_r, outer_d, *(1 for _ in rest)),
+        devices,
+        process_is_granule=True,
     )

@@ -9,7 +9,13 @@ Decisions:
   back, so XLA schedules the copies; numerics are those of the same run without offload.
 * ``pin_memory: true`` (DeepSpeed's default) is ``pinned_host``, page-locked memory the device
   copies from directly; ``false`` is ``unpinned_host``. A backend whose devices do not address
-  the kind gets an error listing the kinds they do have. NVMe is refused by the config schema.
+  the kind gets an error listing the kinds they do have. NVMe (``device: nvme``) is not a memory
+  kind: the state rests in files between steps (:mod:`jzero.nvme_step`).
+* ``ratio < 1`` offloads that fraction of the optimizer-state bytes: the plan puts the largest
+  parameters' state (and masters) in host memory first (:func:`jzero.plan.make_plan`).
+* ``sub_group_size``: the step brings the offloaded state into device memory one group of
+  leaves at a time and sends each group's results back before the next comes in
+  (:mod:`jzero.groups`), so the device holds one group of it, not all.
 * Offload moves state off the device between steps; during the step the offloaded shards are in
   device memory one step at a time, as in DeepSpeed's ZeRO-Offload.
 """
@@ -77,13 +83,14 @@ def memory_kinds_from_config(
     kinds = []
     for key in ("offload_optimizer", "offload_param"):
         section = getattr(zero, key)
-        if section.device == "none":
+        if section.device in ("none", "nvme"):  # NVMe: files between steps (jzero.nvme_step)
             kinds.append(None)
             continue
-        if section.ratio != 1.0:
+        if key == "offload_param" and section.ratio != 1.0:
             raise ValueError(
                 f"zero_optimization.{key}.ratio is {section.ratio}, but jzero offloads all of the "
-                "state or none of it. Set ratio to 1.0 (the default)."
+                "parameters or none of them (ratio splits the optimizer state: "
+                "offload_optimizer.ratio). Set ratio to 1.0 (the default)."
             )
         kind = "pinned_host" if section.pin_memory else "unpinned_host"
         what = f"zero_optimization.{key} (pin_memory: {section.pin_memory})"

@@ -24,6 +24,20 @@ Decisions:
   rule applied to its own shape, and non-parameter state (counts) is replicated.
 * The stage decides which category is sharded by reading :mod:`jzero.stages`; nothing here
   branches on the stage number.
+* Hybrid sharding (a ``replica`` axis beside ``data``, FSDP's HSDP and DeepSpeed's MiCS): the
+  batch is split over both axes, and every sharded category is sharded over ``data`` only and
+  replicated over ``replica``. ZeRO++'s hierarchical partition (``hpz``) instead shards the
+  gradients and optimizer state over ``replica`` x ``data`` (all devices) and keeps the
+  parameters at rest sharded over ``data`` only, the secondary copy that stage 3's gathers
+  read within a host. A state leaf is then sharded over ``("data", "replica")`` on one
+  dimension: each ``data`` shard is split again into ``replica`` pieces, which is the layout a
+  reduce-scatter over ``data`` followed by one over ``replica`` leaves.
+* A mesh axis of more than one device that is neither ``data``, ``replica`` nor named by any
+  parameter's partition spec would make its devices compute the same rows: an error.
+* The communication options (``overlap_comm`` and its buckets, ZeRO++'s qwZ and qgZ) ride in
+  the plan, so the step and the replay read them from one place; ``make_plan`` refuses the
+  quantization a stage has no collective for, and keeps bucket sizes only where the step's own
+  reductions use them (stages 0-2 with ``overlap_comm``).
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import DATA_AXIS
+from jzero.mesh import DATA_AXIS, REPLICA_AXIS
 from jzero.precision import Precision, cast_floating
 from jzero.stages import StageSpec, check_offload, stage_spec
 
@@ -50,6 +64,7 @@ __all__ = [
     "HOST_MEMORY_KINDS",
     "LeafPlan",
     "Plan",
+    "axis_entry",
     "is_host",
     "make_plan",
     "is_contiguous",
@@ -112,10 +127,17 @@ def is_contiguous(shape: Sequence[int], dim: int | None, layer_dims: Sequence[in
     return all(shape[d] == 1 or d in layer_dims for d in range(dim))
 
 
-def _spec_with(base: P, ndim: int, dim: int | None, axis: str) -> P:
+def axis_entry(axes: str | Sequence[str]) -> str | tuple[str, ...]:
+    """One ``PartitionSpec`` entry for a dimension split over ``axes`` (major first)."""
+    if isinstance(axes, str):
+        return axes
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _spec_with(base: P, ndim: int, dim: int | None, axis: str | Sequence[str]) -> P:
     entries = list(base) + [None] * (ndim - len(base))
     if dim is not None:
-        entries[dim] = axis
+        entries[dim] = axis_entry(axis)
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)
@@ -186,6 +208,23 @@ class Plan:
         ``stage3_max_reuse_distance``); ``None``: every use gathers.
       max_live_parameters: at stage 3, the cap on gathered elements alive at once (DeepSpeed's
         ``stage3_max_live_parameters``): it bounds what reuse keeps; ``None``: no cap.
+      replica_axis: the mesh's replica axis (hybrid sharding), or ``None``: the batch is split
+        over it and ZeRO's shards are replicated across it.
+      hpz: ZeRO++'s hierarchical partition: gradients and optimizer state are sharded over
+        ``replica`` x ``data``, parameters at rest over ``data`` only (the secondary copy).
+      overlap_comm: DeepSpeed's ``overlap_comm``: stage 3 gathers each scanned layer one
+        iteration ahead (:func:`jzero.gather.gathered`'s ``overlap``), stages 0-2 reduce the
+        gradients in buckets (below), and on a GPU the step is compiled with XLA's options for
+        asynchronous collectives (:func:`jzero.overlap.compiler_options`).
+      reduce_bucket_size: at stages 0-2 with ``overlap_comm``, the most gradient elements one
+        reduction carries: consecutive leaves are reduced together up to it (one collective
+        per bucket); ``None``: one collective per leaf.
+      allgather_bucket_size: likewise for the all-gather of the updated parameters (stages 1-2).
+      quantized_weights: ZeRO++ qwZ at stage 3: stage 3's parameter gathers send this many
+        bits a value (8 or 4); 0: exact.
+      quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
+        data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
+        on the receiving device; 0: exact.
 
     Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
     computes on :func:`on_device` copies of them.
@@ -211,6 +250,13 @@ class Plan:
     prefetch_bucket_size: int = 0
     max_reuse_distance: int | None = None
     max_live_parameters: int | None = None
+    replica_axis: str | None = None
+    hpz: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
+    quantized_weights: int = 0
+    quantized_gradients: int = 0
 
     @property
     def update(self) -> PyTree:
@@ -219,8 +265,34 @@ class Plan:
 
     @property
     def num_shards(self) -> int:
-        """The size of the data axis."""
+        """The size of the data axis: how many shards a parameter is split into at rest."""
         return int(self.mesh.shape[self.axis])
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the replica axis (1 without one)."""
+        return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: ``replica`` (if any), then ``data``."""
+        return (self.replica_axis, self.axis) if self.replica_axis else (self.axis,)
+
+    @property
+    def state_axes(self) -> tuple[str, ...]:
+        """The mesh axes gradients and optimizer state are sharded over, major first:
+        ``data``, and ``replica`` too under :attr:`hpz`."""
+        return (self.axis, self.replica_axis) if self.hpz and self.replica_axis else (self.axis,)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices the batch is split over (``replica`` x ``data``)."""
+        return self.num_shards * self.num_replicas
+
+    @property
+    def state_shards(self) -> int:
+        """How many shards gradients and optimizer state are split into."""
+        return self.num_shards * (self.num_replicas if self.hpz else 1)
 
     @property
     def param_dims(self) -> list[int | None]:
@@ -369,6 +441,17 @@ class Plan:
             f"ZeRO stage {self.stage.stage} ({self.stage.description}) over "
             f"{self.axis}={n} of mesh {dict(self.mesh.shape)}",
         ]
+        if self.replica_axis:
+            lines.append(
+                f"hybrid: {self.num_replicas} replicas; "
+                + (
+                    f"hpZ: gradients and optimizer state over replica x data "
+                    f"({self.state_shards} shards), params at rest over data ({n} shards)"
+                    if self.hpz
+                    else "every shard replicated across the replica axis, gradient shards "
+                    "all-reduced over it"
+                )
+            )
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
             if i == 0:
@@ -400,6 +483,21 @@ class Plan:
                 f"mixed precision: compute {np.dtype(self.precision.compute_dtype).name}, "
                 "float32 master weights laid out with the optimizer state"
             )
+        comm = []
+        if self.overlap_comm:
+            comm.append("overlap_comm")
+        for name, size in (
+            ("reduce", self.reduce_bucket_size),
+            ("all-gather", self.allgather_bucket_size),
+        ):
+            if size is not None:
+                comm.append(f"{name} buckets of {size:,} elements")
+        if self.quantized_weights:
+            comm.append(f"ZeRO++ qwZ: int{self.quantized_weights} parameter gathers")
+        if self.quantized_gradients:
+            comm.append(f"ZeRO++ qgZ: int{self.quantized_gradients} gradient reduce-scatters")
+        if comm:
+            lines.append("communication: " + ", ".join(comm))
         whole = [leaf for leaf in self.leaves if leaf.note]
         if whole:
             lines.append("leaves ZeRO left whole on every device:")
@@ -454,11 +552,18 @@ def make_plan(
     precision: Precision | None = None,
     offload_optimizer: str | None = None,
     offload_params: str | None = None,
+    offload_ratio: float = 1.0,
     layer_dims: Sequence[int | None] | None = None,
     reshard_after_forward: bool = True,
     prefetch_bucket_size: int = 0,
     max_reuse_distance: int | None = None,
     max_live_parameters: int | None = None,
+    hpz: bool = False,
+    overlap_comm: bool = False,
+    reduce_bucket_size: int | None = None,
+    allgather_bucket_size: int | None = None,
+    quantized_weights: int = 0,
+    quantized_gradients: int = 0,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -475,12 +580,24 @@ def make_plan(
         optimizer state's layout.
       offload_optimizer: a host memory kind (``"pinned_host"``) for the optimizer state and the
         master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
+      offload_ratio: the fraction of the optimizer-state bytes offloaded (DeepSpeed's
+        ``offload_optimizer.ratio``): the state and masters of whole parameter leaves go to
+        host memory, the largest first, each taken when it brings the offloaded bytes closer
+        to the fraction (:func:`_offloaded_leaves`); the rest stays in device memory.
       offload_params: a host memory kind for the parameters at rest, at stage 3 only
         (DeepSpeed's ``offload_param``).
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
         consumes, or ``None``; from :func:`jzero.gather.layer_dims`. Stage 3 never shards it.
       reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
       prefetch_bucket_size, max_reuse_distance, max_live_parameters: see :class:`Plan`.
+      hpz: ZeRO++'s hierarchical partition (see :class:`Plan`); needs a ``replica`` axis and
+        a stage that shards parameters. A mesh with a ``replica`` axis without it is hybrid
+        sharding.
+      overlap_comm, reduce_bucket_size, allgather_bucket_size: see :class:`Plan`; the bucket
+        sizes (elements, >= 1) apply with ``overlap_comm`` at the stages that keep parameters
+        whole (0-2), and are ``None`` in the plan otherwise.
+      quantized_weights: see :class:`Plan`; needs a stage that shards parameters (3).
+      quantized_gradients: see :class:`Plan`; needs a stage that reduce-scatters (1-3).
 
     Returns:
       The :class:`Plan`.
@@ -520,7 +637,21 @@ def make_plan(
                     f"The partition spec {b} of {_path_str(path)} already uses the data axis "
                     f"{axis!r}; jzero places the data axis itself. Remove {axis!r} from it."
                 )
-    n = int(mesh.shape[axis])
+    _check_axes_used(mesh, axis, bases)
+    replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
+    if hpz and (replica is None or not spec.shard_params):
+        raise ValueError(
+            "zero_hpz_partition_size (ZeRO++ hpZ) needs stage 3 and a mesh with a "
+            f"{REPLICA_AXIS!r} axis (the hosts) beside {axis!r} (one host's devices); got stage "
+            f"{spec.stage} and mesh {dict(mesh.shape)}. Set zero_optimization.stage to 3, or "
+            "zero_hpz_partition_size to 1."
+        )
+    hpz = bool(hpz)
+    _check_comm(spec, reduce_bucket_size, allgather_bucket_size, quantized_weights,
+                quantized_gradients)  # fmt: skip
+    buckets = bool(overlap_comm) and not spec.shard_params
+    state_axes = (axis, replica) if hpz else (axis,)
+    n = int(mesh.shape[axis]) * (int(mesh.shape[replica]) if hpz else 1)
     traced = layer_dims is not None
     layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
     if len(layer_dims) != len(flat):
@@ -533,17 +664,17 @@ def make_plan(
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 
-    def shardings(dims: list[int | None]) -> PyTree:
+    def shardings(dims: list[int | None], axes: tuple[str, ...] = (axis,)) -> PyTree:
         return treedef.unflatten(
             [
-                NamedSharding(mesh, _spec_with(b, len(leaf.shape), d, axis))
+                NamedSharding(mesh, _spec_with(b, len(leaf.shape), d, axes))
                 for leaf, b, d in zip(leaves, bases, dims, strict=True)
             ]
         )
 
     state_dims = [leaf.state_dim for leaf in leaves]
     params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), offload_params)
-    update_sh = shardings(state_dims)
+    update_sh = shardings(state_dims, state_axes)
     grads_sh = update_sh if spec.reduce_scatter else shardings([None] * len(leaves))
     replicated = NamedSharding(mesh, P())
 
@@ -555,7 +686,7 @@ def make_plan(
         if not spec.shard_opt_state:
             return replicated
         d = shard_dim(tuple(state_leaf.shape), n)
-        return NamedSharding(mesh, _spec_with(P(), len(state_leaf.shape), d, axis))
+        return NamedSharding(mesh, _spec_with(P(), len(state_leaf.shape), d, state_axes))
 
     opt_sh = optax.tree_map_params(
         optimizer,
@@ -571,7 +702,28 @@ def make_plan(
         opt_sh,
         abstract_opt_state,
     )
-    opt_sh = _with_kind(opt_sh, offload_optimizer)
+    host_leaves = _offloaded_leaves(leaves, offload_ratio)
+    master_sh = update_sh
+    if offload_optimizer is not None and len(host_leaves) < len(leaves):
+        from jzero.groups import param_leaf_owner
+
+        owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)
+        flat_sh, sh_def = jax.tree.flatten(opt_sh)
+        opt_sh = sh_def.unflatten(
+            [
+                x.with_memory_kind(offload_optimizer) if o in host_leaves else x
+                for x, o in zip(flat_sh, owner, strict=True)
+            ]
+        )
+        master_sh = treedef.unflatten(
+            [
+                x.with_memory_kind(offload_optimizer) if i in host_leaves else x
+                for i, x in enumerate(jax.tree.leaves(update_sh))
+            ]
+        )
+    else:
+        opt_sh = _with_kind(opt_sh, offload_optimizer)
+        master_sh = _with_kind(update_sh, offload_optimizer)
     return Plan(
         stage=spec,
         mesh=mesh,
@@ -583,17 +735,94 @@ def make_plan(
         update_layout=update_sh,
         abstract_opt_state=abstract_opt_state,
         opt_state=opt_sh,
-        batch=NamedSharding(mesh, P(axis)),
+        batch=NamedSharding(mesh, P(axis_entry((replica, axis) if replica else (axis,)))),
         replicated=replicated,
         precision=precision,
-        master=_with_kind(update_sh, offload_optimizer) if precision.mixed else None,
+        master=master_sh if precision.mixed else None,
         base_specs=bases,
         layers_traced=traced,
         reshard_after_forward=bool(reshard_after_forward),
         prefetch_bucket_size=int(prefetch_bucket_size),
         max_reuse_distance=max_reuse_distance,
         max_live_parameters=max_live_parameters,
+        replica_axis=replica,
+        hpz=hpz,
+        overlap_comm=bool(overlap_comm),
+        # Buckets group the step's own reductions and gathers: stages 0-2, with overlap_comm.
+        reduce_bucket_size=reduce_bucket_size if buckets else None,
+        allgather_bucket_size=allgather_bucket_size if buckets else None,
+        quantized_weights=int(quantized_weights),
+        quantized_gradients=int(quantized_gradients),
     )
+
+
+def _check_comm(
+    spec: StageSpec,
+    reduce_bucket_size: int | None,
+    allgather_bucket_size: int | None,
+    quantized_weights: int,
+    quantized_gradients: int,
+) -> None:
+    """The bucket sizes and ZeRO++ quantization this stage can use (clear errors otherwise)."""
+    for name, size in (
+        ("reduce_bucket_size", reduce_bucket_size),
+        ("allgather_bucket_size", allgather_bucket_size),
+    ):
+        if size is not None and (isinstance(size, bool) or int(size) != size or size < 1):
+            raise ValueError(
+                f"{name}={size!r} is not a bucket size; pass a number of elements >= 1, or None "
+                "for one collective per leaf."
+            )
+    for name, bits in (
+        ("quantized_weights", quantized_weights),
+        ("quantized_gradients", quantized_gradients),
+    ):
+        if bits not in (0, 4, 8):
+            raise ValueError(f"{name}={bits!r}: pass 8 or 4 bits a value, or 0 for exact.")
+    if quantized_weights and not spec.shard_params:
+        raise ValueError(
+            f"quantized_weights (ZeRO++ qwZ) quantizes stage 3's parameter all-gathers, but "
+            f"stage {spec.stage} keeps parameters whole and gathers none. Use stage 3, or "
+            "quantized_weights=0."
+        )
+    if quantized_gradients and not spec.reduce_scatter:
+        raise ValueError(
+            f"quantized_gradients (ZeRO++ qgZ) replaces the gradient reduce-scatter, but stage "
+            f"{spec.stage} all-reduces its gradients. Use stage 1, 2 or 3, or "
+            "quantized_gradients=0."
+        )
+
+
+def _check_axes_used(mesh: Mesh, axis: str, bases: Sequence[P]) -> None:
+    """Refuses a mesh axis of several devices that neither splits the batch (``data``,
+    ``replica``) nor any parameter (a partition spec): its devices would compute the same
+    rows, a silent multiple of the compute."""
+    used = {a for b in bases for a in jax.tree.leaves(tuple(b))}
+    for name, size in mesh.shape.items():
+        if size > 1 and name not in (axis, REPLICA_AXIS) and name not in used:
+            raise ValueError(
+                f"mesh axis {name!r} ({size} devices) is neither {axis!r}, {REPLICA_AXIS!r} nor "
+                "named by any parameter's partition spec, so its devices would all compute the "
+                f"same rows ({size}x redundant work). Rename it to {REPLICA_AXIS!r} to replicate "
+                f"ZeRO's shards across it (e.g. across hosts), fold it into {axis!r} (mesh: "
+                f"{{{axis}: -1}}), or give parameters partition specs over it (param_specs=, "
+                "nnx.with_partitioning)."
+            )
+
+
+def _offloaded_leaves(leaves: Sequence[LeafPlan], ratio: float) -> frozenset[int]:
+    """The parameter leaves whose optimizer state and masters are offloaded for ``ratio``:
+    largest first, each taken when it brings the offloaded elements closer to ``ratio`` of all
+    (a leaf is never split); every leaf at ``ratio`` 1."""
+    if ratio >= 1.0:
+        return frozenset(range(len(leaves)))
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    target, taken, chosen = ratio * sum(sizes), 0, set()
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if abs(taken + sizes[i] - target) < abs(taken - target):
+            chosen.add(i)
+            taken += sizes[i]
+    return frozenset(chosen)
 
 
 def _with_kind(shardings: PyTree, memory_kind: str | None) -> PyTree:

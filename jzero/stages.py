@@ -100,6 +100,16 @@ class StageSpec:
             return 2.0, "Psi reduce-scatter + Psi all-gather"
         return 2.0, "2 Psi all-reduce"
 
+    def replica_traffic(self, shards: int) -> tuple[float, str]:
+        """Elements per parameter that cross the replica axis per step under hybrid sharding
+        (``shards`` devices per ``data`` group): where the gradient is reduce-scattered only
+        its shard crosses, all-reduced over the replicas (``2 Psi/shards`` on the wire; hpZ's
+        reduce-scatter plus all-gather of the same shard moves as much); else the whole
+        gradient is all-reduced over every device (``2 Psi``)."""
+        if self.reduce_scatter:
+            return 2.0 / shards, f"2 Psi/{shards} all-reduce of the gradient shards"
+        return 2.0, "2 Psi all-reduce"
+
 
 STAGES: dict[int, StageSpec] = {
     0: StageSpec(0, False, False, False, "data parallel: everything replicated"),

@@ -24,6 +24,22 @@ Decisions:
   device only does the arithmetic for its own shard.
 * The gradient is the mean over the global batch: local sums are divided by
   ``accumulation_steps x data-parallel size`` once, on the reduced shards.
+* With a ``replica`` axis (hybrid sharding) the ``shard_map`` spans ``replica`` and ``data``:
+  each device differentiates its own rows, gradients are reduce-scattered within ``data`` as
+  the stage says, and only the shards cross the replica axis, once per step at the
+  accumulation boundary: an all-reduce of ``1/data`` of the gradient bytes (hybrid), or a
+  reduce-scatter of them (ZeRO++ hpZ, whose optimizer state is sharded over both axes; its
+  updated shards are all-gathered over ``replica`` back into the ``data``-sharded parameters).
+  Stage 3's gathers stay within ``data``.
+* ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over
+  ``data`` by the quantized all-to-all of :func:`jzero.quantize.quantized_psum_scatter`: here for
+  the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones. It
+  quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
+  and sums in float32; all-reduces and the replica-axis reduction stay exact.
+* ``overlap_comm`` (:mod:`jzero.overlap`): at stages 0-2 the step's own reductions and the
+  gather of the updated parameters run per bucket (``plan.reduce_bucket_size``,
+  ``plan.allgather_bucket_size``); on a GPU the step is jitted with XLA's options for
+  asynchronous collectives (:func:`jzero.overlap.compiler_options`, empty on other backends).
 """
 
 from __future__ import annotations
@@ -38,9 +54,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.gather import gathered
-from jzero.plan import Plan, is_host, on_device
+from jzero.overlap import compiler_options, gather_buckets, reduce_buckets
+from jzero.plan import Plan, axis_entry, is_host, on_device
 from jzero.precision import LossScaleState, cast_floating, next_loss_scale
+from jzero.quantize import quantized_psum_scatter
 from jzero.remat import RematPolicy, parse_policy
+from jzero.streaming import streamed_groups, streamed_update
 from jzero.trace import Partition
 
 __all__ = [
@@ -152,11 +171,11 @@ def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
     return found[0] if found else None
 
 
-def _spec(mesh_axis: str, ndim: int, dim: int | None) -> P:
+def _spec(mesh_axes: str | tuple[str, ...], ndim: int, dim: int | None) -> P:
     if dim is None:
         return P()
     entries: list[Any] = [None] * ndim
-    entries[dim] = mesh_axis
+    entries[dim] = axis_entry(mesh_axes)
     return P(*entries)
 
 
@@ -195,7 +214,7 @@ def _with_extra(loss_fn: LossFn, has_aux: bool | None, takes_extra: bool) -> Los
     return lambda params, extra, batch: (loss_fn(params, batch), ({}, extra))
 
 
-def _mean_extra(extra: PyTree, axis: str) -> PyTree:
+def _mean_extra(extra: PyTree, axis: str | tuple[str, ...]) -> PyTree:
     """Averages floating non-trainable state over devices (running statistics); the rest
     (counters, RNG keys) advances identically on every device and is kept."""
 
@@ -223,19 +242,32 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             grad_dtype=plan.precision.comm_dtype,
             policy=policy,
             reshard=plan.reshard_after_forward,
-            prefetch=plan.prefetch_bucket_size,
+            prefetch=_prefetch(plan),
             reuse_distance=plan.max_reuse_distance,
             max_live=plan.max_live_parameters,
             partition=_partition(plan, policy),
+            bits=plan.quantized_weights,
+            grad_bits=plan.quantized_gradients,
+            overlap=plan.overlap_comm,
         )
     return loss_fn
+
+
+def _prefetch(plan: Plan) -> int:
+    """The elements a stage-3 gather outside a scan may run ahead of its use: DeepSpeed's
+    ``stage3_prefetch_bucket_size`` when set, else under ``overlap_comm`` one layer (the
+    largest gathered unit), so a Python loop's layer ``i + 1`` is gathered while layer ``i``
+    computes, as the scans' overlap does; else 0."""
+    if plan.prefetch_bucket_size or not plan.overlap_comm:
+        return plan.prefetch_bucket_size
+    return plan.largest_gathered()[0]
 
 
 def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
     """``partition_activations``: the mesh's other axes with more than one device, if any."""
     if policy is None or not policy.partition or not policy.active:
         return None
-    axes = tuple(a for a, n in plan.mesh.shape.items() if a != plan.axis and n > 1)
+    axes = tuple(a for a, n in plan.mesh.shape.items() if a not in plan.batch_axes and n > 1)
     return Partition(plan.mesh, axes) if axes else None
 
 
@@ -273,14 +305,14 @@ def make_eval_step(
         value = local(params, extra, batch)[0]
         if plan.precision.mixed:
             value = value.astype(jnp.float32)
-        return jax.lax.pmean(value, plan.axis)
+        return jax.lax.pmean(value, plan.batch_axes)
 
     fn = jax.shard_map(
         loss,
         mesh=plan.mesh,
-        in_specs=(in_specs, P(), P(plan.axis)),
+        in_specs=(in_specs, P(), plan.batch.spec),
         out_specs=P(),
-        axis_names={plan.axis},
+        axis_names=set(plan.batch_axes),
         check_vma=False,
     )
     return jax.jit(
@@ -303,6 +335,7 @@ def make_train_step(
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
     remat_policy: RematPolicy | str | None = None,
+    sub_group_size: int | None = None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
@@ -336,6 +369,9 @@ def make_train_step(
         :mod:`jzero.remat`. ``None`` (the default): no checkpointing at stages 0-2; stage 3
         checkpoints the scans it gathers with :data:`jzero.gather.checkpoint_policy`. The
         engine passes the config's ``activation_checkpointing``.
+      sub_group_size: with the optimizer state offloaded, stream the update over groups of
+        parameter leaves of at most this many elements, one group's state in device memory at
+        a time (:mod:`jzero.streaming`; DeepSpeed's ``sub_group_size``); ``None``: one piece.
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -350,40 +386,36 @@ def make_train_step(
       and stage; without mixed precision the params are the master weights. The
       :class:`~jzero.precision.LossScaleState` counts skipped and non-finite steps always.
     """
-    accum = int(accumulation_steps)
-    if isinstance(remat_policy, str):
-        remat_policy = parse_policy(remat_policy)
-    full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
-    grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
     prec = plan.precision
+    takes_extra = takes_extra or bool(stateful)
+    gradients = _gradient_part(
+        plan, loss_fn, accumulation_steps, gradient_clipping, has_aux, takes_extra, remat_policy
+    )
+    groups = streamed_groups(plan, sub_group_size)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        if not isinstance(state.loss_scale, LossScaleState):
-            raise ValueError(
-                "The TrainState has no loss-scale state; build it with "
-                "jzero.step.init_train_state(plan, params, optimizer)."
+        params, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
+        if groups is not None:  # the offloaded update, one group of leaves at a time
+            new_master, new_opt_state, copies = streamed_update(
+                plan, optimizer, groups, state, params, grads, finite if prec.skips else None
             )
-        _check_batch_rows(batch, accum * plan.num_shards, accum)
-        params = _to_device(state.params, plan.params)
-        ls = state.loss_scale
-        loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
-        grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
-        if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
-            grads = jax.tree.map(lambda g: g / ls.scale, grads)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm)
-        grads = _clip(grads, grad_norm, gradient_clipping)
-        master, opt_state = _update_inputs(plan, state, params)
-        updates, new_opt_state = optimizer.update(grads, opt_state, master)
-        new_master = optax.apply_updates(master, updates)
-        if prec.skips:  # a skipped step leaves every bit of the state as it was
-            new_master, new_opt_state, extra = _keep_old_when_nonfinite(
-                finite, (new_master, new_opt_state, extra), (master, opt_state, state.extra)
-            )
+            if prec.skips:
+                extra = _keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
+            new_params = _params_at_rest(plan, copies)
+        else:
+            master, opt_state = _update_inputs(plan, state, params)
+            updates, new_opt_state = optimizer.update(grads, opt_state, master)
+            new_master = optax.apply_updates(master, updates)
+            if prec.skips:  # a skipped step leaves every bit of the state as it was
+                new_master, new_opt_state, extra = _keep_old_when_nonfinite(
+                    finite, (new_master, new_opt_state, extra), (master, opt_state, state.extra)
+                )
+            new_params = _params_at_rest(plan, new_master)
         applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
+        ls = state.loss_scale
         new_state = TrainState(
             step=state.step + applied,
-            params=_params_at_rest(plan, new_master),
+            params=new_params,
             opt_state=new_opt_state,
             extra=extra,
             master=new_master if prec.mixed else (),
@@ -398,7 +430,89 @@ def make_train_step(
         in_shardings=(shardings, plan.batch),
         out_shardings=(shardings, plan.replicated),
         donate_argnums=(0,) if donate else (),
+        compiler_options=compiler_options(plan) or None,
     )
+
+
+def _gradient_part(
+    plan: Plan,
+    loss_fn: LossFn,
+    accumulation_steps: int,
+    gradient_clipping: float,
+    has_aux: bool | None,
+    takes_extra: bool,
+    remat_policy: RematPolicy | str | None,
+) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
+    """The step up to the update: ``(state, batch) -> (params on the device, gradients
+    reduced, unscaled and clipped in the update layout, their global norm, whether it is
+    finite, loss, aux, new extra)``."""
+    accum = int(accumulation_steps)
+    if isinstance(remat_policy, str):
+        remat_policy = parse_policy(remat_policy)
+    full_loss = _with_extra(loss_fn, has_aux, takes_extra)
+    grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
+    prec = plan.precision
+
+    def gradients(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
+        if not isinstance(state.loss_scale, LossScaleState):
+            raise ValueError(
+                "The TrainState has no loss-scale state; build it with "
+                "jzero.step.init_train_state(plan, params, optimizer)."
+            )
+        _check_batch_rows(batch, accum * plan.data_parallel_size, accum)
+        params = _to_device(state.params, plan.params)
+        ls = state.loss_scale
+        loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
+        grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
+        if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
+            grads = jax.tree.map(lambda g: g / ls.scale, grads)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        grads = _clip(grads, grad_norm, gradient_clipping)
+        return params, grads, grad_norm, finite, loss, aux, extra
+
+    return gradients
+
+
+def make_gradient_step(
+    plan: Plan,
+    loss_fn: LossFn,
+    *,
+    accumulation_steps: int = 1,
+    gradient_clipping: float = 0.0,
+    has_aux: bool | None = None,
+    takes_extra: bool = False,
+    learning_rate: Callable[[jax.Array], jax.Array] | None = None,
+    remat_policy: RematPolicy | str | None = None,
+) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
+    """The train step without its update, for callers that run the update themselves (the
+    NVMe tier, :mod:`jzero.nvme_step`): the jitted ``(state, batch) -> (grads, applied,
+    extra, loss_scale, metrics)``, the gradients reduced, unscaled and clipped in the plan's
+    gradient layout, ``applied`` 0 when the step is to be skipped (non-finite gradients under
+    skipping), ``extra`` and ``loss_scale`` the state's next ones. Arguments as for
+    :func:`make_train_step`; the state is not donated."""
+    prec = plan.precision
+    gradients = _gradient_part(
+        plan, loss_fn, accumulation_steps, gradient_clipping, has_aux, takes_extra, remat_policy
+    )
+
+    def step(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
+        _, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
+        if prec.skips:
+            extra = _keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
+        applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
+        ls = state.loss_scale
+        lr = learning_rate(state.step) if learning_rate else find_learning_rate(state.opt_state)
+        metrics = _metrics(prec, loss, grad_norm, lr, aux, applied, finite, ls)
+        return grads, applied, extra, next_loss_scale(prec, ls, finite), metrics
+
+    return jax.jit(step, out_shardings=(on_device(plan.grads), *(plan.replicated,) * 4))
+
+
+def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
+    """The params the next step computes with, from updated master shards in the update
+    layout (the 16-bit copies of them work too: the rounding is the same)."""
+    return _params_at_rest(plan, master)
 
 
 def _check_batch_rows(batch: PyTree, multiple: int, accum: int) -> None:
@@ -425,7 +539,7 @@ def _local_grads(
     gradients leave reduced over the data axis as the stage says (:func:`_reduce`), already
     divided into the mean over the global batch, in the master weights' dtype.
     """
-    prec, axis, n = plan.precision, plan.axis, plan.num_shards
+    prec, axis, n = plan.precision, plan.batch_axes, plan.data_parallel_size
     treedef = jax.tree.structure(plan.abstract_params)
     master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
     # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,
@@ -463,6 +577,7 @@ def _local_grads(
             )
         if not reduce_each:
             g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
+        g = _reduce_replicas(plan, g)
         # The mean over the global batch: local sums over accum micro-batches and n devices.
         leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
         g = treedef.unflatten([x.astype(m) / (accum * n) for x, m in leaves])
@@ -495,20 +610,61 @@ def _accumulate(
 
 def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
-    where the plan shards the gradient (and ``now_sharded``), else an all-reduce. Leaves come
+    where the plan shards the gradient (and ``now_sharded``), else an all-reduce (over every
+    batch axis: a leaf that stays whole is summed over the replicas here too). Leaves come
     back in the dtype they went in; stage 3's arrive reduce-scattered already (the transpose
-    of their all-gather) and pass through."""
-    out = []
-    leaves = zip(jax.tree.leaves(grads), plan.param_dims, plan.grad_dims(), strict=True)
-    for g, param_dim, grad_dim in leaves:
+    of their all-gather) and pass through.
+
+    With ``plan.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the quantized
+    all-to-all of :func:`jzero.quantize.quantized_psum_scatter` (summed in float32, from the
+    gradient's own dtype: the integers replace the communication dtype); all-reduces stay
+    exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
+    reduced in buckets, one collective each (:func:`jzero.overlap.reduce_buckets`)."""
+    bits = plan.quantized_gradients
+    leaves = jax.tree.leaves(grads)
+    todo, sent, dims = [], [], []
+    for i, (g, param_dim, grad_dim) in enumerate(
+        zip(leaves, plan.param_dims, plan.grad_dims(), strict=True)
+    ):
         if param_dim is not None:
+            continue
+        scatter = grad_dim is not None and now_sharded
+        todo.append(i)
+        dims.append(grad_dim if scatter else None)
+        sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
+
+    def scatter(x: jax.Array, dim: int) -> jax.Array:
+        if bits:
+            return quantized_psum_scatter(x, plan.axis, dim, bits)
+        return jax.lax.psum_scatter(x, plan.axis, scatter_dimension=dim, tiled=True)
+
+    def total(x: jax.Array) -> jax.Array:
+        return jax.lax.psum(x, plan.batch_axes)
+
+    reduced = reduce_buckets(sent, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
+    out = list(leaves)
+    for i, r in zip(todo, reduced, strict=True):
+        out[i] = r.astype(leaves[i].dtype)
+    return jax.tree.structure(grads).unflatten(out)
+
+
+def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
+    """Sums the ``data``-reduced gradient shards over the replica axis, once per step (after
+    accumulation), in the communication dtype: an all-reduce (hybrid sharding) or, under hpZ,
+    a reduce-scatter into the optimizer's ``replica`` x ``data`` shards. Leaves that stayed
+    whole were summed over every axis by :func:`_reduce`."""
+    if plan.replica_axis is None:
+        return grads
+    out = []
+    for g, grad_dim in zip(jax.tree.leaves(grads), plan.grad_dims(), strict=True):
+        if grad_dim is None:
             out.append(g)
             continue
         c = g.astype(plan.precision.communication(g.dtype))
-        if grad_dim is not None and now_sharded:
-            c = jax.lax.psum_scatter(c, plan.axis, scatter_dimension=grad_dim, tiled=True)
+        if plan.hpz:
+            c = jax.lax.psum_scatter(c, plan.replica_axis, scatter_dimension=grad_dim, tiled=True)
         else:
-            c = jax.lax.psum(c, plan.axis)
+            c = jax.lax.psum(c, plan.replica_axis)
         out.append(c.astype(g.dtype))
     return jax.tree.structure(grads).unflatten(out)
 
@@ -518,16 +674,16 @@ def _sharded_grads(plan: Plan, local_grads: Callable[..., Any]) -> Callable[...,
     stage 3), the batch split over the data axis; gradients leave in the plan's grad layout."""
     treedef = jax.tree.structure(plan.abstract_params)
 
-    def specs(dims: list[int | None]) -> PyTree:
+    def specs(dims: list[int | None], axes: tuple[str, ...]) -> PyTree:
         shapes = zip(plan.leaves, dims, strict=True)
-        return treedef.unflatten([_spec(plan.axis, len(leaf.shape), d) for leaf, d in shapes])
+        return treedef.unflatten([_spec(axes, len(leaf.shape), d) for leaf, d in shapes])
 
     return jax.shard_map(
         local_grads,
         mesh=plan.mesh,
-        in_specs=(specs(plan.param_dims), P(), P(), P(plan.axis)),
-        out_specs=(P(), P(), specs(plan.grad_dims()), P()),
-        axis_names={plan.axis},
+        in_specs=(specs(plan.param_dims, (plan.axis,)), P(), P(), plan.batch.spec),
+        out_specs=(P(), P(), specs(plan.grad_dims(), plan.state_axes), P()),
+        axis_names=set(plan.batch_axes),
         check_vma=False,
     )
 
@@ -611,23 +767,49 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
         master = cast_floating(master, compute)
     treedef = jax.tree.structure(plan.abstract_params)
     leaves = plan.leaves
-    gather_dims = [
-        leaf.state_dim if leaf.param_dim is None and leaf.state_dim is not None else None
+    state_axes = plan.state_axes
+    # Per leaf, the axes its updated shard is gathered over: every state axis where the
+    # parameter rests whole, the replica axis where hpZ keeps it sharded over data only.
+    gather_axes = [
+        ()
+        if leaf.state_dim is None
+        else state_axes
+        if leaf.param_dim is None
+        else tuple(a for a in state_axes if a != axis)
         for leaf in leaves
     ]
-    if any(d is not None for d in gather_dims):
+    if any(gather_axes):
         in_specs = treedef.unflatten(
-            [_spec(axis, len(leaf.shape), leaf.state_dim) for leaf in leaves]
+            [_spec(state_axes, len(leaf.shape), leaf.state_dim) for leaf in leaves]
         )
         out_specs = treedef.unflatten(
             [_spec(axis, len(leaf.shape), leaf.param_dim) for leaf in leaves]
         )
 
         def gather(tree: PyTree) -> PyTree:
+            xs = jax.tree.leaves(tree)
+            if plan.allgather_bucket_size is not None:  # stages 1-2: all over state_axes
+                dims = [
+                    leaf.state_dim if axes else None
+                    for axes, leaf in zip(gather_axes, leaves, strict=True)
+                ]
+                return treedef.unflatten(
+                    gather_buckets(
+                        xs,
+                        dims,
+                        plan.state_shards,
+                        plan.allgather_bucket_size,
+                        lambda x, d: jax.lax.all_gather(
+                            x, axis_entry(state_axes), axis=d, tiled=True
+                        ),
+                    )
+                )
             return treedef.unflatten(
                 [
-                    x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
-                    for x, d in zip(jax.tree.leaves(tree), gather_dims, strict=True)
+                    x
+                    if not axes
+                    else jax.lax.all_gather(x, axis_entry(axes), axis=leaf.state_dim, tiled=True)
+                    for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
                 ]
             )
 
@@ -636,7 +818,7 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
             mesh=plan.mesh,
             in_specs=(in_specs,),
             out_specs=out_specs,
-            axis_names={axis},
+            axis_names=set(state_axes),
             check_vma=False,
         )(master)
     master = jax.lax.with_sharding_constraint(master, on_device(plan.params))

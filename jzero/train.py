@@ -255,18 +255,23 @@ def run(
     first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    state_bytes = sum(engine.plan.model_state_bytes().values())
+    by_category = engine.plan.model_state_bytes()
+    on_disk = 0
+    if cfg.zero_optimization.offload_optimizer.device == "nvme":  # between steps, in files
+        on_disk = by_category.pop("opt_state", 0) + by_category.pop("master_params", 0)
+    state_bytes = sum(by_category.values())
     host_bytes = sum(engine.plan.host_state_bytes().values())
     peak = _peak_bytes(engine, batches)
     tokens_per_step = engine.train_batch_size * model_cfg.seq_len
     logger.info("\n%s", engine.describe())
     logger.info(
         "training %d steps, %d tokens a step, per device: model state %s in device memory "
-        "(%s in host memory), peak %s",
+        "(%s in host memory%s), peak %s",
         steps,
         tokens_per_step,
         _format_bytes(state_bytes),
         _format_bytes(host_bytes),
+        f", {_format_bytes(on_disk)} on NVMe" if on_disk else "",
         _format_bytes(peak()),
     )
 
@@ -371,7 +376,7 @@ def run(
         "tokens_per_s": round(ran * tokens_per_step / max(elapsed, 1e-9), 1),
         "resumed_from": resumed,
         "stage": engine.plan.stage.stage,
-        "devices": engine.plan.num_shards,
+        "devices": engine.plan.data_parallel_size,
         "model_state_bytes_per_device": state_bytes,
         "host_state_bytes_per_device": host_bytes,
         "peak_bytes_per_device": peak(),

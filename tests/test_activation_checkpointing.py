@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jzero
 from jzero import gather, remat, trace
@@ -252,7 +253,9 @@ def test_partition_activations_splits_each_saved_layer_input_over_the_model_axis
     """DeepSpeed's ``partition_activations`` on a data=4 x model=2 mesh: each layer's saved
     input (1024 rows x 512 per device, 2 MiB) is kept as a half on each device of a model
     pair and gathered back before the recomputation; the same losses. Layers whose inputs
-    dominate (a wide residual stream, a narrow hidden layer)."""
+    dominate (a wide residual stream, a narrow hidden layer), their hidden layer split over
+    the model axis (Megatron's column- then row-parallel pair), so the residual stream each
+    layer saves is whole on both devices of a pair."""
     n, d, f, b = 8, 512, 128, 4096
     rng = np.random.default_rng(0)
     w1 = (rng.normal(size=(n, d, f)) / np.sqrt(d)).astype(np.float32)
@@ -274,6 +277,10 @@ def test_partition_activations_splits_each_saved_layer_input_over_the_model_axis
     half_input = (b // 4) * d * 4 // 2
     stacked = {"w1": w1, "w2": w2}
     per_layer = {f"layers_{i}": {"w1": w1[i], "w2": w2[i]} for i in range(n)}
+    specs = {
+        0: {"w1": P(None, None, "model"), "w2": P(None, "model", None)},
+        3: {f"layers_{i}": {"w1": P(None, "model"), "w2": P("model", None)} for i in range(n)},
+    }
     for stage, p, loss in ((0, stacked, wide_scan), (3, per_layer, wide_loop)):
         out = {}
         for part in (False, True):
@@ -283,9 +290,11 @@ def test_partition_activations_splits_each_saved_layer_input_over_the_model_axis
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
                 "activation_checkpointing": {"policy": "full", "partition_activations": part},
             }
-            e = jzero.initialize(p, loss, optax.sgd(1e-3), cfg)
+            e = jzero.initialize(p, loss, optax.sgd(1e-3), cfg, param_specs=specs[stage])
             tmp = e.lower(batch).compile().memory_analysis().temp_size_in_bytes
             out[part] = tmp, float(e.train_step(batch)["loss"])
-        # At least 4 of the 8 layers' saved inputs are halved.
-        assert out[True][0] <= out[False][0] - 4 * half_input, (stage, out)
+        # At the peak, at least 4 of the 8 layers' saved inputs are halved in the scan, and at
+        # least 2 in the loop (measured 2.75: the row-parallel layers' all-reduce buffers share
+        # the loop's peak).
+        assert out[True][0] <= out[False][0] - {0: 4, 3: 2}[stage] * half_input, (stage, out)
         assert out[True][1] == pytest.approx(out[False][1], rel=1e-6)

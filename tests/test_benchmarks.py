@@ -22,8 +22,21 @@ def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for title in ("Per-device memory", "Collective bytes", "Layout copies", "Step time on 2"):
+    for title in (
+        "Per-device memory",
+        "Collective bytes",
+        "Layout copies",
+        "Across hosts",
+        "Step time on 2",
+    ):
         assert title in out
+    # Hybrid sharding: stages 1-3 send a quarter of their gradient bytes (2 Psi / 4 devices per
+    # host, plus the leaves ZeRO leaves whole) across the two hosts, the flat mesh all of it.
+    hosts = [line.split() for line in out.split("Across hosts")[1].splitlines()[3:12]]
+    across = {(r[0], r[1]): float(r[3]) for r in hosts}
+    for stage in "123":
+        assert across[(stage, "hybrid")] < across[(stage, "flat")] / 3
+    assert across[("3", "hpZ")] < across[("3", "flat")] / 3
     timed = out.split("Step time on 2")[1].splitlines()[3:9]
     names = [line[:12].strip() for line in timed]
     assert names == ["plain DP", "plain+remat", "stage 0", "stage 1", "stage 2", "stage 3"]
@@ -71,3 +84,21 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
     gathers = {row[:38].strip(): float(row.split()[-2]) for row in tables[2].splitlines()[3:]}
     assert gathers["stage3_max_reuse_distance: 1e9"] == gathers["reshard_after_forward: false"]
     assert gathers["(defaults)"] > 1.5 * gathers["reshard_after_forward: false"]
+
+
+def test_offload_benchmark_prints_every_tier():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    args = ["--stages", "2", "--layers", "1", "--d-model", "32", "--seq-len", "8"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "offload.py"), *args, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    timed = proc.stdout.split("Step time")[1].splitlines()[3:7]
+    rows = {line.split()[1]: line.split() for line in timed}
+    assert list(rows) == ["none", "optimizer", "optimizer+subgroups", "nvme"]
+    assert float(rows["nvme"][-1]) > 0  # the NVMe tier's files hold the state
+    assert all(float(r[-1]) == 0 for name, r in rows.items() if name != "nvme")

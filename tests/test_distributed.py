@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import dist_train
 import jax
@@ -124,16 +125,16 @@ def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "jzero.launch", *args]
 
 
-def run_two(script: str, *args: str, timeout: float = 400) -> dict:
+def run_two(script: str, *args: str, timeout: float = 400, every_record: bool = False) -> Any:
     """Runs ``tests/<script> args`` as two processes of 4 devices under ``jzero launch``;
-    returns the JSON record process 0 printed."""
+    returns the JSON record process 0 printed (every one, in order, with ``every_record``)."""
     c = Children()
     try:
         cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
         p = c.start([*cmd, str(TESTS / script), *args], child_env())
         assert c.finish(p, timeout=timeout) == 0, "".join(p.out + p.err)
-        line = next(line for line in p.out if line.startswith("[p0] {"))
-        return json.loads(line.split(" ", 1)[1])
+        records = [json.loads(line.split(" ", 1)[1]) for line in p.out if line.startswith("[p0] {")]
+        return records if every_record else records[0]
     finally:
         c.kill_all()
 

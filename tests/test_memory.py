@@ -80,12 +80,18 @@ def test_estimate_offload_and_host_memory_follow_deepspeeds_estimators():
         (2, "optimizer"): (2 * psi, psi * max(4 * n, 16) * buffer),
         (3, "optimizer"): (4 * ll + 2 * psi / n, 16 * psi / nodes * buffer),
         (3, "optimizer+params"): (4 * ll, 18 * psi / nodes * buffer),
+        # The NVMe tier, last: device as with the optimizer offloaded, 4 buffers of one group
+        # (Psi/N elements here, less than sub_group_size 1e9) of 12 bytes in host memory.
+        (1, "nvme"): (2 * psi, 4 * psi / n * 12 * buffer * per_node),
+        (2, "nvme"): (2 * psi, 4 * psi / n * 12 * buffer * per_node),
+        (3, "nvme"): (4 * ll + 2 * psi / n, 4 * psi / n * 12 * buffer * per_node),
     }
     assert list(got) == list(expected)
+    assert [r.disk for r in e.rows if r.offload == "nvme"] == [24 * psi / nodes] * 3
     flat = lambda d: [x for pair in d.values() for x in pair]
     assert flat(got) == pytest.approx(flat(expected), rel=1e-12)
     only_offload = memory.estimate(psi, n, per_node, offload="cpu", largest_layer_params=ll)
-    assert {r.offload for r in only_offload.rows} == {"optimizer", "optimizer+params"}
+    assert {r.offload for r in only_offload.rows} == {"optimizer", "optimizer+params", "nvme"}
 
 
 def test_estimate_recommends_the_lowest_stage_that_fits_and_offload_only_if_needed():

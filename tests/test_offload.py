@@ -147,7 +147,7 @@ def test_deepspeed_example_config_trains_with_optimizer_offload():
     with pytest.warns(jzero.config.JzeroConfigWarning) as record:
         e = jzero.initialize(toy.make_params(), toy.loss_fn, config=str(path))
     ours = [w for w in record if issubclass(w.category, jzero.config.JzeroConfigWarning)]
-    assert len(ours) == 1 and "zero_optimization.overlap_comm" in str(ours[0].message)
+    assert len(ours) == 1 and "zero_optimization.allgather_partitions" in str(ours[0].message)
     assert e.plan.precision.comm_dtype == np.dtype("bfloat16")
     batches = toy.make_batches(2, 256)
     losses = [float(e.train_step(b)["loss"]) for b in batches]
@@ -165,12 +165,11 @@ def config_error(cfg):
     return str(info.value)
 
 
-def test_nvme_is_refused_by_the_schema():
+def test_nvme_needs_a_path():
     msg = config_error(config(2, offload_optimizer={"device": "nvme"}))
     assert msg == (
-        "zero_optimization.offload_optimizer.device: 'nvme' is not supported: NVMe offload "
-        "(ZeRO-Infinity) has no XLA equivalent; jzero supports 'none' or 'cpu', so set one of "
-        "those."
+        "zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set "
+        "offload_optimizer.nvme_path to a directory on a fast local disk."
     )
 
 
@@ -197,18 +196,14 @@ def test_offload_below_its_stage_is_refused():
     assert str(info.value) == below_params
 
 
-def test_partial_offload_ratio_is_refused():
-    for stage in (2, 3):
-        assert config_error(config(stage, offload_optimizer={**HOST, "ratio": 0.5})) == (
-            "zero_optimization.offload_optimizer.ratio: 0.5 (partial offload) is not supported: "
-            "jzero offloads all of the optimizer state or none of it. Set ratio: 1.0."
-        )
+def test_partial_parameter_offload_is_refused():
     zero = jzero.load_config(config(3, offload_param={**HOST, "ratio": 0.5})).zero_optimization
     with pytest.raises(ValueError) as info:
         offload.memory_kinds_from_config(zero)
     assert str(info.value) == (
-        "zero_optimization.offload_param.ratio is 0.5, but jzero offloads all of the state "
-        "or none of it. Set ratio to 1.0 (the default)."
+        "zero_optimization.offload_param.ratio is 0.5, but jzero offloads all of the parameters "
+        "or none of them (ratio splits the optimizer state: offload_optimizer.ratio). Set ratio "
+        "to 1.0 (the default)."
     )
 
 
@@ -293,10 +288,18 @@ def test_gpu_check_smoke_runs_on_cpu_and_prints_its_table(tmp_path):
     assert proc.returncode == 0, out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["variant", "opt"])
-    none_row, opt_row = lines[header + 2].split(), lines[header + 3].split()
-    assert none_row[:2] == ["none", "device"] and opt_row[:2] == ["optimizer", "pinned_host"]
+    rows = [lines[header + 2 + i].split()[:2] for i in range(4)]
+    assert rows == [
+        ["none", "device"],
+        ["optimizer", "pinned_host"],
+        ["subgroups", "pinned_host"],
+        ["nvme", "nvme"],
+    ]
     assert "memory_analysis() reports no host bytes on this backend" in out
-    assert "largest difference 0\n" in out  # CPU: offload changes no bit
+    # CPU: host offload, whole or streamed, changes no bit; the NVMe tier's update programs may
+    # round a last bit differently (tests/nvme_bits_child.py).
+    diff = float(out.split("largest difference from none ")[1].split()[0])
+    assert diff < 1e-4
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["variants"]["optimizer"]["plan_host_bytes"] > 0
     assert summary["variants"]["none"]["plan_host_bytes"] == 0

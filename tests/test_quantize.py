@@ -228,3 +228,33 @@ def test_psum_scatter_moves_quantized_bytes():
         assert q_stats[kind].count == 0, kind  # no full-size float reduction besides
     lines = op_lines(q_prog.as_text(), "all-to-all")
     assert lines and all("s8[" in line and "f32[" not in line for line in lines)
+
+
+def test_a_piece_smaller_than_a_block_sends_its_own_size_and_one_scale():
+    x = normal(10, (N * 8,))  # 8 values a device: one block of 8, not a padded block of 256
+    gather = smap(lambda s: quantized_all_gather(s, "data", 0), P("data"), P())
+    assert collectives(gather.lower(x).compile())["all-gather"].bytes == N * (8 + 4)
+    got = np.asarray(gather(x))
+    for s, piece in zip(np.split(np.asarray(x), N), np.split(got, N), strict=True):
+        assert np.abs(piece - s).max() <= np.abs(s).max() / (2 * 127) * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("quantized_forward", [True, False])
+def test_gather_with_quantized_gradient_reduces_by_the_quantized_exchange(quantized_forward):
+    # qgZ through a gather's transpose (stage 3): the backward is quantized_psum_scatter of the
+    # cotangent, whether or not the forward gather is quantized too (qwZ).
+    x = normal(11, (N * 4, 64))
+    w = normal(12, (N, N * 4, 64))
+
+    def gather(s):
+        if quantized_forward:
+            return quantized_all_gather(s, "data", 0, grad_bits=8)
+        return all_gather(s, "data", 0, grad_bits=8)
+
+    f = smap(lambda s, w: jnp.sum(gather(s) * w[0])[None], (P("data"), P("data")), P("data"))
+    got = jax.jit(jax.grad(lambda x: jnp.sum(f(x, w))))(x)
+    reduce = smap(lambda c: quantized_psum_scatter(c[0], "data", 0), P("data"), P("data"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(reduce(w)))
+    exact = np.asarray(w).sum(axis=0)
+    bound = N * np.abs(np.asarray(w)).max() / (2 * 127)  # half a scale from each device
+    assert 0 < np.abs(np.asarray(got) - exact).max() <= bound  # quantized, and close

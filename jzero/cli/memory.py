@@ -82,6 +82,8 @@ def _estimate(args: argparse.Namespace) -> int:
         layers=args.layers,
         heads=args.heads,
         activation_dtype=args.activation_dtype,
+        replicas=args.replicas,
+        sub_group_size=args.sub_group_size,
     )
     return _print_report(result, args.plot)
 
@@ -146,6 +148,19 @@ def add_commands(subparsers: Any) -> None:
     est.add_argument(
         "--devices-per-node",
         help="devices per node (host memory is per node); default: largest divisor of N <= 8",
+    )
+    est.add_argument(
+        "--replicas",
+        default=1,
+        help="hybrid sharding: replica groups R (e.g. one per node); state is sharded within "
+        "each group of N/R devices and only gradient shards cross groups (default 1)",
+    )
+    est.add_argument(
+        "--sub-group-size",
+        type=float,
+        default=1e9,
+        help="elements of one group of the NVMe tier's update (DeepSpeed's sub_group_size, "
+        "default 1e9); its host buffers hold 4 groups",
     )
     est.add_argument(
         "--offload",

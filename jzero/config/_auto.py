@@ -11,7 +11,8 @@ Decisions:
   ``Config.auto`` (the ``auto`` field metadata, see ``jzero.config._sections``). Most keys need
   nothing from the code, so that value stands: ``gradient_clipping`` 1.0 (DeepSpeed's
   default), ``stage3_param_persistence_threshold`` 1e5, ``stage3_max_live_parameters`` 1e9,
-  ``reduce_bucket_size``/``allgather_bucket_size`` their defaults (no effect in jzero),
+  ``reduce_bucket_size``/``allgather_bucket_size`` their defaults (5e8: with ``overlap_comm``,
+  one bucket for any model under 500M parameters),
   ``stage3_gather_16bit_weights_on_model_save`` false, and ``stage3_prefetch_bucket_size`` /
   ``stage3_max_reuse_distance`` *not set*: jzero's "no prefetch, no reuse", about one layer
   gathered at a time. Hugging Face would derive the bucket sizes and the persistence threshold

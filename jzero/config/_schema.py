@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from jzero.config._common import FrozenMap, _field, _thaw
+from jzero.config._common import ConfigError, FrozenMap, _field, _thaw
 from jzero.config._sections import (
     _CKPT,
     _MONITOR,
@@ -309,6 +309,39 @@ class Config:
     auto: tuple[str, ...] = _field((), internal=True)
     """Not a key: the dotted keys written as "auto", in the order read. ``resolve_auto``
     (called by ``jzero.initialize``) resolves them and empties this."""
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The mesh to build, as :func:`jzero.make_mesh` takes it: the ``mesh`` section, with a
+        shard group from ``zero_optimization.mics_shard_size`` or ``zero_hpz_partition_size``
+        as ``data`` and a ``replica`` axis taking the devices left (hybrid sharding).
+
+        Raises:
+          ConfigError: when the shard group contradicts the ``mesh`` section.
+        """
+        sizes = self.mesh.sizes()
+        zero = self.zero_optimization
+        key, group = None, None
+        if zero.mics_shard_size > 0:
+            key, group = "mics_shard_size", zero.mics_shard_size
+        elif zero.zero_hpz_partition_size > 1:
+            key, group = "zero_hpz_partition_size", zero.zero_hpz_partition_size
+        if group is None:
+            return sizes
+        if sizes["data"] not in (-1, group):
+            raise ConfigError(
+                f"zero_optimization.{key}: {group} is the size of one shard group (mesh axis "
+                f"data), but mesh.data is {sizes['data']}; remove mesh.data or set it to {group}."
+            )
+        sizes["data"] = group
+        if "replica" not in sizes:
+            others = [name for name, size in sizes.items() if size == -1 and name != "data"]
+            if others:
+                raise ConfigError(
+                    f"zero_optimization.{key} makes a replica axis of the devices left over, "
+                    f"but mesh.{others[0]} is -1 already; give mesh.{others[0]} a size."
+                )
+            sizes["replica"] = -1
+        return sizes
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain dicts and lists with the YAML key names.

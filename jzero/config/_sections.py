@@ -8,6 +8,15 @@ Decisions:
   true by default, and jzero follows it.
 * A key that has no meaning under XLA carries its reason in ``no_effect`` metadata: it is
   accepted and listed in one warning. NVMe offload is refused (``refuse``) with the reason.
+* A key that acts only in some settings carries ``no_effect_when`` too: a function of the built
+  section giving the reason it does nothing there (listed in the warning), or ``None`` where
+  it acts. Its ``no_effect`` text then only keeps it out of ``Config.to_dict`` at its default.
+  These are ``overlap_comm`` and its bucket sizes (buckets at stages 0-2, the one-layer-ahead
+  gather at stage 3) and ZeRO++'s quantization (qwZ at stage 3, qgZ at stages 1-3):
+  :meth:`ZeroConfig.comm_options` turns them into :func:`jzero.plan.make_plan`'s arguments.
+* ``overlap_comm`` left out (``null``) is off at every stage. DeepSpeed turns it on at stage 3;
+  jzero does not, because there it holds two layers' gathered weights instead of one (the
+  next layer's gather runs during this layer's compute), a memory cost a user should choose.
 * Every field has a docstring; they are the reference for the YAML keys.
 * A field with ``auto`` metadata accepts ``"auto"`` (what Hugging Face's and Accelerate's
   DeepSpeed templates write): the config holds the metadata's value and records the key in
@@ -22,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jzero.config._common import _field
-from jzero.stages import STAGES
+from jzero.stages import STAGES, stage_spec
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -37,42 +46,98 @@ StageNumber = Literal[tuple(STAGES)]  # the ZeRO stages, from the one table
 
 # Reasons shared by several no-effect keys.
 _XLA_COLLECTIVES = "XLA schedules, buckets and fuses collectives itself"
-_XLA_OVERLAP = "XLA's scheduler overlaps communication with compute itself"
 _XLA_GATHER = (
     "stage 3 gathers each parameter where the compiled step uses it; XLA sizes the buffers"
 )
 _TORCH_ONLY = "it configures a PyTorch-specific mechanism with no JAX counterpart"
-_NVME_ONLY = "it configures NVMe offload, which jzero does not have"
+_NVME_ONLY = "it tunes DeepSpeed's NVMe engine; jzero's NVMe tier sizes its own I/O"
 _NOT_IMPLEMENTED = "the DeepSpeed feature it configures is not implemented in jzero"
 _MONITOR = "jzero logs metrics to train.log_dir instead of DeepSpeed's monitors"
 _CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
+_COMM = "jzero applies it at some stages only"  # to_dict's marker; the warning says why
+
+
+def _bucket_no_effect(kind: str) -> Any:
+    """The reason a bucket size does nothing in a ``zero_optimization`` section, or None."""
+
+    def reason(zero: ZeroConfig) -> str | None:
+        spec = stage_spec(zero.stage)
+        if spec.shard_params:
+            return (
+                f"stage {zero.stage} gathers and reduce-scatters each parameter where it is "
+                "used (one layer at a time), not in buckets"
+            )
+        if kind == "gather" and not spec.shard_opt_state:
+            return f"stage {zero.stage} keeps the updated parameters whole: it gathers nothing"
+        if not zero.overlap_comm:
+            return "buckets group the step's collectives only with overlap_comm: true"
+        return None
+
+    return reason
+
+
+def _qwz_no_effect(zero: ZeroConfig) -> str | None:
+    if zero.zero_quantized_weights and not stage_spec(zero.stage).shard_params:
+        return (
+            f"stage {zero.stage} keeps parameters whole, so there is no parameter all-gather "
+            "to quantize (ZeRO++ qwZ acts at stage 3)"
+        )
+    return None
+
+
+def _frozen_no_effect(zero: ZeroConfig) -> str | None:
+    if zero.zero_quantized_nontrainable_weights:
+        return (
+            "jzero keeps non-trainable state (TrainState.extra) whole on every device, so it "
+            "is never gathered and there is nothing to quantize; zero_quantized_weights "
+            "quantizes the parameters' gathers"
+        )
+    return None
+
+
+def _qgz_no_effect(zero: ZeroConfig) -> str | None:
+    if zero.zero_quantized_gradients and not stage_spec(zero.stage).reduce_scatter:
+        return (
+            f"stage {zero.stage} all-reduces its gradients, and ZeRO++ qgZ replaces a "
+            "reduce-scatter (stages 1-3)"
+        )
+    return None
+
+
+def _qgz_bits_no_effect(zero: ZeroConfig) -> str | None:
+    if not zero.zero_quantized_gradients or _qgz_no_effect(zero):
+        return "it sets the bits of zero_quantized_gradients, which does not act here"
+    return None
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
     """``zero_optimization.offload_optimizer`` / ``offload_param``: host-memory offload."""
 
-    device: Literal["none", "cpu", "nvme"] = _field(
-        "none",
-        refuse={"nvme": "NVMe offload (ZeRO-Infinity) has no XLA equivalent"},
-    )
-    """Where the state lives: "none" (device memory) or "cpu" (host memory). "nvme" is refused."""
+    device: Literal["none", "cpu", "nvme"] = "none"
+    """Where the state lives: "none" (device memory), "cpu" (host memory) or "nvme" (files under
+    ``nvme_path``, ZeRO-Infinity; ``offload_optimizer`` only)."""
     pin_memory: bool = True
     """Page-locked host memory (``pinned_host``); false uses ``unpinned_host``. DeepSpeed: true."""
     ratio: float = _field(1.0, min=0.0, max=1.0)
-    """Fraction of the optimizer state to offload (DeepSpeed's partial offload, stage 3)."""
-    nvme_path: str | None = _field(None, no_effect=_NVME_ONLY)
-    """DeepSpeed: NVMe directory. No effect."""
-    buffer_count: int = _field(5, min=0, no_effect=_NVME_ONLY)
-    """DeepSpeed: NVMe buffer pool size (5 for params, 4 for optimizer state). No effect."""
+    """Fraction of the optimizer state to offload (DeepSpeed's partial offload): the leaves are
+    split between host and device memory by the plan, the largest first, until this fraction
+    of the optimizer-state bytes is in host memory."""
+    nvme_path: str | None = _field(None, path=True)
+    """With ``device: nvme``: the directory that holds the state's files (a fast local disk);
+    it must exist, be writable and have room for twice the state (the step writes the new
+    version beside the old one)."""
+    buffer_count: int = _field(4, min=1)
+    """With ``device: nvme``: groups of the state held in host memory at once (read ahead and
+    being written); DeepSpeed: 4 for the optimizer state."""
     buffer_size: int = _field(100_000_000, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: NVMe buffer size in elements. No effect."""
     max_in_cpu: int = _field(1_000_000_000, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: parameter elements kept in CPU memory with NVMe offload. No effect."""
-    pipeline_read: bool = _field(False, no_effect=_NVME_ONLY)
-    """DeepSpeed: overlap NVMe reads with the optimizer step. No effect."""
-    pipeline_write: bool = _field(False, no_effect=_NVME_ONLY)
-    """DeepSpeed: overlap NVMe writes with the optimizer step. No effect."""
+    pipeline_read: bool = False
+    """With ``device: nvme``: read the next groups while the current one updates."""
+    pipeline_write: bool = False
+    """With ``device: nvme``: write a group's results while the next one updates."""
     fast_init: bool = _field(False, no_effect=_NVME_ONLY)
     """DeepSpeed: fast optimizer initialisation with NVMe offload. No effect."""
     super_offload: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
@@ -100,29 +165,49 @@ class ZeroConfig:
     allgather_partitions: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: all-gather vs. broadcasts after the step. No effect."""
     allgather_bucket_size: int = _field(
-        500_000_000, min=0, auto=500_000_000, no_effect=_XLA_COLLECTIVES
+        500_000_000,
+        min=0,
+        auto=500_000_000,
+        no_effect=_COMM,
+        no_effect_when=_bucket_no_effect("gather"),
     )
-    """DeepSpeed: elements per all-gather bucket. No effect."""
+    """DeepSpeed: elements per all-gather bucket. Here: with ``overlap_comm: true`` at stages 1-2,
+    the all-gather of the updated parameters is one collective per bucket of consecutive leaves
+    of at most this many elements (0: one per leaf). No effect at stages 0 and 3."""
     reduce_scatter: bool = _field(
         True, no_effect=_XLA_COLLECTIVES + "; the stage decides the reduction"
     )
     """DeepSpeed: reduce-scatter vs. all-reduce for gradients. No effect (the stage decides)."""
     reduce_bucket_size: int = _field(
-        500_000_000, min=0, auto=500_000_000, no_effect=_XLA_COLLECTIVES
+        500_000_000,
+        min=0,
+        auto=500_000_000,
+        no_effect=_COMM,
+        no_effect_when=_bucket_no_effect("reduce"),
     )
-    """DeepSpeed: elements per reduction bucket. No effect ("auto": the default)."""
+    """DeepSpeed: elements per reduction bucket. Here: with ``overlap_comm: true`` at stages 0-2,
+    the gradient reduction is one collective per bucket of consecutive leaves of at most this
+    many elements (0: one per leaf), so a bucket whose gradients are ready can be reduced while
+    the backward pass computes the rest. No effect at stage 3, whose reduce-scatters are per
+    layer ("auto": the default)."""
     use_multi_rank_bucket_allreduce: bool = _field(True, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: merge reduce buckets of ranks into one all-reduce. No effect."""
-    overlap_comm: bool | None = _field(None, no_effect=_XLA_OVERLAP)
-    """DeepSpeed: overlap gradient reduction with backward (default: true at stage 3). No effect."""
+    overlap_comm: bool | None = _field(None, no_effect=_COMM, no_effect_when=lambda _: None)
+    """DeepSpeed: overlap communication with compute. Here, when true: stage 3 gathers each
+    scanned layer's weights one iteration ahead (the gather of layer i+1 runs while layer i
+    computes; two layers gathered at a time), stages 0-2 reduce gradients in buckets of
+    ``reduce_bucket_size`` (and stages 1-2 gather the updated parameters in buckets of
+    ``allgather_bucket_size``), and on a GPU the step is compiled with XLA's latency-hiding
+    scheduler and pipelined collectives. Left out: off at every stage (DeepSpeed turns it on at
+    stage 3; see the module's decisions). False: the plain program."""
     contiguous_gradients: bool = _field(True, no_effect="XLA allocates gradient buffers itself")
     """DeepSpeed: copy gradients into one contiguous buffer. No effect."""
     round_robin_gradients: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: parallel gradient copies for CPU offload. No effect."""
-    sub_group_size: int = _field(
-        1_000_000_000, min=0, no_effect="the optimizer step is one compiled op"
-    )
-    """DeepSpeed: tile size of the offloaded optimizer step. No effect."""
+    sub_group_size: int = _field(1_000_000_000, min=1)
+    """With offload: the optimizer step runs over groups of parameter leaves of at most this
+    many elements, one group's optimizer state and master weights in device memory at a time
+    (a leaf never splits; a group has two leaves or more). DeepSpeed: 1e9."""
     stage3_prefetch_bucket_size: int | None = _field(None, min=0, auto=None)
     """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
     scan may start its forward all-gather at an earlier use, as long as what is gathered from
@@ -172,20 +257,46 @@ class ZeroConfig:
     """DeepSpeed: old stage-1 implementation. No effect."""
     grad_hooks: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: gradient hooks for reduction. No effect."""
-    zero_hpz_partition_size: int = _field(1, min=0, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ hpZ)")
-    """DeepSpeed ZeRO++: secondary partition size. No effect."""
-    zero_quantized_weights: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qwZ)")
-    """DeepSpeed ZeRO++: quantized weight all-gather. No effect."""
-    zero_quantized_nontrainable_weights: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed ZeRO++: store frozen weights quantized. No effect."""
-    zero_quantized_gradients: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (ZeRO++ qgZ)")
-    """DeepSpeed ZeRO++: quantized gradient reduction. No effect."""
+    zero_hpz_partition_size: int = _field(1, min=0)
+    """DeepSpeed ZeRO++ hpZ, stage 3: the devices of one host (the secondary partition). Above
+    1, gradients and optimizer state stay sharded over every device while the 16-bit
+    parameters rest sharded within groups of this many devices (the mesh becomes
+    ``{replica: N/k, data: k}``), so the forward and backward gathers stay inside a host and
+    only the updated shards cross hosts, once per step. Costs ``k``-way instead of ``N``-way
+    sharded parameter bytes per device. 0 or 1: off."""
+    zero_quantized_weights: bool = _field(False, no_effect=_COMM, no_effect_when=_qwz_no_effect)
+    """DeepSpeed ZeRO++ qwZ, stage 3: every parameter all-gather (forward, and the backward's
+    re-gather) sends int8 values with one float32 scale per block of 256 (about a quarter of
+    the float32 bytes, half of bf16) and dequantizes after it; the gradient's reduce-scatter
+    stays exact. No effect below stage 3 (listed in the warning)."""
+    zero_quantized_nontrainable_weights: bool = _field(
+        False, no_effect=_COMM, no_effect_when=_frozen_no_effect
+    )
+    """DeepSpeed ZeRO++: quantize frozen weights. No effect: jzero never shards non-trainable
+    state, so it has no gather to quantize."""
+    zero_quantized_gradients: bool = _field(False, no_effect=_COMM, no_effect_when=_qgz_no_effect)
+    """DeepSpeed ZeRO++ qgZ, stages 1-3: every gradient reduce-scatter over the data axis is an
+    all-to-all of int8 chunks (``zero_quantized_gradients_bits``) that each device dequantizes
+    and sums in float32, about a quarter of the float32 bytes. All-reduces (stage 0, leaves
+    the data axis does not divide) and the replica-axis reduction stay exact. No effect at
+    stage 0 (listed in the warning)."""
+    zero_quantized_gradients_bits: Literal[8, 4] = _field(
+        8, no_effect=_COMM, no_effect_when=_qgz_bits_no_effect
+    )
+    """jzero's own: the bits a value of ``zero_quantized_gradients``' exchange: 8 (int8) or 4
+    (two values a byte, about an eighth of the float32 bytes, with more error)."""
     zeropp_loco_param: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed ZeRO++: LoCo error feedback. No effect."""
-    mics_shard_size: int = _field(-1, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
-    """DeepSpeed MiCS: shard group size. No effect."""
-    mics_hierarchical_params_gather: bool = _field(False, no_effect=_NOT_IMPLEMENTED + " (MiCS)")
-    """DeepSpeed MiCS: hierarchical gather. No effect."""
+    mics_shard_size: int = _field(-1, min=-1, nonzero=True)
+    """DeepSpeed MiCS: shard over groups of this many devices (one host) and replicate across
+    the groups: the mesh becomes ``{replica: N/size, data: size}`` (hybrid sharding, FSDP's
+    HSDP), so gathers and reduce-scatters stay inside a group and only the gradient shards
+    (``1/size`` of the gradient bytes) are all-reduced across groups. -1: off."""
+    mics_hierarchical_params_gather: bool = _field(
+        False, no_effect="jzero's gathers already stay within one shard group (mesh axis data)"
+    )
+    """DeepSpeed MiCS: gather within nodes first, then across. No effect: the gathers of a
+    MiCS group never cross it."""
     memory_efficient_linear: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: memory-efficient linear layer at stage 3. No effect."""
     pipeline_loading_checkpoint: bool = _field(False, no_effect=_CKPT)
@@ -202,6 +313,24 @@ class ZeroConfig:
     """DeepSpeed ZenFlow settings. No effect."""
     leaf_module: Mapping[str, Any] | None = _field(None, no_effect=_TORCH_ONLY)
     """DeepSpeed: modules treated as stage-3 leaves. No effect."""
+
+    def comm_options(self) -> dict[str, Any]:
+        """The :func:`jzero.plan.make_plan` arguments of ``overlap_comm``, the bucket sizes and
+        ZeRO++'s quantization, each where it acts at this stage (see their fields)."""
+        spec = stage_spec(self.stage)
+        overlap = bool(self.overlap_comm)
+        buckets = overlap and not spec.shard_params
+        return {
+            "overlap_comm": overlap,
+            "reduce_bucket_size": (self.reduce_bucket_size or None) if buckets else None,
+            "allgather_bucket_size": (self.allgather_bucket_size or None) if buckets else None,
+            "quantized_weights": 8 if self.zero_quantized_weights and spec.shard_params else 0,
+            "quantized_gradients": (
+                self.zero_quantized_gradients_bits
+                if self.zero_quantized_gradients and spec.reduce_scatter
+                else 0
+            ),
+        }
 
 
 @dataclass(frozen=True)

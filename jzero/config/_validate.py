@@ -7,7 +7,11 @@ Decisions:
   and the fix; an unknown key suggests the closest known key ("did you mean").
 * Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
   ``load_config`` in one ``JzeroConfigWarning``); *refused* (NVMe offload, DeepSpeed features
-  whose absence would train something else) with an error naming what is supported.
+  whose absence would train something else) with an error naming what is supported. A key
+  that acts only in some settings (``overlap_comm``'s bucket sizes below stage 3, ZeRO++'s
+  quantization at the stages that have the collective it quantizes) carries
+  ``no_effect_when``, a function of its built section that gives the reason it does nothing
+  there, or ``None``: it is listed only where that reason is given.
 * Other spellings DeepSpeed 0.19 accepts in ``zero_optimization`` (its pydantic field names
   such as ``prefetch_bucket_size`` for ``stage3_prefetch_bucket_size``, and the deprecated
   ``cpu_offload``, ``cpu_offload_param``, ``cpu_offload_use_pin_memory``,
@@ -212,6 +216,7 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
     if errors:
         raise ConfigError("\n".join(errors))
     kwargs = {}
+    deferred = []  # keys whose effect depends on the rest of their section
     for key, f in by_key.items():
         if key not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -225,9 +230,16 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
         kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted, autos)
         reason = f.metadata.get("no_effect")
         disabled = isinstance(value, Mapping) and value.get("enabled") is False
-        if reason and not disabled:
+        if "no_effect_when" in f.metadata:
+            deferred.append((sub, f.metadata["no_effect_when"]))
+        elif reason and not disabled:
             noted.append((sub, reason))
-    return cls(**kwargs)
+    built = cls(**kwargs)
+    for sub, when in deferred:
+        reason = when(built)
+        if reason:
+            noted.append((sub, reason))
+    return built
 
 
 def _mesh_axes(others: Mapping[str, Any], known: Mapping[str, Any], path: str) -> FrozenMap:
@@ -286,12 +298,15 @@ def _check_config(cfg: Config, noted: list) -> None:
                 stages.check_offload(spec, offload)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    if zero.offload_optimizer.ratio < 1.0:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio: {zero.offload_optimizer.ratio} (partial "
-            "offload) is not supported: jzero offloads all of the optimizer state or none of "
-            "it. Set ratio: 1.0."
+    _check_nvme(zero)
+    if zero.sub_group_size != 1_000_000_000 and zero.offload_optimizer.device == "none":
+        noted.append(
+            (
+                "zero_optimization.sub_group_size",
+                "it streams the optimizer step only with offload_optimizer (cpu or nvme)",
+            )
         )
+    _check_hybrid(cfg)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:
         raise ConfigError(
@@ -316,6 +331,54 @@ def _check_config(cfg: Config, noted: list) -> None:
             f"model.d_model: {width} is not divisible by model.num_heads ({heads}); choose a "
             "d_model that is a multiple of num_heads."
         )
+
+
+def _check_nvme(zero: Any) -> None:
+    """The NVMe tier: the optimizer state only, with a path, and all of it."""
+    opt = zero.offload_optimizer
+    if zero.offload_param.device == "nvme":
+        raise ConfigError(
+            "zero_optimization.offload_param.device: 'nvme' is not supported: jzero keeps the "
+            "optimizer state and master weights on NVMe (offload_optimizer), and the parameters "
+            "in host memory at most. Set offload_param.device to cpu, and "
+            "offload_optimizer.device to nvme."
+        )
+    if opt.device == "nvme" and not opt.nvme_path:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set "
+            "offload_optimizer.nvme_path to a directory on a fast local disk."
+        )
+    if opt.device == "nvme" and opt.ratio < 1.0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio: {opt.ratio} applies to host memory "
+            "(device: cpu); the NVMe tier keeps all of the optimizer state on disk. Set ratio: "
+            "1.0, or device: cpu."
+        )
+    if opt.device == "none" and opt.ratio < 1.0:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio: {opt.ratio} is the fraction of the "
+            "state offloaded, but offload_optimizer.device is none; set device: cpu."
+        )
+
+
+def _check_hybrid(cfg: Config) -> None:
+    """MiCS and ZeRO++ hpZ: the stage they need, not both, and a mesh that agrees."""
+    zero = cfg.zero_optimization
+    hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
+    if hpz > 1 and not stages.stage_spec(zero.stage).shard_params:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size: {hpz} (ZeRO++ hpZ) keeps a secondary "
+            "copy of the sharded parameters within each host, so it needs a stage that shards "
+            f"parameters (3), but zero_optimization.stage is {zero.stage}. Set the stage to 3, "
+            "or use mics_shard_size (or mesh: {replica: R, data: D}) for hybrid sharding at "
+            "any stage."
+        )
+    if hpz > 1 and mics > 0:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size: {hpz} and mics_shard_size: {mics} are "
+            "both set, but they are two ways to lay out the shards across hosts; keep one."
+        )
+    cfg.mesh_sizes()  # the shard group agrees with the mesh section
 
 
 def _size(section: Mapping[str, Any] | None, *keys: str) -> Any:

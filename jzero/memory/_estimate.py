@@ -27,6 +27,20 @@ Decisions:
   stage and offload option carries the same term.
 * Without the transformer's shape, activations are not counted and the margin of the
   recommendation is kept for them.
+* The NVMe tier (``offload_optimizer: {device: nvme}``, rows ``nvme``, offered last, as the
+  seed documents advise: offload to host memory first): device memory as with the optimizer
+  offloaded; host memory only the groups in flight (``buffer_count`` 4 x one group of a
+  device's state, ``min(sub_group_size, Psi / N)`` elements x 12 bytes (masters and moments),
+  x 1.5, per device of a node; DeepSpeed's default ``sub_group_size`` of 1e9 makes a group a
+  whole shard of most models: set it lower for the NVMe tier); disk per node the masters and
+  moments twice (``2 x 12 Psi / nodes``: the step writes the new version beside the old).
+* Hybrid sharding (``replicas`` R > 1, DeepSpeed's MiCS, FSDP's HSDP): each of the R replica
+  groups holds the whole model state sharded over its ``D = N / R`` devices, so the sharded
+  terms divide by D (host memory per node likewise, the replica group's ``D / devices per node``
+  nodes sharing it). The cross-host column is the communication that crosses nodes per step:
+  with replicas, only the gradient shards (:meth:`~jzero.stages.StageSpec.replica_traffic`,
+  ``2 Psi / D``; all of stage 0's all-reduce); without, on several nodes, all of the stage's
+  traffic; on one node, none.
 """
 
 from __future__ import annotations
@@ -148,6 +162,8 @@ class EstimateRow:
     comm: str
     activations: float = 0.0
     activations_checkpointed: float = 0.0
+    cross_host_psi: float = 0.0
+    disk: float = 0.0
 
     @property
     def device_bytes(self) -> float:
@@ -179,6 +195,12 @@ class Estimate:
     additional_buffer_factor: float = BUFFER_FACTOR
     shape: Mapping[str, int] | None = None
     activation_dtype: str = "bf16"
+    replicas: int = 1
+
+    @property
+    def shards(self) -> int:
+        """Devices each sharded state is split over: ``devices / replicas``."""
+        return self.devices // self.replicas
 
     @property
     def counts_activations(self) -> bool:
@@ -209,7 +231,9 @@ class Estimate:
         act = self.counts_activations
         header = ["stage", "offload", "device GB"]
         header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
-        header += ["host GB/node", "comm/step"]
+        disk = any(r.disk for r in self.rows)
+        header += ["host GB/node"] + (["disk GB/node"] if disk else []) + ["comm/step"]
+        header += ["cross-host/step"]
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
@@ -217,16 +241,24 @@ class Estimate:
             if act:
                 cells += [f"{r.activations / GB:.2f}", f"{r.activations_checkpointed / GB:.2f}"]
                 cells += [f"{r.total_bytes(False) / GB:.2f}", f"{r.total_bytes(True) / GB:.2f}"]
-            cells += [f"{r.host_bytes / GB:.2f}", f"{r.comm_psi:g} Psi"]
+            cells += [f"{r.host_bytes / GB:.2f}"] + ([f"{r.disk / GB:.2f}"] if disk else [])
+            cells += [f"{r.comm_psi:g} Psi"]
+            cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
             if usable is not None:
                 if r.total_bytes(False) <= usable:
                     cells.append("yes")
                 else:
                     cells.append("AC" if act and r.total_bytes(True) <= usable else "no")
             rows.append([*cells, r.comm])
+        hybrid = (
+            f", hybrid: {self.replicas} replicas of {self.shards} devices (N in the formulas "
+            f"is {self.shards})"
+            if self.replicas > 1
+            else ""
+        )
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
-            f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}); "
+            f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
             "GB = 10^9 bytes",
             *_render(header, rows, (1, len(header) - 1)),
             f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}",
@@ -239,6 +271,14 @@ class Estimate:
             "+ params 4 LL / 18 Psi/nodes x 1.5; no offload: 4 Psi x devices per node x 1.5",
             "  while loading (stage 3: the largest layer only)."
             + ("" if act else " Activations are not counted."),
+            *(
+                [
+                    "nvme: device as offloaded optimizer; host 4 buffers of one sub-group a "
+                    "device (min(sub_group_size, Psi/N) x 12 B x 1.5); disk 2 x 12 Psi/nodes."
+                ]
+                if disk
+                else []
+            ),
         ]
         if act:
             sh, k = self.shape or {}, _DTYPE_BYTES[self.activation_dtype] / 2
@@ -292,6 +332,8 @@ def estimate(
     layers: int | None = None,
     heads: int | None = None,
     activation_dtype: str = "bf16",
+    replicas: int = 1,
+    sub_group_size: float = 1e9,
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -325,6 +367,11 @@ def estimate(
       heads: attention heads a, for the activation term.
       activation_dtype: ``"bf16"`` (default, as the mixed-precision model states),
         ``"fp16"`` or ``"fp32"``.
+      sub_group_size: DeepSpeed's ``sub_group_size``, the elements of one group of the
+        state the NVMe tier holds in host memory at a time (4 buffers of it).
+      replicas: hybrid sharding's replica groups R (``mesh: {replica: R, data: N/R}``,
+        ``mics_shard_size: N/R``): state is sharded within each group of ``N/R`` devices and
+        only the gradient shards cross the groups; 1 (default): one group of all N.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -346,6 +393,12 @@ def estimate(
                 f"fill whole nodes. Pass a devices_per_node that divides {n}, e.g. "
                 f"{math.gcd(n, per_node)}."
             )
+    r = _positive(replicas, "replicas", "2", integer=True)
+    if n % r:
+        raise ValueError(
+            f"replicas: {r} does not divide devices={n}; each replica group must have the same "
+            f"number of devices. Pass a replicas that divides {n}, e.g. {math.gcd(n, r)}."
+        )
     if offload not in (None, "none", "cpu"):
         raise ValueError(
             f"offload: {offload!r} is not allowed; it must be 'cpu' (only options with offload "
@@ -383,15 +436,23 @@ def estimate(
                 f"{', '.join(_DTYPE_BYTES)}."
             )
         act, act_ac = transformer_activations(**shape, dtype=activation_dtype)
-    buf, nodes = float(additional_buffer_factor), n // per_node
+    shards = n // r
+    buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
         if offload == ("cpu" if option == "none" else "none"):  # the rows not asked for
             continue
         for spec in stages.STAGES.values():
             if option in spec.offloads:
-                device, host = _model_states(spec, option, psi, n, ll, buf, nodes, per_node)
-                rows.append((spec, option, device, host))
+                device, host = _model_states(spec, option, psi, shards, ll, buf, nodes, per_node)
+                rows.append((spec, option, device, host, 0.0))
+    if offload != "none":  # the NVMe tier, last
+        for spec in stages.STAGES.values():
+            if "optimizer" in spec.offloads:
+                device, _ = _model_states(spec, "optimizer", psi, shards, ll, buf, nodes, per_node)
+                group = min(float(sub_group_size), psi / shards)
+                host = {"nvme buffers": 4 * group * 12 * buf * per_node}
+                rows.append((spec, "nvme", device, host, 2 * 12 * psi / nodes))
     out = tuple(
         EstimateRow(
             spec.stage,
@@ -401,9 +462,18 @@ def estimate(
             *spec.traffic(),
             act,
             act_ac,
+            _cross_host(spec, r, shards, n // per_node),
+            disk,
         )
-        for spec, o, d, h in rows
+        for spec, o, d, h, disk in rows
     )
     return Estimate(
-        psi, n, per_node, out, memory, _check_margin(margin), ll, buf, shape, activation_dtype
+        psi, n, per_node, out, memory, _check_margin(margin), ll, buf, shape, activation_dtype, r
     )
+
+
+def _cross_host(spec: StageSpec, replicas: int, shards: int, nodes: int) -> float:
+    """Elements per parameter crossing nodes per step (see the module docstring)."""
+    if replicas > 1:
+        return spec.replica_traffic(shards)[0]
+    return spec.traffic()[0] if nodes > 1 else 0.0

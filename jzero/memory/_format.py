@@ -38,7 +38,7 @@ GB = 10**9
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
-_OFFLOAD_ORDER = ("none", "optimizer", "params", "optimizer+params")
+_OFFLOAD_ORDER = ("none", "optimizer", "params", "optimizer+params", "nvme")
 
 
 # -- input parsing -------------------------------------------------------------------------------

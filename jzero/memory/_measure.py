@@ -114,9 +114,11 @@ def _plan_on(engine: Any, devices: int) -> Any:
         param_specs=specs,
         precision=local.precision,
         offload_optimizer=_host_kind(local.opt_state),
+        offload_ratio=zero.offload_optimizer.ratio,
         offload_params=_host_kind(local.params),
         layer_dims=local.layer_dims if local.layers_traced else None,
         reshard_after_forward=local.reshard_after_forward,
+        hpz=local.hpz,
     )
 
 
@@ -130,7 +132,17 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
     row = StageMemory(plan.stage.stage, _offload_name(plan), device, host, layer, leaf)
     if batch is None:
         return row
-    mem = engine.lower(batch).compile().memory_analysis()
+    from jzero import hlo
+
+    compiled = engine.lower(batch).compile()
+    mem = compiled.memory_analysis()
+    by_axes = hlo.collectives_by_axes(compiled, engine.mesh)
+    comm = sum(s.bytes for stats in by_axes.values() for s in stats.values())
+    cross = None
+    if "replica" in engine.mesh.shape:
+        cross = sum(
+            s.bytes for axes, stats in by_axes.items() if "replica" in axes for s in stats.values()
+        )
     local_device = _state_bytes(local, "model_state_bytes", accum)
     resident = sum(v for k, v in local_device.items() if k != "grads")
     if not mem.host_argument_size_in_bytes:  # host arrays are then counted among the arguments
@@ -149,6 +161,8 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
         output_bytes=int(mem.output_size_in_bytes),
         alias_bytes=int(mem.alias_size_in_bytes),
         other_argument_bytes=max(int(other), 0),
+        comm_bytes=int(comm),
+        cross_replica_bytes=cross,
     )
 
 
@@ -320,6 +334,7 @@ def plan_report(
         }
         engine.fit_layout(batch)
         seen.setdefault("devices", engine.plan.num_shards)
+        seen.setdefault("replicas", engine.plan.num_replicas)
         seen.setdefault("micro", (engine.micro_batch_size, engine.accumulation_steps))
         seen.setdefault("psi", sum(math.prod(leaf.shape) for leaf in engine.plan.leaves))
         target = n if n is not None else engine.plan.num_shards
@@ -336,6 +351,8 @@ def plan_report(
     micro, accum = seen["micro"]
     title = (
         f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
-        f"{seen['psi']:,} parameters, {n} devices, micro batch {micro} x {accum} accumulation"
+        f"{seen['psi']:,} parameters, {n} devices"
+        + (f" per replica x {seen['replicas']} replicas" if seen["replicas"] > 1 else "")
+        + f", micro batch {micro} x {accum} accumulation"
     )
     return PlanReport(title, tuple(rows), n, seen["devices"], memory, margin)

@@ -64,6 +64,10 @@ class StageMemory:
         comparison).
       other_temp_bytes / other_peak_bytes: ``temp_bytes`` and :attr:`peak` of the step compiled
         with ``other_checkpointing``; ``None`` when it was not measured.
+      comm_bytes: bytes of every collective of the compiled step (full buffers, see
+        :mod:`jzero.hlo`), ``None`` when no step was compiled.
+      cross_replica_bytes: the part of ``comm_bytes`` whose device groups span the mesh's
+        ``replica`` axis (across hosts under hybrid sharding); ``None`` without that axis.
     """
 
     stage: int
@@ -81,6 +85,8 @@ class StageMemory:
     other_checkpointing: str | None = None
     other_temp_bytes: int | None = None
     other_peak_bytes: int | None = None
+    comm_bytes: int | None = None
+    cross_replica_bytes: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -166,6 +172,9 @@ class PlanReport:
         compare = self.compares_checkpointing
         other = next((r.other_checkpointing for r in self.rows if r.other_checkpointing), None)
         alt = "AC" if _ac_on(other) else "no AC"
+        comm = any(r.comm_bytes is not None for r in self.rows)
+        cross = any(r.cross_replica_bytes is not None for r in self.rows)
+        header += (["comm/step"] if comm else []) + (["x-replica/step"] if cross else [])
         header += ["args", "temp", "peak"]
         header += [f"temp {alt}", f"peak {alt}"] if compare else []
         header += ["fits"] if usable is not None else []
@@ -173,6 +182,9 @@ class PlanReport:
         for r in self.rows:
             cells = [str(r.stage), r.offload, *(_fmt(r.device.get(k, 0), unit) for k in keys)]
             cells += [_fmt(sum(r.host.values()), unit), _fmt(r.gathered_layer, unit)]
+            for shown, v in ((comm, r.comm_bytes), (cross, r.cross_replica_bytes)):
+                if shown:
+                    cells.append("-" if v is None else _fmt(v, unit))
             for v in (r.argument_bytes, r.temp_bytes):
                 cells.append("-" if v is None else _fmt(v, unit))
             cells.append(_fmt(r.peak, unit))
@@ -199,6 +211,16 @@ class PlanReport:
             lines.append(
                 f"temp, peak: activation_checkpointing policy {'/'.join(sorted(mine))} (the "
                 f"config's); temp {alt}, peak {alt}: policy {other}; '-': not measured."
+            )
+        if comm:
+            lines.append(
+                "comm/step: bytes of every collective of the compiled step (full buffers)"
+                + (
+                    "; x-replica/step: the part whose device groups span the replica axis "
+                    "(across hosts)."
+                    if cross
+                    else "."
+                )
             )
         if compare and usable is not None:
             lines.append("fits: yes (without activation checkpointing), AC (only with it), no.")

@@ -1,0 +1,335 @@
+"""Offload that lowers the peak: the update streamed over sub-groups, partial offload (``ratio``),
+and the NVMe tier (ZeRO-Infinity) with the optimizer state in files.
+
+Every variant must train with the same bits as the run without offload: losses, parameters
+and every optimizer-state leaf.
+"""
+
+import functools
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import toy
+
+import jzero
+from jzero import groups as groups_lib
+from jzero.config import ConfigError
+from jzero.nvme import NvmeIOError
+
+BATCH = 32
+STEPS = 3
+
+
+def config(stage, bf16=False, **zero):
+    return {
+        "train_batch_size": BATCH,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    }
+
+
+def host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def train(cfg, steps=STEPS):
+    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
+    losses = [float(e.train_step(b)["loss"]) for b in toy.make_batches(steps, BATCH)]
+    return losses, host(e.params), host(e.opt_state), e
+
+
+@functools.cache
+def reference(stage, bf16=False):
+    losses, params, opt, e = train(config(stage, bf16))
+    e.close()
+    return losses, params, opt
+
+
+def assert_same_run(run, ref):
+    losses, params, opt = run[:3]
+    assert losses == ref[0]
+    for a, b in zip(params, ref[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(opt, ref[2], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+PSI = sum(x.size for x in jax.tree.leaves(toy.make_params()))
+
+
+def main_body(text):
+    """The lowered step's ``main`` function (the update's groups; nested functions apart)."""
+    body = text.split("func.func public @main", 1)[1]
+    return body.split("\n  func.func", 1)[0]
+
+
+# -- sub-group streaming -----------------------------------------------------------------------
+@pytest.mark.parametrize("stage, bf16", [(2, True), (3, False)])
+def test_subgroups_stream_the_update_in_order_with_the_same_bits(stage, bf16):
+    cpu = {"device": "cpu"}
+    run = train(config(stage, bf16, offload_optimizer=cpu, sub_group_size=PSI // 4))
+    assert_same_run(run, reference(stage, bf16))
+    e = run[3]
+    sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
+    groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, PSI // 4))
+    assert len(groups) >= 2
+    batch = toy.make_batches(1, BATCH)[0]
+    text = main_body(e.lower(batch).as_text())
+    plain = jzero.initialize(
+        toy.make_params(),
+        toy.loss_fn,
+        optax.adamw(1e-2),
+        config(stage, bf16, offload_optimizer=cpu),
+    )
+    plain_text = main_body(plain.lower(batch).as_text())
+    barriers = text.count("stablehlo.optimization_barrier")
+    # One barrier between consecutive groups: group g + 1's state is brought in only after
+    # group g's results were sent back to host memory.
+    assert barriers - plain_text.count("stablehlo.optimization_barrier") == len(groups) - 1
+    # In order: each barrier joins the previous group's results (values the step computed)
+    # with the next group's state as it rests in host memory (the step's arguments), so the
+    # next group is brought in only once the previous one is done.
+    for line in text.splitlines():
+        if "stablehlo.optimization_barrier" in line and "%arg" in line:
+            operands = re.findall(r"%[\w#]+", line.split("optimization_barrier", 1)[1])
+            assert any(o.startswith("%arg") for o in operands), line[:200]
+            assert any(not o.startswith("%arg") for o in operands), line[:200]
+    streamed = [
+        line
+        for line in text.splitlines()
+        if "stablehlo.optimization_barrier" in line and "%arg" in line
+    ]
+    assert len(streamed) == len(groups) - 1
+    e.close()
+
+
+def layers_params():
+    rng = np.random.default_rng(0)
+    return {f"l{i}": jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32) for i in range(6)}
+
+
+def layers_loss(params, batch):
+    x = batch["x"] @ jnp.ones((toy.IN, 64)) / 8
+    for i in range(6):
+        x = jnp.tanh(x @ params[f"l{i}"])
+    return jnp.mean(x**2)
+
+
+def test_partial_offload_ratio_puts_about_half_in_host_memory():
+    batches = toy.make_batches(STEPS, BATCH)
+    runs = {}
+    for ratio in (None, 0.5):
+        zero = {} if ratio is None else {"offload_optimizer": {"device": "cpu", "ratio": ratio}}
+        e = jzero.initialize(
+            layers_params(), layers_loss, optax.adamw(1e-2), config(2, True, **zero)
+        )
+        losses = [float(e.train_step(b)["loss"]) for b in batches]
+        runs[ratio] = (losses, host(e.params), host(e.opt_state), e)
+    assert_same_run(runs[0.5], runs[None][:3])
+    plan = runs[0.5][3].plan
+    on_host = plan.host_state_bytes()
+    on_device = plan.model_state_bytes()
+    moved = on_host["opt_state"] + on_host["master_params"]
+    total = moved + on_device["opt_state"] + on_device["master_params"]
+    assert moved / total == pytest.approx(0.5, abs=0.01)  # 3 of the 6 equal layers
+    kinds = {s.memory_kind for s in jax.tree.leaves(plan.master)}
+    assert kinds == {"device", "pinned_host"}
+
+
+# -- the NVMe tier -------------------------------------------------------------------------------
+def nvme(path, **extra):
+    return {"device": "nvme", "nvme_path": str(path), **extra}
+
+
+def assert_close_run(run, ref):
+    """Equal up to the CPU code generator's float32 rounding (see nvme_bits_child.py)."""
+    np.testing.assert_allclose(run[0], ref[0], rtol=1e-6)
+    for a, b in zip(run[1] + run[2], ref[1] + ref[2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_nvme_trains_like_the_state_in_memory(stage, tmp_path):
+    pipelined = {"pipeline_read": True, "pipeline_write": True} if stage == 2 else {}
+    cfg = config(stage, offload_optimizer=nvme(tmp_path, **pipelined), sub_group_size=PSI // 3)
+    run = train(cfg)
+    assert_close_run(run, reference(stage))
+    e = run[3]
+    store = e._nvme_store
+    # The files hold the state: one version of every state leaf's shards, each array's data
+    # starting on a 4 KiB boundary (the header and the padding are at most 4 KiB an array).
+    opt_bytes = sum(x.nbytes for x in run[2] if x.size > 1)
+    arrays = sum(len(x.sharding.device_set) for x in jax.tree.leaves(e.opt_state))
+    assert opt_bytes <= store.disk_bytes() <= opt_bytes + 4096 * (arrays + 8)
+    e.close()
+    assert not os.listdir(tmp_path)  # the store's directory is gone, nothing else touched
+
+
+def test_nvme_is_bit_identical_without_fused_multiply_adds(tmp_path):
+    """The same float32 arithmetic as the run in memory: every bit agrees once the CPU code
+    generator stops contracting multiply-adds (optimization level 0, in a child process)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+    )
+    child = Path(__file__).parent / "nvme_bits_child.py"
+    proc = subprocess.run(
+        [sys.executable, str(child), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {s: {"losses_equal": True, "differing": 0} for s in ("1", "2", "3")}
+
+
+def test_nvme_mixed_precision_keeps_masters_on_disk(tmp_path):
+    cfg = config(2, True, offload_optimizer=nvme(tmp_path), sub_group_size=PSI // 2)
+    run = train(cfg)
+    assert_close_run(run, reference(2, True))
+    e = run[3]
+    assert all(0 in x.shape for x in jax.tree.leaves(e.state.master))
+    masters = sum(4 * int(np.prod(leaf.shape)) for leaf in e.plan.leaves)
+    assert e._nvme_store.disk_bytes() >= masters + sum(x.nbytes for x in run[2] if x.size > 1)
+    e.close()
+
+
+def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
+    cfg = config(2, offload_optimizer=nvme(tmp_path), sub_group_size=PSI // 3)
+    cfg["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
+    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
+    batches = toy.make_batches(STEPS, BATCH)
+    e.train_step(batches[0])
+    e.save()
+    e.wait_until_finished()
+    store = e._nvme_store
+    files = sorted(f for f in os.listdir(store.directory) if not f.startswith("."))
+    victim = os.path.join(store.directory, files[-1])
+    with open(victim, "r+b") as f:  # flip the last byte: an array's data
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+    params_before = host(e.params)
+    with pytest.raises(NvmeIOError, match=re.escape(os.path.basename(victim))):
+        e.train_step(batches[1])
+    assert int(e.state.step) == 1
+    for a, b in zip(host(e.params), params_before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The previous state comes back from the checkpoint and training goes on as before.
+    e.restore()
+    losses = [float(e.train_step(b)["loss"]) for b in batches[1:]]
+    np.testing.assert_allclose(losses, reference(2)[0][1:], rtol=1e-6)
+    e.close()
+
+
+def test_nvme_checkpoint_restores_without_nvme(tmp_path):
+    cfg = config(2, offload_optimizer=nvme(tmp_path / "nvme"), sub_group_size=PSI // 3)
+    (tmp_path / "nvme").mkdir()
+    cfg["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
+    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
+    batches = toy.make_batches(STEPS, BATCH)
+    for b in batches[:2]:
+        e.train_step(b)
+    e.save()
+    e.wait_until_finished()
+    want = float(e.train_step(batches[2])["loss"])
+    e.close()
+    plain = config(2)
+    plain["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
+    r = jzero.initialize(
+        toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), plain
+    )
+    r.restore()
+    assert float(r.train_step(batches[2])["loss"]) == want
+    r.close()
+
+
+def test_bad_nvme_paths_fail_at_initialize(tmp_path):
+    def init(path):
+        return jzero.initialize(
+            toy.make_params(), toy.loss_fn, optax.sgd(0.1), config(2, offload_optimizer=nvme(path))
+        )
+
+    with pytest.raises(ValueError, match="does not exist"):
+        init(tmp_path / "missing")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="which is a file, not a directory"):
+        init(a_file)
+    with pytest.raises(ConfigError, match="nvme_path is not set"):
+        jzero.load_config(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}
+        )
+    with pytest.raises(ConfigError, match="offload_param.device: 'nvme' is not supported"):
+        jzero.load_config({"zero_optimization": {"stage": 3, "offload_param": nvme(tmp_path)}})
+
+
+def test_nvme_path_without_room_or_write_access(tmp_path, monkeypatch):
+    import shutil
+
+    from jzero import nvme as nvme_lib
+
+    def adamw(**zero):
+        return jzero.initialize(
+            toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(2, **zero)
+        )
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(nvme_lib.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    with pytest.raises(ValueError, match=r"\(1,000 bytes\), but the offloaded state needs"):
+        adamw(offload_optimizer=nvme(tmp_path))
+    monkeypatch.undo()
+    monkeypatch.setattr(nvme_lib.os, "access", lambda *a: False)
+    with pytest.raises(ValueError, match="is not writable by this process"):
+        adamw(offload_optimizer=nvme(tmp_path))
+
+
+def test_nvme_keeps_the_optimizer_state_out_of_host_memory(tmp_path):
+    """The optimizer state lives on disk: between steps the run holds at least 70% of the
+    state's bytes less than with the state in memory, and a step adds under 30% of them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = Path(__file__).parent / "nvme_memory_child.py"
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        MALLOC_MMAP_THRESHOLD_="65536",
+    )
+    out = {}
+    for mode in ("memory", "nvme"):
+        proc = subprocess.run(
+            [sys.executable, str(child), mode, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    state = out["nvme"]["state"]
+    # While it runs, a step adds to what the same step holds with the state in memory (its
+    # gathers and gradients) the gradients as a whole array (the gradient program hands them to
+    # the update programs) and one group of the state (read, updated, being written): the
+    # latter under 30% of the state's bytes.
+    grads = out["nvme"]["params"]
+    assert out["nvme"]["growth"] - out["memory"]["growth"] - grads < 0.3 * state, out
+    # Between steps the state is on disk: the run holds at least 70% of it less than the same
+    # run with the state in memory.
+    assert out["memory"]["held"] - out["nvme"]["held"] > 0.7 * state, out
