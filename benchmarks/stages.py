@@ -121,6 +121,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--devices", default="2,8", help="device counts for the step-time table")
     ap.add_argument("--no-bf16", action="store_true", help="skip the mixed-precision tables")
+    ap.add_argument(
+        "--hosts-stages", default="0,1,2,3", help="stages of the across-hosts table (default all)"
+    )
     args = ap.parse_args(argv)
 
     cfg = gpt.GPTConfig(
@@ -215,7 +218,8 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r[0]:>5}  {r[12]:5d}  {r[13]:6.2f}")
     if n % 2 == 0 and n > 2:
-        across_hosts(params, loss, batch, tbs, psi, n)
+        stages = [int(s) for s in args.hosts_stages.split(",") if s]
+        across_hosts(params, loss, batch, tbs, psi, n, stages)
     for count in [int(c) for c in args.devices.split(",") if c]:
         if count > n:
             print(f"\n(skipping {count} devices: this machine has {n})")
@@ -247,13 +251,14 @@ def main(argv=None) -> None:
         mixed_precision(params, loss, batch, tbs, psi_elems, n)
 
 
-def across_hosts(params, loss, batch, tbs, psi, n) -> None:
+def across_hosts(params, loss, batch, tbs, psi, n, stages=(0, 1, 2, 3)) -> None:
     """Collective bytes within and across two halves of the devices (two hosts), per stage, on
     a flat data axis, a hybrid mesh and (stage 3) hpZ; and the model state per device."""
     hosts = {"replica": 2, "data": n // 2}
-    variants = [(stage, "flat", {}) for stage in range(4)]
-    variants += [(stage, "hybrid", {"mesh": hosts}) for stage in range(4)]
-    variants.append((3, "hpZ", {"zero": {"zero_hpz_partition_size": n // 2}}))
+    variants = [(stage, "flat", {}) for stage in stages]
+    variants += [(stage, "hybrid", {"mesh": hosts}) for stage in stages]
+    if 3 in stages:
+        variants.append((3, "hpZ", {"zero": {"zero_hpz_partition_size": n // 2}}))
     rows = []
     for stage, name, extra in variants:
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.get("zero", {})}

@@ -5,7 +5,7 @@ moves the marks.
 Usage: nvme_memory_child.py {memory,nvme} NVME_DIR, with 8 devices in XLA_FLAGS and
 MALLOC_MMAP_THRESHOLD_=65536 (freed buffers leave the resident set).
 
-The model is 32 leaves of 2**20 float32 (128 MiB of parameters) trained with Adam (256 MiB of
+The model is 32 leaves of 2**19 float32 (64 MiB of parameters) trained with Adam (128 MiB of
 state) at stage 3 (every array sharded over the 8 devices), two leaves to a group. Two marks:
 
 * held: the RSS after 5 steps less the RSS before ``jzero.initialize`` (what the run keeps:
@@ -28,7 +28,7 @@ import optax
 import jzero
 
 LIBC = ctypes.CDLL("libc.so.6")
-LEAVES, SIZE = 32, 1 << 20
+LEAVES, SIZE = 32, 1 << 19
 
 
 def rss(field: str) -> int:
