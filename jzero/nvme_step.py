@@ -34,6 +34,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -335,6 +336,9 @@ class NvmeStep:
             self.store.flush()
         except BaseException:
             _drain(self.store)
+            for g in range(len(self.groups)):  # the unfinished version's files; the old stay
+                with contextlib.suppress(OSError):
+                    self.store.remove((new_version, g))
             raise
         params = self._at_rest(jax.tree.structure(state.params).unflatten(copies))
         self._switch(new_version)

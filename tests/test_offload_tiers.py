@@ -227,6 +227,8 @@ def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
     with pytest.raises(NvmeIOError, match=re.escape(os.path.basename(victim))):
         e.train_step(batches[1])
     assert int(e.state.step) == 1
+    # The unfinished version's files are gone; the previous version's stay as they were.
+    assert sorted(f for f in os.listdir(store.directory) if not f.startswith(".")) == files
     for a, b in zip(host(e.params), params_before, strict=True):
         np.testing.assert_array_equal(a, b)
     # The previous state comes back from the checkpoint and training goes on as before.
