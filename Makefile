@@ -18,7 +18,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check jzero tests examples benchmarks
 	$(VENV)/bin/ruff format --check jzero tests examples benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, each test file on one of them
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format jzero tests examples benchmarks
