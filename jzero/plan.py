@@ -680,7 +680,9 @@ def make_plan(
 
     abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
 
-    def fit(state_leaf: Any, sharding: NamedSharding, index: int) -> NamedSharding:
+    def fit(state_leaf: Any, sharding: NamedSharding, index: int) -> Any:
+        if isinstance(state_leaf, optax.MaskedNode):  # a leaf the mask leaves out: no state
+            return state_leaf
         if tuple(state_leaf.shape) == leaves[index].shape:
             return sharding
         if not spec.shard_opt_state:
@@ -695,6 +697,7 @@ def make_plan(
         update_sh,
         treedef.unflatten(list(range(len(leaves)))),
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
     # Any leaf that is not an array (e.g. optax's MaskedNode) needs no sharding; keep structure.
     opt_sh = jax.tree.map(

@@ -10,8 +10,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jzero
 from jzero.config import ConfigError, JzeroConfigWarning, load_config
 from jzero.optim import build_optimizer, build_schedule, current_lr
 
@@ -458,3 +460,30 @@ def test_explicit_cycle_momentum_without_betas_warns():
         "scheduler.params.cycle_momentum: true has no effect with SGD, which has no betas "
         "(DeepSpeed disables it too); set it to false."
     )
+
+
+def test_a_mask_that_leaves_out_a_whole_leaf_trains_at_every_stage():
+    """``optax.masked`` with a leaf masked out entirely: its state holds an ``optax.MaskedNode``
+    there, which the plan keeps as it is (it once broke the optimizer-state layout)."""
+    params = {"a": jnp.ones((8, 4)), "b": jnp.full((8,), 0.5)}
+    tx = optax.masked(optax.adam(1e-2), {"a": True, "b": False})
+
+    def loss(p, b):
+        return jnp.mean((b["x"] @ p["a"].T) ** 2) + jnp.sum(p["b"] ** 2)
+
+    batch = {"x": jnp.arange(32.0).reshape(8, 4) / 32}
+    ref_p, ref_s, want = params, tx.init(params), []
+    for _ in range(2):
+        value, grads = jax.value_and_grad(loss)(ref_p, batch)
+        updates, ref_s = tx.update(grads, ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, updates)
+        want.append(float(value))
+    for stage in (0, 2, 3):
+        cfg = {
+            "train_batch_size": 8,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        e = jzero.initialize(params, loss, tx, cfg)
+        got = [float(e.train_step(batch)["loss"]) for _ in range(2)]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
