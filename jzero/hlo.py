@@ -103,13 +103,9 @@ def _shape_bytes(text: str) -> list[int]:
 
 
 def _group_size(line: str) -> int:
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
-    if m:
-        return len([x for x in m.group(1).split(",") if x])
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    if m:
-        return int(m.group(2))
-    return 1
+    """Devices in each group of a collective, from :func:`replica_groups` (every spelling,
+    the ``mesh[...]`` one included); 1 when the line names no groups."""
+    return len(replica_groups(line, 1)[0])
 
 
 def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
