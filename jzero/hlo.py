@@ -1,24 +1,16 @@
 """Collective communication read from a compiled program: how jzero proves its claims.
 
-``collectives(compiled)`` walks the optimized HLO text from the entry computation, multiplies
-each collective by the trip count of every ``while`` loop around it (XLA annotates
-``known_trip_count``), and reports per kind the number of executions and the bytes of the
-*full* buffer each one moves:
+Three parts, every name importable from here:
 
-* all-gather: the gathered (output) buffer,
-* reduce-scatter: the reduced (input) buffer, i.e. the output times the group size,
-* all-reduce: the reduced buffer.
+* the program's text and its parsing (:mod:`jzero.hlo_parse`: :func:`program_text`,
+  :func:`replica_groups`);
+* the bytes of its collectives (:mod:`jzero.hlo_bytes`: :func:`collectives` per kind, with
+  executions multiplied by loop trip counts and the bytes of the full buffer each moves,
+  :func:`collectives_by_axes` per mesh axes spanned, :func:`collectives_by_dtype`);
+* here, how they are scheduled and laid out:
 
-With these conventions ZeRO's volumes read directly, in units of the parameter bytes Psi:
-stage 0 all-reduces Psi (2 Psi on the wire), stages 1-2 reduce-scatter Psi and all-gather Psi,
-stage 3 all-gathers 2 Psi (forward and backward) and reduce-scatters Psi. ``wire_bytes`` counts
-an all-reduce twice (a reduce-scatter plus an all-gather), as the ZeRO paper does.
-
-``collectives_by_axes(compiled, mesh)`` splits the same counts by the mesh axes each
-collective's device groups span (read from its ``replica_groups`` in any of XLA's three
-spellings: explicit lists, iota ``[G,S]<=[dims]T(perm)``, and ``mesh[...] device_ids=...
-{axes}``), which is how hybrid sharding's claim (only ``1/data`` of the gradient bytes cross the
-``replica`` axis, i.e. the hosts) is read from the program.
+``layout_copies(compiled)`` lists the copies and transposes next to a collective: the
+re-layouts XLA adds when a collective runs along a minor dimension of its buffer.
 
 ``async_collectives(compiled)`` lists the collectives a scheduled program runs asynchronously
 (``all-gather-start`` ... ``all-gather-done``, and ``async-start`` ... ``async-done`` around a
@@ -35,16 +27,27 @@ nothing runs asynchronously.
 
 from __future__ import annotations
 
-import glob
-import math
-import os
 import re
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from jzero.hlo_bytes import (
+    CollectiveStats,
+    collectives,
+    collectives_by_axes,
+    collectives_by_dtype,
+)
+from jzero.hlo_parse import (
+    _INSTR,
+    _NAME,
+    KINDS,
+    _computations,
+    _operands,
+    _shape_bytes,
+    _text,
+    program_text,
+    replica_groups,
+)
 
 __all__ = [
     "AsyncCollective",
@@ -62,250 +65,6 @@ __all__ = [
     "program_text",
 ]
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1,
-}  # fmt: skip
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_CALLEES = re.compile(
-    r"\b(?:body|calls|to_apply|true_computation|false_computation|branch_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)"
-)
-
-
-@dataclass
-class CollectiveStats:
-    """Executions and full-buffer bytes of one kind of collective per step."""
-
-    kind: str
-    count: int = 0
-    bytes: int = 0
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes in the ZeRO paper's accounting: an all-reduce counts twice."""
-        return 2 * self.bytes if self.kind == "all-reduce" else self.bytes
-
-
-def _shape_bytes(text: str) -> list[int]:
-    out = []
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        out.append(n * _DTYPE_BYTES[dtype])
-    return out
-
-
-def _group_size(line: str) -> int:
-    """Devices in each group of a collective, from :func:`replica_groups` (every spelling,
-    the ``mesh[...]`` one included); 1 when the line names no groups."""
-    return len(replica_groups(line, 1)[0])
-
-
-def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    if m:
-        return int(m.group(1))
-    # Before XLA annotates trip counts, read a scan's loop bound from its condition: a
-    # counter from 0 compared "less than" a constant.
-    cond = re.search(r"condition=%?([\w.\-]+)", line)
-    body = comps.get(cond.group(1), []) if cond else []
-    if any("direction=LT" in b for b in body):
-        bounds = [re.search(r"s32\[\] constant\((\d+)\)", b) for b in body]
-        found = [int(b.group(1)) for b in bounds if b]
-        if len(found) == 1:
-            return found[0]
-    return 1
-
-
-def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
-    """The HLO text's computations (name -> instruction lines) and the entry's name."""
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m and not line.startswith(" "):
-                current = comps.setdefault(m.group(1), [])
-                if line.startswith("ENTRY"):
-                    entry = m.group(1)
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        current.append(line)
-    return comps, entry
-
-
-def _text(compiled: Any) -> str:
-    if isinstance(compiled, str):
-        return compiled
-    return compiled.as_text()
-
-
-def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
-    """Every collective executed by a compiled program: ``(kind, full-buffer bytes, times per
-    call, instruction line)``, loops multiplied out."""
-    comps, entry = _computations(_text(compiled))
-    if entry is None:
-        return
-
-    def visit(name: str, times: int, depth: int = 0) -> Iterator[tuple[str, int, int, str]]:
-        if depth > 64 or name not in comps:
-            return
-        for line in comps[name]:
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            shape, op, _ = m.groups()
-            base = op.removesuffix("-start")
-            if base in KINDS and not op.endswith("-done"):
-                sizes = _shape_bytes(shape)
-                if op.endswith("-start") and base != "all-reduce":
-                    # Async forms return (operands, results): keep the results.
-                    sizes = sizes[len(sizes) // 2 :]
-                if sizes:
-                    # A combined collective returns a tuple: it moves all of its buffers.
-                    size = sum(sizes)
-                    if base == "reduce-scatter":
-                        size *= _group_size(line)
-                    yield base, size, times, line
-            inner = times * (_trip_count(line, comps) if op == "while" else 1)
-            for callee in _CALLEES.findall(line):
-                for c in re.findall(r"%?([\w.\-]+)", callee):
-                    yield from visit(c, inner, depth + 1)
-
-    yield from visit(entry, 1)
-
-
-def collectives(compiled: Any) -> dict[str, CollectiveStats]:
-    """Per collective kind, executions and full-buffer bytes per call of a compiled program.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
-
-    Returns:
-      ``{kind: CollectiveStats}`` for every kind in :data:`KINDS` (zero when absent).
-    """
-    stats = {k: CollectiveStats(k) for k in KINDS}
-    for kind, size, times, _ in _walk(compiled):
-        stats[kind].count += times
-        stats[kind].bytes += size * times
-    return stats
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    shape = [int(d) for d in dims.split(",") if d]
-    ids = np.arange(math.prod(shape)).reshape(shape)
-    if perm:
-        ids = ids.transpose([int(p) for p in perm.split(",")])
-    return ids
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-    """The device groups of one collective instruction, as lists of device ids.
-
-    Reads the three spellings XLA prints: ``replica_groups={{0,1},{2,3}}``, the iota form
-    ``replica_groups=[2,2]<=[4]`` (optionally ``T(1,0)``), and the mesh form
-    ``replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'a'}`` (groups along the axes in
-    braces). An empty or absent list is one group of all ``num_devices``.
-    """
-    m = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", line
-    )
-    if m:
-        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        ids_text = (m.group(2) or "").strip()
-        iota = re.fullmatch(r"\[([0-9,]*)\](?:T\(([0-9,]*)\))?", ids_text)
-        if iota:
-            ids = _iota(iota.group(1), iota.group(2)).reshape(-1)
-        elif ids_text:
-            ids = np.array([int(x) for x in re.findall(r"\d+", ids_text)])
-        else:
-            ids = np.arange(math.prod(sizes))
-        grid = ids.reshape(sizes)
-        along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
-        rest = [i for i in range(len(sizes)) if i not in along]
-        size = math.prod(sizes[i] for i in along)
-        return grid.transpose(rest + along).reshape(-1, size).tolist()
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", line)
-    if m:
-        groups, size = int(m.group(1)), int(m.group(2))
-        return _iota(m.group(3), m.group(4)).reshape(groups, size).tolist()
-    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
-    if m:
-        found = [
-            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
-        ]
-        found = [g for g in found if g]
-        if found:
-            return found
-    return [list(range(num_devices))]
-
-
-def _axes_spanned(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
-    """The mesh axes along which the devices of any group differ (mesh order)."""
-    names, sizes = list(mesh_shape), list(mesh_shape.values())
-    spanned: set[str] = set()
-    for g in groups:
-        coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
-        for i, name in enumerate(names):
-            if len(set(coords[:, i].tolist())) > 1:
-                spanned.add(name)
-    return tuple(n for n in names if n in spanned)
-
-
-def collectives_by_axes(
-    compiled: Any, mesh: Any
-) -> dict[tuple[str, ...], dict[str, CollectiveStats]]:
-    """:func:`collectives`, split by the mesh axes each collective's groups span.
-
-    Device ids in the program are positions in the mesh's device order (SPMD partition ids),
-    so a group's ids are read as mesh coordinates.
-
-    Args:
-      compiled: a ``jax.stages.Compiled`` (of a step jitted over ``mesh``) or its text.
-      mesh: the ``jax.sharding.Mesh`` (or a mapping of axis name to size, in mesh order).
-
-    Returns:
-      ``{axes: {kind: CollectiveStats}}``, e.g. ``("data",)`` for collectives within each
-      data group, ``("replica",)`` across replicas, ``("replica", "data")`` over every device.
-      Only the axes present appear.
-    """
-    shape = dict(getattr(mesh, "shape", mesh))
-    n = math.prod(shape.values())
-    out: dict[tuple[str, ...], dict[str, CollectiveStats]] = {}
-    for kind, size, times, line in _walk(compiled):
-        axes = _axes_spanned(replica_groups(line, n), shape)
-        stats = out.setdefault(axes, {k: CollectiveStats(k) for k in KINDS})
-        stats[kind].count += times
-        stats[kind].bytes += size * times
-    return out
-
-
-def collectives_by_dtype(compiled: Any) -> dict[str, dict[str, CollectiveStats]]:
-    """:func:`collectives`, split by the element type each collective moves (``f32``, ``bf16``,
-    ``s8`` for ZeRO++'s quantized bytes, ...): ``{kind: {dtype: CollectiveStats}}``, only the
-    kinds and dtypes present. Read from :func:`program_text` to see 16-bit collectives on CPU.
-    """
-    out: dict[str, dict[str, CollectiveStats]] = {}
-    for kind, size, times, line in _walk(compiled):
-        m = _INSTR.match(line)
-        found = [d for d, _ in _SHAPE.findall(m.group(1) if m else line) if d in _DTYPE_BYTES]
-        dtype = found[-1] if found else "?"  # async forms list operands, then results
-        stats = out.setdefault(kind, {}).setdefault(dtype, CollectiveStats(kind))
-        stats.count += times
-        stats.bytes += size * times
-    return out
-
 
 @dataclass(frozen=True)
 class LayoutCopy:
@@ -317,19 +76,7 @@ class LayoutCopy:
     line: str
 
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _LAYOUT_OPS = ("copy", "transpose")
-
-
-def _operands(rest: str) -> list[str]:
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
 def layout_copies(compiled: Any) -> list[LayoutCopy]:
@@ -388,32 +135,6 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
                 kind = touches[0].removesuffix("-start").removesuffix("-done")
                 found.append(LayoutCopy(name, size, kind, line.strip()[:200]))
     return found
-
-
-def program_text(lowered: Any) -> str:
-    """The HLO of a lowered step after SPMD partitioning, with the collectives' own dtypes.
-
-    The CPU backend has no 16-bit collectives: after partitioning, its compiler widens each
-    bf16/fp16 all-reduce, reduce-scatter and all-gather to float32 (``all-reduce-promotion``),
-    so its final program would hide a 16-bit ``communication_data_type``. This returns the
-    module just before that rewrite (the program jzero emits, as a GPU runs it); on backends
-    without the rewrite it is the compiled program itself.
-
-    Args:
-      lowered: a ``jax.stages.Lowered`` (e.g. ``engine.lower(batch)``).
-
-    Returns:
-      HLO text for :func:`collectives`.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        compiled = lowered.compile(
-            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
-        )
-        found = sorted(glob.glob(os.path.join(tmp, "*before_all-reduce-promotion*.txt")))
-        if not found:
-            return compiled.as_text()
-        with open(found[-1]) as f:
-            return f.read()
 
 
 @dataclass(frozen=True)

@@ -43,16 +43,30 @@ __all__ = ["streamed_groups", "streamed_update"]
 PyTree = Any
 
 
-def streamed_groups(plan: Plan, sub_group_size: int | None) -> list[list[int]] | None:
+def streamed_groups(
+    plan: Plan,
+    sub_group_size: int | None,
+    optimizer: optax.GradientTransformation | None = None,
+) -> list[list[int]] | None:
     """The groups the offloaded update streams over, or ``None`` when it runs in one piece:
-    no ``sub_group_size``, nothing of the optimizer state in host memory, or one group."""
+    no ``sub_group_size``, nothing of the optimizer state in host memory, or one group.
+
+    Raises:
+      ValueError: when ``optimizer`` is given, there are groups, and its update reads across
+        leaves (:func:`jzero.groups.check_leafwise`, its data-flow part): grouped updates
+        would change the training.
+    """
     if not sub_group_size:
         return None
     if not any(is_host(s) for s in jax.tree.leaves(plan.opt_state)):
         return None
     sizes = [math.prod(leaf.shape) for leaf in plan.leaves]
     groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub_group_size))
-    return groups if len(groups) > 1 else None
+    if len(groups) < 2:
+        return None
+    if optimizer is not None:
+        groups_lib.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
+    return groups
 
 
 def _to(x: Any, host: bool) -> Any:

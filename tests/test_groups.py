@@ -116,6 +116,20 @@ def test_leaf_groups_large_leaf_alone():
     assert G.leaf_groups([0, 4, 0, 4, 0], 4) == [[0, 1, 2], [3, 4]]
 
 
+@pytest.mark.parametrize(
+    "groups, merged",
+    [
+        ([[0], [1], [2], [3]], [[0, 1], [2, 3]]),  # leaves of sub_group_size each: pairs
+        ([[0], [1], [2]], [[0, 1, 2]]),
+        ([[0], [1, 2], [3]], [[0, 1, 2, 3]]),
+        ([[0, 1], [2], [3, 4], [5], [6]], [[0, 1, 2], [3, 4], [5, 6]]),
+        ([[0]], [[0]]),
+    ],
+)
+def test_merge_single_leaf_groups_pairs_lone_leaves(groups, merged):
+    assert G.merge_single_leaf_groups(groups) == merged
+
+
 def test_leaf_groups_partition_property():
     rng = np.random.default_rng(0)
     for _ in range(50):
