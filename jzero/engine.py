@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -76,7 +77,7 @@ class Engine:
         takes_extra: bool = False,
         to_model: Callable[[PyTree, PyTree], Any] | None = None,
         replan: Callable[..., Plan] | None = None,
-        nvme_store: Any = None,
+        nvme: Any = None,
     ):
         self.config = config
         self.plan = plan
@@ -100,15 +101,15 @@ class Engine:
         """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
         self._ckpt: Any = None
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
-        self._nvme_store = nvme_store  # offload_optimizer.device nvme: the state's files
+        self._disk = nvme  # the NVMe tier's files (jzero.nvme_state.NvmeState), or None
         self._nvme: Any = None  # the NVMe step (jzero.nvme_step.NvmeStep), from the first step
 
     def _full_state(self) -> TrainState:
         """The state with everything in memory: under the NVMe tier, the optimizer state (and
-        masters) read back from their files; else :attr:`state` itself."""
-        if self._nvme is None:
+        masters, and parameters on NVMe) read back from their files; else :attr:`state`."""
+        if self._disk is None:
             return self.state
-        return self._nvme.materialize(self.state)
+        return self._disk.materialize(self.state)
 
     # -- state -------------------------------------------------------------------------------
     @property
@@ -119,9 +120,10 @@ class Engine:
         of the state in device memory): a handle kept across a step raises ``RuntimeError:
         Array has been deleted``. Keep a copy instead: ``jax.tree.map(jnp.copy,
         engine.params)`` on the device, or ``jax.device_get(engine.params)`` on the host. The
-        same holds for :attr:`opt_state` and :attr:`state`.
+        same holds for :attr:`opt_state` and :attr:`state`. With the parameters on NVMe
+        (``offload_param: {device: nvme}``) they are read from their files, a copy.
         """
-        return self.state.params
+        return self.state.params if self._disk is None else self._disk.params(self.state)
 
     @property
     def model(self) -> Any:
@@ -131,7 +133,7 @@ class Engine:
                 "engine.model exists for Flax models (jzero.initialize(model=...)); "
                 "this engine trains a plain pytree: use engine.params."
             )
-        return self._to_model(self.state.params, self.state.extra)
+        return self._to_model(self.params, self.state.extra)
 
     @property
     def opt_state(self) -> PyTree:
@@ -220,13 +222,18 @@ class Engine:
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
         if new.param_dims == self.plan.param_dims:
             self.plan = new
+            if self._disk is not None:
+                self._disk.use_plan(new)
             return
         moved = [
             leaf.path
             for leaf, old in zip(new.leaves, self.plan.leaves, strict=True)
             if leaf.param_dim != old.param_dim
         ]
-        self.state = jax.device_put(self.state, state_shardings(new))
+        if self._disk is not None:  # the files too, group by group
+            self.state = self._disk.relayout(self.state, new)
+        else:
+            self.state = jax.device_put(self.state, state_shardings(new))
         self.plan = new
         self._step = self._eval = None
         logger.info(
@@ -238,7 +245,7 @@ class Engine:
 
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
         self.fit_layout(batch)
-        if self._step is None and self._nvme_store is not None:
+        if self._step is None and self._disk is not None:
             self._step = self._nvme = self._nvme_step()
         if self._step is None:  # whether the loss returns aux is read when the step traces
             self._step = make_train_step(
@@ -258,16 +265,10 @@ class Engine:
         """The step of the NVMe tier (:mod:`jzero.nvme_step`)."""
         from jzero.nvme_step import NvmeStep
 
-        zero = self.config.zero_optimization
-        opt = zero.offload_optimizer
-        if self._nvme is not None:  # the plan changed (fit_layout): write the state out anew
-            self.state = self._nvme.materialize(self.state)
+        opt = self.config.zero_optimization.offload_optimizer
         return NvmeStep(
-            self.plan,
+            self._disk,
             self.loss_fn,
-            self.optimizer,
-            self._nvme_store,
-            sub_group_size=zero.sub_group_size,
             pipeline_read=opt.pipeline_read,
             pipeline_write=opt.pipeline_write,
             accumulation_steps=self.accumulation_steps,
@@ -313,7 +314,7 @@ class Engine:
         self.fit_layout(batch)
         if self._eval is None:
             self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)
-        return self._eval(self.state.params, self.state.extra, batch)
+        return self._eval(self.params, self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
@@ -393,7 +394,7 @@ class Engine:
         if saved:
             self._unchanged_since = step if step == self.iteration else None
         if saved and gather16:  # the params in their compute dtype, beside the checkpoints
-            weights.save_step_weights(ckpt.directory, step, self.state.params, ckpt.all_steps())
+            weights.save_step_weights(ckpt.directory, step, state.params, ckpt.all_steps())
         return saved
 
     def save_16bit_model(
@@ -418,7 +419,7 @@ class Engine:
         from jzero import weights
 
         return weights.save_weights(
-            directory, self.state.params, dtype=dtype, max_shard_size=max_shard_size
+            directory, self.params, dtype=dtype, max_shard_size=max_shard_size
         )
 
     def restore(self, step: int | None = None) -> dict[str, Any]:
@@ -433,9 +434,11 @@ class Engine:
         """
         from jzero.checkpoint import abstract_target
 
-        current = self.state if self._nvme is None else self._nvme.abstract_full(self.state)
+        current = self.state if self._disk is None else self._disk.abstract_full(self.state)
         target = abstract_target(current, state_shardings(self.plan))
         self.state, meta = self._checkpointer().restore(target, step)
+        if self._disk is not None:  # back to the files (the restore read it all into memory)
+            self.state = self._disk.spill(self.state)
         self.iteration = int(meta.get("iteration", self.global_step))
         restored = self._ckpt.latest_step() if step is None else int(step)
         self._unchanged_since = restored if restored == self.iteration else None
@@ -463,19 +466,17 @@ class Engine:
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
-        if self._nvme_store is not None and self._nvme is not None:
+        if self._disk is not None:
             try:  # the state outlives its files
-                self.state = self._nvme.materialize(self.state)
+                self.state = self._disk.materialize(self.state)
             except OSError as e:
                 logger.warning(
-                    "jzero: the optimizer state could not be read back from its NVMe files "
-                    "(%s); it is lost with them. Restore a checkpoint to continue.",
+                    "jzero: the state could not be read back from its NVMe files (%s); it is "
+                    "lost with them. Restore a checkpoint to continue.",
                     e,
                 )
-            self._nvme = self._step = None
-        if self._nvme_store is not None:
-            self._nvme_store.close()
-            self._nvme_store = None
+            self._disk.close()
+            self._disk = self._nvme = self._step = None
         _OPEN_ENGINES.discard(self)
 
     def __enter__(self) -> Engine:
@@ -657,6 +658,9 @@ def initialize(
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
     )
     plan = replan()
+    from jzero.streaming import streamed_groups
+
+    streamed_groups(plan, cfg.zero_optimization.sub_group_size, tx)  # a leafwise optimizer?
     sizes = (
         None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
@@ -687,7 +691,15 @@ def initialize(
         values = params
     if adapted is not None and adapted.values is None:
         extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
-    state = init_train_state(plan, values, tx, extra)
+    nvme = _nvme_state(cfg, plan, tx)  # its paths are checked before anything is made
+    if nvme is None:
+        state = init_train_state(plan, values, tx, extra)
+    else:
+        try:
+            state = nvme.init(values, extra)
+        except BaseException:
+            nvme.close()
+            raise
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(
         "jzero: stage %d, %s parameters, data-parallel %d, batch %s",
@@ -709,23 +721,50 @@ def initialize(
         takes_extra=adapted is not None,
         to_model=None if adapted is None else adapted.to_model,
         replan=replan,
-        nvme_store=_nvme_store(cfg, plan),
+        nvme=nvme,
     )
 
 
-def _nvme_store(cfg: config_lib.Config, plan: Plan) -> Any:
-    """The NVMe tier's store (``offload_optimizer.device: nvme``), its path checked now: room
-    for two versions of this process's part of the state."""
-    opt = cfg.zero_optimization.offload_optimizer
+def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
+    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too): its
+    stores, their paths checked now (room for two versions of this process's part), or None."""
+    zero = cfg.zero_optimization
+    opt, par = zero.offload_optimizer, zero.offload_param
     if opt.device != "nvme":
         return None
     from jzero.nvme import NvmeStore
-    from jzero.nvme_step import state_bytes
+    from jzero.nvme_state import NvmeState, state_bytes
 
-    needed = 2 * state_bytes(plan) * jax.local_device_count() // max(1, jax.device_count())
-    return NvmeStore(
+    on_disk = par.device == "nvme"
+    sizes = state_bytes(plan, params_on_disk=on_disk)
+    mine = jax.local_device_count() / max(1, jax.device_count())
+    param_path = par.nvme_path or opt.nvme_path
+    shared = on_disk and os.path.realpath(param_path) == os.path.realpath(opt.nvme_path)
+    store = NvmeStore(
         opt.nvme_path,
         buffer_count=opt.buffer_count,
-        needed_bytes=needed,
+        needed_bytes=int(2 * mine * (sizes["optimizer"] + (sizes["params"] if shared else 0))),
         what="zero_optimization.offload_optimizer.nvme_path",
     )
+    param_store = store if shared else None
+    try:
+        if on_disk and not shared:
+            param_store = NvmeStore(
+                param_path,
+                buffer_count=par.buffer_count,
+                needed_bytes=int(2 * mine * sizes["params"]),
+                what="zero_optimization.offload_param.nvme_path",
+            )
+        return NvmeState(
+            plan,
+            optimizer,
+            store,
+            sub_group_size=zero.sub_group_size,
+            param_store=param_store,
+            prefetch_params=par.pipeline_read,
+        )
+    except BaseException:
+        store.close()
+        if param_store is not None and param_store is not store:
+            param_store.close()
+        raise

@@ -1,6 +1,7 @@
 """Child process of tests/test_offload_tiers.py: trains the toy model 3 steps at stages 1-3 with
-the optimizer state in memory and on NVMe, and prints, per stage, how many elements of the
-parameters and the optimizer state differ (JSON).
+the optimizer state in memory and on NVMe (and at stage 3 with the parameters on NVMe too,
+"3p"), and prints, per run, how many elements of the parameters and the optimizer state differ
+(JSON).
 
 Run with ``--xla_backend_optimization_level=0`` in XLA_FLAGS: at the default level the CPU code
 generator may contract a multiply-add into one fused instruction in one program and not in
@@ -26,10 +27,12 @@ import jzero  # noqa: E402
 PSI = sum(x.size for x in jax.tree.leaves(toy.make_params()))
 
 
-def run(stage: int, nvme_dir: str | None) -> tuple[list, list]:
+def run(stage: int, nvme_dir: str | None, params_too: bool = False) -> tuple[list, list]:
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, "sub_group_size": PSI // 3}
     if nvme_dir:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+    if nvme_dir and params_too:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
     cfg = {"train_batch_size": 32, "gradient_clipping": 0.5, "zero_optimization": zero}
     e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
     losses = [float(e.train_step(b)["loss"]) for b in toy.make_batches(3, 32)]
@@ -39,10 +42,12 @@ def run(stage: int, nvme_dir: str | None) -> tuple[list, list]:
 
 
 def main(nvme_dir: str) -> None:
-    out = {}
-    for stage in (1, 2, 3):
-        (l1, a), (l2, b) = run(stage, None), run(stage, nvme_dir)
-        out[stage] = {
+    out, in_memory = {}, {}
+    for name, stage, params_too in ((1, 1, False), (2, 2, False), (3, 3, False), ("3p", 3, True)):
+        if stage not in in_memory:
+            in_memory[stage] = run(stage, None)
+        (l1, a), (l2, b) = in_memory[stage], run(stage, nvme_dir, params_too)
+        out[name] = {
             "losses_equal": l1 == l2,
             "differing": sum(int((x != y).sum()) for x, y in zip(a, b, strict=True)),
         }

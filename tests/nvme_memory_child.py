@@ -2,11 +2,15 @@
 optimizer state in memory or on NVMe, as JSON (bytes). Run alone so that no other test's memory
 moves the marks.
 
-Usage: nvme_memory_child.py {memory,nvme} NVME_DIR, with 8 devices in XLA_FLAGS and
-MALLOC_MMAP_THRESHOLD_=65536 (freed buffers leave the resident set).
+Usage: nvme_memory_child.py {memory,nvme,nvme+params} NVME_DIR, with 8 devices in XLA_FLAGS and
+MALLOC_MMAP_THRESHOLD_=65536 (freed buffers leave the resident set). ``nvme+params`` puts the
+parameters on NVMe too.
 
-The model is 32 leaves of 2**19 float32 (64 MiB of parameters) trained with Adam (128 MiB of
-state) at stage 3 (every array sharded over the 8 devices), two leaves to a group. Two marks:
+The model is 16 leaves of 2**20 float32 (64 MiB of parameters) trained with Adam (128 MiB of
+state) at stage 3 (every array sharded over the 8 devices), two leaves to a group. Three marks:
+
+* init: the high-water RSS during ``jzero.initialize`` less the RSS before it (the parameters'
+  shards and, where it lives in memory, the optimizer state);
 
 * held: the RSS after 5 steps less the RSS before ``jzero.initialize`` (what the run keeps:
   parameters, compiled programs, and the optimizer state where it lives in memory);
@@ -28,7 +32,7 @@ import optax
 import jzero
 
 LIBC = ctypes.CDLL("libc.so.6")
-LEAVES, SIZE = 32, 1 << 19
+LEAVES, SIZE = 16, 1 << 20
 
 
 def rss(field: str) -> int:
@@ -53,11 +57,16 @@ def main(mode: str, nvme_dir: str) -> None:
     params = {f"w{i:02d}": rng.normal(size=(SIZE,)).astype(np.float32) for i in range(LEAVES)}
     batch = {"x": rng.normal(size=(8, 4)).astype(np.float32)}
     zero = {"stage": 3, "sub_group_size": SIZE, "stage3_param_persistence_threshold": 0}
-    if mode == "nvme":
+    if mode.startswith("nvme"):
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+    if mode == "nvme+params":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir}
     cfg = {"train_batch_size": 8, "zero_optimization": zero}
     start = trimmed_rss()
+    Path("/proc/self/clear_refs").write_text("5")
     engine = jzero.initialize(params, loss_fn, optax.adam(1e-3), cfg)
+    jax.block_until_ready(engine.state)  # dispatch is asynchronous
+    init = rss("VmHWM") - start
     for _ in range(2):
         jax.block_until_ready(engine.train_step(batch))
     after2 = trimmed_rss()
@@ -68,6 +77,7 @@ def main(mode: str, nvme_dir: str) -> None:
     held = trimmed_rss() - start
     record = {
         "mode": mode,
+        "init": init,
         "held": held,
         "growth": peak - after2,
         "state": 2 * LEAVES * SIZE * 4,  # Adam's two moments

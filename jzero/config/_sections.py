@@ -116,7 +116,8 @@ class OffloadConfig:
 
     device: Literal["none", "cpu", "nvme"] = "none"
     """Where the state lives: "none" (device memory), "cpu" (host memory) or "nvme" (files under
-    ``nvme_path``, ZeRO-Infinity; ``offload_optimizer`` only)."""
+    ``nvme_path``, ZeRO-Infinity; ``offload_param`` there needs ``offload_optimizer`` there
+    too)."""
     pin_memory: bool = True
     """Page-locked host memory (``pinned_host``); false uses ``unpinned_host``. DeepSpeed: true."""
     ratio: float = _field(1.0, min=0.0, max=1.0)
@@ -126,7 +127,7 @@ class OffloadConfig:
     nvme_path: str | None = _field(None, path=True)
     """With ``device: nvme``: the directory that holds the state's files (a fast local disk);
     it must exist, be writable and have room for twice the state (the step writes the new
-    version beside the old one)."""
+    version beside the old one). ``offload_param`` without one uses ``offload_optimizer``'s."""
     buffer_count: int = _field(4, min=1)
     """With ``device: nvme``: groups of the state held in host memory at once (read ahead and
     being written); DeepSpeed: 4 for the optimizer state."""

@@ -334,14 +334,15 @@ def _check_config(cfg: Config, noted: list) -> None:
 
 
 def _check_nvme(zero: Any) -> None:
-    """The NVMe tier: the optimizer state only, with a path, and all of it."""
-    opt = zero.offload_optimizer
-    if zero.offload_param.device == "nvme":
+    """The NVMe tier: the optimizer state there whenever the parameters are, with a path, and
+    all of it."""
+    opt, par = zero.offload_optimizer, zero.offload_param
+    if par.device == "nvme" and opt.device != "nvme":
         raise ConfigError(
-            "zero_optimization.offload_param.device: 'nvme' is not supported: jzero keeps the "
-            "optimizer state and master weights on NVMe (offload_optimizer), and the parameters "
-            "in host memory at most. Set offload_param.device to cpu, and "
-            "offload_optimizer.device to nvme."
+            "zero_optimization.offload_param.device is nvme, but offload_optimizer.device is "
+            f"{opt.device}: jzero runs the parameters' files through the NVMe tier's step, "
+            "which keeps the optimizer state on NVMe too. Set offload_optimizer: {device: nvme, "
+            "nvme_path: DIR}, or offload_param.device to cpu."
         )
     if opt.device == "nvme" and not opt.nvme_path:
         raise ConfigError(

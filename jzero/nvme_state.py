@@ -1,0 +1,515 @@
+"""The NVMe tier's state on disk: which leaves live in which files, and moving them in and out.
+
+With ``offload_optimizer: {device: nvme}`` the optimizer state and, under mixed precision, the
+float32 master weights rest in files between steps; with ``offload_param: {device: nvme}`` too
+(stage 3) the parameter shards do as well. :class:`NvmeState` knows the layout and does the
+moves; :mod:`jzero.nvme_step` runs the step around it.
+
+Decisions:
+
+* Files follow the groups of parameter leaves (:func:`jzero.groups.leaf_groups` of
+  ``sub_group_size`` elements, every group two leaves or more): per version ``v`` and group
+  ``g``, the file ``(v, g)`` holds this process's distinct shards of the group's masters and
+  the optimizer state the group owns, and with parameters on NVMe the file ``("p", v, g)``
+  holds its parameter shards (in the parameters' own store, which may be another drive).
+  Shared state (step counts, injected hyperparameters) is small and stays in memory.
+* The engine's :class:`~jzero.step.TrainState` keeps zero-size placeholders
+  (:func:`jzero.groups.placeholder`) where the disk has the values. :meth:`NvmeState.materialize`
+  reads them back into a full state, so checkpoints are ordinary jzero checkpoints, restored
+  with or without NVMe on any device count; :meth:`NvmeState.spill` writes a full state out
+  (after a restore).
+* Versions: a new version is written beside the current one and made current only when every
+  file is written (:meth:`NvmeState.switch`), which then deletes the old files; the disk holds
+  two versions for that moment, so the path is checked for room for two.
+* :meth:`NvmeState.init` makes the first version group by group: one compiled program per
+  group creates that group's masters, optimizer state (and parameters on NVMe) straight into
+  their shards, from the parameter values given or from ``init_fn`` inside the program
+  (only the outputs the group needs survive XLA's dead-code elimination), and the store writes
+  them before the next group is made. The full optimizer state never exists in memory, in
+  training or before it.
+* A change of the plan's layout at the first step (stage 3's stacked-layer dimensions,
+  ``engine.fit_layout``) re-lays the files group by group (:meth:`NvmeState.relayout`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jzero import groups as groups_lib
+from jzero.nvme import NvmeStore
+from jzero.plan import Plan, on_device
+from jzero.precision import LossScaleState, cast_floating
+from jzero.step import TrainState
+
+__all__ = ["NvmeState", "state_bytes"]
+
+PyTree = Any
+Kind = str  # "master", "state" (in the group's file) or "param" (in the parameters' file)
+
+
+def _index_key(index: tuple, shape: Sequence[int]) -> tuple:
+    return tuple(
+        (s.start or 0, dim if s.stop is None else s.stop)
+        for s, dim in zip(index, shape, strict=False)
+    )
+
+
+def host_shards(x: jax.Array) -> list[np.ndarray]:
+    """This process's distinct shards of ``x``, in the order of their index."""
+    seen: dict[tuple, np.ndarray] = {}
+    for shard in x.addressable_shards:
+        key = _index_key(shard.index, x.shape)
+        if key not in seen:
+            seen[key] = np.asarray(shard.data)
+    return [seen[k] for k in sorted(seen)]
+
+
+def _shard_count(like: Any, sharding: Any) -> int:
+    where = sharding.addressable_devices_indices_map(tuple(like.shape))
+    return len({_index_key(index, like.shape) for index in where.values()})
+
+
+def _from_host(shards: Sequence[np.ndarray], like: Any, sharding: Any) -> jax.Array:
+    """The array ``like`` (shape, dtype) laid out by ``sharding`` from this process's distinct
+    shards (as :func:`host_shards` lists them)."""
+    shape = tuple(like.shape)
+    where = sharding.addressable_devices_indices_map(shape)
+    keys = sorted({_index_key(index, shape) for index in where.values()})
+    by_key = dict(zip(keys, shards, strict=True))
+    arrays = [jax.device_put(by_key[_index_key(index, shape)], d) for d, index in where.items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def _nbytes(tree: PyTree) -> int:
+    return sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "shape")
+    )
+
+
+def params_at_rest_like(plan: Plan) -> list[jax.ShapeDtypeStruct]:
+    """The parameter leaves at rest: their shapes, floating ones in the compute dtype under
+    mixed precision."""
+    compute = plan.precision.compute_dtype
+    if not plan.precision.mixed:
+        return list(jax.tree.leaves(plan.abstract_params))
+    return [
+        jax.ShapeDtypeStruct(a.shape, compute if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype)
+        for a in jax.tree.leaves(plan.abstract_params)
+    ]
+
+
+def state_bytes(plan: Plan, *, params_on_disk: bool = False) -> dict[str, int]:
+    """Bytes one version keeps on disk, whole arrays (every process's shards together): under
+    ``"optimizer"`` the optimizer state and, under mixed precision, the float32 masters; under
+    ``"params"`` the parameters at rest when they are on NVMe too (else 0)."""
+    mixed = plan.precision.mixed
+    optimizer = _nbytes(plan.abstract_opt_state) + (_nbytes(plan.abstract_params) if mixed else 0)
+    params = _nbytes(params_at_rest_like(plan)) if params_on_disk else 0
+    return {"optimizer": optimizer, "params": params}
+
+
+class NvmeState:
+    """Where the NVMe tier keeps a :class:`~jzero.step.TrainState`'s leaves, and the moves.
+
+    Args:
+      plan: the sharding plan (its optimizer-state shardings in device memory).
+      optimizer: the optax transformation the plan was made for (leafwise: its update is run
+        group by group).
+      store: the files of the optimizer state and masters.
+      sub_group_size: elements per group of parameter leaves.
+      param_store: with the parameters on NVMe (``offload_param: {device: nvme}``), the store
+        of their files (may be ``store`` itself); ``None`` keeps them in device memory.
+      prefetch_params: read the next groups' parameter files while one is being placed
+        (``offload_param.pipeline_read``).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        optimizer: optax.GradientTransformation,
+        store: NvmeStore,
+        *,
+        sub_group_size: int,
+        param_store: NvmeStore | None = None,
+        prefetch_params: bool = False,
+    ) -> None:
+        self.optimizer, self.store, self.param_store = optimizer, store, param_store
+        self.prefetch_params = prefetch_params
+        self.params_on_disk = param_store is not None
+        self.version: int | None = None  # the version on disk; None before the first write
+        self.mixed = plan.precision.mixed
+        self.owner = groups_lib.param_leaf_owner(
+            optimizer, plan.abstract_params, plan.abstract_opt_state
+        )
+        sizes = [math.prod(leaf.shape) for leaf in plan.leaves]
+        self.groups = groups_lib.merge_single_leaf_groups(
+            groups_lib.leaf_groups(sizes, sub_group_size)
+        )
+        if len(self.groups) > 1:
+            groups_lib.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
+        self.shared = groups_lib.shared_state(self.owner)
+        self._abstract_state = jax.tree.leaves(plan.abstract_opt_state)
+        self._abstract_params = jax.tree.leaves(plan.abstract_params)
+        self._param_def = jax.tree.structure(plan.abstract_params)
+        self.use_plan(plan)
+
+    def use_plan(self, plan: Plan) -> None:
+        """Reads and writes with ``plan``'s shardings from now on (same leaves and groups)."""
+        self.plan = plan
+        self.state_shardings = jax.tree.leaves(on_device(plan.opt_state))
+        self.master_shardings = jax.tree.leaves(
+            on_device(plan.master if self.mixed else plan.update_layout)
+        )
+        self.param_shardings = jax.tree.leaves(on_device(plan.params))
+        self._param_like = params_at_rest_like(plan)
+
+    # -- what lives where ---------------------------------------------------------------------
+    def disk_leaves(self, group: Sequence[int]) -> list[tuple[Kind, int]]:
+        """The leaves of ``group`` in its optimizer file: ("master", param index) under mixed
+        precision, then ("state", state index) for the state the group owns."""
+        out = [("master", i) for i in group] if self.mixed else []
+        return out + [("state", k) for k in groups_lib.owned_state(self.owner, group)]
+
+    def _like(self, kind: Kind, i: int) -> tuple[Any, Any]:
+        if kind == "master":
+            return self._abstract_params[i], self.master_shardings[i]
+        if kind == "param":
+            return self._param_like[i], self.param_shardings[i]
+        return self._abstract_state[i], self.state_shardings[i]
+
+    def _key(self, version: int, g: int, params: bool = False) -> tuple:
+        return ("p", version, g) if params else (version, g)
+
+    def is_spilled(self, state: TrainState) -> bool:
+        """Whether ``state`` holds placeholders where the disk has the values."""
+        if self.version is None:
+            return False
+        pairs = [
+            (x, self._abstract_state[k])
+            for k, x in enumerate(jax.tree.leaves(state.opt_state))
+            if self.owner[k] is not None
+        ]
+        if self.mixed:
+            pairs += zip(jax.tree.leaves(state.master), self._abstract_params, strict=True)
+        if self.params_on_disk:
+            pairs += zip(jax.tree.leaves(state.params), self._abstract_params, strict=True)
+        return any(math.prod(a.shape) > 0 and 0 in x.shape for x, a in pairs)
+
+    def light(self, state: TrainState, shared: Sequence[Any] | None = None) -> TrainState:
+        """``state`` with placeholders where the disk has the values (and ``shared`` as its
+        shared optimizer state, when given)."""
+        s_leaves, s_def = jax.tree.flatten(state.opt_state)
+        out = [
+            groups_lib.placeholder(x) if self.owner[k] is not None else x
+            for k, x in enumerate(s_leaves)
+        ]
+        for k, v in zip(self.shared, shared or (), strict=False):
+            out[k] = v
+        master = state.master
+        if self.mixed:
+            master = jax.tree.map(groups_lib.placeholder, state.master)
+        params = state.params
+        if self.params_on_disk:
+            params = jax.tree.map(groups_lib.placeholder, state.params)
+        return state._replace(opt_state=s_def.unflatten(out), master=master, params=params)
+
+    def abstract_full(self, state: TrainState) -> TrainState:
+        """``state`` with ``jax.ShapeDtypeStruct`` where it holds placeholders: the full
+        state's shapes, read from nothing (a restore target)."""
+        if not self.is_spilled(state):
+            return state
+        s_leaves, s_def = jax.tree.flatten(state.opt_state)
+        full = [
+            self._abstract_state[k] if self.owner[k] is not None else x
+            for k, x in enumerate(s_leaves)
+        ]
+        master = self.plan.abstract_params if self.mixed else state.master
+        params = (
+            self._param_def.unflatten(self._param_like) if self.params_on_disk else state.params
+        )
+        return state._replace(opt_state=s_def.unflatten(full), master=master, params=params)
+
+    # -- reading -------------------------------------------------------------------------------
+    def _arrays(self, names: Sequence[tuple[Kind, int]], shards: Sequence[np.ndarray]) -> dict:
+        out, at = {}, 0
+        for kind, i in names:
+            like, sharding = self._like(kind, i)
+            n = _shard_count(like, sharding)
+            out[(kind, i)] = _from_host(shards[at : at + n], like, sharding)
+            at += n
+        return out
+
+    def read(self, g: int, version: int | None = None) -> dict[tuple[Kind, int], jax.Array]:
+        """Group ``g``'s masters and owned state from ``version`` (default: the current one),
+        in device memory, keyed ``(kind, index)``."""
+        version = self.version if version is None else version
+        names = self.disk_leaves(self.groups[g])
+        return self._arrays(names, self.store.read(self._key(version, g)))
+
+    def read_params(self, version: int | None = None, prefetch: bool = False) -> list[jax.Array]:
+        """Every parameter leaf from the parameters' files of ``version`` (default: current),
+        in device memory in the plan's at-rest layout; ``prefetch`` reads the next groups'
+        files while one is being placed."""
+        version = self.version if version is None else version
+        leaves: list[Any] = [None] * len(self._abstract_params)
+        ahead = max(1, self.param_store.buffer_count - 1) if prefetch else 0
+        for g in range(min(ahead, len(self.groups))):
+            self.param_store.prefetch(self._key(version, g, True))
+        for g, group in enumerate(self.groups):
+            if ahead and g + ahead < len(self.groups):
+                self.param_store.prefetch(self._key(version, g + ahead, True))
+            shards = self.param_store.read(self._key(version, g, True))
+            for (_, i), x in self._arrays([("param", i) for i in group], shards).items():
+                leaves[i] = x
+        return leaves
+
+    def params(self, state: TrainState) -> PyTree:
+        """``state``'s parameters, read from their files when they are on NVMe."""
+        if self.params_on_disk and self.is_spilled(state):
+            return self._param_def.unflatten(self.read_params(prefetch=self.prefetch_params))
+        return state.params
+
+    def materialize(self, state: TrainState) -> TrainState:
+        """The full state: ``state`` with everything on disk read back into device memory (for
+        checkpoints and ``engine.opt_state``)."""
+        if not self.is_spilled(state):
+            return state
+        s_leaves, s_def = jax.tree.flatten(state.opt_state)
+        s_leaves = list(s_leaves)
+        m_leaves = list(jax.tree.leaves(state.master)) if self.mixed else []
+        for g in range(len(self.groups)):
+            for (kind, i), x in self.read(g).items():
+                (m_leaves if kind == "master" else s_leaves)[i] = x
+        master = state.master
+        if self.mixed:
+            master = jax.tree.structure(state.master).unflatten(m_leaves)
+        return state._replace(
+            opt_state=s_def.unflatten(s_leaves), master=master, params=self.params(state)
+        )
+
+    # -- writing -------------------------------------------------------------------------------
+    def write(
+        self, version: int, g: int, values: dict[tuple[Kind, int], Any], pipelined: bool = False
+    ) -> None:
+        """Writes group ``g``'s values (``(kind, index) -> array``, as :meth:`read` returns
+        them, plus ``("param", i)`` entries with the parameters on NVMe) as ``version``."""
+        group = self.groups[g]
+        shards: list[np.ndarray] = []
+        for name in self.disk_leaves(group):
+            shards += host_shards(values[name])
+        write = self.store.write_async if pipelined else self.store.write
+        write(self._key(version, g), shards)
+        if self.params_on_disk:
+            shards = []
+            for i in group:
+                shards += host_shards(values[("param", i)])
+            write = self.param_store.write_async if pipelined else self.param_store.write
+            write(self._key(version, g, True), shards)
+
+    def flush(self) -> None:
+        """Waits for the pipelined writes (the first error raises)."""
+        self.store.flush()
+        if self.param_store is not None and self.param_store is not self.store:
+            self.param_store.flush()
+
+    def remove(self, version: int) -> None:
+        """Deletes ``version``'s files (missing ones are fine)."""
+        for g in range(len(self.groups)):
+            self.store.remove(self._key(version, g))
+            if self.params_on_disk:
+                self.param_store.remove(self._key(version, g, True))
+
+    def switch(self, version: int) -> None:
+        """Makes ``version`` the state on disk and deletes the files of the one before."""
+        old, self.version = self.version, version
+        if old is not None and old != version:
+            self.remove(old)
+
+    def close(self) -> None:
+        """Closes the stores, which removes their files and directories."""
+        self.store.close()
+        if self.param_store is not None and self.param_store is not self.store:
+            self.param_store.close()
+
+    def next_version(self) -> int:
+        return 0 if self.version is None else self.version + 1
+
+    def _values(self, state: TrainState, group: Sequence[int]) -> dict[tuple[Kind, int], Any]:
+        s_leaves = jax.tree.leaves(state.opt_state)
+        m_leaves = jax.tree.leaves(state.master) if self.mixed else []
+        p_leaves = jax.tree.leaves(state.params)
+        values = {
+            (kind, i): m_leaves[i] if kind == "master" else s_leaves[i]
+            for kind, i in self.disk_leaves(group)
+        }
+        if self.params_on_disk:
+            values.update({("param", i): p_leaves[i] for i in group})
+        return values
+
+    def spill(self, state: TrainState) -> TrainState:
+        """Writes a full ``state``'s disk leaves as a new version and returns the state with
+        placeholders in their place."""
+        version = self.next_version()
+
+        def write_all() -> None:
+            for g, group in enumerate(self.groups):
+                self.write(version, g, self._values(state, group))
+
+        self.write_version(version, write_all)
+        self.switch(version)
+        return self.light(state)
+
+    def write_version(self, version: int, run: Callable[[], Any]) -> None:
+        """Runs ``run`` (writes of ``version``); on any failure removes ``version``'s files
+        (the current version stays whole) and re-raises."""
+        try:
+            run()
+            self.flush()
+        except BaseException:
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the first error is already being raised
+                pass
+            try:
+                self.remove(version)
+            except OSError:
+                pass
+            raise
+
+    def relayout(self, state: TrainState, plan: Plan) -> TrainState:
+        """``state`` (placeholders and all) moved to ``plan``'s layout, the files re-laid group
+        by group as a new version."""
+        from jzero.step import state_shardings
+
+        if not self.is_spilled(state):
+            self.use_plan(plan)
+            return jax.device_put(state, state_shardings(plan))
+        old_plan, version = self.plan, self.next_version()
+        new_sh = state_shardings(plan)
+        light = jax.tree.map(  # the shardings are a prefix of the state (extra: one for all)
+            lambda s, x: x if 0 in getattr(x, "shape", (1,)) else jax.device_put(x, s),
+            new_sh,
+            state,
+        )
+
+        def move() -> None:
+            for g, group in enumerate(self.groups):
+                self.use_plan(old_plan)
+                values = self.read(g)
+                if self.params_on_disk:
+                    shards = self.param_store.read(self._key(self.version, g, True))
+                    values.update(self._arrays([("param", i) for i in group], shards))
+                self.use_plan(plan)
+                self.write(
+                    version, g, {n: jax.device_put(x, self._like(*n)[1]) for n, x in values.items()}
+                )
+
+        try:
+            self.write_version(version, move)
+        except BaseException:
+            self.use_plan(old_plan)
+            raise
+        self.switch(version)
+        return light
+
+    # -- the first version ---------------------------------------------------------------------
+    def init(
+        self,
+        values: PyTree | Callable[[], PyTree],
+        extra: PyTree = (),
+    ) -> TrainState:
+        """The state before the first step, its disk leaves written straight to the files.
+
+        Args:
+          values: the initial parameters (full precision, arrays) or a function of no arguments
+            that creates them (``init_fn``), as for :func:`jzero.step.init_train_state`.
+          extra: non-trainable model state, if any.
+
+        Returns:
+          The light state (placeholders where the files hold the values); :attr:`version` is 0.
+        """
+        from jzero.step import state_shardings
+
+        prec, tx = self.plan.precision, self.optimizer
+        make = values if callable(values) else None
+        given = None if make is not None else jax.tree.leaves(values)
+        abstract = self.plan.abstract_params
+
+        def full_master(group_values: Sequence[Any], group: Sequence[int]) -> PyTree:
+            if make is not None:
+                params = make()
+            else:  # the group's values; the others are zeros no output reads (removed by XLA)
+                leaves = [jnp.zeros(a.shape, a.dtype) for a in self._abstract_params]
+                for i, v in zip(group, group_values, strict=True):
+                    leaves[i] = v
+                params = self._param_def.unflatten(leaves)
+            return jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract)
+
+        def inputs(group: Sequence[int]) -> tuple[list, list]:
+            """The given values of ``group``'s leaves and their shardings (each device
+            receives its own shard only)."""
+            if given is None:
+                return [], []
+            return [given[i] for i in group], [self.master_shardings[i] for i in group]
+
+        # In memory: the step, shared state, extra, loss scale, and the params unless on NVMe.
+        in_memory = [] if self.params_on_disk else list(range(len(self._abstract_params)))
+
+        def rest(group_values: Sequence[Any], extra: PyTree) -> TrainState:
+            master = full_master(group_values, in_memory)
+            params = cast_floating(master, prec.compute_dtype) if prec.mixed else master
+            state = TrainState(
+                step=jnp.zeros((), jnp.int32),
+                params=jax.tree.map(jnp.copy, params),
+                opt_state=tx.init(master),
+                extra=jax.tree.map(jnp.copy, extra),
+                master=master if prec.mixed else (),
+                loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
+            )
+            return self.light(state)
+
+        args, arg_sh = inputs(in_memory)
+        state = jax.jit(
+            rest, in_shardings=(arg_sh, None), out_shardings=state_shardings(self.plan)
+        )(args, extra)
+
+        version = self.next_version()
+
+        def write_groups() -> None:
+            for g, group in enumerate(self.groups):
+                names = self.disk_leaves(group)
+                if self.params_on_disk:
+                    names = names + [("param", i) for i in group]
+
+                def make_group(group_values: Sequence[Any], group=group, names=names) -> list:
+                    master = full_master(group_values, group)
+                    s_leaves = jax.tree.leaves(tx.init(master))
+                    m_leaves = jax.tree.leaves(master)
+                    out = []
+                    for kind, i in names:
+                        if kind == "state":
+                            out.append(s_leaves[i])
+                        elif kind == "master" or not prec.mixed:
+                            out.append(m_leaves[i])
+                        else:
+                            out.append(cast_floating(m_leaves[i], prec.compute_dtype))
+                    return out
+
+                out_sh = [self._like(*n)[1] for n in names]
+                args, arg_sh = inputs(group)
+                made = jax.jit(make_group, in_shardings=(arg_sh,), out_shardings=out_sh)(args)
+                self.write(version, g, dict(zip(names, made, strict=True)))
+                del made
+
+        self.write_version(version, write_groups)
+        self.switch(version)
+        return state
