@@ -258,6 +258,7 @@ class Engine:
                 learning_rate=self.learning_rate,
                 remat_policy=remat.from_config(self.config),
                 sub_group_size=self.config.zero_optimization.sub_group_size,
+                offload_compute=self.config.zero_optimization.offload_optimizer.compute,
             )
         return self._step
 
@@ -660,7 +661,9 @@ def initialize(
     plan = replan()
     from jzero.streaming import streamed_groups
 
-    streamed_groups(plan, cfg.zero_optimization.sub_group_size, tx)  # a leafwise optimizer?
+    zero = cfg.zero_optimization
+    host = zero.offload_optimizer.compute == "host"
+    streamed_groups(plan, zero.sub_group_size, tx, host)  # a leafwise optimizer?
     sizes = (
         None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )

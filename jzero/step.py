@@ -128,6 +128,7 @@ def make_train_step(
     donate: bool = True,
     remat_policy: RematPolicy | str | None = None,
     sub_group_size: int | None = None,
+    offload_compute: str = "device",
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
@@ -164,6 +165,9 @@ def make_train_step(
       sub_group_size: with the optimizer state offloaded, stream the update over groups of
         parameter leaves of at most this many elements, one group's state in device memory at
         a time (:mod:`jzero.streaming`; DeepSpeed's ``sub_group_size``); ``None``: one piece.
+      offload_compute: ``"device"`` (default) brings the offloaded state into device memory
+        for the update; ``"host"`` updates it in host memory (``compute_on("device_host")``,
+        where DeepSpeed runs CPU Adam), group by group (:mod:`jzero.streaming`).
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -183,13 +187,26 @@ def make_train_step(
     gradients = _gradient_part(
         plan, loss_fn, accumulation_steps, gradient_clipping, has_aux, takes_extra, remat_policy
     )
-    groups = streamed_groups(plan, sub_group_size, optimizer)
+    on_host = offload_compute == "host"
+    if offload_compute not in ("device", "host"):
+        raise ValueError(
+            f"offload_compute is {offload_compute!r}; it must be 'device' (stream the offloaded "
+            "state through device memory) or 'host' (update it where it rests)."
+        )
+    groups = streamed_groups(plan, sub_group_size, optimizer, on_host)
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         params, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
         if groups is not None:  # the offloaded update, one group of leaves at a time
             new_master, new_opt_state, copies = streamed_update(
-                plan, optimizer, groups, state, params, grads, finite if prec.skips else None
+                plan,
+                optimizer,
+                groups,
+                state,
+                params,
+                grads,
+                finite if prec.skips else None,
+                on_host,
             )
             if prec.skips:
                 extra = _keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]

@@ -20,14 +20,20 @@ Decisions:
   before they go back.
 * Each group also leaves its new parameters in the compute dtype on the device (the 16-bit copy
   the next step computes with), from which the step gathers the parameters at rest.
-* ``jax.experimental.compute_on`` (running the update on the host) is not used: on CPU host and
-  device are the same memory, and on an accelerator the host update is slower than streaming
-  the groups through the device for the models measured so far; the GPU check measures the
-  step time of the streamed update.
+* ``offload_optimizer.compute: host`` (jzero's key) runs each group's update on the host
+  instead, where DeepSpeed runs its CPU Adam: under ``jax.experimental.compute_on
+  ("device_host")``, on the group's state where it rests in host memory, with the gradients
+  sent to the host and the group's 16-bit copy sent back. The device then holds none of the
+  offloaded state at any time; the price is the host's arithmetic. Which is faster depends on
+  the backend and the model: ``device`` (streaming through the device) is the default, and the
+  GPU check (``benchmarks/gpu_check.py``) times both. A group with leaves in device memory
+  (``ratio < 1``) is updated on the device. On CPU host and device are the same memory, so
+  both give the same numbers; the lowered program shows where each group runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -47,23 +53,25 @@ def streamed_groups(
     plan: Plan,
     sub_group_size: int | None,
     optimizer: optax.GradientTransformation | None = None,
+    on_host: bool = False,
 ) -> list[list[int]] | None:
     """The groups the offloaded update streams over, or ``None`` when it runs in one piece:
-    no ``sub_group_size``, nothing of the optimizer state in host memory, or one group.
+    nothing of the optimizer state in host memory, or no ``sub_group_size`` or one group
+    (``on_host``: one group of every leaf instead, updated on the host).
 
     Raises:
       ValueError: when ``optimizer`` is given, there are groups, and its update reads across
         leaves (:func:`jzero.groups.check_leafwise`, its data-flow part): grouped updates
         would change the training.
     """
-    if not sub_group_size:
-        return None
     if not any(is_host(s) for s in jax.tree.leaves(plan.opt_state)):
         return None
     sizes = [math.prod(leaf.shape) for leaf in plan.leaves]
-    groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub_group_size))
+    groups = [list(range(len(sizes)))]
+    if sub_group_size:
+        groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub_group_size))
     if len(groups) < 2:
-        return None
+        return groups if on_host else None
     if optimizer is not None:
         groups_lib.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
     return groups
@@ -82,6 +90,7 @@ def streamed_update(
     params: PyTree,
     grads: PyTree,
     finite: jax.Array | None,
+    on_host: bool = False,
 ) -> tuple[PyTree, PyTree, PyTree]:
     """The optimizer update one group at a time, inside the step.
 
@@ -95,6 +104,8 @@ def streamed_update(
       grads: the reduced, clipped gradients in the update layout.
       finite: under skipping, whether the step's gradients are finite (else the old values
         are kept); ``None``: always apply.
+      on_host: update the groups whose state all rests in host memory on the host
+        (``compute_on("device_host")``) rather than streaming them through the device.
 
     Returns:
       ``(new masters, new optimizer state, new compute-dtype params)``: the first two laid out
@@ -129,6 +140,33 @@ def streamed_update(
         owned = groups_lib.owned_state(owner, group)
         m_in = [m_rest[i] for i in group]
         s_in = [s_rest[k] for k in owned]
+        if (  # the group's state rests in host memory: updated there (masters sent along)
+            on_host
+            and all(is_host(s_sh[k]) for k in owned)
+            and (not mixed or all(is_host(m_sh[i]) for i in group))
+        ):
+            group_m, group_s, group_shared = _host_update(
+                plan,
+                optimizer,
+                owner,
+                group,
+                [g_leaves[i] for i in group],
+                m_in,
+                s_in,
+                [s_rest[k] for k in shared],
+                finite,
+            )
+            for i, x in zip(group, group_m, strict=True):
+                new_m[i] = x if is_host(m_sh[i]) else _to(x, False)
+                x = _to(x, False)  # the copy the next step computes with, on the device
+                floating = jnp.issubdtype(x.dtype, jnp.floating)
+                copies[i] = x.astype(compute) if mixed and floating else x
+            for k, x in zip(owned, group_s, strict=True):
+                new_s[k] = x
+            if index == 0:
+                for k, x in zip(shared, group_shared, strict=True):
+                    new_s[k] = x if is_host(s_sh[k]) else _to(x, False)
+            continue
         if previous:  # group g + 1 comes in after group g went out (host arrays only: one op
             # cannot mix host and device operands)
             m_at = [j for j, i in enumerate(group) if is_host(m_sh[i])]
@@ -183,3 +221,42 @@ def streamed_update(
         previous = [x for x, i in zip(sent_m, group, strict=True) if is_host(m_sh[i])]
         previous += [x for x, k in zip(sent_s, owned, strict=True) if is_host(s_sh[k])]
     return p_def.unflatten(new_m), s_def.unflatten(new_s), p_def.unflatten(copies)
+
+
+def _host_update(
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    owner: list[int | None],
+    group: list[int],
+    grads: list[Any],
+    masters: list[Any],
+    states: list[Any],
+    shared: list[Any],
+    finite: jax.Array | None,
+) -> tuple[list[Any], list[Any], list[Any]]:
+    """One group's update run on the host (``compute_on("device_host")``): its masters and
+    state as they rest in host memory, the gradients, shared state and flag sent there. Returns
+    the new masters, owned state and shared state, in host memory."""
+    from jax.experimental.compute_on import compute_on
+
+    def update(grads, masters, states, shared, finite):
+        result = groups_lib.update_group_leaves(
+            optimizer,
+            plan.abstract_params,
+            plan.abstract_opt_state,
+            group,
+            owner,
+            grads,
+            masters,
+            states,
+            shared,
+        )
+        out = (result.params, result.opt_state, result.shared)
+        if finite is None:
+            return out
+        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), out, (masters, states, shared))
+
+    host = functools.partial(_to, host=True)  # no-op where the array rests there already
+    args = jax.tree.map(host, (grads, masters, states, shared))
+    flag = None if finite is None else host(finite)
+    return compute_on("device_host")(jax.jit(update))(*args, flag)

@@ -109,6 +109,39 @@ def test_subgroups_stream_the_update_in_order_with_the_same_bits(stage, bf16):
     e.close()
 
 
+@pytest.mark.parametrize(
+    "stage, bf16, sub", [(2, True, PSI // 4), (3, False, PSI // 4), (1, False, 0)]
+)
+def test_host_compute_updates_each_group_where_it_rests_with_the_same_bits(stage, bf16, sub):
+    """offload_optimizer.compute: host: one compute_on("device_host") call per group in the
+    step (one for all leaves without sub_group_size), none with compute on the device, and
+    every bit as in the run without offload."""
+    cpu = {"device": "cpu", "compute": "host"}
+    extra = {"sub_group_size": sub} if sub else {}
+    run = train(config(stage, bf16, offload_optimizer=cpu, **extra))
+    assert_same_run(run, reference(stage, bf16))
+    e = run[3]
+    sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
+    groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub)) if sub else [0]
+    batch = toy.make_batches(1, BATCH)[0]
+    on_host = [
+        line
+        for line in main_body(e.lower(batch).as_text()).splitlines()
+        if "call @" in line and '_xla_compute_type = "host"' in line
+    ]
+    assert len(on_host) == len(groups), on_host
+    e.close()
+    device = dict(cpu, compute="device")
+    plain = jzero.initialize(
+        toy.make_params(),
+        toy.loss_fn,
+        optax.adamw(1e-2),
+        config(stage, bf16, offload_optimizer=device, **extra),
+    )
+    assert "_xla_compute_type" not in plain.lower(batch).as_text()
+    plain.close()
+
+
 def layers_params():
     rng = np.random.default_rng(0)
     return {f"l{i}": jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32) for i in range(6)}
@@ -272,6 +305,19 @@ def test_bad_nvme_paths_fail_at_initialize(tmp_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="which is a file, not a directory"):
         init(a_file)
+    with pytest.raises(ConfigError, match="compute: 'host' updates the optimizer state"):
+        jzero.load_config(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": nvme(tmp_path, compute="host")}}
+        )
+    with pytest.raises(ConfigError, match="belongs under offload_optimizer"):
+        jzero.load_config(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "cpu", "compute": "host"},
+                }
+            }
+        )
     with pytest.raises(ConfigError, match="nvme_path is not set"):
         jzero.load_config(
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}

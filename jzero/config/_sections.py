@@ -135,6 +135,11 @@ class OffloadConfig:
     """DeepSpeed: NVMe buffer size in elements. No effect."""
     max_in_cpu: int = _field(1_000_000_000, min=0, no_effect=_NVME_ONLY)
     """DeepSpeed: parameter elements kept in CPU memory with NVMe offload. No effect."""
+    compute: Literal["device", "host"] = "device"
+    """jzero's key, ``offload_optimizer`` with ``device: cpu``: where the offloaded update runs.
+    "device" brings each group's state into device memory for the update (streamed by
+    ``sub_group_size``); "host" updates it in host memory where it rests (``compute_on``, as
+    DeepSpeed's CPU Adam). ``benchmarks/gpu_check.py`` times both."""
     pipeline_read: bool = False
     """With ``device: nvme``: read the next groups while the current one updates."""
     pipeline_write: bool = False

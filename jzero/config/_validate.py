@@ -344,6 +344,18 @@ def _check_nvme(zero: Any) -> None:
             "which keeps the optimizer state on NVMe too. Set offload_optimizer: {device: nvme, "
             "nvme_path: DIR}, or offload_param.device to cpu."
         )
+    if par.compute != "device":
+        raise ConfigError(
+            f"zero_optimization.offload_param.compute: {par.compute!r} is not allowed; compute "
+            "says where the offloaded optimizer update runs, so it belongs under "
+            "offload_optimizer. Remove it from offload_param."
+        )
+    if opt.compute == "host" and opt.device != "cpu":
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.compute: 'host' updates the optimizer state "
+            f"where it rests in host memory, but offload_optimizer.device is {opt.device}; set "
+            "device: cpu, or remove compute."
+        )
     if opt.device == "nvme" and not opt.nvme_path:
         raise ConfigError(
             "zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set "
