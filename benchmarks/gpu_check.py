@@ -1,5 +1,6 @@
 """GPU check of offload: ZeRO stage 2 in bf16 without offload, with ``offload_optimizer`` to host
-memory (whole, and streamed over sub-groups) and to NVMe files.
+memory (whole, streamed over sub-groups through the device, and updated on the host) and to NVMe
+files.
 
 Run on one accelerator through ``benchmarks/gpu_check.sh`` (it builds a fresh venv), or directly:
 ``python benchmarks/gpu_check.py`` (a GPT of about 300 M parameters) or ``--smoke`` (a tiny
@@ -9,7 +10,9 @@ Decisions:
 
 * Each variant (``none``: everything in device memory; ``optimizer``: optimizer state and fp32
   master weights in ``pinned_host``; ``subgroups``: the same with ``sub_group_size`` at a quarter
-  of the parameters, the update streamed one group at a time; ``nvme``: the state in files under
+  of the parameters, the update streamed one group at a time; ``host``: the same groups updated
+  in host memory where they rest, ``compute: host``, which is how the default of
+  ``offload_optimizer.compute`` gets chosen per backend; ``nvme``: the state in files under
   a temporary ``nvme_path``, read ahead and written behind) runs in its own Python process,
   because a device's ``peak_bytes_in_use`` only ever grows within a process: one process per
   variant gives each its own peak. The parent gathers their JSON, prints one table and writes it to
@@ -43,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-VARIANTS = ("none", "optimizer", "subgroups", "nvme")
+VARIANTS = ("none", "optimizer", "subgroups", "host", "nvme")
 FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
 SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
 SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -117,9 +120,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         math.prod(x.shape)
         for x in jax.tree.leaves(jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg)))
     )
-    if args.variant in ("optimizer", "subgroups"):
+    if args.variant in ("optimizer", "subgroups", "host"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if args.variant in ("subgroups", "nvme"):
+    if args.variant == "host":
+        zero["offload_optimizer"]["compute"] = "host"
+    if args.variant in ("subgroups", "host", "nvme"):
         zero["sub_group_size"] = max(1, psi // 4)
     nvme_dir = None
     if args.variant == "nvme":

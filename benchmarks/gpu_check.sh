@@ -3,7 +3,8 @@
 #
 #   host offload  benchmarks/gpu_check.py: ZeRO stage 2 in bf16 on a GPT of about 300 M
 #                 parameters, without offload, with offload_optimizer (pinned_host) whole and
-#                 streamed over sub-groups, and with the NVMe tier: device peak from
+#                 streamed over sub-groups (through the device, and updated on the host:
+#                 compute: host), and with the NVMe tier: device peak from
 #                 memory_stats(), step-time ratios. $OUT/gpu_check.json
 #   step time     benchmarks/gpu_step_time.py: the same GPT under ZeRO stages 0-3 against a
 #                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile

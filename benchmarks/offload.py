@@ -4,8 +4,10 @@ Run: ``python benchmarks/offload.py`` (8 virtual CPU devices are set up when no 
 present; a few minutes on 2 CPU cores). For every stage it trains the built-in GPT without
 offload, with ``offload_optimizer: {device: cpu}`` (optimizer state, and the fp32 master
 weights under ``--bf16``, in ``pinned_host``), the same with ``sub_group_size`` at a quarter of
-the parameters (the update streamed one group at a time), and with ``device: nvme`` (the state
-in files under a temporary ``nvme_path``); at stage 3 also with ``offload_param`` on top.
+the parameters (the update streamed one group at a time), the same with ``compute: host`` (each
+group updated where it rests in host memory, ``optimizer+host``), and with ``device: nvme`` (the
+state in files under a temporary ``nvme_path``); at stage 3 also with ``offload_param`` on top,
+in host memory (``optimizer+param``) and on NVMe (``nvme+param``).
 Figures per device:
 
 * plan device / plan host: :meth:`jzero.plan.Plan.model_state_bytes` and
@@ -55,8 +57,8 @@ HOST = {"device": "cpu", "pin_memory": True}
 VARIANTS = tuple(
     (stage, variant)
     for stage in (1, 2, 3)
-    for variant in ("none", "optimizer", "optimizer+subgroups", "nvme")
-) + ((3, "optimizer+param"),)
+    for variant in ("none", "optimizer", "optimizer+subgroups", "optimizer+host", "nvme")
+) + ((3, "optimizer+param"), (3, "nvme+param"))
 
 
 def rss_bytes() -> int:
@@ -105,15 +107,20 @@ def measure(stage: int, variant: str, params, loss, batch, args, nvme_dir: str) 
         zero["offload_optimizer"] = HOST
     if "param" in variant:
         zero["offload_param"] = HOST
-    if "subgroups" in variant or variant == "nvme":
+    if variant == "optimizer+host":
+        zero["offload_optimizer"] = dict(HOST, compute="host")
+    on_nvme = variant.startswith("nvme")
+    if "subgroups" in variant or variant == "optimizer+host" or on_nvme:
         zero["sub_group_size"] = max(1, psi // 4)
-    if variant == "nvme":
+    if on_nvme:
         zero["offload_optimizer"] = {
             "device": "nvme",
             "nvme_path": nvme_dir,
             "pipeline_read": True,
             "pipeline_write": True,
         }
+    if variant == "nvme+param":
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "pipeline_read": True}
     config = {
         "train_batch_size": batch["tokens"].shape[0],
         "bf16": {"enabled": args.bf16},
@@ -130,19 +137,23 @@ def measure(stage: int, variant: str, params, loss, batch, args, nvme_dir: str) 
             start = time.perf_counter()
             jax.block_until_ready((engine.train_step(batch), engine.state))
             times.append(time.perf_counter() - start)
-    store = getattr(engine, "_nvme_store", None)
-    disk = store.disk_bytes() if store is not None else 0
-    opt_in = "nvme" if variant == "nvme" else _kinds(engine.state.opt_state)
+    disk = 0
+    if on_nvme:  # the tier's files (the parameters' store may be the same one)
+        stores = {id(s): s for s in (engine._disk.store, engine._disk.param_store) if s}
+        disk = sum(s.disk_bytes() for s in stores.values())
+    on_disk = {"opt_state", "master_params"} if on_nvme else set()
+    if variant == "nvme+param":
+        on_disk.add("params")
+    params_in = "nvme" if "params" in on_disk else _kinds(engine.state.params)
+    opt_in = "nvme" if on_nvme else _kinds(engine.state.opt_state)
     engine.close()
     return {
         "stage": stage,
         "variant": variant,
-        "params_in": _kinds(engine.state.params),
+        "params_in": params_in,
         "opt_in": opt_in,
         "plan_device": sum(
-            v
-            for k, v in engine.plan.model_state_bytes().items()
-            if variant != "nvme" or k not in ("opt_state", "master_params")  # on disk
+            v for k, v in engine.plan.model_state_bytes().items() if k not in on_disk
         ),
         "plan_host": sum(engine.plan.host_state_bytes().values()),
         **{f: int(getattr(mem, f"{f}_size_in_bytes", 0) or 0) for f in FIELDS},

@@ -104,8 +104,8 @@ def test_offload_benchmark_prints_every_tier():
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    timed = proc.stdout.split("Step time")[1].splitlines()[3:7]
+    timed = proc.stdout.split("Step time")[1].splitlines()[3:8]
     rows = {line.split()[1]: line.split() for line in timed}
-    assert list(rows) == ["none", "optimizer", "optimizer+subgroups", "nvme"]
+    assert list(rows) == ["none", "optimizer", "optimizer+subgroups", "optimizer+host", "nvme"]
     assert float(rows["nvme"][-1]) > 0  # the NVMe tier's files hold the state
     assert all(float(r[-1]) == 0 for name, r in rows.items() if name != "nvme")

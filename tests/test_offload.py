@@ -288,11 +288,12 @@ def test_gpu_check_smoke_runs_on_cpu_and_prints_its_table(tmp_path):
     assert proc.returncode == 0, out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["variant", "opt"])
-    rows = [lines[header + 2 + i].split()[:2] for i in range(4)]
+    rows = [lines[header + 2 + i].split()[:2] for i in range(5)]
     assert rows == [
         ["none", "device"],
         ["optimizer", "pinned_host"],
         ["subgroups", "pinned_host"],
+        ["host", "pinned_host"],
         ["nvme", "nvme"],
     ]
     assert "memory_analysis() reports no host bytes on this backend" in out
