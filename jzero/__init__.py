@@ -17,7 +17,7 @@ from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
 from jzero.distributed import init_distributed as init_distributed
 from jzero.engine import Engine as Engine
-from jzero.engine import initialize as initialize
+from jzero.engine_init import initialize as initialize
 from jzero.memory import estimate as estimate
 from jzero.mesh import make_mesh as make_mesh
 from jzero.plan import Plan as Plan

@@ -43,6 +43,7 @@ import numpy as np
 import optax
 
 from jzero import groups as groups_lib
+from jzero.host_shards import _from_host, _shard_count, host_shards
 from jzero.nvme import NvmeStore
 from jzero.plan import Plan, on_device
 from jzero.precision import LossScaleState, cast_floating
@@ -52,39 +53,6 @@ __all__ = ["NvmeState", "state_bytes"]
 
 PyTree = Any
 Kind = str  # "master", "state" (in the group's file) or "param" (in the parameters' file)
-
-
-def _index_key(index: tuple, shape: Sequence[int]) -> tuple:
-    return tuple(
-        (s.start or 0, dim if s.stop is None else s.stop)
-        for s, dim in zip(index, shape, strict=False)
-    )
-
-
-def host_shards(x: jax.Array) -> list[np.ndarray]:
-    """This process's distinct shards of ``x``, in the order of their index."""
-    seen: dict[tuple, np.ndarray] = {}
-    for shard in x.addressable_shards:
-        key = _index_key(shard.index, x.shape)
-        if key not in seen:
-            seen[key] = np.asarray(shard.data)
-    return [seen[k] for k in sorted(seen)]
-
-
-def _shard_count(like: Any, sharding: Any) -> int:
-    where = sharding.addressable_devices_indices_map(tuple(like.shape))
-    return len({_index_key(index, like.shape) for index in where.values()})
-
-
-def _from_host(shards: Sequence[np.ndarray], like: Any, sharding: Any) -> jax.Array:
-    """The array ``like`` (shape, dtype) laid out by ``sharding`` from this process's distinct
-    shards (as :func:`host_shards` lists them)."""
-    shape = tuple(like.shape)
-    where = sharding.addressable_devices_indices_map(shape)
-    keys = sorted({_index_key(index, shape) for index in where.values()})
-    by_key = dict(zip(keys, shards, strict=True))
-    arrays = [jax.device_put(by_key[_index_key(index, shape)], d) for d, index in where.items()]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _nbytes(tree: PyTree) -> int:

@@ -262,7 +262,7 @@ def plan_report(
     from flax import nnx
 
     from jzero import config as config_lib
-    from jzero.engine import initialize
+    from jzero.engine_init import initialize
     from jzero.mesh import make_mesh
     from jzero.models import gpt
     from jzero.stages import stage_spec

@@ -1,0 +1,55 @@
+"""The engine's checks: a plan against ``stage3_max_live_parameters``, a state before a save.
+
+Decisions:
+
+* ``stage3_max_live_parameters`` is checked when the first step re-plans for the loss's scans
+  (``engine.fit_layout``): stage 3 gathers one unit at a time (a layer of a scanned stack, or a
+  whole leaf used outside a scan), so the limit must admit the largest; 0 (Axolotl's configs)
+  keeps nothing beyond the unit in use and is never refused.
+* A save first checks that the parameters are finite: each process reads its own shards
+  (replica 0) on the host, so nothing compiles and offloaded leaves work too, and every process
+  takes the same decision (:func:`jzero.distributed.any_process`), or the save's barriers hang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jzero import distributed
+from jzero.plan import Plan
+
+PyTree = Any
+
+
+def _check_live_parameters(plan: Plan, limit: int) -> None:
+    """Stage 3 gathers one unit at a time: DeepSpeed's ``stage3_max_live_parameters`` must
+    admit the largest one."""
+    largest, path = plan.largest_gathered()
+    if limit and largest > limit:  # 0 (Axolotl's configs): keep nothing beyond the unit used
+        raise ValueError(
+            f"zero_optimization.stage3_max_live_parameters is {limit:,}, but stage 3 gathers "
+            f"{largest:,} elements at once for {path!r} (one layer of a scanned stack, or a "
+            "whole leaf used outside a scan). Raise stage3_max_live_parameters to at least "
+            f"{largest:,}, or split that parameter."
+        )
+
+
+def _finite(*trees: PyTree) -> bool:
+    """Whether every floating value of ``trees`` is finite, on all processes.
+
+    Reads each process's own shards on the host (a save copies them there anyway), so it
+    compiles nothing and works on offloaded leaves too.
+    """
+    ok = True
+    for x in jax.tree.leaves(trees):
+        if not (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)):
+            continue
+        shards = [s for s in x.addressable_shards if s.replica_id == 0]
+        ok = ok and all(np.isfinite(np.asarray(s.data)).all() for s in shards)
+        if not ok:
+            break
+    return not distributed.any_process(not ok)  # all decide alike, or the save's barriers hang
