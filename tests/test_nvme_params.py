@@ -191,3 +191,23 @@ def test_an_optimizer_that_reads_across_leaves_is_refused_at_initialize(tmp_path
     jzero.initialize(
         toy.make_params(), toy.loss_fn, tx, config(2, offload_optimizer={"device": "cpu"})
     ).close()
+
+
+def test_two_processes_each_keep_their_shards_in_files(tmp_path):
+    """2 processes x 4 devices, stage 3 bf16, optimizer state and parameters on NVMe under
+    one nvme_path: each process has its own store, and the losses are those of one process
+    with everything in memory."""
+    import dist_nvme
+    from test_distributed import LOSS_RTOL, run_two
+
+    record = run_two("dist_nvme.py", str(tmp_path))
+    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), dist_nvme.config(None))
+    want = [
+        float(e.train_step(b)["loss"])
+        for b in toy.make_batches(dist_nvme.STEPS, dist_nvme.GLOBAL_BATCH)
+    ]
+    e.close()
+    np.testing.assert_allclose(record["losses"], want, rtol=max(LOSS_RTOL, 1e-5))
+    counts = list(record["files"].values())
+    assert len(counts) == 2 and counts[0] == counts[1] > 0, record["files"]
+    assert not os.listdir(tmp_path)  # both stores removed at close
