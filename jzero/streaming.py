@@ -189,16 +189,8 @@ def streamed_update(
         states = [
             _to(x, False) if is_host(s_sh[k]) else x for x, k in zip(s_in, owned, strict=True)
         ]
-        result = groups_lib.update_group_leaves(
-            optimizer,
-            plan.abstract_params,
-            plan.abstract_opt_state,
-            group,
-            owner,
-            [g_leaves[i] for i in group],
-            masters,
-            states,
-            shared_old,
+        result = _group_update(plan, optimizer, owner, group)(
+            [g_leaves[i] for i in group], masters, states, shared_old
         )
         group_m = keep(result.params, masters)
         group_s = keep(result.opt_state, states)
@@ -223,6 +215,20 @@ def streamed_update(
     return p_def.unflatten(new_m), s_def.unflatten(new_s), p_def.unflatten(copies)
 
 
+def _group_update(
+    plan: Plan, optimizer: optax.GradientTransformation, owner: list[int | None], group: list[int]
+) -> Any:
+    """``(grads, masters, owned state, shared state) -> GroupUpdate`` of ``group``."""
+    return functools.partial(
+        groups_lib.update_group_leaves,
+        optimizer,
+        plan.abstract_params,
+        plan.abstract_opt_state,
+        group,
+        owner,
+    )
+
+
 def _host_update(
     plan: Plan,
     optimizer: optax.GradientTransformation,
@@ -240,17 +246,7 @@ def _host_update(
     from jax.experimental.compute_on import compute_on
 
     def update(grads, masters, states, shared, finite):
-        result = groups_lib.update_group_leaves(
-            optimizer,
-            plan.abstract_params,
-            plan.abstract_opt_state,
-            group,
-            owner,
-            grads,
-            masters,
-            states,
-            shared,
-        )
+        result = _group_update(plan, optimizer, owner, group)(grads, masters, states, shared)
         out = (result.params, result.opt_state, result.shared)
         if finite is None:
             return out

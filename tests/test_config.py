@@ -205,10 +205,10 @@ def test_deprecated_key_names_its_replacement():
         ),
         (
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-            "zero_optimization.offload_param.device: 'nvme' is not supported: jzero keeps the "
-            "optimizer state and master weights on NVMe (offload_optimizer), and the parameters "
-            "in host memory at most. Set offload_param.device to cpu, and "
-            "offload_optimizer.device to nvme.",
+            "zero_optimization.offload_param.device is nvme, but offload_optimizer.device is "
+            "none: jzero runs the parameters' files through the NVMe tier's step, which keeps "
+            "the optimizer state on NVMe too. Set offload_optimizer: {device: nvme, nvme_path: "
+            "DIR}, or offload_param.device to cpu.",
         ),
         (
             {"communication_data_type": "bfp16"},

@@ -21,6 +21,7 @@ from test_offload_tiers import (
     STEPS,
     assert_close_run,
     config,
+    flip_last_byte,
     host,
     nvme,
     reference,
@@ -135,11 +136,7 @@ def test_a_bad_parameter_file_stops_the_step_and_a_checkpoint_brings_it_back(tmp
     directory = e._disk.store.directory
     before = files(directory)
     victim = os.path.join(directory, files(directory, "p-")[-1])
-    with open(victim, "r+b") as f:  # flip the last byte: a parameter shard's data
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)[0]
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last ^ 0xFF]))
+    flip_last_byte(victim)  # a parameter shard's data
     with pytest.raises(NvmeIOError, match=re.escape(os.path.basename(victim))):
         e.train_step(batches[1])
     assert int(e.state.step) == 1

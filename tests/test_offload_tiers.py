@@ -240,6 +240,15 @@ def test_nvme_mixed_precision_keeps_masters_on_disk(tmp_path):
     e.close()
 
 
+def flip_last_byte(path):
+    """Corrupts a store file where an array's data is: its last byte."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0xFF]))
+
+
 def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
     cfg = config(2, offload_optimizer=nvme(tmp_path), sub_group_size=PSI // 3)
     cfg["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
@@ -251,11 +260,7 @@ def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
     store = e._disk.store
     files = sorted(f for f in os.listdir(store.directory) if not f.startswith("."))
     victim = os.path.join(store.directory, files[-1])
-    with open(victim, "r+b") as f:  # flip the last byte: an array's data
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)[0]
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last ^ 0xFF]))
+    flip_last_byte(victim)
     params_before = host(e.params)
     with pytest.raises(NvmeIOError, match=re.escape(os.path.basename(victim))):
         e.train_step(batches[1])
