@@ -412,8 +412,12 @@ class Engine:
         """
         from jzero.checkpoint import abstract_target
 
-        current = self.state if self._disk is None else self._disk.abstract_full(self.state)
-        target = abstract_target(current, state_shardings(self.plan))
+        shardings = state_shardings(self.plan)
+        current = self.state
+        if self._disk is not None:  # its leaves are read into host memory, then to the files
+            current = self._disk.abstract_full(self.state)
+            shardings = self._disk.restore_shardings(shardings)
+        target = abstract_target(current, shardings)
         self.state, meta = self._checkpointer().restore(target, step)
         if self._disk is not None:  # back to the files (the restore read it all into memory)
             self.state = self._disk.spill(self.state)

@@ -227,7 +227,9 @@ def initialize(
         state = init_train_state(plan, values, tx, extra)
     else:
         try:
-            state = nvme.init(values, extra)
+            from jzero.nvme_init import first_version
+
+            state = first_version(nvme, values, extra)
         except BaseException:
             nvme.close()
             raise

@@ -52,5 +52,11 @@ def _from_host(shards: Sequence[np.ndarray], like: Any, sharding: Any) -> jax.Ar
     where = sharding.addressable_devices_indices_map(shape)
     keys = sorted({_index_key(index, shape) for index in where.values()})
     by_key = dict(zip(keys, shards, strict=True))
-    arrays = [jax.device_put(by_key[_index_key(index, shape)], d) for d, index in where.items()]
+    kind = getattr(sharding, "memory_kind", None)  # each shard into the memory it names
+    arrays = [
+        jax.device_put(
+            by_key[_index_key(index, shape)], jax.sharding.SingleDeviceSharding(d, memory_kind=kind)
+        )
+        for d, index in where.items()
+    ]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -21,12 +21,8 @@ Decisions:
 * Versions: a new version is written beside the current one and made current only when every
   file is written (:meth:`NvmeState.switch`), which then deletes the old files; the disk holds
   two versions for that moment, so the path is checked for room for two.
-* :meth:`NvmeState.init` makes the first version group by group: one compiled program per
-  group creates that group's masters, optimizer state (and parameters on NVMe) straight into
-  their shards, from the parameter values given or from ``init_fn`` inside the program
-  (only the outputs the group needs survive XLA's dead-code elimination), and the store writes
-  them before the next group is made. The full optimizer state never exists in memory, in
-  training or before it.
+* :func:`jzero.nvme_init.first_version` makes the first version group by group, so the full
+  optimizer state never exists in memory, in training or before it.
 * A change of the plan's layout at the first step (stage 3's stacked-layer dimensions,
   ``engine.fit_layout``) re-lays the files group by group (:meth:`NvmeState.relayout`).
 """
@@ -43,10 +39,10 @@ import numpy as np
 import optax
 
 from jzero import groups as groups_lib
+from jzero import offload
 from jzero.host_shards import _from_host, _shard_count, host_shards
 from jzero.nvme import NvmeStore
 from jzero.plan import Plan, on_device
-from jzero.precision import LossScaleState, cast_floating
 from jzero.step import TrainState
 
 __all__ = ["NvmeState", "state_bytes"]
@@ -112,6 +108,8 @@ class NvmeState:
     ) -> None:
         self.optimizer, self.store, self.param_store = optimizer, store, param_store
         self.prefetch_params = prefetch_params
+        kinds = offload.available_memory_kinds(list(plan.mesh.devices.flat))
+        self.host_kind = "pinned_host" if "pinned_host" in kinds else None
         self.params_on_disk = param_store is not None
         self.version: int | None = None  # the version on disk; None before the first write
         self.mixed = plan.precision.mixed
@@ -147,7 +145,8 @@ class NvmeState:
         out = [("master", i) for i in group] if self.mixed else []
         return out + [("state", k) for k in groups_lib.owned_state(self.owner, group)]
 
-    def _like(self, kind: Kind, i: int) -> tuple[Any, Any]:
+    def like_of(self, kind: Kind, i: int) -> tuple[Any, Any]:
+        """Leaf ``i`` of ``kind`` as it is read back: its shape and dtype, and its sharding."""
         if kind == "master":
             return self._abstract_params[i], self.master_shardings[i]
         if kind == "param":
@@ -190,6 +189,18 @@ class NvmeState:
             params = jax.tree.map(groups_lib.placeholder, state.params)
         return state._replace(opt_state=s_def.unflatten(out), master=master, params=params)
 
+    def restore_shardings(self, shardings: TrainState) -> TrainState:
+        """``state_shardings(plan)`` with the optimizer state and masters in host memory (where
+        the devices address it): a restore reads them there, and :meth:`spill` writes them to
+        the files, so the device never holds all of them."""
+        if not self.host_kind:
+            return shardings
+        host = lambda s: s.with_memory_kind(self.host_kind)  # noqa: E731
+        s_leaves, s_def = jax.tree.flatten(shardings.opt_state)
+        s_leaves = [host(s) if self.owner[k] is not None else s for k, s in enumerate(s_leaves)]
+        master = jax.tree.map(host, shardings.master) if self.mixed else shardings.master
+        return shardings._replace(opt_state=s_def.unflatten(s_leaves), master=master)
+
     def abstract_full(self, state: TrainState) -> TrainState:
         """``state`` with ``jax.ShapeDtypeStruct`` where it holds placeholders: the full
         state's shapes, read from nothing (a restore target)."""
@@ -207,21 +218,28 @@ class NvmeState:
         return state._replace(opt_state=s_def.unflatten(full), master=master, params=params)
 
     # -- reading -------------------------------------------------------------------------------
-    def _arrays(self, names: Sequence[tuple[Kind, int]], shards: Sequence[np.ndarray]) -> dict:
+    def _arrays(
+        self, names: Sequence[tuple[Kind, int]], shards: Sequence[np.ndarray], host: bool = False
+    ) -> dict:
         out, at = {}, 0
         for kind, i in names:
-            like, sharding = self._like(kind, i)
+            like, sharding = self.like_of(kind, i)
+            if host and self.host_kind:
+                sharding = sharding.with_memory_kind(self.host_kind)
             n = _shard_count(like, sharding)
             out[(kind, i)] = _from_host(shards[at : at + n], like, sharding)
             at += n
         return out
 
-    def read(self, g: int, version: int | None = None) -> dict[tuple[Kind, int], jax.Array]:
+    def read(
+        self, g: int, version: int | None = None, host: bool = False
+    ) -> dict[tuple[Kind, int], jax.Array]:
         """Group ``g``'s masters and owned state from ``version`` (default: the current one),
-        in device memory, keyed ``(kind, index)``."""
+        in device memory (``host``: in host memory where the devices address it), keyed
+        ``(kind, index)``."""
         version = self.version if version is None else version
         names = self.disk_leaves(self.groups[g])
-        return self._arrays(names, self.store.read(self._key(version, g)))
+        return self._arrays(names, self.store.read(self._key(version, g)), host)
 
     def read_params(self, version: int | None = None, prefetch: bool = False) -> list[jax.Array]:
         """Every parameter leaf from the parameters' files of ``version`` (default: current),
@@ -247,15 +265,17 @@ class NvmeState:
         return state.params
 
     def materialize(self, state: TrainState) -> TrainState:
-        """The full state: ``state`` with everything on disk read back into device memory (for
-        checkpoints and ``engine.opt_state``)."""
+        """The full state: ``state`` with everything on disk read back (for checkpoints and
+        ``engine.opt_state``): the optimizer state and masters into host memory
+        (``pinned_host`` where the devices address it, so that a state the device cannot hold
+        can still be saved), the parameters into device memory."""
         if not self.is_spilled(state):
             return state
         s_leaves, s_def = jax.tree.flatten(state.opt_state)
         s_leaves = list(s_leaves)
         m_leaves = list(jax.tree.leaves(state.master)) if self.mixed else []
         for g in range(len(self.groups)):
-            for (kind, i), x in self.read(g).items():
+            for (kind, i), x in self.read(g, host=True).items():
                 (m_leaves if kind == "master" else s_leaves)[i] = x
         master = state.master
         if self.mixed:
@@ -378,7 +398,9 @@ class NvmeState:
                     values.update(self._arrays([("param", i) for i in group], shards))
                 self.use_plan(plan)
                 self.write(
-                    version, g, {n: jax.device_put(x, self._like(*n)[1]) for n, x in values.items()}
+                    version,
+                    g,
+                    {n: jax.device_put(x, self.like_of(*n)[1]) for n, x in values.items()},
                 )
 
         try:
@@ -388,96 +410,3 @@ class NvmeState:
             raise
         self.switch(version)
         return light
-
-    # -- the first version ---------------------------------------------------------------------
-    def init(
-        self,
-        values: PyTree | Callable[[], PyTree],
-        extra: PyTree = (),
-    ) -> TrainState:
-        """The state before the first step, its disk leaves written straight to the files.
-
-        Args:
-          values: the initial parameters (full precision, arrays) or a function of no arguments
-            that creates them (``init_fn``), as for :func:`jzero.step.init_train_state`.
-          extra: non-trainable model state, if any.
-
-        Returns:
-          The light state (placeholders where the files hold the values); :attr:`version` is 0.
-        """
-        from jzero.step import state_shardings
-
-        prec, tx = self.plan.precision, self.optimizer
-        make = values if callable(values) else None
-        given = None if make is not None else jax.tree.leaves(values)
-        abstract = self.plan.abstract_params
-
-        def full_master(group_values: Sequence[Any], group: Sequence[int]) -> PyTree:
-            if make is not None:
-                params = make()
-            else:  # the group's values; the others are zeros no output reads (removed by XLA)
-                leaves = [jnp.zeros(a.shape, a.dtype) for a in self._abstract_params]
-                for i, v in zip(group, group_values, strict=True):
-                    leaves[i] = v
-                params = self._param_def.unflatten(leaves)
-            return jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, abstract)
-
-        def inputs(group: Sequence[int]) -> tuple[list, list]:
-            """The given values of ``group``'s leaves and their shardings (each device
-            receives its own shard only)."""
-            if given is None:
-                return [], []
-            return [given[i] for i in group], [self.master_shardings[i] for i in group]
-
-        # In memory: the step, shared state, extra, loss scale, and the params unless on NVMe.
-        in_memory = [] if self.params_on_disk else list(range(len(self._abstract_params)))
-
-        def rest(group_values: Sequence[Any], extra: PyTree) -> TrainState:
-            master = full_master(group_values, in_memory)
-            params = cast_floating(master, prec.compute_dtype) if prec.mixed else master
-            state = TrainState(
-                step=jnp.zeros((), jnp.int32),
-                params=jax.tree.map(jnp.copy, params),
-                opt_state=tx.init(master),
-                extra=jax.tree.map(jnp.copy, extra),
-                master=master if prec.mixed else (),
-                loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
-            )
-            return self.light(state)
-
-        args, arg_sh = inputs(in_memory)
-        state = jax.jit(
-            rest, in_shardings=(arg_sh, None), out_shardings=state_shardings(self.plan)
-        )(args, extra)
-
-        version = self.next_version()
-
-        def write_groups() -> None:
-            for g, group in enumerate(self.groups):
-                names = self.disk_leaves(group)
-                if self.params_on_disk:
-                    names = names + [("param", i) for i in group]
-
-                def make_group(group_values: Sequence[Any], group=group, names=names) -> list:
-                    master = full_master(group_values, group)
-                    s_leaves = jax.tree.leaves(tx.init(master))
-                    m_leaves = jax.tree.leaves(master)
-                    out = []
-                    for kind, i in names:
-                        if kind == "state":
-                            out.append(s_leaves[i])
-                        elif kind == "master" or not prec.mixed:
-                            out.append(m_leaves[i])
-                        else:
-                            out.append(cast_floating(m_leaves[i], prec.compute_dtype))
-                    return out
-
-                out_sh = [self._like(*n)[1] for n in names]
-                args, arg_sh = inputs(group)
-                made = jax.jit(make_group, in_shardings=(arg_sh,), out_shardings=out_sh)(args)
-                self.write(version, g, dict(zip(names, made, strict=True)))
-                del made
-
-        self.write_version(version, write_groups)
-        self.switch(version)
-        return state

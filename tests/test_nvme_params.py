@@ -98,6 +98,9 @@ def test_initialize_writes_the_state_straight_to_its_files(tmp_path):
     full = e._full_state()
     for a, b in zip(host(full.master), host(plain.state.master), strict=True):
         np.testing.assert_array_equal(a, b)
+    # Read back into host memory (a state the device cannot hold can still be saved).
+    moments = [x for x in jax.tree.leaves((full.opt_state, full.master)) if x.size > 1]
+    assert {x.sharding.memory_kind for x in moments} == {"pinned_host"}
     e.close()
     plain.close()
 
@@ -168,9 +171,17 @@ def test_checkpoints_move_between_the_tiers(tmp_path):
         want = float(a.train_step(batches[2])["loss"])
         a.close()
         r = engine(not saver_on_disk, ckpt)
+        if not saver_on_disk:  # the restore reads the disk's leaves into host memory
+            spilled = []
+            spill = r._disk.spill
+            r._disk.spill = lambda state, seen=spilled, spill=spill: (
+                seen.append(state) or spill(state)
+            )
         r.restore()
         if not saver_on_disk:  # restored onto the tier: back in its files at once
             assert all(0 in x.shape for x in jax.tree.leaves(r.state.params))
+            moments = [x for x in jax.tree.leaves(spilled[0].opt_state) if x.size > 1]
+            assert {x.sharding.memory_kind for x in moments} == {"pinned_host"}
         np.testing.assert_allclose(float(r.train_step(batches[2])["loss"]), want, rtol=1e-6)
         r.close()
 
