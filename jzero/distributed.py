@@ -2,15 +2,9 @@
 
 Decisions:
 
-* Where the process layout comes from, highest priority first, key by key: the ``distributed``
-  mapping a user passes (config section), the ``JZERO_COORDINATOR`` / ``JZERO_NUM_PROCESSES`` /
-  ``JZERO_PROCESS_ID`` environment variables (``jzero launch`` sets them), then JAX's own cluster
-  detection (``jax.distributed.initialize()`` without arguments) when the environment shows a
-  Slurm or Open MPI job of more than one task, or a Kubernetes indexed job. Any other cluster
-  is opted into with ``cluster_detection_method`` (a JAX method name such as ``"mpi4py"``, or
-  ``"auto"`` to let JAX choose). Nothing set means one process, and nothing is started;
-  ``JZERO_NUM_PROCESSES=1`` forces one process inside a cluster job.
-* The environment is read once, at the first call; later changes to it are ignored.
+* The process layout (the ``distributed`` settings, the ``JZERO_*`` environment variables, a
+  detected cluster; see :mod:`jzero.distributed_layout`) is resolved by :func:`resolve_spec`,
+  re-exported here with the other names of that module.
 * The runtime must start before any JAX computation creates a backend. When several processes
   are asked for but a backend already exists, the error says to call ``init_distributed()``
   first. Whether a backend exists is read from one private JAX function, wrapped in
@@ -36,7 +30,6 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import ipaddress
@@ -47,6 +40,26 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jzero.distributed_layout import _KEYS as _KEYS
+from jzero.distributed_layout import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
+from jzero.distributed_layout import (
+    DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
+)
+from jzero.distributed_layout import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
+from jzero.distributed_layout import (
+    ENV_COORDINATOR,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_REPLICAS,
+    DistributedSpec,
+    resolve_spec,
+)
+from jzero.distributed_layout import _detect_cluster as _detect_cluster
+from jzero.distributed_layout import _environ as _environ
+from jzero.distributed_layout import _int as _int
+
+# The ``X as X`` imports above are re-exports: names this module held before the layout moved.
 
 __all__ = [
     "DistributedSpec",
@@ -66,25 +79,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 PyTree = Any
 
-ENV_COORDINATOR = "JZERO_COORDINATOR"
-ENV_NUM_PROCESSES = "JZERO_NUM_PROCESSES"
-ENV_PROCESS_ID = "JZERO_PROCESS_ID"
-ENV_REPLICAS = "JZERO_REPLICAS"
-
-DEFAULT_INITIALIZATION_TIMEOUT = 120
-DEFAULT_HEARTBEAT_TIMEOUT = 30
-DEFAULT_SHUTDOWN_TIMEOUT = 30
-
-_KEYS = (
-    "coordinator_address",
-    "num_processes",
-    "process_id",
-    "local_device_ids",
-    "cluster_detection_method",
-    "initialization_timeout",
-    "heartbeat_timeout",
-    "shutdown_timeout",
-)
 _TOO_EARLY = (
     "{what} asks for several JAX processes, but a JAX backend was already initialized in this "
     "process (some JAX computation, jax.devices() or jax.device_put ran first), and the "
@@ -92,48 +86,6 @@ _TOO_EARLY = (
     "of your script, before any other JAX call; jzero.initialize() calls it for you only if it "
     "runs first."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedSpec:
-    """A resolved process layout.
-
-    Attributes:
-      coordinator_address: ``host:port`` of process 0's coordinator, or ``None`` for JAX's
-        cluster detection.
-      num_processes / process_id: the layout, or ``None`` for JAX's cluster detection.
-      source: where it came from: ``"config"``, ``"env"``, ``"cluster"`` or ``"single"``.
-      cluster_detection_method: passed to ``jax.distributed.initialize`` (``None``: JAX's
-        default detection).
-      local_device_ids: this process's devices (``None``: all it sees).
-      initialization_timeout / heartbeat_timeout / shutdown_timeout: seconds.
-    """
-
-    coordinator_address: str | None = None
-    num_processes: int | None = 1
-    process_id: int | None = 0
-    source: str = "single"
-    cluster_detection_method: str | None = None
-    local_device_ids: tuple[int, ...] | None = None
-    initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT
-    heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT
-    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
-
-    @property
-    def multi_process(self) -> bool:
-        """Whether this layout needs the distributed runtime."""
-        return self.source == "cluster" or (self.num_processes or 1) > 1
-
-
-_environ_snapshot: dict[str, str] | None = None
-
-
-def _environ() -> dict[str, str]:
-    """The ``JZERO_*`` and cluster variables, read once per process."""
-    global _environ_snapshot
-    if _environ_snapshot is None:
-        _environ_snapshot = dict(os.environ)
-    return _environ_snapshot
 
 
 def backends_initialized() -> bool:
@@ -144,136 +96,6 @@ def backends_initialized() -> bool:
         return bool(xla_bridge.backends_are_initialized())
     except (ImportError, AttributeError):  # a JAX without it: jax.distributed's error is mapped
         return False
-
-
-def _int(value: Any, name: str, minimum: int) -> int:
-    text = str(value).strip()
-    number = int(text) if text.lstrip("-").isdigit() and not isinstance(value, bool) else None
-    if number is None or number < minimum:
-        raise ValueError(
-            f"{name} is {value!r}, but it must be an integer >= {minimum}. "
-            f"Set {name} to a whole number such as {max(minimum, 1)}."
-        )
-    return number
-
-
-def _detect_cluster(env: Mapping[str, str]) -> str | None:
-    """The cluster JAX can detect by itself, when it runs more than one process."""
-
-    def several(var: str) -> bool:
-        return env.get(var, "1").strip().isdigit() and int(env[var]) > 1
-
-    if all(v in env for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID")) and several(
-        "SLURM_NTASKS"
-    ):
-        return "slurm"
-    if "OMPI_MCA_orte_hnp_uri" in env and several("OMPI_COMM_WORLD_SIZE"):
-        return "ompi"
-    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
-        return "k8s"
-    return None
-
-
-def resolve_spec(
-    dist_cfg: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
-) -> DistributedSpec:
-    """Resolves the process layout from a ``distributed`` mapping and the environment.
-
-    Args:
-      dist_cfg: a mapping (or a config section object) with keys ``coordinator_address``
-        (``host:port``), ``num_processes``, ``process_id``, ``local_device_ids``,
-        ``cluster_detection_method``, and the
-        ``initialization_timeout`` / ``heartbeat_timeout`` / ``shutdown_timeout`` seconds;
-        ``None`` values count as unset.
-      environ: the environment to read; ``os.environ`` as first seen by default.
-
-    Returns:
-      The :class:`DistributedSpec`; ``source="single"`` when nothing asks for several processes.
-
-    Raises:
-      ValueError: for an unknown key, a malformed value, or an incomplete layout.
-    """
-    if dist_cfg is not None and not isinstance(dist_cfg, Mapping):
-        dist_cfg = vars(dist_cfg)  # a config section object
-    cfg = {k: v for k, v in dict(dist_cfg or {}).items() if v is not None}
-    unknown = sorted(set(cfg) - set(_KEYS))
-    if unknown:
-        raise ValueError(
-            f"Unknown key(s) {unknown} in the distributed settings. Allowed keys: "
-            f"{', '.join(_KEYS)}. Remove or rename them."
-        )
-    env = _environ() if environ is None else dict(environ)
-    from_env = {
-        "coordinator_address": env.get(ENV_COORDINATOR) or None,
-        "num_processes": env.get(ENV_NUM_PROCESSES) or None,
-        "process_id": env.get(ENV_PROCESS_ID) or None,
-    }
-    env_names = {
-        "coordinator_address": ENV_COORDINATOR,
-        "num_processes": ENV_NUM_PROCESSES,
-        "process_id": ENV_PROCESS_ID,
-    }
-    merged: dict[str, Any] = {k: v for k, v in from_env.items() if v is not None}
-    merged.update(cfg)
-
-    def label(key: str) -> str:
-        return f"distributed.{key}" if key in cfg else env_names.get(key, f"distributed.{key}")
-
-    timeouts = {
-        key: _int(merged.get(key, default), label(key), 1)
-        for key, default in (
-            ("initialization_timeout", DEFAULT_INITIALIZATION_TIMEOUT),
-            ("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT),
-            ("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT),
-        )
-    }
-    ids = merged.get("local_device_ids")
-    if ids is not None:
-        ids = (ids,) if isinstance(ids, int) else tuple(ids)
-        ids = tuple(_int(i, "distributed.local_device_ids", 0) for i in ids)
-    method = merged.get("cluster_detection_method")
-    common = dict(timeouts, local_device_ids=ids)
-    layout = ("coordinator_address", "num_processes", "process_id")
-    if not any(k in merged for k in layout):
-        # JAX detects the layout itself: opted into by a method name, or a known cluster.
-        if method is None:
-            found = _detect_cluster(env)
-            if found is None:
-                return DistributedSpec(**common)
-            logger.info("jzero: %s job detected; JAX reads the process layout", found)
-        return DistributedSpec(
-            coordinator_address=None,
-            num_processes=None,
-            process_id=None,
-            source="cluster",
-            cluster_detection_method=None if method == "auto" else method,
-            **common,
-        )
-    num = _int(merged.get("num_processes", 1), label("num_processes"), 1)
-    if num == 1 and "process_id" not in merged and "coordinator_address" not in merged:
-        return DistributedSpec(**common)
-    missing = [env_names[k] + " / distributed." + k for k in layout if k not in merged]
-    if missing:
-        raise ValueError(
-            f"Several processes are asked for ({num}), but {', '.join(missing)} is not set. "
-            "Set all three of the coordinator address (host:port of process 0), the number "
-            "of processes and this process's id, or start the processes with `jzero launch`."
-        )
-    pid = _int(merged["process_id"], label("process_id"), 0)
-    if pid >= num:
-        raise ValueError(
-            f"{label('process_id')} is {pid}, but with {num} processes it must be in "
-            f"[0, {num - 1}]. Number the processes 0 .. {num - 1}."
-        )
-    address = str(merged["coordinator_address"])
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(
-            f"{label('coordinator_address')} is {address!r}, but it must be host:port with a "
-            "port in 1..65535, e.g. 'localhost:12355' or '10.0.0.1:12355' (process 0's host)."
-        )
-    source = "config" if any(k in cfg for k in layout) else "env"
-    return DistributedSpec(address, num, pid, source, method, **common)
 
 
 def _bind_address(coordinator: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """Exported parameters: one safetensors (or ``.npz``) file, or Hugging Face's sharded layout
 (``model-00001-of-0000N.safetensors`` files and ``model.safetensors.index.json``), written leaf
-by leaf, read back nested.
+by leaf; :mod:`jzero.export_read` reads them back nested (its names are re-exported here).
 
 Decisions:
 
@@ -46,6 +46,25 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jzero.export_read import _BY_NAME as _BY_NAME
+from jzero.export_read import _FROM_ST as _FROM_ST
+from jzero.export_read import (
+    _NPZ_TABLE,
+    _TO_ST,
+    INDEX_NAME,
+    PATHS_KEY,
+    PathEntry,
+    load_exported,
+    read_index,
+    read_safetensors_header,
+)
+from jzero.export_read import _nest as _nest
+from jzero.export_read import _paths as _paths
+from jzero.export_read import _read_safetensors as _read_safetensors
+
+# The ``X as X`` imports above, and the readers in ``__all__``, are re-exports: names this
+# module held before the reading moved to :mod:`jzero.export_read`.
+
 __all__ = [
     "ExportEntry",
     "INDEX_NAME",
@@ -59,31 +78,8 @@ __all__ = [
     "write_sharded",
 ]
 
-PATHS_KEY = "jzero.paths"
-INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
-_NPZ_TABLE = "__jzero__"
 
-# safetensors dtype names <-> numpy dtypes.
-_TO_ST = {
-    np.dtype(np.float64): "F64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.bool_): "BOOL",
-}
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
-_BY_NAME = {d.name: d for d in _TO_ST}
-
-PathEntry = str | int
 logger = logging.getLogger(__name__)
 
 
@@ -405,133 +401,3 @@ def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
     return umask
-
-
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the byte offset where its data starts."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{str(path)!r} is not a safetensors file: it has under 8 bytes.")
-        (n,) = struct.unpack("<Q", head)
-        size = os.path.getsize(path)
-        if n > size - 8:
-            raise ValueError(
-                f"{str(path)!r} is not a valid safetensors file: its header claims {n} bytes but "
-                f"the file has {size}. The file is truncated or of another format."
-            )
-        header = json.loads(f.read(n).decode("utf-8"))
-    return header, 8 + n
-
-
-def _nest(flat: dict[tuple[PathEntry, ...], np.ndarray]) -> Any:
-    """Builds nested dicts (and lists where every key of a level is an index) from paths."""
-    root: dict[Any, Any] = {}
-    for path, x in flat.items():
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1] if path else ""] = x
-
-    def listify(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        items = {k: listify(v) for k, v in node.items()}
-        if items and all(isinstance(k, int) for k in items):
-            if sorted(items) == list(range(len(items))):
-                return [items[i] for i in range(len(items))]
-        return items
-
-    return listify(root)
-
-
-def _paths(keys: Sequence[str], known: dict[str, Any]) -> dict[str, tuple[PathEntry, ...]]:
-    return {k: tuple(known[k]) if k in known else tuple(k.split(".")) for k in keys}
-
-
-def _read_safetensors(p: Path, known: dict[str, Any] | None = None) -> dict:
-    header, start = read_safetensors_header(p)
-    meta = header.pop("__metadata__", None) or {}
-    paths = _paths(list(header), known or json.loads(meta.get(PATHS_KEY, "{}")))
-    flat = {}
-    with open(p, "rb") as f:
-        for key, info in header.items():
-            if info["dtype"] not in _FROM_ST:
-                raise ValueError(
-                    f"Tensor {key!r} in {str(p)!r} has dtype {info['dtype']}, which jzero can't "
-                    f"read; readable dtypes are {sorted(_FROM_ST)}."
-                )
-            dtype = _FROM_ST[info["dtype"]]
-            begin, end = info["data_offsets"]
-            f.seek(start + begin)
-            buf = f.read(end - begin)
-            if len(buf) != end - begin:
-                raise ValueError(
-                    f"Tensor {key!r} in {str(p)!r} ends past the end of the file; the file is "
-                    "truncated. Export it again."
-                )
-            arr = np.frombuffer(buf, dtype=dtype).reshape(info["shape"]).copy()
-            if sys.byteorder == "big" and dtype.itemsize > 1:
-                arr = arr.byteswap()
-            flat[paths[key]] = arr
-    return flat
-
-
-def read_index(path: str | os.PathLike) -> tuple[Path, dict[str, str], dict[str, Any]]:
-    """A sharded export's index: its directory, ``weight_map`` and ``metadata``.
-
-    Args:
-      path: the directory holding ``model.safetensors.index.json``, or the index file.
-    """
-    p = Path(path)
-    index = p / INDEX_NAME if p.is_dir() else p
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"{str(p)!r} holds no {INDEX_NAME}; pass a safetensors file or a directory written "
-            "by a sharded export (Hugging Face's layout)."
-        )
-    try:
-        data = json.loads(index.read_text())
-        weight_map = dict(data["weight_map"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(
-            f"{str(index)!r} is not a safetensors index: it needs a 'weight_map' object."
-        ) from e
-    return index.parent, weight_map, dict(data.get("metadata") or {})
-
-
-def load_exported(path: str | os.PathLike) -> Any:
-    """Reads an exported file back as the nested dict (lists where the params had lists).
-
-    Args:
-      path: a ``.safetensors`` file (from jzero or any other writer), a jzero ``.npz``, or a
-        sharded export (its directory or its ``model.safetensors.index.json``).
-
-    Returns:
-      The parameters as numpy arrays (``bfloat16`` as ``ml_dtypes.bfloat16``), nested like
-      the exported tree, ready for ``jzero.initialize(params=...)``.
-    """
-    p = Path(path)
-    if p.is_dir() or p.name.endswith(".index.json"):
-        root, weight_map, meta = read_index(p)
-        known = json.loads(meta.get(PATHS_KEY, "{}"))
-        flat = {}
-        for name in dict.fromkeys(weight_map.values()):
-            flat.update(_read_safetensors(root / name, known))
-        return _nest(flat)
-    if not p.is_file():
-        raise FileNotFoundError(f"The export file {str(p)!r} does not exist.")
-    if p.suffix == ".npz":
-        with np.load(p, allow_pickle=False) as z:
-            table = json.loads(str(z[_NPZ_TABLE])) if _NPZ_TABLE in z.files else {}
-            keys = [k for k in z.files if k != _NPZ_TABLE]
-            paths = _paths(keys, table.get("paths", {}))
-            dtypes = table.get("dtypes", {})
-            flat = {}
-            for k in keys:
-                x = z[k]
-                if k in dtypes and x.dtype != _BY_NAME.get(dtypes[k], x.dtype):
-                    x = x.view(_BY_NAME[dtypes[k]])
-                flat[paths[k]] = x
-            return _nest(flat)
-    return _nest(_read_safetensors(p))

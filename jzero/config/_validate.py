@@ -6,8 +6,9 @@ Decisions:
   the extra rules. Every error names the dotted path, the value as written, what is allowed,
   and the fix; an unknown key suggests the closest known key ("did you mean").
 * Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
-  ``load_config`` in one ``JzeroConfigWarning``); *refused* (NVMe offload, DeepSpeed features
-  whose absence would train something else) with an error naming what is supported. A key
+  ``load_config`` in one ``JzeroConfigWarning``); *refused* (DeepSpeed features whose absence
+  would train something else, settings that contradict each other) with an error naming what
+  is supported. A key
   that acts only in some settings (``overlap_comm``'s bucket sizes below stage 3, ZeRO++'s
   quantization at the stages that have the collective it quantizes) carries
   ``no_effect_when``, a function of its built section that gives the reason it does nothing
@@ -24,7 +25,9 @@ Decisions:
   field: the other mesh axes. Their names are checked against ``data`` (a near miss such as
   ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
 * Cross-field rules (precision, offload needs a stage, model shape, at most one ``-1`` mesh
-  axis) run after the sections are built.
+  axis) run after the sections are built; those within ``zero_optimization`` (offload, the
+  NVMe tier, ``sub_group_size``, hybrid sharding) live in ``_validate_zero`` (``_check_nvme``
+  and ``_check_hybrid`` are re-exported here).
 * ``activation_checkpointing`` present without a ``policy`` key means ``policy: full`` (a
   DeepSpeed user who adds the section expects checkpointing); without the section, or with
   ``policy: null`` (what ``to_dict`` writes for it), the policy stays ``None``: jzero's
@@ -48,6 +51,9 @@ from jzero import stages
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
+from jzero.config._validate_zero import _check_hybrid as _check_hybrid
+from jzero.config._validate_zero import _check_nvme as _check_nvme
+from jzero.config._validate_zero import check_zero
 from jzero.remat import parse_policy
 
 __all__ = ["build_config"]
@@ -273,7 +279,6 @@ _MODEL_INTS = ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d
 
 def _check_config(cfg: Config, noted: list) -> None:
     """Cross-field rules, and the optimizer/scheduler/model sections."""
-    zero = cfg.zero_optimization
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError(
             "fp16.enabled and bf16.enabled are both true, but only one precision can be used; "
@@ -291,22 +296,7 @@ def _check_config(cfg: Config, noted: list) -> None:
             "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
             "steps with inf/NaN gradients)."
         )
-    spec = stages.stage_spec(zero.stage)
-    for key, offload in (("offload_optimizer", "optimizer"), ("offload_param", "optimizer+params")):
-        if getattr(zero, key).device != "none":
-            try:
-                stages.check_offload(spec, offload)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-    _check_nvme(zero)
-    if zero.sub_group_size != 1_000_000_000 and zero.offload_optimizer.device == "none":
-        noted.append(
-            (
-                "zero_optimization.sub_group_size",
-                "it streams the optimizer step only with offload_optimizer (cpu or nvme)",
-            )
-        )
-    _check_hybrid(cfg)
+    check_zero(cfg, noted)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:
         raise ConfigError(
@@ -331,67 +321,6 @@ def _check_config(cfg: Config, noted: list) -> None:
             f"model.d_model: {width} is not divisible by model.num_heads ({heads}); choose a "
             "d_model that is a multiple of num_heads."
         )
-
-
-def _check_nvme(zero: Any) -> None:
-    """The NVMe tier: the optimizer state there whenever the parameters are, with a path, and
-    all of it."""
-    opt, par = zero.offload_optimizer, zero.offload_param
-    if par.device == "nvme" and opt.device != "nvme":
-        raise ConfigError(
-            "zero_optimization.offload_param.device is nvme, but offload_optimizer.device is "
-            f"{opt.device}: jzero runs the parameters' files through the NVMe tier's step, "
-            "which keeps the optimizer state on NVMe too. Set offload_optimizer: {device: nvme, "
-            "nvme_path: DIR}, or offload_param.device to cpu."
-        )
-    if par.compute != "device":
-        raise ConfigError(
-            f"zero_optimization.offload_param.compute: {par.compute!r} is not allowed; compute "
-            "says where the offloaded optimizer update runs, so it belongs under "
-            "offload_optimizer. Remove it from offload_param."
-        )
-    if opt.compute == "host" and opt.device != "cpu":
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.compute: 'host' updates the optimizer state "
-            f"where it rests in host memory, but offload_optimizer.device is {opt.device}; set "
-            "device: cpu, or remove compute."
-        )
-    if opt.device == "nvme" and not opt.nvme_path:
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device is nvme but nvme_path is not set; set "
-            "offload_optimizer.nvme_path to a directory on a fast local disk."
-        )
-    if opt.device == "nvme" and opt.ratio < 1.0:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio: {opt.ratio} applies to host memory "
-            "(device: cpu); the NVMe tier keeps all of the optimizer state on disk. Set ratio: "
-            "1.0, or device: cpu."
-        )
-    if opt.device == "none" and opt.ratio < 1.0:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.ratio: {opt.ratio} is the fraction of the "
-            "state offloaded, but offload_optimizer.device is none; set device: cpu."
-        )
-
-
-def _check_hybrid(cfg: Config) -> None:
-    """MiCS and ZeRO++ hpZ: the stage they need, not both, and a mesh that agrees."""
-    zero = cfg.zero_optimization
-    hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
-    if hpz > 1 and not stages.stage_spec(zero.stage).shard_params:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size: {hpz} (ZeRO++ hpZ) keeps a secondary "
-            "copy of the sharded parameters within each host, so it needs a stage that shards "
-            f"parameters (3), but zero_optimization.stage is {zero.stage}. Set the stage to 3, "
-            "or use mics_shard_size (or mesh: {replica: R, data: D}) for hybrid sharding at "
-            "any stage."
-        )
-    if hpz > 1 and mics > 0:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size: {hpz} and mics_shard_size: {mics} are "
-            "both set, but they are two ways to lay out the shards across hosts; keep one."
-        )
-    cfg.mesh_sizes()  # the shard group agrees with the mesh section
 
 
 def _size(section: Mapping[str, Any] | None, *keys: str) -> Any:
