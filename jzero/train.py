@@ -260,6 +260,8 @@ def run(
     on_disk = 0
     if cfg.zero_optimization.offload_optimizer.device == "nvme":  # between steps, in files
         on_disk = by_category.pop("opt_state", 0) + by_category.pop("master_params", 0)
+        if cfg.zero_optimization.offload_param.device == "nvme":
+            on_disk += by_category.pop("params", 0)
     state_bytes = sum(by_category.values())
     host_bytes = sum(engine.plan.host_state_bytes().values())
     peak = _peak_bytes(engine, batches)

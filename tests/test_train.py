@@ -2,6 +2,8 @@
 returned, written and printed alike, and a SIGTERM stops it after the step with a checkpoint."""
 
 import json
+import math
+import os
 import signal
 import threading
 
@@ -59,3 +61,29 @@ def test_exit_code_of_a_summary():
     assert train.exit_code({**done, "stopped": "stopped at step 3: ..."}) == 1
     assert train.exit_code({**done, "interrupted": True, "signal": "SIGINT"}) == 130
     assert train.exit_code({**done, "interrupted": True, "signal": "SIGTERM"}) == 143
+
+
+def test_run_with_the_state_and_parameters_on_nvme_resumes_from_its_checkpoint(tmp_path, caplog):
+    """`jzero train` at stage 3 with offload_optimizer and offload_param on NVMe: the loop
+    (its compiled-peak report, final checkpoint, resume) works on the tier, and the run leaves
+    nothing under nvme_path."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    overrides = [
+        *TINY,
+        f"train.log_dir={tmp_path / 'run'}",
+        f"checkpoint.directory={tmp_path / 'ckpt'}",
+        f"zero_optimization.offload_optimizer={{device: nvme, nvme_path: {nvme}}}",
+        "zero_optimization.offload_param={device: nvme}",
+        "zero_optimization.sub_group_size=20000",
+    ]
+    caplog.set_level("INFO", logger="jzero")
+    first = train.run("configs/zero3.yaml", overrides=overrides, steps=2, progress=False)
+    assert first["steps"] == 2 and list_steps(tmp_path / "ckpt") == [2]
+    again = train.run("configs/zero3.yaml", overrides=overrides, steps=4, progress=False)
+    assert again["resumed_from"] == 2 and list_steps(tmp_path / "ckpt")[-1] == 4
+    assert again["steps"] == 4 and math.isfinite(again["final_loss"])
+    # The start-up line counts what is in files apart from device memory.
+    line = next(r.getMessage() for r in caplog.records if "training 2 steps" in r.getMessage())
+    assert "on NVMe" in line, line
+    assert not os.listdir(nvme)
