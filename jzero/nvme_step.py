@@ -182,6 +182,7 @@ class NvmeStep:
                     for i, c in zip(group, group_copies, strict=True):
                         copies[i] = c
                 disk.write(version, g, out, pipelined=self.pipeline_write)
+                del values, masters, new_m, new_s, group_copies, out  # one group at a time
 
         disk.write_version(version, update_all)
         new_params = state.params

@@ -362,8 +362,8 @@ def test_nvme_path_without_room_or_write_access(tmp_path, monkeypatch):
 
 
 def test_nvme_keeps_the_optimizer_state_out_of_host_memory(tmp_path):
-    """The optimizer state lives on disk, from ``initialize`` on: the run holds at least half
-    the state's bytes less than the run with the state in memory at initialize, 70% less
+    """The optimizer state lives on disk, from ``initialize`` on: the run holds at least 70% of
+    the state's bytes less than the run with the state in memory at initialize, 60% less
     between steps, and a step adds under 30% of them. With the parameters on NVMe too, the
     run holds at least 70% of their bytes less again."""
     import json
@@ -372,9 +372,9 @@ def test_nvme_keeps_the_optimizer_state_out_of_host_memory(tmp_path):
     from pathlib import Path
 
     child = Path(__file__).parent / "nvme_memory_child.py"
-    env = dict(
+    env = dict(  # one device: the marks do not depend on the machine's load (see the child)
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
         MALLOC_MMAP_THRESHOLD_="65536",
     )
     out = {}
@@ -390,17 +390,17 @@ def test_nvme_keeps_the_optimizer_state_out_of_host_memory(tmp_path):
         out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
     memory, nvme, both = out["memory"], out["nvme"], out["nvme+params"]
     state, params = nvme["state"], nvme["params"]
-    # initialize writes the state to its files group by group: it never holds all of it (the
-    # high-water mark of a run that holds it all moved by +-30 MiB from run to run here).
-    assert memory["init"] - nvme["init"] > 0.5 * state, out
+    # initialize writes the state to its files group by group: it never holds all of it.
+    assert memory["init"] - nvme["init"] > 0.7 * state, out
     # While it runs, a step adds to what the same step holds with the state in memory (its
     # gathers and gradients) the gradients as a whole array (the gradient program hands them to
     # the update programs) and one group of the state (read, updated, being written): the
-    # latter under 30% of the state's bytes. With the parameters on NVMe the step also reads
-    # them in.
+    # latter under 30% of the state's bytes. With the parameters on NVMe the step reads them in
+    # instead of holding them between steps.
     assert nvme["growth"] - memory["growth"] - params < 0.3 * state, out
-    assert both["growth"] - memory["growth"] - 2 * params < 0.3 * state, out
-    # Between steps the state is on disk, and with offload_param the parameters too.
-    assert memory["held"] - nvme["held"] > 0.7 * state, out
+    assert both["growth"] - memory["growth"] - params < 0.3 * state, out
+    # Between steps the state is on disk, and with offload_param the parameters too (the NVMe
+    # tier's own compiled programs, one a group, take some of the difference back).
+    assert memory["held"] - nvme["held"] > 0.6 * state, out
     assert nvme["held"] - both["held"] > 0.7 * params, out
     assert nvme["init"] - both["init"] > 0.7 * params, out
