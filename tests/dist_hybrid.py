@@ -17,6 +17,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
 import toy  # noqa: E402
+from dist_train import train_local  # noqa: E402
 
 import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
@@ -46,12 +47,7 @@ def config(name: str) -> dict:
 def train(name: str) -> dict:
     """Trains one run on this process's rows; returns the record process 0 prints."""
     engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(name))
-    rows = distributed.local_batch_size(GLOBAL_BATCH)
-    lo = jax.process_index() * rows
-    losses = []
-    for batch in toy.make_batches(STEPS, GLOBAL_BATCH):
-        local = {k: v[lo : lo + rows] for k, v in batch.items()}
-        losses.append(float(engine.train_step(local)["loss"]))
+    losses = train_local(engine, STEPS, GLOBAL_BATCH)
     params = jax.tree.map(
         lambda x: np.asarray(jax.jit(lambda a: a, out_shardings=engine.plan.replicated)(x)),
         engine.params,

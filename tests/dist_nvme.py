@@ -12,12 +12,12 @@ import json
 import os
 import sys
 
-import jax
 import optax
 from jax.experimental import multihost_utils
 
 sys.path.insert(0, os.path.dirname(__file__))
 import toy  # noqa: E402
+from dist_train import train_local  # noqa: E402
 
 import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
@@ -43,12 +43,7 @@ def config(nvme_dir: str | None) -> dict:
 def train(nvme_dir: str) -> tuple[list[float], dict[str, int]]:
     """This process's rows of every batch, 4 steps; the losses."""
     engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(nvme_dir))
-    rows = distributed.local_batch_size(GLOBAL_BATCH)
-    lo = jax.process_index() * rows
-    losses = []
-    for batch in toy.make_batches(STEPS, GLOBAL_BATCH):
-        local = {k: v[lo : lo + rows] for k, v in batch.items()}
-        losses.append(float(engine.train_step(local)["loss"]))
+    losses = train_local(engine, STEPS, GLOBAL_BATCH)
     multihost_utils.sync_global_devices("jzero-test: steps done")
     stores = sorted(d for d in os.listdir(nvme_dir) if d.startswith("jzero-nvme-"))
     files = {d: len(os.listdir(os.path.join(nvme_dir, d))) for d in stores}

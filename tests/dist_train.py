@@ -33,15 +33,23 @@ def config(stage: int) -> dict:
     }
 
 
+def train_local(engine, steps: int, global_batch: int) -> list[float]:
+    """``steps`` steps of the toy batches, each process passing only its rows; the losses."""
+    rows = distributed.local_batch_size(global_batch)
+    lo = jax.process_index() * rows
+    losses = []
+    for batch in toy.make_batches(steps, global_batch):
+        local = {k: v[lo : lo + rows] for k, v in batch.items()}
+        losses.append(float(engine.train_step(local)["loss"]))
+    return losses
+
+
 def train(stage: int) -> dict:
     """Trains one stage on this process's rows; returns the record process 0 prints."""
     engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(stage))
+    losses = train_local(engine, STEPS, GLOBAL_BATCH)
     rows = distributed.local_batch_size(GLOBAL_BATCH)
-    lo = jax.process_index() * rows
-    losses = []
-    for batch in toy.make_batches(STEPS, GLOBAL_BATCH):
-        local = {k: v[lo : lo + rows] for k, v in batch.items()}
-        losses.append(float(engine.train_step(local)["loss"]))
+    batch = toy.make_batches(STEPS, GLOBAL_BATCH)[-1]  # a whole global batch
     try:  # every process checks its batch before any collective, so all raise together
         engine.train_step(batch if rows != GLOBAL_BATCH else {k: v[:1] for k, v in batch.items()})
         error = None
