@@ -30,7 +30,7 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -79,6 +79,18 @@ def state_bytes(plan: Plan, *, params_on_disk: bool = False) -> dict[str, int]:
     optimizer = _nbytes(plan.abstract_opt_state) + (_nbytes(plan.abstract_params) if mixed else 0)
     params = _nbytes(params_at_rest_like(plan)) if params_on_disk else 0
     return {"optimizer": optimizer, "params": params}
+
+
+def read_ahead(store: NvmeStore, keys: Sequence[Any], on: bool) -> Iterator[Any]:
+    """``keys`` in order; with ``on`` (``pipeline_read``), each key's file is read in the
+    background up to ``buffer_count - 1`` keys before it is reached."""
+    ahead = max(1, store.buffer_count - 1) if on else 0
+    for key in keys[:ahead]:
+        store.prefetch(key)
+    for j, key in enumerate(keys):
+        if ahead and j + ahead < len(keys):
+            store.prefetch(keys[j + ahead])
+        yield key
 
 
 class NvmeState:
@@ -241,20 +253,22 @@ class NvmeState:
         names = self.disk_leaves(self.groups[g])
         return self._arrays(names, self.store.read(self._key(version, g)), host)
 
+    def read_param_group(self, g: int, version: int | None = None) -> dict[tuple[Kind, int], Any]:
+        """Group ``g``'s parameter leaves from ``version`` (default: the current one), in device
+        memory in the plan's at-rest layout, keyed ``("param", index)``."""
+        version = self.version if version is None else version
+        shards = self.param_store.read(self._key(version, g, True))
+        return self._arrays([("param", i) for i in self.groups[g]], shards)
+
     def read_params(self, version: int | None = None, prefetch: bool = False) -> list[jax.Array]:
         """Every parameter leaf from the parameters' files of ``version`` (default: current),
         in device memory in the plan's at-rest layout; ``prefetch`` reads the next groups'
         files while one is being placed."""
         version = self.version if version is None else version
         leaves: list[Any] = [None] * len(self._abstract_params)
-        ahead = max(1, self.param_store.buffer_count - 1) if prefetch else 0
-        for g in range(min(ahead, len(self.groups))):
-            self.param_store.prefetch(self._key(version, g, True))
-        for g, group in enumerate(self.groups):
-            if ahead and g + ahead < len(self.groups):
-                self.param_store.prefetch(self._key(version, g + ahead, True))
-            shards = self.param_store.read(self._key(version, g, True))
-            for (_, i), x in self._arrays([("param", i) for i in group], shards).items():
+        keys = [self._key(version, g, True) for g in range(len(self.groups))]
+        for g, _ in enumerate(read_ahead(self.param_store, keys, prefetch)):
+            for (_, i), x in self.read_param_group(g, version).items():
                 leaves[i] = x
         return leaves
 
@@ -390,12 +404,11 @@ class NvmeState:
         )
 
         def move() -> None:
-            for g, group in enumerate(self.groups):
+            for g in range(len(self.groups)):
                 self.use_plan(old_plan)
                 values = self.read(g)
                 if self.params_on_disk:
-                    shards = self.param_store.read(self._key(self.version, g, True))
-                    values.update(self._arrays([("param", i) for i in group], shards))
+                    values.update(self.read_param_group(g))
                 self.use_plan(plan)
                 self.write(
                     version,

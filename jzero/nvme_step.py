@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero import groups as groups_lib
-from jzero.nvme_state import NvmeState, state_bytes
+from jzero.nvme_state import NvmeState, read_ahead, state_bytes
 from jzero.plan import on_device
 from jzero.step import TrainState, make_gradient_step, params_at_rest
 
@@ -149,15 +149,12 @@ class NvmeStep:
         copies: list[Any] = [None] * len(p_leaves)
         new_shared = None
         store, groups = disk.store, disk.groups
-        ahead = max(1, store.buffer_count - 1) if self.pipeline_read else 0
 
         def update_all() -> None:
             nonlocal new_shared
-            for g in range(min(ahead, len(groups))):
-                store.prefetch((disk.version, g))
-            for g, group in enumerate(groups):
-                if ahead and g + ahead < len(groups):
-                    store.prefetch((disk.version, g + ahead))
+            keys = [(disk.version, g) for g in range(len(groups))]
+            for g, _ in enumerate(read_ahead(store, keys, self.pipeline_read)):
+                group = groups[g]
                 values = disk.read(g)
                 owned = groups_lib.owned_state(disk.owner, group)
                 masters = (

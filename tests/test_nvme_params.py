@@ -41,7 +41,8 @@ def on_nvme(path, param_path=None, bf16=False, **zero):
         3,
         bf16,
         offload_optimizer=nvme(path),
-        offload_param=nvme(param_path or path),
+        # A store of their own reads the parameters ahead (offload_param.pipeline_read).
+        offload_param=nvme(param_path, pipeline_read=True) if param_path else nvme(path),
         sub_group_size=PSI // 3,
         **zero,
     )
