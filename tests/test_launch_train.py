@@ -38,6 +38,7 @@ def test_sigterm_to_the_launcher_saves_a_final_checkpoint_of_both_processes(tmp_
             proc.communicate()
     assert proc.returncode == 143, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+    assert (log_dir / "summary.json").exists(), (out[-3000:], err[-3000:])
     summary = json.loads((log_dir / "summary.json").read_text())
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert summary["interrupted"] is True and summary["steps"] >= 2
