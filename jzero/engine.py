@@ -138,7 +138,7 @@ class Engine:
         leads = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
         if len(leads) != 1 or None in leads:
             raise ValueError(
-                'The batch sizes are "auto", so the first batch sets them, but its leaves have '
+                "The config sets no batch size, so the first batch sets them, but its leaves have "
                 f"leading dims {sorted(leads, key=str)}; pass a batch whose leaves share one "
                 "leading dim, or set train_micro_batch_size_per_gpu in the config."
             )

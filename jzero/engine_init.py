@@ -157,6 +157,12 @@ def initialize(
         params = jax.eval_shape(init_fn, key)
     abstract = _abstract(params)
     from_first_batch = config_lib.batch_from_first_batch(cfg)
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    if from_first_batch and not any(k in cfg.auto for k in batch_keys):  # "auto" logs its own
+        logger.info(
+            "jzero: the config sets no batch size (train_batch_size, "
+            "train_micro_batch_size_per_gpu); the first batch given to train_step sets them."
+        )
     cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
         cfg,
         abstract,

@@ -228,9 +228,11 @@ def run(
     # The built-in GPT is a Flax NNX module, built directly into its shards.
     if config_lib.batch_from_first_batch(cfg):
         raise config_lib.ConfigError(
-            'The batch sizes are all "auto", but jzero train builds the data from them (there is '
-            "no first batch to take them from); set train_micro_batch_size_per_gpu (the batch "
-            "per device) or train_batch_size (the global batch)."
+            "The config sets no batch size (train_batch_size and train_micro_batch_size_per_gpu "
+            'are missing or "auto"), but jzero train builds the data from them (there is no '
+            "first batch to take them from); set train_micro_batch_size_per_gpu (the batch per "
+            "device, e.g. --set train_micro_batch_size_per_gpu=8) or train_batch_size (the "
+            "global batch)."
         )
     engine = initialize(
         model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),

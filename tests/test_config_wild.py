@@ -17,6 +17,7 @@ import pytest
 import toy
 
 import jzero
+from jzero import cli
 from jzero.config import (
     ConfigError,
     JzeroConfigDeprecationWarning,
@@ -305,6 +306,39 @@ def test_all_batch_sizes_auto_are_taken_from_the_first_batch(caplog):
     # Another batch size afterwards is the usual clear error.
     with pytest.raises(ValueError, match="has leading dim 8 but train_batch_size is 16"):
         engine.train_step(toy.make_batches(1, 8)[0])
+
+
+def test_a_config_without_batch_keys_takes_them_from_the_first_batch(caplog, capsys, tmp_path):
+    """Hugging Face's test-suite ZeRO-3 config sets no batch key at all (the Trainer and
+    Accelerate fill them in): through the engine the first batch sets them, as for "auto";
+    ``jzero train``, which builds its data from them, exits 2 with the message."""
+    cfg, _ = load_quietly(FIXTURES / "hf_zero3_no_batch.json")
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (None, None)
+    with caplog.at_level(logging.INFO, logger="jzero"):
+        engine = jzero.initialize(toy.make_params(d=16, num_layers=2), toy.loss_fn,
+                                  optax.adamw(1e-3), config=cfg)  # fmt: skip
+        assert engine.train_batch_size is None
+        assert "the config sets no batch size" in caplog.text
+        losses = [float(engine.train_step(b)["loss"]) for b in toy.make_batches(2, 24)]
+    assert all(np.isfinite(losses))
+    sizes = (engine.train_batch_size, engine.micro_batch_size, engine.accumulation_steps)
+    assert sizes == (24, 24 // DP, 1)
+    assert engine.config.train_batch_size == 24
+    assert engine.config.train_micro_batch_size_per_gpu == 24 // DP
+    assert engine.config.gradient_accumulation_steps == 1
+    assert caplog.text.count("batch sizes from the first batch: train_batch_size 24") == 1
+    with pytest.raises(ValueError, match="has leading dim 8 but train_batch_size is 24"):
+        engine.train_step(toy.make_batches(1, 8)[0])
+
+    # jzero train refuses it: there is no first batch to take the sizes from.
+    args = ["train", str(FIXTURES / "hf_zero3_no_batch.json"), "--steps", "1", "--quiet"]
+    args += ["--set", f"train.log_dir={tmp_path}"]
+    with warnings.catch_warnings():  # the template's no-effect keys are warned about
+        warnings.simplefilter("ignore")
+        assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "The config sets no batch size" in err
+    assert "--set train_micro_batch_size_per_gpu=8" in err
 
 
 # --- two training steps each ------------------------------------------------------------------

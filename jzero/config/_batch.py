@@ -23,12 +23,12 @@ def _nearest_multiple(value: int, base: int) -> int:
 
 def batch_from_first_batch(cfg: Config) -> bool:
     """Whether the batch sizes are left to the first batch: neither ``train_batch_size`` nor
-    ``train_micro_batch_size_per_gpu`` is set and one of them is ``"auto"`` (Hugging Face's
-    templates, whose TrainingArguments know the batch). ``jzero.initialize`` then takes the
-    global batch from the leading dimension of the first batch given to ``train_step``."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
-    unset = cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None
-    return unset and any(k in cfg.auto for k in keys)
+    ``train_micro_batch_size_per_gpu`` is set, whether written ``"auto"`` (Hugging Face's
+    templates, whose TrainingArguments know the batch) or left out (Hugging Face's own
+    ``ds_config_zero3.json``, which the Trainer and Accelerate fill in). ``jzero.initialize``
+    then takes the global batch from the leading dimension of the first batch given to
+    ``train_step``; ``jzero train``, which builds its data from the batch size, refuses."""
+    return cfg.train_batch_size is None and cfg.train_micro_batch_size_per_gpu is None
 
 
 def resolve_batch_sizes(cfg: Config, data_parallel_size: int) -> tuple[int, int, int]:
