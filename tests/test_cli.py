@@ -87,9 +87,16 @@ def test_bad_config_exits_2_with_the_message_and_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp_path, sig):
-    """Ctrl-C, and SIGTERM (what SLURM and Kubernetes send before a kill), stop gracefully."""
+@pytest.mark.parametrize(
+    "sig, times",
+    [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGTERM, 2)],
+    ids=["ctrl-c", "sigterm", "sigterm-twice"],
+)
+def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp_path, sig, times):
+    """Ctrl-C, and SIGTERM (what SLURM and Kubernetes send before a kill), stop gracefully.
+    SLURM signals every process of a job, so under a launcher a child gets SIGTERM twice: the
+    second, 0.3 s later (during the last step or the final save), must not cost the final
+    checkpoint or the summary."""
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     metrics = log_dir / "metrics.jsonl"
     args = ["train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
@@ -106,11 +113,13 @@ def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp
     try:
         deadline = time.monotonic() + 240
         # The metrics file is block-buffered: wait until its first lines reach the disk.
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1 + 2 * (times > 1)):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no metrics line within 240 s"
             time.sleep(0.2)
-        proc.send_signal(sig)
+        for i in range(times):
+            time.sleep(0.3 * (i > 0))
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -119,6 +128,7 @@ def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err
     assert "interrupted: " in out
+    assert ("SIGTERM received again" in err) == (times > 1)
     summary = json.loads((log_dir / "summary.json").read_text())
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert summary["interrupted"] is True
