@@ -45,7 +45,7 @@ from flax import nnx
 __all__ = ["GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
 
 PyTree = Any
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _INIT_STD = 0.02
 _LN_EPS = 1e-5
 
@@ -66,8 +66,10 @@ class GPTConfig:
     """Width of the residual stream."""
     d_ff: int = 512
     """Width of the MLP hidden layer."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype. Parameters are always stored in float32 and cast to this at use."""
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    """Compute dtype. Parameters are always stored in float32 and cast to this at use
+    (``float64``, under ``jax_enable_x64``, with float64 parameters, is for numerical tests:
+    every operation then runs in float64, the statistics included)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
@@ -152,13 +154,19 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> dict[str, jax.Array]:
     }
 
 
+def _wide(dtype: Any) -> jnp.dtype:
+    """The dtype of statistics, softmax and logits: float32, or float64 for a float64 model."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """LayerNorm over the last dim, statistics in float32, result in ``x``'s dtype."""
-    x32 = x.astype(jnp.float32)
+    """LayerNorm over the last dim, statistics in float32 (or wider), result in ``x``'s dtype."""
+    wide = _wide(x.dtype)
+    x32 = x.astype(wide)
     mean = x32.mean(-1, keepdims=True)
     var = jnp.square(x32 - mean).mean(-1, keepdims=True)
     y = (x32 - mean) * jax.lax.rsqrt(var + _LN_EPS)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+    return (y * scale.astype(wide) + bias.astype(wide)).astype(x.dtype)
 
 
 def _attention(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.Array:
@@ -167,9 +175,10 @@ def _attention(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.
     head_dim = d // num_heads
     qkv = x @ p["attn_qkv"] + p["attn_qkv_bias"]
     q, k, v = jnp.split(qkv.reshape(b, t, 3 * num_heads, head_dim), 3, axis=2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+    wide = _wide(x.dtype)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(causal, scores, jnp.finfo(wide).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
     out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
@@ -197,10 +206,10 @@ def _embed(
 
 
 def _head(ln_f: Mapping[str, jax.Array], tokens_table: jax.Array, x: jax.Array) -> jax.Array:
-    """Final LayerNorm and the tied output head; float32 logits [B, T, V]."""
+    """Final LayerNorm and the tied output head; float32 (or wider) logits [B, T, V]."""
     x = _layer_norm(x, ln_f["scale"], ln_f["bias"])
     logits = jnp.einsum("btd,vd->btv", x, tokens_table.astype(x.dtype))
-    return logits.astype(jnp.float32)
+    return logits.astype(_wide(x.dtype))
 
 
 def _next_token_loss(logits_fn: Callable[[jax.Array], jax.Array], tokens: jax.Array) -> jax.Array:
