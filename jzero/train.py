@@ -20,8 +20,9 @@ Decisions:
   its number: 130, 143). A further SIGTERM is logged and changes nothing (SLURM signals every
   process of a job, so under a launcher each child gets it twice); a second Ctrl-C quits now
   (the step or the save in flight is abandoned; committed checkpoints stay). The handlers are
-  installed from the loop's start until the final checkpoint is committed and ``summary.json``
-  written, and only from the main thread.
+  installed once the distributed runtime is up (they replace its SIGTERM handler, which only
+  logs), so a signal during set-up stops the run after its first step, and stay until the final
+  checkpoint is committed and ``summary.json`` written; only from the main thread.
 * ``train.max_consecutive_nonfinite`` steps in a row with inf/NaN gradients stop the run
   (``stopped`` says why; the CLI exits 1).
 * Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` (a fresh run truncates
@@ -239,6 +240,20 @@ def run(
     if cfg.checkpoint.directory:
         _check_checkpoint_directory(cfg, fresh=fresh)
     distributed.init_distributed(cfg.distributed)  # before any JAX call
+    # From here on a stop signal ends the run after a step with a final checkpoint; this
+    # replaces the SIGTERM handler of JAX's distributed runtime (its preemption notifier, which
+    # only logs), so a signal during set-up is not swallowed either.
+    stop = _StopOnSignal()
+    try:
+        return _train(cfg, stop, steps=steps, fresh=fresh, progress=progress)
+    finally:
+        stop.restore()
+
+
+def _train(
+    cfg: Config, stop: _StopOnSignal, *, steps: int | None, fresh: bool, progress: bool
+) -> dict[str, Any]:
+    """:func:`run` after the runtime has started, with ``stop`` watching for signals."""
     main_process = distributed.is_main_process()  # only process 0 logs and writes files
     if not main_process:
         logging.getLogger("jzero").setLevel(logging.WARNING)
@@ -321,100 +336,90 @@ def run(
     interrupted, stopped = False, None
     limit = cfg.train.max_consecutive_nonfinite
     streak, skipped = 0, 0
-    stop = _StopOnSignal()  # installed until the final checkpoint and summary are written
     try:
-        try:
-            for step in range(first_step, steps + 1):
-                m = engine.train_step(batches.next())
-                loss = float(m["loss"])
-                now = time.perf_counter()
-                record = {k: float(v) for k, v in m.items()}
-                record.update(
-                    step=step, time=now - t_start, tokens_per_s=tokens_per_step / (now - t_last)
+        for step in range(first_step, steps + 1):
+            m = engine.train_step(batches.next())
+            loss = float(m["loss"])
+            now = time.perf_counter()
+            record = {k: float(v) for k, v in m.items()}
+            record.update(
+                step=step, time=now - t_start, tokens_per_s=tokens_per_step / (now - t_last)
+            )
+            t_last, done = now, step
+            bad = record.get("nonfinite", 0.0) > 0
+            streak = streak + 1 if bad else 0
+            skipped += int(record.get("skipped", 0.0) > 0)
+            if bad:
+                logger.warning(
+                    "step %d: the gradients hold inf/NaN (loss %s); %s",
+                    step,
+                    loss,
+                    "the update was skipped" if record.get("skipped") else "the update was applied",
                 )
-                t_last, done = now, step
-                bad = record.get("nonfinite", 0.0) > 0
-                streak = streak + 1 if bad else 0
-                skipped += int(record.get("skipped", 0.0) > 0)
-                if bad:
-                    logger.warning(
-                        "step %d: the gradients hold inf/NaN (loss %s); %s",
-                        step,
-                        loss,
-                        "the update was skipped"
-                        if record.get("skipped")
-                        else "the update was applied",
-                    )
-                if cfg.train.eval_interval and (
-                    step % cfg.train.eval_interval == 0 or step == steps
-                ):
-                    last_eval = evaluate()
-                    record["eval_loss"] = last_eval
-                    logger.info("step %d: eval loss %.4f", step, last_eval)
-                metrics_file.write(strict_json(record) + "\n")
-                metrics_file.flush()
-                postfix = {
-                    "loss": f"{loss:.3f}",
-                    "tok_s": f"{record['tokens_per_s']:,.0f}",
-                    "peak": _format_bytes(peak()),
-                }
-                if skipped:  # skipped steps are never silent
-                    postfix["skipped"] = skipped
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
-                if cfg.steps_per_print and step % cfg.steps_per_print == 0:
-                    lr = f", lr {record['lr']:.3g}" if "lr" in record else ""
-                    logger.info(
-                        "step %d: loss %.4f, grad norm %.3f%s", step, loss, record["grad_norm"], lr
-                    )
-                if limit and streak >= limit:
-                    stopped = (
-                        f"stopped at step {step}: {streak} consecutive steps had inf/NaN "
-                        f"gradients (train.max_consecutive_nonfinite: {limit}). Lower the "
-                        "learning rate, check the data, or set skip_nonfinite: true; the "
-                        "checkpoints with finite parameters are kept."
-                    )
-                    break
-                if distributed.any_process(stop.requested):  # all stop after the same step
-                    interrupted = True
-                    break
-        except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
-            interrupted = True
-        finally:
-            bar.close()
-            metrics_file.close()
-        elapsed = time.perf_counter() - t_start
-        if stopped:
-            logger.error("jzero: %s", stopped)
-        if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C and SIGTERM too
-            if engine.save():
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == steps):
+                last_eval = evaluate()
+                record["eval_loss"] = last_eval
+                logger.info("step %d: eval loss %.4f", step, last_eval)
+            metrics_file.write(strict_json(record) + "\n")
+            metrics_file.flush()
+            postfix = {
+                "loss": f"{loss:.3f}",
+                "tok_s": f"{record['tokens_per_s']:,.0f}",
+                "peak": _format_bytes(peak()),
+            }
+            if skipped:  # skipped steps are never silent
+                postfix["skipped"] = skipped
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if cfg.steps_per_print and step % cfg.steps_per_print == 0:
+                lr = f", lr {record['lr']:.3g}" if "lr" in record else ""
                 logger.info(
-                    "checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory
+                    "step %d: loss %.4f, grad norm %.3f%s", step, loss, record["grad_norm"], lr
                 )
-            engine.close()
-        ran = done - (first_step - 1)
-        summary = {
-            "steps": done,
-            "interrupted": interrupted,
-            "signal": stop.name() if interrupted else None,
-            "stopped": stopped,
-            "skipped_steps": skipped,
-            "final_loss": loss,
-            "first_eval_loss": first_eval,
-            "eval_loss": last_eval,
-            "seconds": round(elapsed, 2),
-            "tokens_per_s": round(ran * tokens_per_step / max(elapsed, 1e-9), 1),
-            "resumed_from": resumed,
-            "stage": engine.plan.stage.stage,
-            "devices": engine.plan.data_parallel_size,
-            "model_state_bytes_per_device": state_bytes,
-            "host_state_bytes_per_device": host_bytes,
-            "peak_bytes_per_device": peak(),
-            "metrics": str(log_dir / "metrics.jsonl"),
-        }
-        summary = _json_safe(summary)  # as written: NaN is None
-        if main_process:
-            (log_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
-        return summary
+            if limit and streak >= limit:
+                stopped = (
+                    f"stopped at step {step}: {streak} consecutive steps had inf/NaN "
+                    f"gradients (train.max_consecutive_nonfinite: {limit}). Lower the "
+                    "learning rate, check the data, or set skip_nonfinite: true; the "
+                    "checkpoints with finite parameters are kept."
+                )
+                break
+            if distributed.any_process(stop.requested):  # all stop after the same step
+                interrupted = True
+                break
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
+        interrupted = True
     finally:
-        stop.restore()
+        bar.close()
+        metrics_file.close()
+    elapsed = time.perf_counter() - t_start
+    if stopped:
+        logger.error("jzero: %s", stopped)
+    if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C and SIGTERM too
+        if engine.save():
+            logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
+        engine.close()
+    ran = done - (first_step - 1)
+    summary = {
+        "steps": done,
+        "interrupted": interrupted,
+        "signal": stop.name() if interrupted else None,
+        "stopped": stopped,
+        "skipped_steps": skipped,
+        "final_loss": loss,
+        "first_eval_loss": first_eval,
+        "eval_loss": last_eval,
+        "seconds": round(elapsed, 2),
+        "tokens_per_s": round(ran * tokens_per_step / max(elapsed, 1e-9), 1),
+        "resumed_from": resumed,
+        "stage": engine.plan.stage.stage,
+        "devices": engine.plan.data_parallel_size,
+        "model_state_bytes_per_device": state_bytes,
+        "host_state_bytes_per_device": host_bytes,
+        "peak_bytes_per_device": peak(),
+        "metrics": str(log_dir / "metrics.jsonl"),
+    }
+    summary = _json_safe(summary)  # as written: NaN is None
+    if main_process:
+        (log_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
+    return summary
