@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero import gather, remat, trace
 from jzero.config import ConfigError, load_config
 from jzero.hlo import collectives
+from jzero.replay import gather, remat, trace
 
 L, D, F, B = 8, 32, 512, 2048  # per device: 256 rows, a 256 x 512 hidden activation per layer
 

@@ -19,7 +19,15 @@ def test_sigterm_to_the_launcher_saves_a_final_checkpoint_of_both_processes(tmp_
     train = ["jzero", "train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
     train += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=0"]
     train += ["--set", f"checkpoint.directory={ckpt}", "--set", "train_micro_batch_size_per_gpu=1"]
-    cmd = [sys.executable, "-m", "jzero.launch", "-n", "2", "--devices-per-process", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jzero.distributed.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+    ]
     cmd += ["--grace-period", "120", "--", *train]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -21,7 +21,6 @@ from jzero.checkpoint.dirs import latest_step as latest_step
 from jzero.checkpoint.dirs import list_steps as list_steps
 from jzero.checkpoint.info import CheckpointInfo as CheckpointInfo
 from jzero.checkpoint.info import LeafInfo as LeafInfo
-from jzero.checkpoint.info import export as export
 from jzero.checkpoint.info import format_info as format_info
 from jzero.checkpoint.info import inspect as inspect
 from jzero.checkpoint.info import read_info as read_info
@@ -42,7 +41,6 @@ __all__ = [
     "LeafInfo",
     "StepCheck",
     "abstract_target",
-    "export",
     "format_info",
     "inspect",
     "latest_step",
