@@ -1,16 +1,18 @@
 """Deprecated alias of :mod:`jzero.replay`: stage 3's gathers now live in the replay package.
 
 Kept so that ``jzero.gather.<name>`` as older code and notes cite it still imports; new code
-imports from :mod:`jzero.replay`. This alias will be removed in a later release.
+imports from :mod:`jzero.replay`, where ``checkpoint_scans`` and ``checkpoint_policy`` are
+``remat_scans`` and ``remat_save_policy`` ("checkpoint" now means Orbax only). This alias
+will be removed in a later release.
 """
 
 from jzero.replay import GATHERED as GATHERED
 from jzero.replay import PARTITIONED as PARTITIONED
 from jzero.replay import all_gather as all_gather
-from jzero.replay import checkpoint_policy as checkpoint_policy
-from jzero.replay import checkpoint_scans as checkpoint_scans
 from jzero.replay import gathered as gathered
 from jzero.replay import layer_dims as layer_dims
+from jzero.replay import remat_save_policy as checkpoint_policy
+from jzero.replay import remat_scans as checkpoint_scans
 from jzero.replay import replay as replay
 
 __all__ = [

@@ -9,7 +9,10 @@ modules, each importing only those listed before it:
   writer's lock, :class:`CheckpointWriteError`.
 * ``orbax_io``: every Orbax call (write a step; read its state, JSON items, metadata, a leaf).
 * ``checkpointer``: :class:`Checkpointer`, which saves and restores training state.
-* ``info``: :func:`inspect` and :func:`export`, which read a directory without an engine.
+* ``info``: :func:`inspect` and :func:`read_info`, which read a directory without an engine.
+
+Only Orbax checkpoints live here: exporting a checkpoint's weights is
+:func:`jzero.weights.export_checkpoint`, which reads through this package (never the reverse).
 
 The names below are the package's public surface; the modules' other names serve the package.
 """

@@ -1,23 +1,15 @@
-"""Inspect and export: what a checkpoint directory holds, and its parameters as files.
+"""Inspect: what a checkpoint directory holds, read from metadata only.
 
 Decisions:
 
-* Both read Orbax's metadata and never load a whole tree: inspect loads no array; export
-  restores one leaf at a time as a host numpy array, so host memory stays near the largest leaf
-  (see :mod:`jzero.weights.export` for the file formats).
-* Both check a step's files against its file record first; inspect reports a damaged step
-  (``DAMAGED: ...``) instead of failing, export refuses it with a :class:`CheckpointError`.
-  Export reads every file's checksum (as restore does); inspect compares sizes only, unless
-  ``verify`` asks it to read every file: then it checks every complete step when no step is
-  named (the question is "which steps can I resume from?"), else the named one, and lists all
-  that is wrong with each (:class:`StepCheck`), saying when a step's record predates checksums.
-* Export writes through :func:`jzero.weights.export.write_leaves`, which writes a file it creates
-  exclusively (a fresh name) beside the output and renames it onto the output when complete:
-  no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or symlink
-  there is never written through or removed; a failed export removes only its own file.
-* :func:`parameter_leaves` serves ``jzero.initialize(init_from=<checkpoint dir>)``
-  (:mod:`jzero.weights`): the master weights of a mixed-precision run (float32, exact), else
-  the params, one leaf at a time.
+* Orbax's metadata is read and no array is loaded.
+* A step's files are checked against its file record first; a damaged step is reported
+  (``DAMAGED: ...``) instead of failing. Only sizes are compared, unless ``verify`` asks to read
+  every file: then every complete step is checked when no step is named (the question is "which
+  steps can I resume from?"), else the named one, and all that is wrong with each is listed
+  (:class:`StepCheck`), saying when a step's record predates checksums.
+* Exporting a checkpoint's parameters as weight files is :mod:`jzero.weights.from_checkpoint`'s:
+  this package is Orbax only, and imports nothing of :mod:`jzero.weights`.
 * Orbax is reached only through :mod:`jzero.checkpoint.orbax_io`, the one module that imports
   it; which step to read, and whether its files are intact, through
   :mod:`jzero.checkpoint.dirs`.

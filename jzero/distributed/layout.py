@@ -12,9 +12,10 @@ Decisions:
   ``"auto"`` to let JAX choose). Nothing set means one process, and nothing is started;
   ``JZERO_NUM_PROCESSES=1`` forces one process inside a cluster job.
 * The environment is read once, at the first call; later changes to it are ignored.
-* This module only resolves; it imports no JAX and starts nothing. :mod:`jzero.distributed`
-  starts the runtime from a :class:`DistributedSpec` and re-exports the names here. The one
-  log line goes to the ``jzero.distributed`` logger, as before the split.
+* This module only resolves; it imports no JAX and starts nothing.
+  :mod:`jzero.distributed.runtime` starts the runtime from a :class:`DistributedSpec`;
+  :mod:`jzero.distributed` exports the names. The one log line goes to the
+  ``jzero.distributed`` logger, as before the split.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from jzero import distributed, optim
 from jzero._util import abstract_tree
 from jzero.distributed import make_mesh
 from jzero.engine.engine import Engine
-from jzero.plan import Plan, make_plan, offload, precision
+from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
 
 __all__ = ["initialize"]
@@ -162,9 +162,7 @@ def initialize(
         data_parallel_size=mesh.shape.get("data", 1) * mesh.shape.get("replica", 1),
     )
     tx, schedule = _optimizer(cfg, optimizer)
-    opt_kind, param_kind = offload.memory_kinds_from_config(
-        cfg.zero_optimization, mesh.devices.flat
-    )
+    opt_kind, param_kind = memory_kinds_from_config(cfg.zero_optimization, mesh.devices.flat)
     replan = functools.partial(
         make_plan,
         abstract,

@@ -41,7 +41,7 @@ import optax
 from jzero import groups as groups_lib
 from jzero.nvme.host_shards import _from_host, _shard_count, host_shards
 from jzero.nvme.store import NvmeStore
-from jzero.plan import Plan, offload, on_device
+from jzero.plan import PINNED_HOST, Plan, available_memory_kinds, on_device
 from jzero.step import TrainState
 
 __all__ = ["NvmeState", "state_bytes"]
@@ -119,8 +119,8 @@ class NvmeState:
     ) -> None:
         self.optimizer, self.store, self.param_store = optimizer, store, param_store
         self.prefetch_params = prefetch_params
-        kinds = offload.available_memory_kinds(list(plan.mesh.devices.flat))
-        self.host_kind = "pinned_host" if "pinned_host" in kinds else None
+        kinds = available_memory_kinds(list(plan.mesh.devices.flat))
+        self.host_kind = PINNED_HOST if PINNED_HOST in kinds else None
         self.params_on_disk = param_store is not None
         self.version: int | None = None  # the version on disk; None before the first write
         self.mixed = plan.precision.mixed

@@ -8,7 +8,8 @@ checkpoint and weights. It runs nothing: a plan is data.
   branches on the stage number.
 * :mod:`~jzero.plan.leaf_rule`: which dimension of a leaf is sharded, and why one stays whole.
 * :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
-* :mod:`~jzero.plan.memory_kinds`: host offload as JAX memory kinds on shardings.
+* :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
+  JAX memory kinds on shardings.
 * :mod:`~jzero.plan.plan`: the :class:`Plan` and what follows from its shardings.
 * :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
   optimizer and a mesh.
@@ -21,10 +22,13 @@ from jzero.plan.leaf_rule import is_contiguous as is_contiguous
 from jzero.plan.leaf_rule import shard_dim as shard_dim
 from jzero.plan.make import make_plan as make_plan
 from jzero.plan.memory_kinds import HOST_MEMORY_KINDS as HOST_MEMORY_KINDS
+from jzero.plan.memory_kinds import PINNED_HOST as PINNED_HOST
+from jzero.plan.memory_kinds import UNPINNED_HOST as UNPINNED_HOST
+from jzero.plan.memory_kinds import available_memory_kinds as available_memory_kinds
+from jzero.plan.memory_kinds import check_memory_kind as check_memory_kind
 from jzero.plan.memory_kinds import is_host as is_host
+from jzero.plan.memory_kinds import memory_kinds_from_config as memory_kinds_from_config
 from jzero.plan.memory_kinds import on_device as on_device
-from jzero.plan.offload import available_memory_kinds as available_memory_kinds
-from jzero.plan.offload import check_memory_kind as check_memory_kind
 from jzero.plan.plan import Plan as Plan
 from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
@@ -47,11 +51,14 @@ __all__ = [
     "DATA_AXIS",
     "formula_text",
     "HOST_MEMORY_KINDS",
+    "PINNED_HOST",
+    "UNPINNED_HOST",
     "is_contiguous",
     "is_host",
     "LeafPlan",
     "LossScaleState",
     "make_plan",
+    "memory_kinds_from_config",
     "next_loss_scale",
     "OFFLOADS",
     "on_device",

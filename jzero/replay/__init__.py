@@ -13,13 +13,13 @@ it is given.
 * :mod:`~jzero.replay.remat`: rematerialisation (activation checkpointing) policies.
 """
 
-from jzero.replay.gather import checkpoint_scans as checkpoint_scans
 from jzero.replay.gather import gathered as gathered
 from jzero.replay.gather import layer_dims as layer_dims
+from jzero.replay.gather import remat_scans as remat_scans
 from jzero.replay.gather import replay as replay
 from jzero.replay.interpreter import GATHERED as GATHERED
 from jzero.replay.interpreter import PARTITIONED as PARTITIONED
-from jzero.replay.interpreter import checkpoint_policy as checkpoint_policy
+from jzero.replay.interpreter import remat_save_policy as remat_save_policy
 from jzero.replay.overlapped_scan import can_overlap as can_overlap
 from jzero.replay.overlapped_scan import overlapped_scan as overlapped_scan
 from jzero.replay.param_gather import all_gather as all_gather
@@ -34,7 +34,6 @@ from jzero.replay.remat import parse_policy as parse_policy
 from jzero.replay.trace import Partition as Partition
 from jzero.replay.trace import Segment as Segment
 from jzero.replay.trace import bind as bind
-from jzero.replay.trace import checkpointed_layer as checkpointed_layer
 from jzero.replay.trace import eval_tagged as eval_tagged
 from jzero.replay.trace import find_layers as find_layers
 from jzero.replay.trace import first_element as first_element
@@ -44,6 +43,7 @@ from jzero.replay.trace import inner_jaxpr as inner_jaxpr
 from jzero.replay.trace import is_floating as is_floating
 from jzero.replay.trace import layer_keys as layer_keys
 from jzero.replay.trace import named as named
+from jzero.replay.trace import remat_layer as remat_layer
 from jzero.replay.trace import tie_all as tie_all
 from jzero.replay.trace import tie_to as tie_to
 from jzero.replay.trace import tied as tied
@@ -52,9 +52,9 @@ __all__ = [
     "ACTIVATION",
     "all_gather",
     "bind",
-    "checkpoint_policy",
-    "checkpoint_scans",
-    "checkpointed_layer",
+    "remat_save_policy",
+    "remat_scans",
+    "remat_layer",
     "eval_tagged",
     "Event",
     "find_layers",

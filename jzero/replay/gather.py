@@ -13,7 +13,7 @@ name importable from here:
   bodies and
   to each other use, scans and layers re-emitted under ``jax.checkpoint``;
 * here, the entry points: :func:`gathered` (stage 3), :func:`replay` and
-  :func:`checkpoint_scans` (activation checkpointing at any stage), :func:`layer_dims` (the
+  :func:`remat_scans` (activation checkpointing at any stage), :func:`layer_dims` (the
   stacked-layer dimensions the plan keeps whole).
 
 Decisions:
@@ -44,7 +44,7 @@ import jax
 from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
-from jzero.replay.interpreter import GATHERED, PARTITIONED, _Replay, checkpoint_policy
+from jzero.replay.interpreter import GATHERED, PARTITIONED, _Replay, remat_save_policy
 from jzero.replay.param_gather import _Pending, all_gather
 from jzero.replay.prefetch import kept_leaves, prefetch_anchors
 from jzero.replay.remat import RematPolicy, parse_policy
@@ -54,8 +54,8 @@ __all__ = [
     "GATHERED",
     "PARTITIONED",
     "all_gather",
-    "checkpoint_policy",
-    "checkpoint_scans",
+    "remat_save_policy",
+    "remat_scans",
     "gathered",
     "layer_dims",
     "replay",
@@ -121,7 +121,7 @@ def gathered(
       grad_dtype: the dtype the gradients' reduce-scatter runs in; ``None``: the shard's.
       policy: the activation-checkpointing policy of every layer (:mod:`jzero.replay.remat`): each
         scan body, and each layer of a Python loop; ``None``: only the scans that gather
-        weights are checkpointed, by :data:`checkpoint_policy`. Whatever the policy, no
+        weights are checkpointed, by :data:`remat_save_policy`. Whatever the policy, no
         gathered weight is saved for the backward pass.
       reshard: gather each weight again in the backward pass (FSDP's
         ``reshard_after_forward``); ``False`` keeps the forward's gathered weights for the
@@ -263,7 +263,7 @@ def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | No
     return found
 
 
-def checkpoint_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[..., Any]:
+def remat_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[..., Any]:
     """``fn`` with the body of every top-level ``lax.scan`` it runs checkpointed by ``policy``.
 
     The same numbers as ``fn``; only what its gradient keeps for the backward pass changes.

@@ -10,7 +10,7 @@ Decisions:
 * When a ``scan`` consumes a pending gather as a scanned operand (stacked layers, layer dim
   leading), the shard itself is scanned and the all-gather is placed *inside* the scan body,
   which is re-traced under ``jax.checkpoint`` with a policy that saves only matmul outputs
-  (``dots_no_batch``, :data:`checkpoint_policy`; the ``activation_checkpointing`` policy when
+  (``dots_no_batch``, :data:`remat_save_policy`; the ``activation_checkpointing`` policy when
   one is set, see :mod:`jzero.replay.remat`), so no gathered weight is kept for the backward pass.
   The
   backward pass therefore gathers each layer again and reduce-scatters its gradient (the
@@ -41,7 +41,7 @@ Decisions:
 * Activation checkpointing at every stage: every scan reached outside other scans (through
   nested ``jit`` calls too) is re-emitted with its body under ``jax.checkpoint``, and each
   layer of a model written as a Python loop (:func:`jzero.replay.trace.find_layers`) as one
-  checkpointed function (:func:`jzero.replay.trace.checkpointed_layer`). Inside such a layer stage 3
+  checkpointed function (:func:`jzero.replay.trace.remat_layer`). Inside such a layer stage 3
   gathers plainly: the recomputation gathers again and also serves the backward pass, two
   gathers per weight as in a scan. Scans inside other higher-order primitives (``cond``,
   ``while``, custom derivatives, the model's own ``jax.checkpoint``) are left as written.
@@ -70,23 +70,23 @@ from jzero.replay.trace import (
     Partition,
     Segment,
     bind,
-    checkpointed_layer,
     eval_tagged,
     first_element,
     has_scan,
     inner_jaxpr,
     named,
+    remat_layer,
     tied,
 )
 
-__all__ = ["GATHERED", "PARTITIONED", "checkpoint_policy"]
+__all__ = ["GATHERED", "PARTITIONED", "remat_save_policy"]
 
 # Matmul outputs (the activations) are kept for the backward pass; everything else in a
 # gathered layer, the gathered weights first of all, is recomputed there. Measured on the
 # built-in GPT (8 layers of d=256, stage 3, 8 devices): saving all but the all-gather outputs
 # left 48 MiB of temporaries (weight-derived values were saved), this policy 18 MiB, saving
 # nothing 11 MiB at the cost of a second forward pass.
-checkpoint_policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+remat_save_policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 GATHERED = "jzero_gathered_weight"  # the name of a gathered weight kept for backward
 
@@ -98,7 +98,7 @@ class _Replay:
     and re-emitting each scan's body under ``jax.checkpoint`` where ``policy`` asks for it.
 
     ``policy`` None: only the scans that gather weights are checkpointed, with
-    :data:`checkpoint_policy` (stage 3's default); a :class:`~jzero.replay.remat.RematPolicy`: every
+    :data:`remat_save_policy` (stage 3's default); a :class:`~jzero.replay.remat.RematPolicy`: every
     scan reached outside other scans (see :mod:`jzero.replay.remat` for what each policy keeps).
     """
 
@@ -166,7 +166,7 @@ class _Replay:
         return [read(v) for v in jaxpr.outvars]
 
     def _layer(self, eqns: Sequence[Any], seg: Segment, vals: list[Any]) -> list[Any]:
-        """One layer of a Python loop, checkpointed by the policy (:func:`checkpointed_layer`).
+        """One layer of a Python loop, checkpointed by the policy (:func:`remat_layer`).
 
         Its parameters come in as shards and are gathered at their uses inside, plainly: the
         backward pass recomputes the layer, gathers included, so no gathered weight is saved.
@@ -214,7 +214,7 @@ class _Replay:
             outs = body(arrays)
         else:
             split = seg.activations_in  # the saved activations, not the weights
-            outs = checkpointed_layer(body, self.policy, self.partition, split)(arrays)
+            outs = remat_layer(body, self.policy, self.partition, split)(arrays)
         return [
             x if p is None else dataclasses.replace(p, shard=x)
             for x, p in zip(outs, out_pend, strict=True)
@@ -344,7 +344,7 @@ class _Replay:
     def _body_policy(self, gathers: bool) -> Any:
         """The ``jax.checkpoint`` policy of a scan body (None: not checkpointed)."""
         if self.policy is None:
-            return checkpoint_policy if gathers else None
+            return remat_save_policy if gathers else None
         if self.policy.active or gathers:
             # ``none`` with gathered weights is checkpointed too: its policy keeps every tagged
             # activation (see ``tag`` in :meth:`_scan`) and re-gathers the weights.

@@ -26,7 +26,7 @@ Decisions:
 
 * **No section, no checkpointing.** Without an ``activation_checkpointing`` section (policy
   ``None``), stages 0-2 rematerialise nothing and stage 3 keeps its own rule for the scans
-  whose weights it gathers: ``dots_no_batch`` (:data:`jzero.replay.gather.checkpoint_policy`).
+  whose weights it gathers: ``dots_no_batch`` (:data:`jzero.replay.gather.remat_save_policy`).
   With the section and no ``policy`` key the policy is ``full``: a DeepSpeed user who adds the
   section expects checkpointing, and DeepSpeed checkpoints keep only each layer's input.
 * **A layer is a scan body, or a layer of a Python loop.** Stacked layers under
@@ -39,7 +39,7 @@ Decisions:
   Each such layer is checkpointed with the policy; what lies before the first layer (the
   embedding) and after the last (the head, the loss) is not. ``jax.checkpoint`` alone is not
   enough there on CPU (XLA's CSE merges the recomputation back into the forward pass), so the
-  layer's saved values are tied to its cotangent (:func:`jzero.replay.trace.checkpointed_layer`):
+  layer's saved values are tied to its cotangent (:func:`jzero.replay.trace.remat_layer`):
   ``benchmarks/stage3_layers.py``, 16 residual MLP layers at stage 0: 5.56 MiB of
   temporaries without a policy and 4.13 MiB with ``full``. Scans inside a scan body, or
   inside the model's own ``jax.checkpoint``, ``cond`` or custom derivative, are left as the
@@ -84,6 +84,8 @@ from typing import Any
 import jax
 import jax.ad_checkpoint
 
+from jzero.plan.memory_kinds import PINNED_HOST
+
 __all__ = [
     "LAYER_INPUT",
     "POLICIES",
@@ -107,7 +109,7 @@ LAYER_INPUT = "jzero_layer_input"
 ACTIVATION = "jzero_activation"
 """The ``checkpoint_name`` of every input-dependent value of a stage-3 layer under ``none``."""
 
-_HOST = "pinned_host"
+_HOST = PINNED_HOST
 
 
 @dataclass(frozen=True)

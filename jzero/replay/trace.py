@@ -6,7 +6,7 @@
   unchanged): that orders work (a gather cannot start before its anchor exists) and makes a
   recomputation a different value, which XLA's CSE cannot merge back into the forward pass.
 * The layers of a model written as a Python loop (:func:`layer_keys`, :func:`find_layers`) and
-  their rematerialisation (:func:`checkpointed_layer`): see :mod:`jzero.replay.remat` for the rules.
+  their rematerialisation (:func:`remat_layer`): see :mod:`jzero.replay.remat` for the rules.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = [
     "Partition",
     "Segment",
     "bind",
-    "checkpointed_layer",
+    "remat_layer",
     "eval_tagged",
     "find_layers",
     "first_element",
@@ -332,7 +332,7 @@ class Partition:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
 
 
-def checkpointed_layer(
+def remat_layer(
     fn: Callable[[list[Any]], list[Any]],
     policy: RematPolicy,
     partition: Partition | None = None,

@@ -159,7 +159,7 @@ def make_train_step(
         loss, each layer of a Python loop), a :class:`jzero.replay.remat.RematPolicy` or its text
         (``"full"``, ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see
         :mod:`jzero.replay.remat`. ``None`` (the default): no checkpointing at stages 0-2; stage 3
-        checkpoints the scans it gathers with :data:`jzero.replay.gather.checkpoint_policy`. The
+        checkpoints the scans it gathers with :data:`jzero.replay.gather.remat_save_policy`. The
         engine passes the config's ``activation_checkpointing``.
       sub_group_size: with the optimizer state offloaded, stream the update over groups of
         parameter leaves of at most this many elements, one group's state in device memory at

@@ -14,8 +14,10 @@ Decisions:
   file) is split on its dots. A level whose keys are exactly ``0 .. n-1`` becomes a list.
 * A ``.npz`` records each tensor's dtype by name beside the paths (numpy's format has no
   bfloat16); a member stored in another dtype is viewed as the recorded one.
-* This module writes nothing and imports no JAX; :mod:`jzero.weights.export` re-exports every name
-  here, so ``jzero.weights.export.load_exported`` and ``read_index`` keep working.
+* This module writes nothing and imports no JAX. Its public names are :mod:`jzero.weights`'s
+  (``jzero.export.load_exported`` and ``read_index`` keep working through the alias module).
+* One check of a header entry against the file (:func:`tensor_layout`: dtype, shape, offsets)
+  serves this reader and the sharded one (:mod:`jzero.weights.sharded`).
 """
 
 from __future__ import annotations
