@@ -246,8 +246,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
     import optax
 
-    import jzero.hlo
-    from jzero.mesh import make_mesh
+    import jzero.hlo.facts
+    from jzero.distributed import make_mesh
     from jzero.models import gpt
 
     device = jax.devices()[0]

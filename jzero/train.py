@@ -54,8 +54,7 @@ from jzero import config as config_lib
 from jzero import data as data_lib
 from jzero import distributed, memory
 from jzero.config import Config, load_config
-from jzero.engine import Engine
-from jzero.engine_init import initialize
+from jzero.engine import Engine, initialize
 from jzero.models import gpt
 
 __all__ = ["exit_code", "run", "strict_json"]

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from jzero.checkpoint import export
+from jzero.weights import export_checkpoint
 
 
 def rss_kib(field):
@@ -19,14 +19,16 @@ def rss_kib(field):
 
 
 def main(directory: str, out: str) -> None:
-    export(directory, 1, Path(out) / "warm_up.npz")  # first-use allocations of the libraries
+    export_checkpoint(
+        directory, 1, Path(out) / "warm_up.npz"
+    )  # first-use allocations of the libraries
     peaks = {}
     for dtype in ("float32", "bfloat16"):
         runs = []
         for _ in range(3):
             Path("/proc/self/clear_refs").write_text("5")  # high-water mark := current RSS
             before = rss_kib("VmRSS")
-            export(directory, 1, Path(out) / f"big_{dtype}.safetensors", dtype=dtype)
+            export_checkpoint(directory, 1, Path(out) / f"big_{dtype}.safetensors", dtype=dtype)
             runs.append(rss_kib("VmHWM") - before)
         # The allocator's arenas and TensorStore's threads make one run's mark noisy (measured
         # 1-7 leaves); an export that held the whole tree would cost 16 leaves every run.

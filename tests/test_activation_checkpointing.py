@@ -14,9 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero import gather, remat, trace
 from jzero.config import ConfigError, load_config
 from jzero.hlo import collectives
+from jzero.replay import gather, remat, trace
 
 L, D, F, B = 8, 32, 512, 2048  # per device: 256 rows, a 256 x 512 hidden activation per layer
 
@@ -241,7 +241,7 @@ def test_layer_keys_of_pytrees_linen_and_nnx_paths():
 
 def test_checkpoint_scans_on_its_own_changes_what_is_saved_not_the_gradient():
     p, b = params(), {"x": batches(1)[0]["x"][:64]}
-    f = gather.checkpoint_scans(scan_loss, "full")
+    f = gather.remat_scans(scan_loss, "full")
     assert "remat" in str(jax.make_jaxpr(jax.grad(f))(p, b))
     assert "remat" not in str(jax.make_jaxpr(jax.grad(scan_loss))(p, b))
     got, want = jax.grad(f)(p, b), jax.grad(scan_loss)(p, b)

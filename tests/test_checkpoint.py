@@ -28,13 +28,12 @@ from jzero.checkpoint import (
     Checkpointer,
     CheckpointError,
     abstract_target,
-    export,
     inspect,
     list_steps,
 )
 from jzero.cli.checkpoint import add_commands
-from jzero.export import load_exported
 from jzero.step import init_train_state, state_shardings
+from jzero.weights import export_checkpoint, load_exported
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -235,7 +234,7 @@ def _parse_safetensors(path):
 
 def test_export_safetensors_and_npz(saved3, tmp_path):
     directory, params = saved3[0], saved3[4]  # the gathered params when step 5 was saved
-    out = export(directory, SAVE_AT, tmp_path / "p.safetensors")
+    out = export_checkpoint(directory, SAVE_AT, tmp_path / "p.safetensors")
     header, data = _parse_safetensors(out)
     meta = header.pop("__metadata__")
     assert set(header) == {"embed", "blocks.w", "blocks.b", "head.w", "head.b", "odd"}
@@ -255,7 +254,7 @@ def test_export_safetensors_and_npz(saved3, tmp_path):
         assert a.dtype == np.float32
         np.testing.assert_array_equal(a, b)
     for name in ("p16.safetensors", "p16.npz"):
-        out = export(directory, SAVE_AT, tmp_path / name, dtype="bfloat16")
+        out = export_checkpoint(directory, SAVE_AT, tmp_path / name, dtype="bfloat16")
         loaded = load_exported(out)
         assert jax.tree.structure(loaded) == jax.tree.structure(params)
         for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
@@ -359,7 +358,10 @@ def damaged(saved3, tmp_path):
 
 def test_missing_directory_and_step(saved3, tmp_path):
     missing = tmp_path / "nope"
-    for call in (lambda: inspect(missing), lambda: export(missing, None, tmp_path / "x.npz")):
+    for call in (
+        lambda: inspect(missing),
+        lambda: export_checkpoint(missing, None, tmp_path / "x.npz"),
+    ):
         with pytest.raises(CheckpointError, match=r"The checkpoint directory .*nope' does not"):
             call()
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -391,7 +393,7 @@ def test_truncated_shard_is_named(damaged):
     with pytest.raises(CheckpointError, match=msg):
         Checkpointer(directory).restore(target_of(make_plan(3)))
     with pytest.raises(CheckpointError, match=msg):
-        export(directory, 5, directory / "x.safetensors")
+        export_checkpoint(directory, 5, directory / "x.safetensors")
     assert "DAMAGED: the file " + rel in inspect(directory)
     # Without jzero's file record the read itself fails, and is still reported by step (in a
     # child process: see its docstring).
@@ -427,11 +429,11 @@ def test_deleted_shard_and_manifest_are_named(damaged):
 def test_bad_arguments_are_explained(saved3, tmp_path):
     directory = saved3[0]
     with pytest.raises(CheckpointError, match=r"no tree 'weights'; its trees are \[.*'params'"):
-        export(directory, 5, tmp_path / "x.npz", tree="weights")
+        export_checkpoint(directory, 5, tmp_path / "x.npz", tree="weights")
     with pytest.raises(CheckpointError, match=r"Export dtype 'int8' is not supported"):
-        export(directory, 5, tmp_path / "x.npz", dtype="int8")
+        export_checkpoint(directory, 5, tmp_path / "x.npz", dtype="int8")
     with pytest.raises(FileNotFoundError, match="output directory .* does not exist"):
-        export(directory, 5, tmp_path / "no" / "x.npz")
+        export_checkpoint(directory, 5, tmp_path / "no" / "x.npz")
     ckpt = Checkpointer(tmp_path / "new")
     with pytest.raises(CheckpointError, match="meta is not JSON-serialisable"):
         ckpt.save(1, {"x": np.zeros(2)}, meta={"when": object()})

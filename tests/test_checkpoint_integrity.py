@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import toy
 
-import jzero.export
+import jzero.weights.export
 from jzero import cli
-from jzero.checkpoint import Checkpointer, CheckpointError, export
-from jzero.export import load_exported
+from jzero.checkpoint import Checkpointer, CheckpointError
+from jzero.weights import export_checkpoint, load_exported
 
 RECORD = "jzero_files.json"
 
@@ -112,7 +112,7 @@ def test_flipped_bytes_are_named_by_restore_export_and_verify(copy, capsys, tmp_
     with pytest.raises(CheckpointError, match=msg):
         Checkpointer(copy).restore(target())
     with pytest.raises(CheckpointError, match=msg):
-        export(copy, 2, tmp_path / "p.safetensors")
+        export_checkpoint(copy, 2, tmp_path / "p.safetensors")
     assert not (tmp_path / "p.safetensors").exists()
     status, out = verify_cli(capsys, copy)
     assert status == 1
@@ -176,7 +176,7 @@ def test_export_never_writes_through_a_tmp_symlink(saved, tmp_path, monkeypatch)
     for name in ("p.safetensors", "p.npz"):
         out = out_dir / name
         os.symlink(victim, out_dir / (name + ".tmp"))
-        assert export(saved, 2, out) == out
+        assert export_checkpoint(saved, 2, out) == out
         assert victim.read_text() == "precious"
         assert os.readlink(out_dir / (name + ".tmp")) == str(victim)  # not ours: left alone
         loaded = load_exported(out)
@@ -185,7 +185,7 @@ def test_export_never_writes_through_a_tmp_symlink(saved, tmp_path, monkeypatch)
             np.testing.assert_array_equal(a, np.asarray(b))
     # An output that is itself a symlink is replaced, not written through.
     os.symlink(victim, out_dir / "link.npz")
-    export(saved, 2, out_dir / "link.npz")
+    export_checkpoint(saved, 2, out_dir / "link.npz")
     assert not (out_dir / "link.npz").is_symlink() and victim.read_text() == "precious"
     expected = {"p.safetensors", "p.safetensors.tmp", "p.npz", "p.npz.tmp", "link.npz"}
     assert {p.name for p in out_dir.iterdir()} == expected  # no temporary left behind
@@ -195,8 +195,8 @@ def test_export_never_writes_through_a_tmp_symlink(saved, tmp_path, monkeypatch)
         f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(jzero.export, "_write_npz", broken)
+    monkeypatch.setattr(jzero.weights.export, "_write_npz", broken)
     with pytest.raises(OSError, match="disk full"):
-        export(saved, 2, out_dir / "new.npz")
+        export_checkpoint(saved, 2, out_dir / "new.npz")
     assert {p.name for p in out_dir.iterdir()} == expected
     assert victim.read_text() == "precious"

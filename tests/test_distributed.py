@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from jzero import data, distributed, launch
+from jzero import data, distributed
+from jzero.distributed import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -122,7 +123,7 @@ def gone(pid: int) -> bool:
 
 
 def launcher(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jzero.launch", *args]
+    return [sys.executable, "-m", "jzero.distributed.launch", *args]
 
 
 def run_two(script: str, *args: str, timeout: float = 400, every_record: bool = False) -> Any:

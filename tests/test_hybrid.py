@@ -274,7 +274,7 @@ def test_two_processes_one_replica_each():
 
 
 def test_launch_replicas_become_the_replica_axis(monkeypatch):
-    from jzero import launch
+    from jzero.distributed import launch
 
     env = launch.child_env({}, 0, 2, 1234, 4, replicas=2)
     assert env["JZERO_REPLICAS"] == "2"

@@ -2,7 +2,8 @@
 children get a grace period, a ``kill -9`` of the launcher takes the children with it, and a
 local coordinator listens on loopback only.
 
-The launcher runs as ``python -m jzero.launch`` in its own process group; its children are
+The launcher runs as ``python -m jzero.distributed.launch`` in its own process group; its children
+are
 tests/launch_child.py (no JAX), which record their pid and the signals they get in files. Every
 wait is bounded, and every process a test started is killed when it ends, however it ends.
 """
@@ -18,7 +19,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from jzero import distributed, launch
+from jzero.distributed import launch
+from jzero.distributed import runtime as distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = ROOT / "tests" / "launch_child.py"
@@ -56,7 +58,7 @@ class Launches:
         env = {k: v for k, v in os.environ.items() if not k.startswith("JZERO_")}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.update(JAX_PLATFORMS="cpu", LAUNCH_CHILD_DELAY=str(delay))
-        cmd = [sys.executable, "-m", "jzero.launch", "-n", "2", "--grace-period"]
+        cmd = [sys.executable, "-m", "jzero.distributed.launch", "-n", "2", "--grace-period"]
         cmd += [str(grace_period), "--", sys.executable, str(CHILD), str(self.directory)]
         p = subprocess.Popen(
             cmd,

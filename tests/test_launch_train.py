@@ -36,7 +36,15 @@ def _sigterm_when(tmp_path, ready, why):
     train = ["jzero", "train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
     train += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=0"]
     train += ["--set", f"checkpoint.directory={ckpt}", "--set", "train_micro_batch_size_per_gpu=1"]
-    cmd = [sys.executable, "-m", "jzero.launch", "-n", "2", "--devices-per-process", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jzero.distributed.launch",
+        "-n",
+        "2",
+        "--devices-per-process",
+        "4",
+    ]
     cmd += ["--grace-period", "120", "--", *train]
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     out_path, err_path = tmp_path / "launch.out", tmp_path / "launch.err"

@@ -15,10 +15,10 @@ import toy
 
 import jzero
 from jzero.checkpoint import Checkpointer, abstract_target
-from jzero.gather import layer_dims
 from jzero.hlo import layout_copies
 from jzero.models import gpt
 from jzero.plan import is_contiguous, make_plan
+from jzero.replay import layer_dims
 from jzero.step import init_train_state, state_shardings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_layout"

@@ -14,9 +14,9 @@ import pytest
 import toy
 
 import jzero
-from jzero.mesh import make_mesh
+from jzero.distributed import make_mesh
 from jzero.plan import make_plan
-from jzero.precision import Precision, from_config
+from jzero.plan.precision import Precision, from_config
 from jzero.step import init_train_state, make_train_step
 
 STAGE = 2  # gradients and optimizer state sharded: the skip must keep shards as they were

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jzero import nvme
 from jzero.nvme import NvmeIOError, NvmeStore, check_nvme_path
+from jzero.nvme import store as nvme
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 

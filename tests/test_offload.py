@@ -19,7 +19,7 @@ import pytest
 import toy
 
 import jzero
-from jzero import offload
+from jzero.plan import memory_kinds as offload
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32

@@ -344,7 +344,7 @@ def test_bad_nvme_paths_fail_at_initialize(tmp_path):
 def test_nvme_path_without_room_or_write_access(tmp_path, monkeypatch):
     import shutil
 
-    from jzero import nvme as nvme_lib
+    from jzero.nvme import store as nvme_lib
 
     def adamw(**zero):
         return jzero.initialize(

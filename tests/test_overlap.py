@@ -22,7 +22,8 @@ import toy
 from test_zeropp import gpt_run
 
 import jzero
-from jzero import hlo, overlap
+from jzero import hlo
+from jzero.comm import overlap
 from jzero.config import JzeroConfigWarning
 from jzero.plan import make_plan
 
@@ -143,7 +144,7 @@ def test_gpu_compile_options_follow_the_config_and_cpu_gets_none():
                 },
             }
         )
-    plan = plan_for(2, precision=jzero.precision.from_config(cfg),
+    plan = plan_for(2, precision=jzero.plan.precision.from_config(cfg),
                     **cfg.zero_optimization.comm_options())  # fmt: skip
     opts = overlap.compiler_options(plan, platform="gpu")
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jzero.gather import all_gather
-from jzero.hlo import collectives
-from jzero.quantize import (
+from jzero.comm import (
     dequantize,
     quantize,
     quantized_all_gather,
     quantized_psum,
     quantized_psum_scatter,
 )
+from jzero.hlo import collectives
+from jzero.replay import all_gather
 
 N = 8
 QMAX = {8: 127, 4: 7}

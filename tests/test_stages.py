@@ -1,4 +1,4 @@
-"""Every stage rule derives from the one table (``jzero.stages.STAGES``): which offload a stage
+"""Every stage rule derives from the one table (``jzero.plan.stages.STAGES``): which offload a stage
 allows (config, plan, the measured plan's variants), its model-state bytes and traffic (the
 estimate) and the formula text. Changing a row's flags changes all of them."""
 
@@ -9,9 +9,10 @@ import pytest
 import toy
 
 import jzero
-from jzero import memory, stages
+from jzero import memory
 from jzero.config import ConfigError, load_config
 from jzero.memory._measure import offload_variants
+from jzero.plan import stages
 
 PARAM_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
 

@@ -20,8 +20,14 @@ import toy
 import jzero
 from jzero.checkpoint import Checkpointer
 from jzero.cli.checkpoint import add_commands
-from jzero.export import INDEX_NAME, leaf_entries, load_exported, read_index, write_leaves
-from jzero.weights import load_weights
+from jzero.weights import (
+    INDEX_NAME,
+    leaf_entries,
+    load_exported,
+    load_weights,
+    read_index,
+    write_leaves,
+)
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent

@@ -14,7 +14,7 @@ import optax
 import toy
 
 import jzero
-from jzero.export import load_exported
+from jzero.weights import load_exported
 
 
 def main(directory: str) -> None:

@@ -18,9 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jzero.checkpoint import export
-from jzero.export import read_index
-from jzero.weights import load_weights, save_weights
+from jzero.weights import export_checkpoint, load_weights, read_index, save_weights
 
 LIBC = ctypes.CDLL("libc.so.6")
 
@@ -50,13 +48,13 @@ def least_of_3(run):
 
 def main(directory: str, out: str) -> None:
     out = Path(out)
-    export(directory, 1, out / "warm", max_shard_size="20MB")  # first-use allocations
+    export_checkpoint(directory, 1, out / "warm", max_shard_size="20MB")  # first-use allocations
     peaks = {}
     for dtype in ("float32", "bfloat16"):
 
         def run(dtype=dtype):
             shutil.rmtree(out / dtype, ignore_errors=True)
-            export(directory, 1, out / dtype, dtype=dtype, max_shard_size="20MB")
+            export_checkpoint(directory, 1, out / dtype, dtype=dtype, max_shard_size="20MB")
 
         peaks[f"export_{dtype}"] = least_of_3(run)
     _, weight_map, _ = read_index(out / "float32")

@@ -9,7 +9,10 @@ modules, each importing only those listed before it:
   writer's lock, :class:`CheckpointWriteError`.
 * ``orbax_io``: every Orbax call (write a step; read its state, JSON items, metadata, a leaf).
 * ``checkpointer``: :class:`Checkpointer`, which saves and restores training state.
-* ``info``: :func:`inspect` and :func:`export`, which read a directory without an engine.
+* ``info``: :func:`inspect` and :func:`read_info`, which read a directory without an engine.
+
+Only Orbax checkpoints live here: exporting a checkpoint's weights is
+:func:`jzero.weights.export_checkpoint`, which reads through this package (never the reverse).
 
 The names below are the package's public surface; the modules' other names serve the package.
 """
@@ -21,7 +24,6 @@ from jzero.checkpoint.dirs import latest_step as latest_step
 from jzero.checkpoint.dirs import list_steps as list_steps
 from jzero.checkpoint.info import CheckpointInfo as CheckpointInfo
 from jzero.checkpoint.info import LeafInfo as LeafInfo
-from jzero.checkpoint.info import export as export
 from jzero.checkpoint.info import format_info as format_info
 from jzero.checkpoint.info import inspect as inspect
 from jzero.checkpoint.info import read_info as read_info
@@ -42,7 +44,6 @@ __all__ = [
     "LeafInfo",
     "StepCheck",
     "abstract_target",
-    "export",
     "format_info",
     "inspect",
     "latest_step",

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jzero.checkpoint import dirs, orbax_io
 from jzero.checkpoint.dirs import TMP_SUFFIX, CheckpointWriteError, latest_step, list_steps
@@ -43,16 +42,11 @@ from jzero.checkpoint.layout import (
     path_str,
     seal,
 )
+from jzero.distributed import barrier
 
 __all__ = ["Checkpointer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _sync(name: str) -> None:
-    """Every process waits here (one process needs no barrier)."""
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
 
 
 class Checkpointer:
@@ -125,7 +119,7 @@ class Checkpointer:
                 self._lock = lock
                 dirs.write_marker(self.directory)
                 dirs.recover_asides(self.directory)
-            _sync("jzero-checkpoint-open")
+            barrier("jzero-checkpoint-open")
             self._manager = orbax_io.StepWriter(self.directory, self._on_written)
             self._seq = dirs.next_seq(self.directory)
         return self._manager
@@ -171,7 +165,7 @@ class Checkpointer:
                 for old in order[: max(0, len(order) - self.max_to_keep)]:
                     dirs.remove_step(self.directory, old, f"max_to_keep={self.max_to_keep}")
         self._aside, self._superseded = None, []
-        _sync(f"jzero-checkpoint-settled-{step}")
+        barrier(f"jzero-checkpoint-settled-{step}")
 
     def _claim_lineage(self) -> None:
         """The first save decides whose run the directory holds (see ``overwrite``)."""
@@ -273,7 +267,7 @@ class Checkpointer:
             if self._main:  # write aside, then swap: the committed copy stays until then
                 os.replace(target, self.directory / f"{step}{dirs.ASIDE}")
             self._aside = step
-            _sync(f"jzero-aside-{step}")
+            barrier(f"jzero-aside-{step}")
         manager.reload()
         self._inflight = step
         info = {

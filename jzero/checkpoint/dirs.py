@@ -46,6 +46,7 @@ import weakref
 from pathlib import Path
 from typing import IO, Any
 
+from jzero._util import write_atomic
 from jzero.checkpoint.layout import JZERO, CheckpointError, first_problem
 
 __all__ = ["CheckpointWriteError", "DirectoryLock", "MARKER", "latest_step", "list_steps"]
@@ -168,9 +169,7 @@ def write_marker(directory: Path) -> None:
         },
         indent=2,
     )
-    tmp = directory / f".{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(text + "\n")
-    os.replace(tmp, marker)
+    write_atomic(marker, lambda f: f.write(text + "\n"), text=True)
 
 
 def remove_step(directory: Path, step: int, why: str) -> None:

@@ -1,23 +1,15 @@
-"""Inspect and export: what a checkpoint directory holds, and its parameters as files.
+"""Inspect: what a checkpoint directory holds, read from metadata only.
 
 Decisions:
 
-* Both read Orbax's metadata and never load a whole tree: inspect loads no array; export
-  restores one leaf at a time as a host numpy array, so host memory stays near the largest leaf
-  (see :mod:`jzero.export` for the file formats).
-* Both check a step's files against its file record first; inspect reports a damaged step
-  (``DAMAGED: ...``) instead of failing, export refuses it with a :class:`CheckpointError`.
-  Export reads every file's checksum (as restore does); inspect compares sizes only, unless
-  ``verify`` asks it to read every file: then it checks every complete step when no step is
-  named (the question is "which steps can I resume from?"), else the named one, and lists all
-  that is wrong with each (:class:`StepCheck`), saying when a step's record predates checksums.
-* Export writes through :func:`jzero.export.write_leaves`, which writes a file it creates
-  exclusively (a fresh name) beside the output and renames it onto the output when complete:
-  no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or symlink
-  there is never written through or removed; a failed export removes only its own file.
-* :func:`parameter_leaves` serves ``jzero.initialize(init_from=<checkpoint dir>)``
-  (:mod:`jzero.weights`): the master weights of a mixed-precision run (float32, exact), else
-  the params, one leaf at a time.
+* Orbax's metadata is read and no array is loaded.
+* A step's files are checked against its file record first; a damaged step is reported
+  (``DAMAGED: ...``) instead of failing. Only sizes are compared, unless ``verify`` asks to read
+  every file: then every complete step is checked when no step is named (the question is "which
+  steps can I resume from?"), else the named one, and all that is wrong with each is listed
+  (:class:`StepCheck`), saying when a step's record predates checksums.
+* Exporting a checkpoint's parameters as weight files is :mod:`jzero.weights.from_checkpoint`'s:
+  this package is Orbax only, and imports nothing of :mod:`jzero.weights`.
 * Orbax is reached only through :mod:`jzero.checkpoint.orbax_io`, the one module that imports
   it; which step to read, and whether its files are intact, through
   :mod:`jzero.checkpoint.dirs`.
@@ -30,12 +22,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
-from jzero import export as export_lib
 from jzero.checkpoint import dirs, orbax_io
 from jzero.checkpoint.layout import (
     JZERO,
@@ -46,16 +36,13 @@ from jzero.checkpoint.layout import (
     flat,
     verify_step,
 )
-from jzero.export import path_parts
 
 __all__ = [
     "CheckpointInfo",
     "LeafInfo",
     "StepCheck",
-    "export",
     "format_info",
     "inspect",
-    "parameter_leaves",
     "read_info",
 ]
 
@@ -216,110 +203,3 @@ def inspect(directory: str | os.PathLike, step: int | None = None, *, verify: bo
     :func:`read_info`).
     """
     return format_info(read_info(directory, step, verify=verify))
-
-
-# -- export --------------------------------------------------------------------------------
-_DTYPES = {
-    "float32": np.float32,
-    "fp32": np.float32,
-    "bfloat16": jnp.bfloat16,
-    "bf16": jnp.bfloat16,
-}
-
-
-def _leaves(
-    directory: str | os.PathLike, step: int | None, tree: str, out_dtype: np.dtype | None
-) -> tuple[int, list[export_lib.ExportEntry], Any]:
-    """A step's leaves under ``tree``: the step, the entries (floating leaves as ``out_dtype``
-    unless ``None``) and ``fetch(i)``, which reads one leaf on the host."""
-    d = Path(directory).absolute()
-    step = dirs.resolve_step(d, step)
-    step_dir = dirs.verified_step_dir(d, step)
-    saved = orbax_io.tree_metadata(d, step, step_dir)
-    prefix = tuple(tree.split(".")) if tree else ()
-    selected = [
-        (p, md)
-        for p, md in flat(saved).values()
-        if tuple(str(x) for x in path_parts(p)[: len(prefix)]) == prefix
-    ]
-    if not selected:
-        tops = sorted({k.split(".")[0] for k in flat(saved)})
-        raise CheckpointError(
-            f"Step {step} of {str(d)!r} has no tree {tree!r}; its trees are {tops}. "
-            "Pass one of them as tree."
-        )
-    entries = []
-    for p, md in selected:
-        rel = path_parts(p)[len(prefix) :] or (path_parts(p)[-1],)
-        keep = out_dtype is None or not jnp.issubdtype(md.dtype, jnp.floating)
-        entries.append(
-            export_lib.ExportEntry(
-                ".".join(map(str, rel)),
-                rel,
-                tuple(int(n) for n in md.shape),
-                np.dtype(md.dtype) if keep else out_dtype,
-            )
-        )
-    read = orbax_io.leaf_reader(d, step, step_dir, saved)
-
-    def fetch(i: int) -> np.ndarray:
-        return read(selected[i][0])
-
-    return step, entries, fetch
-
-
-def parameter_leaves(
-    directory: str | os.PathLike, step: int | None = None
-) -> tuple[int, list[export_lib.ExportEntry], Any]:
-    """A step's parameters, one leaf at a time: the float32 master weights where the run was
-    mixed precision (its ``master`` tree), else ``params``.
-
-    Returns:
-      ``(step, entries, fetch)``: the step read, one entry per leaf (saved dtypes) and
-      ``fetch(i)``, which reads ``entries[i]`` alone as a host array.
-    """
-    d = Path(directory).absolute()
-    step = dirs.resolve_step(d, step)
-    saved = orbax_io.tree_metadata(d, step, dirs.verified_step_dir(d, step))
-    has_master = any(k.split(".")[0] == "master" for k in flat(saved))
-    return _leaves(d, step, "master" if has_master else "params", None)
-
-
-def export(
-    directory: str | os.PathLike,
-    step: int | None,
-    out_path: str | os.PathLike,
-    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = "float32",
-    tree: str = "params",
-    max_shard_size: int | str | None = None,
-) -> Path:
-    """Writes one tree of a step (the full parameters) as one file or as sharded safetensors.
-
-    Leaves are read from the checkpoint one at a time, so host memory stays near the largest
-    leaf. Floating leaves are cast to ``dtype``; others keep theirs. Read it back with
-    :func:`jzero.export.load_exported`, or load it with ``jzero.initialize(init_from=...)``.
-
-    Args:
-      directory: the checkpoint directory.
-      step: the step to export; ``None`` for the latest.
-      out_path: the file (``.npz`` writes numpy's format, anything else safetensors), or with
-        ``max_shard_size`` the directory of Hugging Face's sharded layout.
-      dtype: ``float32`` or ``bfloat16`` (``fp32``/``bf16``).
-      tree: the saved tree (a dotted path into the state), ``params`` by default.
-      max_shard_size: write ``model-00001-of-0000N.safetensors`` files of at most this size
-        (``5GB``, ``500MiB``, bytes) and ``model.safetensors.index.json`` into ``out_path``.
-
-    Returns:
-      The written file, or the index of a sharded export.
-    """
-    if dtype not in _DTYPES:
-        raise CheckpointError(
-            f"Export dtype {dtype!r} is not supported; choose one of {sorted(_DTYPES)}."
-        )
-    step, entries, fetch = _leaves(directory, step, tree, np.dtype(_DTYPES[dtype]))
-    if max_shard_size is not None:
-        written = export_lib.write_sharded(Path(out_path), entries, fetch, max_shard_size)
-    else:
-        written = export_lib.write_leaves(Path(out_path), entries, fetch)
-    logger.info("jzero: exported %d leaves of step %d to %s", len(entries), step, written)
-    return written

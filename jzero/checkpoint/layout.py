@@ -45,6 +45,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from jzero._util import dotted, write_atomic
+
 __all__ = ["CheckpointError", "StepCheck", "abstract_target"]
 
 PyTree = Any
@@ -60,7 +62,7 @@ class CheckpointError(ValueError):
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator=".")
+    return dotted(path)
 
 
 # -- the file record and damage ------------------------------------------------------------
@@ -91,9 +93,8 @@ def seal(step_dir: Path) -> None:
     for p in _step_files(step_dir):
         crc, size = _crc32(p)
         files[p.relative_to(step_dir).as_posix()] = {"size": size, "crc32": f"{crc:08x}"}
-    tmp = step_dir / (RECORD + ".tmp")
-    tmp.write_text(json.dumps({"format": RECORD_FORMAT, "files": files}, sort_keys=True))
-    os.replace(tmp, step_dir / RECORD)
+    record = json.dumps({"format": RECORD_FORMAT, "files": files}, sort_keys=True)
+    write_atomic(step_dir / RECORD, lambda f: f.write(record), text=True)
 
 
 class _BadRecord(Exception):

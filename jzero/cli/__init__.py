@@ -5,7 +5,7 @@ Decisions:
 * Each subcommand lives beside what it drives: ``train`` here (the loop is
   :func:`jzero.train.run`), ``estimate`` and ``plan`` in :mod:`jzero.cli.memory`,
   ``checkpoint inspect | export`` in :mod:`jzero.cli.checkpoint`, ``launch`` in
-  :mod:`jzero.launch`; each is ``func(args) -> int``, the exit status.
+  :mod:`jzero.distributed.launch`; each is ``func(args) -> int``, the exit status.
 * With no accelerator, ``train`` and ``plan`` ask JAX for 8 virtual CPU devices before anything
   touches a backend, so every stage shards for real on a laptop (``--cpu-devices`` changes the
   count; :mod:`jzero.cli.devices`).
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(deleted once this run's first checkpoint is committed); implies --no-resume",
     )
     train.set_defaults(func=_train)
-    from jzero import launch
+    from jzero.distributed import launch
 
     checkpoint.add_commands(sub)
     memory.add_commands(sub)

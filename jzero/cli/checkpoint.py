@@ -33,9 +33,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from jzero.checkpoint import export
+    from jzero.weights import export_checkpoint
 
-    out = export(
+    out = export_checkpoint(
         args.directory,
         args.step,
         args.out,
@@ -46,7 +46,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.max_shard_size is None:
         print(f"wrote {args.tree} as {args.dtype} to {out} ({os.path.getsize(out):,} bytes)")
         return 0
-    from jzero.export import read_index
+    from jzero.weights import read_index
 
     root, weight_map, meta = read_index(out)
     print(

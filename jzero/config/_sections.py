@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jzero.config._common import _field
-from jzero.stages import STAGES, stage_spec
+from jzero.plan import STAGES, stage_spec
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -158,7 +158,7 @@ class ZeroConfig:
 
     stage: StageNumber = 0
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
-    allowed values are the rows of :data:`jzero.stages.STAGES`)."""
+    allowed values are the rows of :data:`jzero.plan.stages.STAGES`)."""
     stage3_param_persistence_threshold: int = _field(100_000, min=0, auto=100_000)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5).
     "auto" is the default, 1e5 (Hugging Face would write 10 x hidden size)."""
@@ -404,14 +404,14 @@ class ActivationCheckpointingConfig:
     """``activation_checkpointing``: rematerialise each stacked layer, with no model change.
 
     jzero checkpoints the body of every ``jax.lax.scan`` in the loss (stacked layers: the scan
-    is the layer boundary jzero can see), at every ZeRO stage; see :mod:`jzero.remat`.
+    is the layer boundary jzero can see), at every ZeRO stage; see :mod:`jzero.replay.remat`.
 
     * No section: no checkpointing at stages 0-2; stage 3 checkpoints the layers it gathers
       with ``dots_no_batch``, so each layer's weights are gathered again in the backward pass.
     * The section without ``policy``: ``full``, as DeepSpeed (each layer keeps its input only).
 
     Each layer is checkpointed: every scan body, and each layer of a Python loop over layers,
-    found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.remat`).
+    found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.replay.remat`).
     """
 
     policy: str | None = None

@@ -47,14 +47,14 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jzero import stages
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
 from jzero.config._validate_zero import _check_hybrid as _check_hybrid
 from jzero.config._validate_zero import _check_nvme as _check_nvme
 from jzero.config._validate_zero import check_zero
-from jzero.remat import parse_policy
+from jzero.plan import stages
+from jzero.replay import parse_policy
 
 __all__ = ["build_config"]
 
@@ -414,7 +414,7 @@ def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
         why += "" if model_axes else "besides data to split the saved activations over"
         noted.append(("activation_checkpointing.partition_activations", why))
     stage = cfg.zero_optimization.stage
-    # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.remat).
+    # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.replay.remat).
     gathers = stages.stage_spec(stage).shard_params
     if ac.cpu_checkpointing and (policy is None or (not policy.active and not gathers)):
         why = (

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jzero import stages
 from jzero.config._common import ConfigError
 from jzero.config._schema import Config
+from jzero.plan import stages
 
 __all__ = ["check_zero"]
 

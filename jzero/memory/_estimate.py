@@ -2,11 +2,11 @@
 
 Decisions:
 
-* Every byte and traffic term comes from the stage table's flags (:mod:`jzero.stages`): a
+* Every byte and traffic term comes from the stage table's flags (:mod:`jzero.plan.stages`): a
   stage's row lists the offload options it allows; device memory without offload is the ZeRO
-  paper's, mixed-precision Adam with K = 12 (:meth:`~jzero.stages.StageSpec.model_state_bytes`,
-  the formulas printed by :func:`~jzero.stages.formula_text`); the communication per step is
-  :meth:`~jzero.stages.StageSpec.traffic`.
+  paper's, mixed-precision Adam with K = 12 (:meth:`~jzero.plan.stages.StageSpec.model_state_bytes`,
+  the formulas printed by :func:`~jzero.plan.stages.formula_text`); the communication per step is
+  :meth:`~jzero.plan.stages.StageSpec.traffic`.
 * Offload and host memory follow DeepSpeed's estimators (:func:`_model_states`;
   ``additional_buffer_factor`` 1.5, host memory per node), where LL is the largest layer's
   parameter count: a stage that shards the parameters also holds that layer gathered (4 bytes
@@ -38,7 +38,7 @@ Decisions:
   groups holds the whole model state sharded over its ``D = N / R`` devices, so the sharded
   terms divide by D (host memory per node likewise, the replica group's ``D / devices per node``
   nodes sharing it). The cross-host column is the communication that crosses nodes per step:
-  with replicas, only the gradient shards (:meth:`~jzero.stages.StageSpec.replica_traffic`,
+  with replicas, only the gradient shards (:meth:`~jzero.plan.stages.StageSpec.replica_traffic`,
   ``2 Psi / D``; all of stage 0's all-reduce); without, on several nodes, all of the stage's
   traffic; on one node, none.
 """
@@ -50,7 +50,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from jzero import stages
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -62,7 +61,7 @@ from jzero.memory._format import (
     parse_size,
 )
 from jzero.memory._plot import plot_bars
-from jzero.stages import OFFLOADS, StageSpec, formula_text
+from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
 __all__ = [
     "BUFFER_FACTOR",

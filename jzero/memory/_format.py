@@ -27,17 +27,15 @@ Decisions:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jzero._util import byte_unit, format_bytes, read_size
+
 __all__ = ["GB", "Recommendation", "parse_size"]
 
 GB = 10**9
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 _OFFLOAD_ORDER = ("none", "optimizer", "params", "optimizer+params", "nvme")
 
 
@@ -57,13 +55,7 @@ def parse_size(value: str | float, what: str = "device memory") -> int:
     Raises:
       ValueError: when ``value`` is not a positive size with a known unit.
     """
-    number = None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str) and (m := _SIZE.fullmatch(value)):
-        unit = m.group(2).lower() or "b"
-        if unit in _UNITS:
-            number = float(m.group(1)) * _UNITS[unit]
+    number = read_size(value) if isinstance(value, int | float | str) else None
     if number is None or not math.isfinite(number) or number < 1:
         raise ValueError(
             f"{what}: {value!r} is not a memory size. Write a positive number of bytes with an "
@@ -98,15 +90,11 @@ def _fmt(n: float, unit: tuple[str, float]) -> str:
 
 
 def _unit_for(n: float) -> tuple[str, float]:
-    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return name, size
-    return "B", 1
+    return byte_unit(n)
 
 
 def _format_size(n: float, unit: tuple[str, float] | None = None) -> str:
-    name, size = _unit_for(n) if unit is None else unit
-    return f"{n / size:.2f} {name}"
+    return format_bytes(n, digits=2, unit=unit)
 
 
 def _render(

@@ -81,7 +81,7 @@ def _offload_name(plan: Any) -> str:
 def offload_variants(stages: Sequence[int]) -> list[tuple[int, str]]:
     """The (stage, offload) rows with offload that ``stages`` allow, from the stage table,
     in the order the plan prints them (each offload option, then the stages)."""
-    from jzero.stages import OFFLOADS, stage_spec
+    from jzero.plan import OFFLOADS, stage_spec
 
     return [
         (s, option) for option in OFFLOADS[1:] for s in stages if option in stage_spec(s).offloads
@@ -262,10 +262,10 @@ def plan_report(
     from flax import nnx
 
     from jzero import config as config_lib
-    from jzero.engine_init import initialize
-    from jzero.mesh import make_mesh
+    from jzero.distributed import make_mesh
+    from jzero.engine import initialize
     from jzero.models import gpt
-    from jzero.stages import stage_spec
+    from jzero.plan import stage_spec
 
     if not stages:
         raise ValueError("stages is empty; pass the ZeRO stages to measure, e.g. (0, 1, 2, 3).")

@@ -1,0 +1,169 @@
+"""The helpers several packages share, written once: leaf paths, abstract trees, sizes, files.
+
+Import direction: this module imports nothing of jzero's, and JAX only inside the functions
+that need it (:mod:`jzero.weights.format` and the export writer stay free of JAX); every
+package may import it. It holds only what has no better home: a helper that belongs to one
+concern lives in that concern's package (the multi-process barrier is
+:func:`jzero.distributed.barrier`, the safetensors checks :mod:`jzero.weights.format`'s).
+
+Decisions:
+
+* **Dotted leaf paths** (:func:`dotted`) are ``jax.tree_util.keystr(path, simple=True,
+  separator=".")``: ``blocks.0.w`` for ``{"blocks": [{"w": ...}]}``, as checkpoints, exports,
+  errors and log lines name a leaf. :func:`path_parts` keeps the parts (list indices as ints).
+* **Abstract trees** (:func:`abstract_tree`): ``jax.ShapeDtypeStruct`` per leaf. ``weak_type`` is
+  kept only when asked (the replay traces a loss with the weak types it was given; the engine
+  plans concrete parameters, whose leaves are never weakly typed).
+* **Sizes in**: a number of bytes, or a number with a unit: ``B``, ``KB`` ... ``TB`` (powers of
+  1000, as Hugging Face and DeepSpeed read ``5GB``) or ``KiB`` ... ``TiB`` (powers of 1024),
+  any case, spaces allowed around the unit. :func:`read_size` returns ``None`` for anything
+  else, so each caller keeps its own error message. **Sizes out** (:func:`format_bytes`):
+  powers of 1024, ``123.4 GiB``.
+* **Files are replaced whole** (:func:`write_atomic`): written to a fresh file created
+  exclusively beside the target (``.<name>.<random>.partial``; a pre-existing file or symlink
+  there is never written through), with the permissions a plain ``open`` would give, then
+  ``os.replace``-d onto the target; a failed write removes only its own file. The NVMe store
+  keeps its own writer (its files are fsync'ed, kept out of the page cache and recognised
+  by name when a run is cleaned up: :mod:`jzero.nvme.file_format`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = [
+    "abstract_tree",
+    "byte_unit",
+    "dotted",
+    "format_bytes",
+    "path_parts",
+    "read_size",
+    "write_atomic",
+]
+
+# -- leaf paths ----------------------------------------------------------------------------------
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A ``jax.tree_util`` key path as dotted text: ``blocks.0.w`` (empty for the root)."""
+    import jax
+
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def path_parts(path: tuple[Any, ...]) -> tuple[str | int, ...]:
+    """A ``jax.tree_util`` key path as plain parts: list indices as ints, dict keys as strings,
+    anything else (an attribute) as its dotted text."""
+    import jax
+
+    out: list[str | int] = []
+    for k in path:
+        if isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+        elif isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        else:
+            out.append(jax.tree_util.keystr((k,), simple=True, separator="."))
+    return tuple(out)
+
+
+# -- abstract trees ------------------------------------------------------------------------------
+
+
+def abstract_tree(tree: Any, *, weak_type: bool = False) -> Any:
+    """``tree`` with each leaf as a ``jax.ShapeDtypeStruct`` of its shape and dtype (a Python
+    scalar's dtype is numpy's); with ``weak_type`` each leaf's weak type is kept too."""
+    import jax
+    import numpy as np
+
+    def one(x: Any) -> Any:
+        dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+        if weak_type:
+            return jax.ShapeDtypeStruct(
+                tuple(np.shape(x)), dtype, weak_type=getattr(x, "weak_type", False)
+            )
+        return jax.ShapeDtypeStruct(tuple(np.shape(x)), dtype)
+
+    return jax.tree.map(one, tree)
+
+
+# -- sizes ---------------------------------------------------------------------------------------
+
+SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def read_size(value: Any) -> float | None:
+    """Bytes from a number or from text such as ``5GB``, ``500 MiB`` or ``8e10``; ``None`` when
+    ``value`` is neither (the caller says what it expected). No check of sign or finiteness."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # a numpy scalar
+        return float(value)
+    if isinstance(value, str) and (m := _SIZE.fullmatch(value)):
+        unit = SIZE_UNITS.get(m.group(2).lower())
+        return None if unit is None else float(m.group(1)) * unit
+    return None
+
+
+def byte_unit(n: float) -> tuple[str, int]:
+    """The largest of ``TiB``, ``GiB``, ``MiB``, ``KiB`` not above ``n`` (else ``B``), and its
+    size."""
+    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return name, size
+    return "B", 1
+
+
+def format_bytes(n: float, digits: int | None = None, unit: tuple[str, int] | None = None) -> str:
+    """Bytes for people: ``123.4 GiB``, ``512 B``; with ``digits``, that many decimals in every
+    unit (``512.00 B``), and with ``unit`` (from :func:`byte_unit`) always that unit."""
+    name, size = byte_unit(n) if unit is None else unit
+    if digits is None:
+        return f"{int(n)} B" if name == "B" else f"{n / size:.1f} {name}"
+    return f"{n / size:.{digits}f} {name}"
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def write_atomic(
+    path: str | os.PathLike, write: Callable[[IO[Any]], None], *, text: bool = False
+) -> Path:
+    """Writes ``path`` whole or not at all: ``write(f)`` fills a fresh file beside it, which
+    then replaces ``path`` (see the module's decisions). Returns ``path``."""
+    out = Path(path)
+    fd, name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+    tmp = Path(name)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # the permissions a plain open() would give
+        with os.fdopen(fd, "w" if text else "wb") as f:
+            write(f)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out

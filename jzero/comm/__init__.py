@@ -1,0 +1,36 @@
+"""The collectives jzero emits: ZeRO++'s quantized collectives, gradient buckets, XLA options.
+
+Import direction: imports nothing else of jzero's; imported by :mod:`jzero.replay` and
+:mod:`jzero.step`.
+
+* :mod:`~jzero.comm.quantize`: block-quantized all-gather (qwZ) and reduce-scatter (qgZ).
+* :mod:`~jzero.comm.overlap`: ``overlap_comm``'s buckets and the compiler options.
+"""
+
+from jzero.comm.overlap import GPU_ASYNC_OPTIONS as GPU_ASYNC_OPTIONS
+from jzero.comm.overlap import bucket_groups as bucket_groups
+from jzero.comm.overlap import compiler_options as compiler_options
+from jzero.comm.overlap import from_rows as from_rows
+from jzero.comm.overlap import gather_buckets as gather_buckets
+from jzero.comm.overlap import reduce_buckets as reduce_buckets
+from jzero.comm.overlap import to_rows as to_rows
+from jzero.comm.quantize import dequantize as dequantize
+from jzero.comm.quantize import quantize as quantize
+from jzero.comm.quantize import quantized_all_gather as quantized_all_gather
+from jzero.comm.quantize import quantized_psum as quantized_psum
+from jzero.comm.quantize import quantized_psum_scatter as quantized_psum_scatter
+
+__all__ = [
+    "bucket_groups",
+    "compiler_options",
+    "dequantize",
+    "from_rows",
+    "gather_buckets",
+    "GPU_ASYNC_OPTIONS",
+    "quantize",
+    "quantized_all_gather",
+    "quantized_psum",
+    "quantized_psum_scatter",
+    "reduce_buckets",
+    "to_rows",
+]

@@ -1,0 +1,64 @@
+"""Devices and processes: the mesh, the multi-process runtime, process layout, ``jzero launch``.
+
+Import direction: this package imports nothing else of jzero's (only the shared helpers of
+:mod:`jzero._util`); every other package may import it. Later, one module per parallelism
+(tensor, sequence, pipeline, expert) joins it here, as in torchtitan's ``distributed/``.
+
+* :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
+* :mod:`~jzero.distributed.layout`: the process layout from settings, ``JZERO_*`` variables or
+  a detected cluster (imports no JAX).
+* :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
+  alike on every process, each process's rows joined into the global batch, the barrier.
+* :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
+  stopped together (``python -m jzero.distributed.launch``).
+"""
+
+from jzero.distributed.layout import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
+from jzero.distributed.layout import (
+    DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
+)
+from jzero.distributed.layout import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
+from jzero.distributed.layout import ENV_COORDINATOR as ENV_COORDINATOR
+from jzero.distributed.layout import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from jzero.distributed.layout import ENV_PROCESS_ID as ENV_PROCESS_ID
+from jzero.distributed.layout import ENV_REPLICAS as ENV_REPLICAS
+from jzero.distributed.layout import DistributedSpec as DistributedSpec
+from jzero.distributed.layout import resolve_spec as resolve_spec
+from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
+from jzero.distributed.mesh import REPLICA_AXIS as REPLICA_AXIS
+from jzero.distributed.mesh import make_mesh as make_mesh
+from jzero.distributed.runtime import any_process as any_process
+from jzero.distributed.runtime import backends_initialized as backends_initialized
+from jzero.distributed.runtime import barrier as barrier
+from jzero.distributed.runtime import check_batch as check_batch
+from jzero.distributed.runtime import ensure_initialized as ensure_initialized
+from jzero.distributed.runtime import global_batch as global_batch
+from jzero.distributed.runtime import init_distributed as init_distributed
+from jzero.distributed.runtime import is_main_process as is_main_process
+from jzero.distributed.runtime import launcher_replicas as launcher_replicas
+from jzero.distributed.runtime import local_batch_size as local_batch_size
+
+__all__ = [
+    "any_process",
+    "backends_initialized",
+    "barrier",
+    "check_batch",
+    "DATA_AXIS",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_INITIALIZATION_TIMEOUT",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "DistributedSpec",
+    "ensure_initialized",
+    "ENV_COORDINATOR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_REPLICAS",
+    "global_batch",
+    "init_distributed",
+    "is_main_process",
+    "launcher_replicas",
+    "local_batch_size",
+    "make_mesh",
+    "REPLICA_AXIS",
+    "resolve_spec",
+]

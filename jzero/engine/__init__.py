@@ -1,0 +1,24 @@
+"""The engine: ``initialize`` (config to Engine), the stateful Engine, its checks, Flax models.
+
+Import direction: imports the core (:mod:`jzero.config`, :mod:`jzero.plan`, :mod:`jzero.step`,
+:mod:`jzero.replay`, :mod:`jzero.distributed`, :mod:`jzero.optim`) and, lazily, the disk tiers
+(:mod:`jzero.nvme`, :mod:`jzero.checkpoint`, :mod:`jzero.weights`); imported by ``jzero train``
+and :mod:`jzero.memory`'s measured report. Nothing in the core imports it back.
+
+* :mod:`~jzero.engine.build`: :func:`initialize` (also ``jzero.initialize``).
+* :mod:`~jzero.engine.engine`: :class:`Engine`, a thin shell over the pure plan and step.
+* :mod:`~jzero.engine.checks`: a plan against ``stage3_max_live_parameters``, a state before a save.
+* :mod:`~jzero.engine.flax_adapter`: Flax models in, plain pytrees inside (the one Flax import).
+"""
+
+from jzero.engine.build import initialize as initialize
+from jzero.engine.engine import Engine as Engine
+from jzero.engine.flax_adapter import Adapted as Adapted
+from jzero.engine.flax_adapter import adapt as adapt
+
+__all__ = [
+    "adapt",
+    "Adapted",
+    "Engine",
+    "initialize",
+]

@@ -1,0 +1,298 @@
+"""``jzero.initialize``: from a config, a loss and parameters (or a model) to an :class:`Engine`.
+
+It reads the config, builds the mesh and the plan, creates the parameters and the optimizer
+state directly in their shards (or, under the NVMe tier, in their files) and hands them to
+:class:`jzero.engine.Engine`, which does everything after. ``initialize`` is importable from
+:mod:`jzero` and :mod:`jzero.engine` as before.
+
+Decisions:
+
+* Every "auto" in the config is resolved here, once, from the parameters' shapes and the
+  optimizer given (:func:`jzero.config.resolve_auto`); the batch sizes wait for the first batch
+  when they are all "auto" (the engine takes them then).
+* The plan is made by a ``functools.partial`` of :func:`jzero.plan.make_plan` over this call's
+  arguments, kept by the engine as ``replan``: the first step re-plans with ``layer_dims=`` only.
+* Flax models go through :mod:`jzero.engine.flax_adapter`, imported only when ``model=`` is given;
+  the
+  engine then carries the non-trainable state as ``TrainState.extra``.
+* The NVMe tier's paths are checked (room for two versions) before any state is made, and its
+  stores are closed when making the first version fails.
+* ``jzero.initialize`` is this module's :func:`initialize`; :mod:`jzero.engine` holds the
+  :class:`~jzero.engine.Engine` it returns and does not import this module (no cycle).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import optax
+
+from jzero import config as config_lib
+from jzero import distributed, optim
+from jzero._util import abstract_tree
+from jzero.distributed import make_mesh
+from jzero.engine.engine import Engine
+from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
+from jzero.step import init_train_state
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger("jzero.engine")  # the engine's log name, as before this module split
+PyTree = Any
+
+
+def _is_abstract(tree: PyTree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _optimizer(
+    cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
+) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
+    if optimizer is not None:  # the config's sections were dropped (config.resolve_auto)
+        return optimizer, None
+    if cfg.optimizer is None:
+        raise ValueError(
+            "No optimizer: pass optimizer=<an optax transformation> to jzero.initialize, or add "
+            "an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
+        )
+    return optim.build_optimizer(cfg), optim.build_schedule(cfg)
+
+
+def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
+    """The config's mesh, with ``jzero launch --replicas R`` as its replica axis."""
+    sizes = cfg.mesh_sizes()
+    replicas = distributed.launcher_replicas()
+    if replicas is None:
+        return sizes
+    if sizes.get("replica", -1) not in (-1, replicas):
+        raise ValueError(
+            f"jzero launch --replicas {replicas} contradicts the config's mesh.replica: "
+            f"{sizes['replica']}; drop one of them."
+        )
+    sizes["replica"] = replicas
+    logger.info("jzero: %d replica groups from jzero launch --replicas", replicas)
+    return sizes
+
+
+def initialize(
+    params: PyTree | None = None,
+    loss_fn: Callable[..., Any] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    config: str | Mapping[str, Any] | config_lib.Config | None = None,
+    init_fn: Callable[[jax.Array], PyTree] | None = None,
+    *,
+    model: Any = None,
+    init_args: tuple = (),
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: PyTree | None = None,
+    init_from: str | Any = None,
+    name_map: Mapping[str, str] | Callable[[str], str] | None = None,
+) -> Engine:
+    """Builds a ZeRO engine, DeepSpeed's ``deepspeed.initialize`` for JAX.
+
+    Args:
+      params: the initial parameters (arrays), or their abstract shapes
+        (``jax.ShapeDtypeStruct``) together with ``init_fn``.
+      loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the mean loss of the
+        batch it is given, written for full (unsharded) parameters.
+      optimizer: an optax transformation; ``None`` builds the config's ``optimizer`` and
+        ``scheduler`` sections.
+      config: a dict, a YAML/JSON file path or a :class:`jzero.config.Config`.
+      init_fn: ``init_fn(key) -> params``; parameters are then created directly in their
+        shards, so no device ever holds the full model at stage 3.
+      mesh: a mesh to use instead of the config's ``mesh`` section.
+      param_specs: your own ``PartitionSpec`` per parameter leaf on other mesh axes.
+      model: a Flax NNX module (or a function that builds one; it is then built directly
+        in its shards) with ``loss_fn(model, batch)``, or a Linen module with ``init_args``
+        (see :mod:`jzero.engine.flax_adapter`). Non-trainable state (BatchNorm statistics) is
+        carried through the step and never sharded as parameters.
+      init_args: example inputs for a Linen module's ``init``.
+      init_from: load the initial parameters from a ``.safetensors`` file, a sharded export
+        (directory with ``model.safetensors.index.json``) or a jzero checkpoint directory,
+        each process reading only its own shards (see :mod:`jzero.weights`); ``params`` (or
+        ``init_fn``/``model``) then only give the shapes. Under mixed precision the loaded
+        values become the float32 master weights.
+      name_map: with ``init_from``, a parameter's dotted path -> the tensor's name in the
+        file (a dict, or a function).
+
+    Returns:
+      The :class:`Engine`.
+    """
+    cfg = config_lib.load_config(config)
+    distributed.ensure_initialized(cfg.distributed)  # before any JAX call
+    if loss_fn is None:
+        raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
+    extra: PyTree = ()
+    adapted = None
+    if model is not None:
+        from jzero.engine import flax_adapter  # Flax is needed only for Flax models
+
+        if params is not None or init_fn is not None:
+            raise ValueError("Pass either model=... or params/init_fn, not both.")
+        adapted = flax_adapter.adapt(model, loss_fn, init_args)
+        params, loss_fn = adapted.abstract_params, adapted.loss_fn
+        param_specs = adapted.param_specs if param_specs is None else param_specs
+        init_fn = (lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None
+        if adapted.values is not None:
+            params, extra = adapted.values
+    if params is None and init_fn is None:
+        raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
+    mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
+    key = jax.random.key(cfg.seed)
+    if params is None:
+        params = jax.eval_shape(init_fn, key)
+    abstract = abstract_tree(params)
+    from_first_batch = config_lib.batch_from_first_batch(cfg)
+    batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
+    if from_first_batch and not any(k in cfg.auto for k in batch_keys):  # "auto" logs its own
+        logger.info(
+            "jzero: the config sets no batch size (train_batch_size, "
+            "train_micro_batch_size_per_gpu); the first batch given to train_step sets them."
+        )
+    cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
+        cfg,
+        abstract,
+        optimizer_given=optimizer is not None,
+        data_parallel_size=mesh.shape.get("data", 1) * mesh.shape.get("replica", 1),
+    )
+    tx, schedule = _optimizer(cfg, optimizer)
+    opt_kind, param_kind = memory_kinds_from_config(cfg.zero_optimization, mesh.devices.flat)
+    replan = functools.partial(
+        make_plan,
+        abstract,
+        tx,
+        mesh,
+        cfg.zero_optimization.stage,
+        persistence_threshold=cfg.zero_optimization.stage3_param_persistence_threshold,
+        param_specs=param_specs,
+        precision=precision.from_config(cfg),
+        offload_optimizer=opt_kind,
+        offload_params=param_kind,
+        offload_ratio=cfg.zero_optimization.offload_optimizer.ratio,
+        reshard_after_forward=cfg.zero_optimization.reshard_after_forward,
+        prefetch_bucket_size=cfg.zero_optimization.stage3_prefetch_bucket_size or 0,
+        max_reuse_distance=cfg.zero_optimization.stage3_max_reuse_distance,
+        max_live_parameters=cfg.zero_optimization.stage3_max_live_parameters,
+        hpz=cfg.zero_optimization.zero_hpz_partition_size > 1,
+        **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
+    )
+    plan = replan()
+    from jzero.step import streamed_groups
+
+    zero = cfg.zero_optimization
+    host = zero.offload_optimizer.compute == "host"
+    streamed_groups(plan, zero.sub_group_size, tx, host)  # a leafwise optimizer?
+    sizes = (
+        None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
+    )
+    init_from = init_from if init_from is not None else cfg.checkpoint.init_from
+    if init_from is not None:
+        from jzero import weights
+        from jzero.plan import on_device
+
+        shardings = on_device(plan.master if plan.precision.mixed else plan.params)
+        values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
+    elif init_fn is not None:
+        made = jax.eval_shape(init_fn, key)
+        if jax.tree.structure(made) != jax.tree.structure(abstract) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(abstract), strict=True)
+        ):
+            raise ValueError(
+                "init_fn(key) creates parameters that differ from the params given: "
+                f"{made} vs {abstract}. Pass params=None to take init_fn's shapes."
+            )
+        values = functools.partial(init_fn, key)  # created inside init_train_state's jit
+    elif _is_abstract(params):
+        raise ValueError(
+            "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
+            "Pass init_fn(key) -> params, or concrete arrays."
+        )
+    else:
+        values = params
+    if adapted is not None and adapted.values is None:
+        extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
+    nvme = _nvme_state(cfg, plan, tx)  # its paths are checked before anything is made
+    if nvme is None:
+        state = init_train_state(plan, values, tx, extra)
+    else:
+        try:
+            from jzero.nvme import first_version
+
+            state = first_version(nvme, values, extra)
+        except BaseException:
+            nvme.close()
+            raise
+    total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
+    logger.info(
+        "jzero: stage %d, %s parameters, data-parallel %d, batch %s",
+        plan.stage.stage,
+        f"{total:,}",
+        plan.data_parallel_size,
+        "from the first batch"
+        if sizes is None
+        else "{} = {} x {} x {}".format(*sizes, plan.data_parallel_size),
+    )
+    return Engine(
+        config=cfg,
+        plan=plan,
+        state=state,
+        loss_fn=loss_fn,
+        optimizer=tx,
+        learning_rate=schedule,
+        batch_sizes=sizes,
+        takes_extra=adapted is not None,
+        to_model=None if adapted is None else adapted.to_model,
+        replan=replan,
+        nvme=nvme,
+    )
+
+
+def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
+    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too): its
+    stores, their paths checked now (room for two versions of this process's part), or None."""
+    zero = cfg.zero_optimization
+    opt, par = zero.offload_optimizer, zero.offload_param
+    if opt.device != "nvme":
+        return None
+    from jzero.nvme import NvmeState, NvmeStore, state_bytes
+
+    on_disk = par.device == "nvme"
+    sizes = state_bytes(plan, params_on_disk=on_disk)
+    mine = jax.local_device_count() / max(1, jax.device_count())
+    param_path = par.nvme_path or opt.nvme_path
+    shared = on_disk and os.path.realpath(param_path) == os.path.realpath(opt.nvme_path)
+    store = NvmeStore(
+        opt.nvme_path,
+        buffer_count=opt.buffer_count,
+        needed_bytes=int(2 * mine * (sizes["optimizer"] + (sizes["params"] if shared else 0))),
+        what="zero_optimization.offload_optimizer.nvme_path",
+    )
+    param_store = store if shared else None
+    try:
+        if on_disk and not shared:
+            param_store = NvmeStore(
+                param_path,
+                buffer_count=par.buffer_count,
+                needed_bytes=int(2 * mine * sizes["params"]),
+                what="zero_optimization.offload_param.nvme_path",
+            )
+        return NvmeState(
+            plan,
+            optimizer,
+            store,
+            sub_group_size=zero.sub_group_size,
+            param_store=param_store,
+            prefetch_params=par.pipeline_read,
+        )
+    except BaseException:
+        store.close()
+        if param_store is not None and param_store is not store:
+            param_store.close()
+        raise

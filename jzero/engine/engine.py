@@ -1,0 +1,483 @@
+"""The engine: the one stateful object, a thin shell over the pure plan and step.
+
+``jzero.initialize`` (:mod:`jzero.engine.build`) reads the config, builds the mesh and the plan,
+creates the parameters and the optimizer state directly in their shards, and returns an
+:class:`Engine`. Each engine method is a few lines over :mod:`jzero.plan` and :mod:`jzero.step`;
+a user who wants full control calls those directly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jzero import config as config_lib
+from jzero import distributed
+from jzero.engine.checks import _check_live_parameters, _finite
+from jzero.plan import Plan
+from jzero.replay import remat
+from jzero.step import TrainState, make_eval_step, make_train_step, state_shardings
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
+PyTree = Any
+
+
+class Engine:
+    """Trains one model with one ZeRO plan. Build it with :func:`jzero.initialize`.
+
+    Attributes:
+      config: the resolved :class:`jzero.config.Config`.
+      plan: the sharding :class:`jzero.plan.Plan`.
+      state: the :class:`jzero.step.TrainState` (params, optimizer state, step).
+      train_batch_size / micro_batch_size / accumulation_steps: the resolved batch arithmetic.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: config_lib.Config,
+        plan: Plan,
+        state: TrainState,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        learning_rate: Callable[[jax.Array], jax.Array] | None,
+        batch_sizes: tuple[int, int, int],
+        takes_extra: bool = False,
+        to_model: Callable[[PyTree, PyTree], Any] | None = None,
+        replan: Callable[..., Plan] | None = None,
+        nvme: Any = None,
+    ):
+        self.config = config
+        self.plan = plan
+        self.state = state
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.learning_rate = learning_rate
+        # None: all "auto"; the first batch given to train_step decides (_take_batch_sizes).
+        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = (
+            batch_sizes if batch_sizes is not None else (None, None, None)
+        )
+        self.takes_extra = takes_extra  # the loss takes and returns ``state.extra``
+        self._to_model = to_model
+        self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
+        self._layout_fitted = replan is None
+        self._step: Callable[..., Any] | None = None  # built at the first step (fit_layout)
+        self._eval: Callable[..., Any] | None = None
+        self.iteration = 0
+        """Train steps run so far, skipped ones included: the number checkpoints are saved as."""
+        self.data_iterator: Any = None
+        """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
+        self._ckpt: Any = None
+        self._unchanged_since: int | None = None  # the step restored or saved, until a train step
+        self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
+        self._nvme: Any = None  # the NVMe step (jzero.nvme.step.NvmeStep), from the first step
+
+    def _full_state(self) -> TrainState:
+        """The state with everything in memory: under the NVMe tier, the optimizer state (and
+        masters, and parameters on NVMe) read back from their files; else :attr:`state`."""
+        if self._disk is None:
+            return self.state
+        return self._disk.materialize(self.state)
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def params(self) -> PyTree:
+        """The current parameters, sharded per the plan.
+
+        They are donated to the next ``train_step``, which deletes these arrays (no second copy
+        of the state in device memory): a handle kept across a step raises ``RuntimeError:
+        Array has been deleted``. Keep a copy instead: ``jax.tree.map(jnp.copy,
+        engine.params)`` on the device, or ``jax.device_get(engine.params)`` on the host. The
+        same holds for :attr:`opt_state` and :attr:`state`. With the parameters on NVMe
+        (``offload_param: {device: nvme}``) they are read from their files, a copy.
+        """
+        return self.state.params if self._disk is None else self._disk.params(self.state)
+
+    @property
+    def model(self) -> Any:
+        """The trained Flax model: an NNX module (or Linen variables) over the current arrays."""
+        if self._to_model is None:
+            raise AttributeError(
+                "engine.model exists for Flax models (jzero.initialize(model=...)); "
+                "this engine trains a plain pytree: use engine.params."
+            )
+        return self._to_model(self.params, self.state.extra)
+
+    @property
+    def opt_state(self) -> PyTree:
+        """The current optimizer state, sharded per the plan (donated to the next step, as
+        :attr:`params`). Under the NVMe tier it is read from its files, a copy."""
+        return self._full_state().opt_state
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer updates applied so far."""
+        return int(self.state.step)
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The device mesh."""
+        return self.plan.mesh
+
+    # -- the step ----------------------------------------------------------------------------
+    def _take_batch_sizes(self, batch: PyTree) -> None:
+        """With every batch key "auto", the first batch sets them: its leading dimension (times
+        the processes) is the global batch, split over the data axis and
+        ``gradient_accumulation_steps`` (1 unless set); the config records the values."""
+        if self.train_batch_size is not None:
+            return
+        leads = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+        if len(leads) != 1 or None in leads:
+            raise ValueError(
+                "The config sets no batch size, so the first batch sets them, but its leaves have "
+                f"leading dims {sorted(leads, key=str)}; pass a batch whose leaves share one "
+                "leading dim, or set train_micro_batch_size_per_gpu in the config."
+            )
+        cfg = dataclasses.replace(
+            self.config,
+            train_batch_size=leads.pop() * jax.process_count(),
+            gradient_accumulation_steps=self.config.gradient_accumulation_steps or 1,
+        )
+        sizes = config_lib.resolve_batch_sizes(cfg, self.plan.data_parallel_size)
+        self.config = dataclasses.replace(
+            cfg,
+            train_micro_batch_size_per_gpu=sizes[1],
+            gradient_accumulation_steps=sizes[2],
+        )
+        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = sizes
+        logger.info(
+            "jzero: batch sizes from the first batch: train_batch_size %d = "
+            "train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x data-parallel %d",
+            *sizes,
+            self.plan.data_parallel_size,
+        )
+
+    def _check_batch(self, batch: PyTree) -> None:
+        self._take_batch_sizes(batch)
+        distributed.check_batch(
+            batch,
+            self.train_batch_size,
+            f" (= train_micro_batch_size_per_gpu {self.micro_batch_size} x "
+            f"gradient_accumulation_steps {self.accumulation_steps} x data-parallel size "
+            f"{self.plan.data_parallel_size})",
+        )
+
+    def fit_layout(self, batch: PyTree) -> None:
+        """Finds the stacked-layer dimensions the loss's scans consume, once.
+
+        The loss is traced on a micro-batch of ``batch``'s shapes (arrays or
+        ``jax.ShapeDtypeStruct``; nothing runs). Where the plan shards parameters at rest
+        (stage 3) on such a dimension, the engine re-plans and moves the state to the new layout,
+        so each layer is gathered on its own. The first ``train_step``, ``evaluate`` or
+        ``lower`` calls it; call it yourself to see the final plan (``describe()``) before.
+        """
+        if self._layout_fitted:
+            return
+        self._layout_fitted = True
+        if not self.plan.stage.shard_params:
+            return
+        from jzero.replay import layer_dims
+
+        rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
+        if rows is None:
+            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.data_parallel_size)
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
+        )
+        args = (self.state.extra, micro) if self.takes_extra else (micro,)
+        dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
+        new = self._replan(layer_dims=dims)
+        _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
+        if new.param_dims == self.plan.param_dims:
+            self.plan = new
+            if self._disk is not None:
+                self._disk.use_plan(new)
+            return
+        moved = [
+            leaf.path
+            for leaf, old in zip(new.leaves, self.plan.leaves, strict=True)
+            if leaf.param_dim != old.param_dim
+        ]
+        if self._disk is not None:  # the files too, group by group
+            self.state = self._disk.relayout(self.state, new)
+        else:
+            self.state = jax.device_put(self.state, state_shardings(new))
+        self.plan = new
+        self._step = self._eval = None
+        logger.info(
+            "jzero: %d stacked-layer parameters (%s) are now sharded beside the dimension their "
+            "scan consumes, so stage 3 gathers one layer at a time",
+            len(moved),
+            ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
+        )
+
+    def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
+        self.fit_layout(batch)
+        if self._step is None and self._disk is not None:
+            self._step = self._nvme = self._nvme_step()
+        if self._step is None:  # whether the loss returns aux is read when the step traces
+            self._step = make_train_step(
+                self.plan,
+                self.loss_fn,
+                self.optimizer,
+                accumulation_steps=self.accumulation_steps,
+                gradient_clipping=self.config.gradient_clipping,
+                takes_extra=self.takes_extra,
+                learning_rate=self.learning_rate,
+                remat_policy=remat.from_config(self.config),
+                sub_group_size=self.config.zero_optimization.sub_group_size,
+                offload_compute=self.config.zero_optimization.offload_optimizer.compute,
+            )
+        return self._step
+
+    def _nvme_step(self) -> Any:
+        """The step of the NVMe tier (:mod:`jzero.nvme.step`)."""
+        from jzero.nvme import NvmeStep
+
+        opt = self.config.zero_optimization.offload_optimizer
+        return NvmeStep(
+            self._disk,
+            self.loss_fn,
+            pipeline_read=opt.pipeline_read,
+            pipeline_write=opt.pipeline_write,
+            accumulation_steps=self.accumulation_steps,
+            gradient_clipping=self.config.gradient_clipping,
+            takes_extra=self.takes_extra,
+            learning_rate=self.learning_rate,
+            remat_policy=remat.from_config(self.config),
+        )
+
+    def train_step(self, batch: PyTree) -> dict[str, jax.Array]:
+        """Runs one optimizer step on a global batch (leading dim ``train_batch_size``).
+
+        Returns:
+          The metrics, as JAX scalars: ``loss``, ``grad_norm``, ``nonfinite`` (1 when the
+          gradients held inf/NaN), ``skipped`` (1 when the update was skipped), ``lr`` when
+          jzero knows it, ``loss_scale`` under bf16/fp16, and any aux values.
+        """
+        self._check_batch(batch)
+        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
+        self.state, metrics = self._step_fn(batch)(self.state, batch)
+        self.iteration += 1
+        self._unchanged_since = None
+        interval = self.config.checkpoint.save_interval_steps
+        if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
+            self.save()
+        return metrics
+
+    def evaluate(self, batch: PyTree) -> jax.Array:
+        """The mean loss of the current parameters on a global batch (no update).
+
+        The batch's leading dim must be divisible by the data-parallel size.
+        """
+        lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
+        count = jax.process_count()  # several processes: each passes its rows
+        if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.data_parallel_size:
+            raise ValueError(
+                "An evaluation batch needs one leading dim divisible by the data-parallel "
+                f"size {self.plan.data_parallel_size} (over all {count} process(es)), but its "
+                f"leaves have leading dims {sorted(lead)} on this process. Pass a batch of that "
+                "size."
+            )
+        batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
+        self.fit_layout(batch)
+        if self._eval is None:
+            self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)
+        return self._eval(self.params, self.state.extra, batch)
+
+    def lower(self, batch: PyTree) -> jax.stages.Lowered:
+        """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
+        self._check_batch(batch)
+        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
+        return self._step_fn(batch).lower(self.state, batch)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _checkpointer(self) -> Any:
+        if self._ckpt is None:
+            c = self.config.checkpoint
+            if not c.directory:
+                raise ValueError(
+                    "This engine has no checkpoint directory. Set checkpoint.directory in the "
+                    "config, e.g. checkpoint: {directory: runs/ckpt}."
+                )
+            from jzero.checkpoint import Checkpointer  # Orbax is needed only for checkpoints
+
+            self._ckpt = Checkpointer(
+                c.directory,
+                max_to_keep=c.max_to_keep,
+                async_save=c.async_,
+                overwrite=bool(getattr(c, "overwrite", False)),
+            )
+            _OPEN_ENGINES.add(self)
+        return self._ckpt
+
+    def save(self, step: int | None = None) -> bool:
+        """Saves a checkpoint (asynchronously unless ``checkpoint.async`` is false).
+
+        What is saved: params, optimizer state (with the float32 master weights), the step
+        count, the loss-scale state, non-trainable model state (RNG counters included), the
+        data position of ``engine.data_iterator`` and the resolved config, so a restored run
+        continues exactly. Every process writes only its own shards.
+
+        Nothing is written when the state is exactly the checkpoint it was restored from (or
+        last saved as), or when the parameters hold inf/NaN: a warning says so and the good
+        checkpoints already on disk stay.
+
+        Args:
+          step: the checkpoint's number; default ``engine.iteration`` (train steps run).
+
+        Returns:
+          Whether a save started.
+        """
+        step = self.iteration if step is None else int(step)
+        ckpt = self._checkpointer()
+        if self._unchanged_since == step and step in ckpt.all_steps():
+            logger.info("jzero: checkpoint step %d is already on disk and unchanged", step)
+            return False
+        state = self._full_state()
+        if not _finite(state.params, state.master):
+            logger.warning(
+                "jzero: NOT saving checkpoint step %d: the parameters hold inf/NaN (a step with "
+                "non-finite gradients was applied). The checkpoints on disk (%s) are kept. Set "
+                "skip_nonfinite: true to skip such steps.",
+                step,
+                ckpt.all_steps() or "none",
+            )
+            return False
+        data = self.data_iterator.state() if self.data_iterator is not None else None
+        meta = {
+            "config": self.config.to_dict(),
+            "iteration": self.iteration,
+            "data": data,
+            "stage": self.plan.stage.stage,
+            "devices": self.plan.data_parallel_size,
+        }
+        # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
+        # overwrites a tag it saves again; the old copy stays until the new one is committed.
+        gather16 = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if gather16:
+            from jzero import weights
+
+            weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
+        saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True)
+        if saved:
+            self._unchanged_since = step if step == self.iteration else None
+        if saved and gather16:  # the params in their compute dtype, beside the checkpoints
+            weights.save_step_weights(ckpt.directory, step, state.params, ckpt.all_steps())
+        return saved
+
+    def save_16bit_model(
+        self, directory: str | Any, *, max_shard_size: int | str = "5GB", dtype: Any = None
+    ) -> Any:
+        """Writes the parameters as Hugging Face's sharded safetensors (DeepSpeed's name).
+
+        ``model-00001-of-0000N.safetensors`` files of at most ``max_shard_size`` and
+        ``model.safetensors.index.json``, tensors named by their dotted paths, one leaf on the
+        host at a time; each process writes its own files. Load them back with
+        ``jzero.initialize(init_from=directory)`` or Hugging Face's loaders.
+
+        Args:
+          directory: the output directory (created if missing).
+          max_shard_size: the most bytes per file (``5GB``, ``500MiB`` or an int).
+          dtype: the dtype of floating tensors; ``None``: the compute dtype (bf16/fp16 under
+            mixed precision, else the params' own).
+
+        Returns:
+          The index file's path.
+        """
+        from jzero import weights
+
+        return weights.save_weights(
+            directory, self.params, dtype=dtype, max_shard_size=max_shard_size
+        )
+
+    def restore(self, step: int | None = None) -> dict[str, Any]:
+        """Restores a checkpoint (the latest by default) into this engine's plan.
+
+        The checkpoint may come from any stage, with or without offload, and any device count
+        the shapes allow: the state is read straight into this plan's shardings. The data
+        position is restored into ``engine.data_iterator`` when both exist.
+
+        Returns:
+          The checkpoint's meta: ``config``, ``iteration``, ``data``, ``stage``, ``devices``.
+        """
+        from jzero.checkpoint import abstract_target
+
+        shardings = state_shardings(self.plan)
+        current = self.state
+        if self._disk is not None:  # its leaves are read into host memory, then to the files
+            current = self._disk.abstract_full(self.state)
+            shardings = self._disk.restore_shardings(shardings)
+        target = abstract_target(current, shardings)
+        self.state, meta = self._checkpointer().restore(target, step)
+        if self._disk is not None:  # back to the files (the restore read it all into memory)
+            self.state = self._disk.spill(self.state)
+        self.iteration = int(meta.get("iteration", self.global_step))
+        restored = self._ckpt.latest_step() if step is None else int(step)
+        self._unchanged_since = restored if restored == self.iteration else None
+        if self.data_iterator is not None and meta.get("data") is not None:
+            self.data_iterator.restore(meta["data"])
+        return meta
+
+    def latest_checkpoint(self) -> int | None:
+        """The newest complete checkpoint step in ``checkpoint.directory``, or ``None``."""
+        if not self.config.checkpoint.directory:
+            return None
+        return self._checkpointer().latest_step()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every checkpoint save in flight is on disk."""
+        if self._ckpt is not None:
+            self._ckpt.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for checkpoint saves in flight, then releases the checkpointer; idempotent.
+
+        Also called at interpreter exit and when a ``with jzero.initialize(...) as engine:``
+        block ends.
+        """
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None
+        if self._disk is not None:
+            try:  # the state outlives its files
+                self.state = self._disk.materialize(self.state)
+            except OSError as e:
+                logger.warning(
+                    "jzero: the state could not be read back from its NVMe files (%s); it is "
+                    "lost with them. Restore a checkpoint to continue.",
+                    e,
+                )
+            self._disk.close()
+            self._disk = self._nvme = self._step = None
+        _OPEN_ENGINES.discard(self)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        """The plan report: every leaf's shape, spec per category and per-device bytes."""
+        return self.plan.describe()
+
+
+_OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """Lets in-flight checkpoint saves finish before the interpreter exits."""
+    for engine in list(_OPEN_ENGINES):
+        engine.close()

@@ -1,0 +1,170 @@
+"""HLO text: a program's text, and its computations, instructions, shapes and device groups.
+
+The parsing half of :mod:`jzero.hlo`; what is counted from it is :mod:`jzero.hlo.collective_bytes`
+and
+:mod:`jzero.hlo`'s schedule and layout readers.
+
+Decisions:
+
+* The optimized HLO is read as text (``compiled.as_text()``) with a few regular expressions:
+  computations by their headers (:func:`_computations`), instructions as ``name = shape
+  op(operands)`` (``_INSTR``, ``_NAME``, :func:`_operands`), buffer bytes from the shapes' element
+  types (:func:`_shape_bytes`; tuples list every buffer). No XLA bindings are needed, and a
+  saved text reads the same as a live program.
+* Device groups (:func:`replica_groups`) are read in any of XLA's three spellings: explicit
+  lists, iota ``[G,S]<=[dims]T(perm)``, and ``mesh[...] device_ids=... {axes}``.
+* :func:`program_text` returns the program before the CPU backend widens 16-bit collectives
+  to float32 (``all-reduce-promotion``), so the dtype jzero chose is what is read.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KINDS", "program_text", "replica_groups"]
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+
+
+def _shape_bytes(text: str) -> list[int]:
+    out = []
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        out.append(n * _DTYPE_BYTES[dtype])
+    return out
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+    """The HLO text's computations (name -> instruction lines) and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m and not line.startswith(" "):
+                current = comps.setdefault(m.group(1), [])
+                if line.startswith("ENTRY"):
+                    entry = m.group(1)
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        current.append(line)
+    return comps, entry
+
+
+def _text(compiled: Any) -> str:
+    if isinstance(compiled, str):
+        return compiled
+    return compiled.as_text()
+
+
+def _operands(rest: str) -> list[str]:
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[:end])
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    shape = [int(d) for d in dims.split(",") if d]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    if perm:
+        ids = ids.transpose([int(p) for p in perm.split(",")])
+    return ids
+
+
+def replica_groups(line: str, num_devices: int) -> list[list[int]]:
+    """The device groups of one collective instruction, as lists of device ids.
+
+    Reads the three spellings XLA prints: ``replica_groups={{0,1},{2,3}}``, the iota form
+    ``replica_groups=[2,2]<=[4]`` (optionally ``T(1,0)``), and the mesh form
+    ``replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'a'}`` (groups along the axes in
+    braces). An empty or absent list is one group of all ``num_devices``.
+    """
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}", line
+    )
+    if m:
+        axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids_text = (m.group(2) or "").strip()
+        iota = re.fullmatch(r"\[([0-9,]*)\](?:T\(([0-9,]*)\))?", ids_text)
+        if iota:
+            ids = _iota(iota.group(1), iota.group(2)).reshape(-1)
+        elif ids_text:
+            ids = np.array([int(x) for x in re.findall(r"\d+", ids_text)])
+        else:
+            ids = np.arange(math.prod(sizes))
+        grid = ids.reshape(sizes)
+        along = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(3))]
+        rest = [i for i in range(len(sizes)) if i not in along]
+        size = math.prod(sizes[i] for i in along)
+        return grid.transpose(rest + along).reshape(-1, size).tolist()
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]*)\](?:T\(([0-9,]*)\))?", line)
+    if m:
+        groups, size = int(m.group(1)), int(m.group(2))
+        return _iota(m.group(3), m.group(4)).reshape(groups, size).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if m:
+        found = [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
+        ]
+        found = [g for g in found if g]
+        if found:
+            return found
+    return [list(range(num_devices))]
+
+
+def program_text(lowered: Any) -> str:
+    """The HLO of a lowered step after SPMD partitioning, with the collectives' own dtypes.
+
+    The CPU backend has no 16-bit collectives: after partitioning, its compiler widens each
+    bf16/fp16 all-reduce, reduce-scatter and all-gather to float32 (``all-reduce-promotion``),
+    so its final program would hide a 16-bit ``communication_data_type``. This returns the
+    module just before that rewrite (the program jzero emits, as a GPU runs it); on backends
+    without the rewrite it is the compiled program itself.
+
+    Args:
+      lowered: a ``jax.stages.Lowered`` (e.g. ``engine.lower(batch)``).
+
+    Returns:
+      HLO text for :func:`collectives`.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = lowered.compile(
+            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
+        )
+        found = sorted(glob.glob(os.path.join(tmp, "*before_all-reduce-promotion*.txt")))
+        if not found:
+            return compiled.as_text()
+        with open(found[-1]) as f:
+            return f.read()

@@ -1,0 +1,72 @@
+"""Where every leaf lives: the stage table, leaf rule, precision, memory kinds, Plan, make_plan.
+
+Import direction: imports :mod:`jzero.distributed` (the mesh axes) and :mod:`jzero.groups`
+(which leaves share an update group); imported by the step, the engine, the NVMe tier, memory,
+checkpoint and weights. It runs nothing: a plan is data.
+
+* :mod:`~jzero.plan.stages`: the one table of what each ZeRO stage shards; no other module
+  branches on the stage number.
+* :mod:`~jzero.plan.leaf_rule`: which dimension of a leaf is sharded, and why one stays whole.
+* :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
+* :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
+  JAX memory kinds on shardings.
+* :mod:`~jzero.plan.plan`: the :class:`Plan` and what follows from its shardings.
+* :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
+  optimizer and a mesh.
+"""
+
+from jzero.distributed import DATA_AXIS as DATA_AXIS
+from jzero.plan.leaf_rule import LeafPlan as LeafPlan
+from jzero.plan.leaf_rule import axis_entry as axis_entry
+from jzero.plan.leaf_rule import is_contiguous as is_contiguous
+from jzero.plan.leaf_rule import shard_dim as shard_dim
+from jzero.plan.make import make_plan as make_plan
+from jzero.plan.memory_kinds import HOST_MEMORY_KINDS as HOST_MEMORY_KINDS
+from jzero.plan.memory_kinds import PINNED_HOST as PINNED_HOST
+from jzero.plan.memory_kinds import UNPINNED_HOST as UNPINNED_HOST
+from jzero.plan.memory_kinds import available_memory_kinds as available_memory_kinds
+from jzero.plan.memory_kinds import check_memory_kind as check_memory_kind
+from jzero.plan.memory_kinds import is_host as is_host
+from jzero.plan.memory_kinds import memory_kinds_from_config as memory_kinds_from_config
+from jzero.plan.memory_kinds import on_device as on_device
+from jzero.plan.plan import Plan as Plan
+from jzero.plan.precision import LossScaleState as LossScaleState
+from jzero.plan.precision import Precision as Precision
+from jzero.plan.precision import cast_floating as cast_floating
+from jzero.plan.precision import next_loss_scale as next_loss_scale
+from jzero.plan.stages import OFFLOADS as OFFLOADS
+from jzero.plan.stages import STAGES as STAGES
+from jzero.plan.stages import StageSpec as StageSpec
+from jzero.plan.stages import check_offload as check_offload
+from jzero.plan.stages import formula_text as formula_text
+from jzero.plan.stages import stage_spec as stage_spec
+from jzero.plan.stages import stages_allowing as stages_allowing
+
+__all__ = [
+    "available_memory_kinds",
+    "axis_entry",
+    "cast_floating",
+    "check_memory_kind",
+    "check_offload",
+    "DATA_AXIS",
+    "formula_text",
+    "HOST_MEMORY_KINDS",
+    "PINNED_HOST",
+    "UNPINNED_HOST",
+    "is_contiguous",
+    "is_host",
+    "LeafPlan",
+    "LossScaleState",
+    "make_plan",
+    "memory_kinds_from_config",
+    "next_loss_scale",
+    "OFFLOADS",
+    "on_device",
+    "Plan",
+    "Precision",
+    "shard_dim",
+    "stage_spec",
+    "STAGES",
+    "stages_allowing",
+    "StageSpec",
+]

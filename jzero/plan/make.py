@@ -1,0 +1,364 @@
+"""The sharding plan: one ``NamedSharding`` per leaf of params, gradients, optimizer state, batch.
+
+:func:`make_plan` builds the :class:`Plan` (:mod:`jzero.plan.plan`) from the leaf rule
+(:mod:`jzero.plan.leaf_rule`: which dimension of each leaf is sharded) and the host-memory choice
+(:mod:`jzero.plan.memory_kinds`: which leaves rest in host memory); the names of those modules are
+importable from here as before.
+
+Decisions:
+
+* The plan is computed from abstract values only (``jax.ShapeDtypeStruct``), so it exists before
+  any parameter is allocated and works for meshes larger than the machine (an abstract mesh).
+* Leaf rule: each leaf is sharded on its leading dimension the data axis divides, a stacked-layer
+  dimension a ``scan`` consumes stays whole at stage 3, small parameters persist whole at stage 3,
+  and a user's own ``PartitionSpec`` is kept (see :mod:`jzero.plan.leaf_rule` for the reasons).
+* Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works;
+  a state leaf whose shape differs from its parameter's (e.g. factored moments) gets the leaf
+  rule applied to its own shape, and non-parameter state (counts) is replicated.
+* The stage decides which category is sharded by reading :mod:`jzero.plan.stages`; nothing here
+  branches on the stage number.
+* Hybrid sharding (a ``replica`` axis beside ``data``, FSDP's HSDP and DeepSpeed's MiCS): the
+  batch is split over both axes, and every sharded category is sharded over ``data`` only and
+  replicated over ``replica``. ZeRO++'s hierarchical partition (``hpz``) instead shards the
+  gradients and optimizer state over ``replica`` x ``data`` (all devices) and keeps the
+  parameters at rest sharded over ``data`` only, the secondary copy that stage 3's gathers
+  read within a host. A state leaf is then sharded over ``("data", "replica")`` on one
+  dimension: each ``data`` shard is split again into ``replica`` pieces, which is the layout a
+  reduce-scatter over ``data`` followed by one over ``replica`` leaves.
+* A mesh axis of more than one device that is neither ``data``, ``replica`` nor named by any
+  parameter's partition spec would make its devices compute the same rows: an error.
+* The communication options (``overlap_comm`` and its buckets, ZeRO++'s qwZ and qgZ) ride in
+  the plan, so the step and the replay read them from one place; ``make_plan`` refuses the
+  quantization a stage has no collective for, and keeps bucket sizes only where the step's own
+  reductions use them (stages 0-2 with ``overlap_comm``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzero._util import dotted
+from jzero.distributed import DATA_AXIS, REPLICA_AXIS
+from jzero.plan.leaf_rule import (
+    LeafPlan,
+    _leaf_plan,
+    _spec_with,
+    axis_entry,
+    is_contiguous,
+    shard_dim,
+)
+from jzero.plan.memory_kinds import (
+    HOST_MEMORY_KINDS,
+    _offloaded_leaves,
+    _with_kind,
+    is_host,
+    on_device,
+)
+from jzero.plan.plan import Plan
+from jzero.plan.precision import Precision, cast_floating
+from jzero.plan.stages import StageSpec, check_offload, stage_spec
+
+__all__ = [
+    "DATA_AXIS",
+    "HOST_MEMORY_KINDS",
+    "LeafPlan",
+    "Plan",
+    "axis_entry",
+    "is_host",
+    "make_plan",
+    "is_contiguous",
+    "on_device",
+    "shard_dim",
+]
+
+PyTree = Any
+
+
+def _path_str(path: Any) -> str:
+    return dotted(path) or "<root>"
+
+
+def _nbytes(x: Any) -> int:
+    return int(math.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
+def make_plan(
+    abstract_params: PyTree,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    stage: int | StageSpec,
+    *,
+    axis: str = DATA_AXIS,
+    persistence_threshold: int = 100_000,
+    param_specs: PyTree | None = None,
+    precision: Precision | None = None,
+    offload_optimizer: str | None = None,
+    offload_params: str | None = None,
+    offload_ratio: float = 1.0,
+    layer_dims: Sequence[int | None] | None = None,
+    reshard_after_forward: bool = True,
+    prefetch_bucket_size: int = 0,
+    max_reuse_distance: int | None = None,
+    max_live_parameters: int | None = None,
+    hpz: bool = False,
+    overlap_comm: bool = False,
+    reduce_bucket_size: int | None = None,
+    allgather_bucket_size: int | None = None,
+    quantized_weights: int = 0,
+    quantized_gradients: int = 0,
+) -> Plan:
+    """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
+
+    Args:
+      abstract_params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (only shapes are read).
+      optimizer: the optax transformation whose state is to be sharded.
+      mesh: the device mesh; ``axis`` must be one of its axes.
+      stage: a ZeRO stage (0-3) or its :class:`~jzero.plan.stages.StageSpec`.
+      axis: the data-parallel mesh axis.
+      persistence_threshold: stage 3 keeps parameters with fewer elements whole
+        (DeepSpeed's ``stage3_param_persistence_threshold``).
+      param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
+      precision: the run's dtypes; under mixed precision the float32 master weights get the
+        optimizer state's layout.
+      offload_optimizer: a host memory kind (``"pinned_host"``) for the optimizer state and the
+        master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
+      offload_ratio: the fraction of the optimizer-state bytes offloaded (DeepSpeed's
+        ``offload_optimizer.ratio``): the state and masters of whole parameter leaves go to
+        host memory, the largest first, each taken when it brings the offloaded bytes closer
+        to the fraction (:func:`_offloaded_leaves`); the rest stays in device memory.
+      offload_params: a host memory kind for the parameters at rest, at stage 3 only
+        (DeepSpeed's ``offload_param``).
+      layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
+        consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never shards it.
+      reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
+      prefetch_bucket_size, max_reuse_distance, max_live_parameters: see :class:`Plan`.
+      hpz: ZeRO++'s hierarchical partition (see :class:`Plan`); needs a ``replica`` axis and
+        a stage that shards parameters. A mesh with a ``replica`` axis without it is hybrid
+        sharding.
+      overlap_comm, reduce_bucket_size, allgather_bucket_size: see :class:`Plan`; the bucket
+        sizes (elements, >= 1) apply with ``overlap_comm`` at the stages that keep parameters
+        whole (0-2), and are ``None`` in the plan otherwise.
+      quantized_weights: see :class:`Plan`; needs a stage that shards parameters (3).
+      quantized_gradients: see :class:`Plan`; needs a stage that reduce-scatters (1-3).
+
+    Returns:
+      The :class:`Plan`.
+    """
+    spec = stage if isinstance(stage, StageSpec) else stage_spec(stage)
+    precision = precision if precision is not None else Precision()
+    if offload_optimizer is not None:
+        check_offload(spec, "optimizer")
+    if offload_params is not None:
+        check_offload(spec, "optimizer+params")
+    if axis not in mesh.shape:
+        raise ValueError(
+            f"The mesh has no axis {axis!r}; its axes are {list(mesh.shape)}. "
+            f"Build the mesh with jzero.make_mesh or name its data-parallel axis {axis!r}."
+        )
+    abstract_params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), abstract_params
+    )
+    if precision.mixed:  # the master weights are float32 whatever the user's params were
+        abstract_params = cast_floating(abstract_params, jnp.float32)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+    if param_specs is None:
+        bases = tuple(P() for _ in flat)
+    else:
+        bases = tuple(treedef.flatten_up_to(param_specs))
+        for (path, _), b in zip(flat, bases, strict=True):
+            missing = [a for a in jax.tree.leaves(tuple(b)) if a not in mesh.shape]
+            if missing:
+                raise ValueError(
+                    f"The partition spec {b} of {_path_str(path)} names mesh axes {missing}, but "
+                    f"the mesh has {list(mesh.shape)}. Add them to the config's mesh section "
+                    f"(e.g. mesh: {{data: -1, {missing[0]}: 2}}) or remove them from the "
+                    "annotation."
+                )
+            if axis in jax.tree.leaves(tuple(b)):
+                raise ValueError(
+                    f"The partition spec {b} of {_path_str(path)} already uses the data axis "
+                    f"{axis!r}; jzero places the data axis itself. Remove {axis!r} from it."
+                )
+    _check_axes_used(mesh, axis, bases)
+    replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
+    if hpz and (replica is None or not spec.shard_params):
+        raise ValueError(
+            "zero_hpz_partition_size (ZeRO++ hpZ) needs stage 3 and a mesh with a "
+            f"{REPLICA_AXIS!r} axis (the hosts) beside {axis!r} (one host's devices); got stage "
+            f"{spec.stage} and mesh {dict(mesh.shape)}. Set zero_optimization.stage to 3, or "
+            "zero_hpz_partition_size to 1."
+        )
+    hpz = bool(hpz)
+    _check_comm(spec, reduce_bucket_size, allgather_bucket_size, quantized_weights,
+                quantized_gradients)  # fmt: skip
+    buckets = bool(overlap_comm) and not spec.shard_params
+    state_axes = (axis, replica) if hpz else (axis,)
+    n = int(mesh.shape[axis]) * (int(mesh.shape[replica]) if hpz else 1)
+    traced = layer_dims is not None
+    layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
+    if len(layer_dims) != len(flat):
+        raise ValueError(
+            f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
+            "pass one stacked-layer dimension (or None) per leaf."
+        )
+    leaves = tuple(
+        _leaf_plan(_path_str(path), x, b, n, spec, persistence_threshold, ld)
+        for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
+    )
+
+    def shardings(dims: list[int | None], axes: tuple[str, ...] = (axis,)) -> PyTree:
+        return treedef.unflatten(
+            [
+                NamedSharding(mesh, _spec_with(b, len(leaf.shape), d, axes))
+                for leaf, b, d in zip(leaves, bases, dims, strict=True)
+            ]
+        )
+
+    state_dims = [leaf.state_dim for leaf in leaves]
+    params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), offload_params)
+    update_sh = shardings(state_dims, state_axes)
+    grads_sh = update_sh if spec.reduce_scatter else shardings([None] * len(leaves))
+    replicated = NamedSharding(mesh, P())
+
+    abstract_opt_state = jax.eval_shape(optimizer.init, abstract_params)
+
+    def fit(state_leaf: Any, sharding: NamedSharding, index: int) -> Any:
+        if isinstance(state_leaf, optax.MaskedNode):  # a leaf the mask leaves out: no state
+            return state_leaf
+        if tuple(state_leaf.shape) == leaves[index].shape:
+            return sharding
+        if not spec.shard_opt_state:
+            return replicated
+        d = shard_dim(tuple(state_leaf.shape), n)
+        return NamedSharding(mesh, _spec_with(P(), len(state_leaf.shape), d, state_axes))
+
+    opt_sh = optax.tree_map_params(
+        optimizer,
+        fit,
+        abstract_opt_state,
+        update_sh,
+        treedef.unflatten(list(range(len(leaves)))),
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+    # Any leaf that is not an array (e.g. optax's MaskedNode) needs no sharding; keep structure.
+    opt_sh = jax.tree.map(
+        lambda s, x: s if hasattr(x, "shape") else replicated,
+        opt_sh,
+        abstract_opt_state,
+    )
+    host_leaves = _offloaded_leaves(leaves, offload_ratio)
+    master_sh = update_sh
+    if offload_optimizer is not None and len(host_leaves) < len(leaves):
+        from jzero.groups import param_leaf_owner
+
+        owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)
+        flat_sh, sh_def = jax.tree.flatten(opt_sh)
+        opt_sh = sh_def.unflatten(
+            [
+                x.with_memory_kind(offload_optimizer) if o in host_leaves else x
+                for x, o in zip(flat_sh, owner, strict=True)
+            ]
+        )
+        master_sh = treedef.unflatten(
+            [
+                x.with_memory_kind(offload_optimizer) if i in host_leaves else x
+                for i, x in enumerate(jax.tree.leaves(update_sh))
+            ]
+        )
+    else:
+        opt_sh = _with_kind(opt_sh, offload_optimizer)
+        master_sh = _with_kind(update_sh, offload_optimizer)
+    return Plan(
+        stage=spec,
+        mesh=mesh,
+        axis=axis,
+        abstract_params=abstract_params,
+        leaves=leaves,
+        params=params_sh,
+        grads=grads_sh,
+        update_layout=update_sh,
+        abstract_opt_state=abstract_opt_state,
+        opt_state=opt_sh,
+        batch=NamedSharding(mesh, P(axis_entry((replica, axis) if replica else (axis,)))),
+        replicated=replicated,
+        precision=precision,
+        master=master_sh if precision.mixed else None,
+        base_specs=bases,
+        layers_traced=traced,
+        reshard_after_forward=bool(reshard_after_forward),
+        prefetch_bucket_size=int(prefetch_bucket_size),
+        max_reuse_distance=max_reuse_distance,
+        max_live_parameters=max_live_parameters,
+        replica_axis=replica,
+        hpz=hpz,
+        overlap_comm=bool(overlap_comm),
+        # Buckets group the step's own reductions and gathers: stages 0-2, with overlap_comm.
+        reduce_bucket_size=reduce_bucket_size if buckets else None,
+        allgather_bucket_size=allgather_bucket_size if buckets else None,
+        quantized_weights=int(quantized_weights),
+        quantized_gradients=int(quantized_gradients),
+    )
+
+
+def _check_comm(
+    spec: StageSpec,
+    reduce_bucket_size: int | None,
+    allgather_bucket_size: int | None,
+    quantized_weights: int,
+    quantized_gradients: int,
+) -> None:
+    """The bucket sizes and ZeRO++ quantization this stage can use (clear errors otherwise)."""
+    for name, size in (
+        ("reduce_bucket_size", reduce_bucket_size),
+        ("allgather_bucket_size", allgather_bucket_size),
+    ):
+        if size is not None and (isinstance(size, bool) or int(size) != size or size < 1):
+            raise ValueError(
+                f"{name}={size!r} is not a bucket size; pass a number of elements >= 1, or None "
+                "for one collective per leaf."
+            )
+    for name, bits in (
+        ("quantized_weights", quantized_weights),
+        ("quantized_gradients", quantized_gradients),
+    ):
+        if bits not in (0, 4, 8):
+            raise ValueError(f"{name}={bits!r}: pass 8 or 4 bits a value, or 0 for exact.")
+    if quantized_weights and not spec.shard_params:
+        raise ValueError(
+            f"quantized_weights (ZeRO++ qwZ) quantizes stage 3's parameter all-gathers, but "
+            f"stage {spec.stage} keeps parameters whole and gathers none. Use stage 3, or "
+            "quantized_weights=0."
+        )
+    if quantized_gradients and not spec.reduce_scatter:
+        raise ValueError(
+            f"quantized_gradients (ZeRO++ qgZ) replaces the gradient reduce-scatter, but stage "
+            f"{spec.stage} all-reduces its gradients. Use stage 1, 2 or 3, or "
+            "quantized_gradients=0."
+        )
+
+
+def _check_axes_used(mesh: Mesh, axis: str, bases: Sequence[P]) -> None:
+    """Refuses a mesh axis of several devices that neither splits the batch (``data``,
+    ``replica``) nor any parameter (a partition spec): its devices would compute the same
+    rows, a silent multiple of the compute."""
+    used = {a for b in bases for a in jax.tree.leaves(tuple(b))}
+    for name, size in mesh.shape.items():
+        if size > 1 and name not in (axis, REPLICA_AXIS) and name not in used:
+            raise ValueError(
+                f"mesh axis {name!r} ({size} devices) is neither {axis!r}, {REPLICA_AXIS!r} nor "
+                "named by any parameter's partition spec, so its devices would all compute the "
+                f"same rows ({size}x redundant work). Rename it to {REPLICA_AXIS!r} to replicate "
+                f"ZeRO's shards across it (e.g. across hosts), fold it into {axis!r} (mesh: "
+                f"{{{axis}: -1}}), or give parameters partition specs over it (param_specs=, "
+                "nnx.with_partitioning)."
+            )

@@ -1,0 +1,367 @@
+"""The :class:`Plan`: the shardings of every tree a step touches, and what follows from them.
+
+Decisions:
+
+* A plan is data: shardings per category (params at rest, gradients, the update layout,
+  optimizer state, masters, batch), the :class:`~jzero.plan.leaf_rule.LeafPlan` of every leaf and
+  the communication options; :func:`jzero.plan.make_plan` builds it, and nothing here runs a
+  step.
+* Everything else is derived on demand from those fields: shard counts and mesh axes, the
+  largest gathered unit, per-device bytes in device and host memory (:meth:`Plan.model_state_bytes`,
+  :meth:`Plan.host_state_bytes`), and the table :meth:`Plan.describe` prints.
+* Bytes are counted from the shardings' shard shapes (``NamedSharding.shard_shape``), so an
+  uneven or replicated leaf is counted as it is laid out; params in the compute dtype,
+  gradients in the accumulator dtype when micro-batches are accumulated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzero.plan.leaf_rule import LeafPlan, _spec_with
+from jzero.plan.memory_kinds import is_host
+from jzero.plan.precision import Precision, cast_floating
+from jzero.plan.stages import StageSpec
+
+__all__ = ["Plan"]
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Shardings for every tree a training step touches, derived from one stage.
+
+    Attributes:
+      stage: the stage table row.
+      mesh: the device mesh (``axis`` is its data-parallel axis).
+      axis: the data-parallel axis name.
+      abstract_params: the params as ``jax.ShapeDtypeStruct``.
+      leaves: one :class:`LeafPlan` per parameter leaf, in ``jax.tree.leaves`` order.
+      params: shardings of the params at rest.
+      grads: shardings of the reduced gradients, as the optimizer update sees them.
+      update_layout: shardings the optimizer update runs in (params are cut to these for the
+        update); :attr:`update` is its old name.
+      abstract_opt_state: the optimizer state as ``jax.ShapeDtypeStruct``.
+      opt_state: shardings of the optimizer state.
+      batch: sharding of every batch leaf (leading dim over the data axis).
+      replicated: a replicated sharding (scalars, metrics).
+      precision: the run's dtypes (see :mod:`jzero.plan.precision`).
+      master: under mixed precision, shardings of the float32 master weights (the update
+        layout, like the optimizer state, and in the same memory); ``None`` otherwise.
+      base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
+      layers_traced: whether ``layer_dims`` came from tracing the loss (so a leaf without one
+        is known not to be a scanned stack).
+      reshard_after_forward: at stage 3, drop each gathered weight after its forward use and
+        gather it again in the backward pass (3 Psi of traffic, about one layer live); ``False``
+        keeps it until its backward use (2 Psi, all gathered weights live at the peak).
+      prefetch_bucket_size: at stage 3, how many gathered elements a use's gather may run
+        ahead of it (DeepSpeed's ``stage3_prefetch_bucket_size``; 0: at the use).
+      max_reuse_distance: at stage 3, a parameter reused within this many elements of other
+        gathered parameters is gathered once and kept (DeepSpeed's
+        ``stage3_max_reuse_distance``); ``None``: every use gathers.
+      max_live_parameters: at stage 3, the cap on gathered elements alive at once (DeepSpeed's
+        ``stage3_max_live_parameters``): it bounds what reuse keeps; ``None``: no cap.
+      replica_axis: the mesh's replica axis (hybrid sharding), or ``None``: the batch is split
+        over it and ZeRO's shards are replicated across it.
+      hpz: ZeRO++'s hierarchical partition: gradients and optimizer state are sharded over
+        ``replica`` x ``data``, parameters at rest over ``data`` only (the secondary copy).
+      overlap_comm: DeepSpeed's ``overlap_comm``: stage 3 gathers each scanned layer one
+        iteration ahead (:func:`jzero.replay.gather.gathered`'s ``overlap``), stages 0-2 reduce the
+        gradients in buckets (below), and on a GPU the step is compiled with XLA's options for
+        asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`).
+      reduce_bucket_size: at stages 0-2 with ``overlap_comm``, the most gradient elements one
+        reduction carries: consecutive leaves are reduced together up to it (one collective
+        per bucket); ``None``: one collective per leaf.
+      allgather_bucket_size: likewise for the all-gather of the updated parameters (stages 1-2).
+      quantized_weights: ZeRO++ qwZ at stage 3: stage 3's parameter gathers send this many
+        bits a value (8 or 4); 0: exact.
+      quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
+        data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
+        on the receiving device; 0: exact.
+
+    Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
+    computes on :func:`~jzero.plan.memory_kinds.on_device` copies of them.
+    """
+
+    stage: StageSpec
+    mesh: Mesh
+    axis: str
+    abstract_params: PyTree
+    leaves: tuple[LeafPlan, ...]
+    params: PyTree
+    grads: PyTree
+    update_layout: PyTree
+    abstract_opt_state: PyTree
+    opt_state: PyTree
+    batch: NamedSharding
+    replicated: NamedSharding
+    precision: Precision = field(default_factory=Precision)
+    master: PyTree = None
+    base_specs: tuple[P, ...] = field(default=())
+    layers_traced: bool = False
+    reshard_after_forward: bool = True
+    prefetch_bucket_size: int = 0
+    max_reuse_distance: int | None = None
+    max_live_parameters: int | None = None
+    replica_axis: str | None = None
+    hpz: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
+    quantized_weights: int = 0
+    quantized_gradients: int = 0
+
+    @property
+    def update(self) -> PyTree:
+        """The old name of :attr:`update_layout`."""
+        return self.update_layout
+
+    @property
+    def num_shards(self) -> int:
+        """The size of the data axis: how many shards a parameter is split into at rest."""
+        return int(self.mesh.shape[self.axis])
+
+    @property
+    def num_replicas(self) -> int:
+        """The size of the replica axis (1 without one)."""
+        return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch is split over: ``replica`` (if any), then ``data``."""
+        return (self.replica_axis, self.axis) if self.replica_axis else (self.axis,)
+
+    @property
+    def state_axes(self) -> tuple[str, ...]:
+        """The mesh axes gradients and optimizer state are sharded over, major first:
+        ``data``, and ``replica`` too under :attr:`hpz`."""
+        return (self.axis, self.replica_axis) if self.hpz and self.replica_axis else (self.axis,)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices the batch is split over (``replica`` x ``data``)."""
+        return self.num_shards * self.num_replicas
+
+    @property
+    def state_shards(self) -> int:
+        """How many shards gradients and optimizer state are split into."""
+        return self.num_shards * (self.num_replicas if self.hpz else 1)
+
+    @property
+    def param_dims(self) -> list[int | None]:
+        """Per parameter leaf, the dimension sharded at rest (``None`` if replicated)."""
+        return [leaf.param_dim for leaf in self.leaves]
+
+    @property
+    def layer_dims(self) -> tuple[int | None, ...]:
+        """Per parameter leaf, the stacked-layer dimension a scan consumes (``None``: none)."""
+        return tuple(leaf.layer_dim for leaf in self.leaves)
+
+    @property
+    def state_dims(self) -> list[int | None]:
+        """Per parameter leaf, the dimension gradients and optimizer state are sharded on."""
+        return [leaf.state_dim for leaf in self.leaves]
+
+    def largest_gathered(self, in_bytes: bool = False) -> tuple[int, str]:
+        """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
+        time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
+        sharded at rest.
+
+        Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
+        its siblings: two or more leaves of one parent with the same leading dimension (> 1)
+        are taken for a layer stack, gathered one slice at a time.
+
+        Args:
+          in_bytes: count bytes of the compute dtype instead of elements.
+        """
+        dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(self.compute_params)]
+        parents: dict[str, set[int | None]] = {}
+        for leaf in self.leaves:
+            lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
+            parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
+        siblings = Counter(leaf.path.rpartition(".")[0] for leaf in self.leaves)
+        best, path = 0, ""
+        for leaf, dtype in zip(self.leaves, dtypes, strict=True):
+            if leaf.param_dim is None:
+                continue
+            size = math.prod(leaf.shape)
+            if self.layers_traced:  # from the traced loss: a scan gathers one slice at a time
+                if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
+                    size //= leaf.shape[leaf.layer_dim]
+            else:
+                parent = leaf.path.rpartition(".")[0]
+                leads = parents[parent]
+                if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
+                    if leaf.param_dim != 0 and leaf.shape[0] > 1:
+                        size //= leaf.shape[0]
+            size *= dtype.itemsize if in_bytes else 1
+            if size > best:
+                best, path = size, leaf.path
+        return best, path
+
+    def grad_dims(self) -> list[int | None]:
+        """Per leaf, the dimension the reduced gradient is sharded on (``None``: all-reduced)."""
+        return self.state_dims if self.stage.reduce_scatter else [None] * len(self.leaves)
+
+    def per_device_bytes(self, tree: PyTree, shardings: PyTree) -> int:
+        """Bytes one device holds of ``tree`` (abstract or concrete) laid out by ``shardings``."""
+        total = 0
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
+            shard = s.shard_shape(tuple(x.shape))
+            total += int(math.prod(shard)) * np.dtype(x.dtype).itemsize
+        return total
+
+    @property
+    def compute_params(self) -> PyTree:
+        """The params as the step computes with them (``ShapeDtypeStruct``, compute dtype)."""
+        if not self.precision.mixed:
+            return self.abstract_params
+        return cast_floating(self.abstract_params, self.precision.compute_dtype)
+
+    def _state_trees(self, accumulation_steps: int) -> list[tuple[str, PyTree, PyTree]]:
+        """(category, abstract tree, shardings) of everything a device keeps for training."""
+        grad_acc = self.grads if self.stage.shard_grads else self.params_replicated()
+        grads = self.compute_params
+        if accumulation_steps > 1:
+            grads = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, self.precision.accumulator(x.dtype)),
+                self.abstract_params,
+            )
+        parts = [("params", self.compute_params, self.params), ("grads", grads, grad_acc)]
+        if self.precision.mixed:
+            parts.append(("master_params", self.abstract_params, self.master))
+        parts.append(("opt_state", self.abstract_opt_state, self.opt_state))
+        return parts
+
+    def _bytes_where(self, host: bool, accumulation_steps: int) -> dict[str, int]:
+        out = {}
+        for name, tree, shardings in self._state_trees(accumulation_steps):
+            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
+            kept = [(x, s) for x, s in pairs if is_host(s) == host]
+            out[name] = self.per_device_bytes([x for x, _ in kept], [s for _, s in kept])
+        return out
+
+    def model_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
+        """Per-device bytes in *device* memory of params, gradients, master weights (mixed
+        precision only) and optimizer state.
+
+        Params are counted in the compute dtype. The gradient is full-size at stages 0-1 and one
+        shard at stages 2-3, in the compute dtype, or in the accumulator dtype when
+        ``accumulation_steps > 1``. Offloaded state is counted by :meth:`host_state_bytes`.
+        """
+        return self._bytes_where(False, accumulation_steps)
+
+    def host_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
+        """Per-device bytes in *host* memory (offloaded), with the keys of
+        :meth:`model_state_bytes`."""
+        return self._bytes_where(True, accumulation_steps)
+
+    def params_replicated(self) -> PyTree:
+        """Shardings that keep every parameter whole (other mesh axes still honoured)."""
+        treedef = jax.tree.structure(self.abstract_params)
+        return treedef.unflatten(
+            [
+                NamedSharding(self.mesh, _spec_with(b, len(leaf.shape), None, self.axis))
+                for leaf, b in zip(self.leaves, self._bases(), strict=True)
+            ]
+        )
+
+    def _bases(self) -> tuple[P, ...]:
+        return self.base_specs or tuple(P() for _ in self.leaves)
+
+    def describe(self) -> str:
+        """A table of every leaf: shape, spec per category, per-device bytes, what stayed whole."""
+        n = self.num_shards
+        rows = [("leaf", "shape", "dtype", "params", "grads", "opt state", "bytes/device")]
+        flat_p = jax.tree.leaves(self.params)
+        flat_g = jax.tree.leaves(self.grads)
+        flat_c = jax.tree.leaves(self.compute_params)
+        for leaf, sp, sg, c in zip(self.leaves, flat_p, flat_g, flat_c, strict=True):
+            nbytes = math.prod(sp.shard_shape(leaf.shape)) * np.dtype(c.dtype).itemsize
+            rows.append(
+                (
+                    leaf.path,
+                    "x".join(map(str, leaf.shape)) or "()",
+                    np.dtype(c.dtype).name,
+                    str(tuple(sp.spec)) + (" host" if is_host(sp) else ""),
+                    str(tuple(sg.spec)),
+                    str(tuple(sg.spec)) if self.stage.shard_opt_state else "()",
+                    f"{nbytes:,}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [
+            f"ZeRO stage {self.stage.stage} ({self.stage.description}) over "
+            f"{self.axis}={n} of mesh {dict(self.mesh.shape)}",
+        ]
+        if self.replica_axis:
+            lines.append(
+                f"hybrid: {self.num_replicas} replicas; "
+                + (
+                    f"hpZ: gradients and optimizer state over replica x data "
+                    f"({self.state_shards} shards), params at rest over data ({n} shards)"
+                    if self.hpz
+                    else "every shard replicated across the replica axis, gradient shards "
+                    "all-reduced over it"
+                )
+            )
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.append(
+            "each leaf is sharded on its leading dimension that the data axis divides "
+            "(contiguous shards)"
+            + (
+                "; a stacked-layer dimension a scan consumes stays whole, so each layer is "
+                "gathered on its own"
+                if self.stage.shard_params and any(d is not None for d in self.layer_dims)
+                else ""
+            )
+        )
+        for where, totals in (
+            ("device", self.model_state_bytes()),
+            ("host", self.host_state_bytes()),
+        ):
+            if where == "host" and not any(totals.values()):
+                continue
+            lines.append(
+                f"per-device model state in {where} memory: "
+                + ", ".join(f"{k} {v:,} B" for k, v in totals.items())
+                + f", total {sum(totals.values()):,} B"
+            )
+        if self.precision.mixed:
+            lines.append(
+                f"mixed precision: compute {np.dtype(self.precision.compute_dtype).name}, "
+                "float32 master weights laid out with the optimizer state"
+            )
+        comm = []
+        if self.overlap_comm:
+            comm.append("overlap_comm")
+        for name, size in (
+            ("reduce", self.reduce_bucket_size),
+            ("all-gather", self.allgather_bucket_size),
+        ):
+            if size is not None:
+                comm.append(f"{name} buckets of {size:,} elements")
+        if self.quantized_weights:
+            comm.append(f"ZeRO++ qwZ: int{self.quantized_weights} parameter gathers")
+        if self.quantized_gradients:
+            comm.append(f"ZeRO++ qgZ: int{self.quantized_gradients} gradient reduce-scatters")
+        if comm:
+            lines.append("communication: " + ", ".join(comm))
+        whole = [leaf for leaf in self.leaves if leaf.note]
+        if whole:
+            lines.append("leaves ZeRO left whole on every device:")
+            lines.extend(f"  {leaf.path}: {leaf.note}" for leaf in whole)
+        return "\n".join(lines)

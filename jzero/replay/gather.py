@@ -1,0 +1,278 @@
+"""Stage 3 parameter gathering: one layer at a time, for any model.
+
+At ZeRO stage 3 a device holds only its shard of each parameter. The loss function a user wrote
+expects full parameters, so they must be all-gathered; the whole point of stage 3 is that they
+are never all gathered *at once*. DeepSpeed does this with module hooks. In JAX there are no
+modules at run time, only a traced program, so jzero rewrites the program. Three parts, every
+name importable from here:
+
+* the gather of one parameter (:mod:`jzero.replay.param_gather`: :func:`all_gather`, whose transpose
+  reduce-scatters in the communication dtype or quantized, and the pending gather a sharded
+  parameter stands as until its use);
+* the replay (:mod:`jzero.replay.interpreter`): the trace re-run with gathers moved into scan
+  bodies and
+  to each other use, scans and layers re-emitted under ``jax.checkpoint``;
+* here, the entry points: :func:`gathered` (stage 3), :func:`replay` and
+  :func:`remat_scans` (activation checkpointing at any stage), :func:`layer_dims` (the
+  stacked-layer dimensions the plan keeps whole).
+
+Decisions:
+
+* The user's loss is traced once (``jax.make_jaxpr``) with full-size abstract parameters, and
+  the trace is replayed with each sharded parameter standing as a *pending gather* (its local
+  shard plus the dimension it is split on), which passes through dtype casts that do not
+  widen it and into nested ``jit`` calls.
+* The same replay serves activation checkpointing at every stage (:func:`replay`, and
+  :func:`gathered` with a ``policy``).
+* DeepSpeed's stage-3 knobs (``stage3_prefetch_bucket_size``, ``stage3_max_reuse_distance``,
+  ``stage3_max_live_parameters``) come from one recording pass of the replay before the real
+  one (:mod:`jzero.replay.prefetch`).
+* :func:`layer_dims` reads which parameters a ``scan`` consumes from the trace alone (through
+  dtype casts and nested ``jit``), so the plan can keep their stacked-layer dimension whole.
+
+The rewrite happens at trace time only; the compiled step contains no interpreter. The result
+is a function of the shards with exactly the numerics of the original function of the full
+parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jzero._util import abstract_tree
+from jzero.replay.interpreter import GATHERED, PARTITIONED, _Replay, remat_save_policy
+from jzero.replay.param_gather import _Pending, all_gather
+from jzero.replay.prefetch import kept_leaves, prefetch_anchors
+from jzero.replay.remat import RematPolicy, parse_policy
+from jzero.replay.trace import Partition, find_layers, inline_calls, layer_keys
+
+__all__ = [
+    "GATHERED",
+    "PARTITIONED",
+    "all_gather",
+    "remat_save_policy",
+    "remat_scans",
+    "gathered",
+    "layer_dims",
+    "replay",
+]
+
+
+def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, Any]:
+    """The flat program and its layers (:func:`find_layers`) when ``policy`` checkpoints."""
+    if policy is None or not policy.active:
+        return closed, None
+    closed = inline_calls(closed)
+    return closed, find_layers(closed.jaxpr, layer_keys(params))
+
+
+def replay(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., Any]:
+    """``fn(params, *args)`` re-emitted with every layer checkpointed by ``policy`` (see
+    :mod:`jzero.replay.remat`): the body of every scan outside other scans, and each layer of a
+    Python loop over layers that ``params``' paths name (:func:`layer_keys`). The same
+    outputs. ``None`` or ``none``: ``fn``."""
+    if policy is None or not policy.active:
+        return fn
+
+    def g(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+            *abstract_tree(args, weak_type=True)
+        )
+        closed, segments = _layers(closed, args[0] if args else (), policy)
+        outs = _Replay(None, None, policy).run(
+            closed.jaxpr, closed.consts, jax.tree.leaves(args), segments
+        )
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return g
+
+
+def gathered(
+    fn: Callable[..., Any],
+    dims: Sequence[int | None],
+    full_shapes: Any,
+    axis_name: str,
+    grad_dtype: Any = None,
+    policy: RematPolicy | None = None,
+    reshard: bool = True,
+    *,
+    prefetch: int = 0,
+    reuse_distance: int | None = None,
+    max_live: int | None = None,
+    partition: Partition | None = None,
+    bits: int = 0,
+    grad_bits: int = 0,
+    overlap: bool = False,
+) -> Callable[..., Any]:
+    """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
+
+    Must be called inside ``shard_map`` over ``axis_name``.
+
+    Args:
+      fn: the function of full parameters (a loss function).
+      dims: per leaf of ``params`` (in ``jax.tree.leaves`` order), the dimension the leaf is
+        sharded on, or ``None`` for a leaf that is already whole on every device.
+      full_shapes: a pytree like ``params`` of ``jax.ShapeDtypeStruct`` with the full shapes.
+      axis_name: the mesh axis the shards are split over.
+      grad_dtype: the dtype the gradients' reduce-scatter runs in; ``None``: the shard's.
+      policy: the activation-checkpointing policy of every layer (:mod:`jzero.replay.remat`): each
+        scan body, and each layer of a Python loop; ``None``: only the scans that gather
+        weights are checkpointed, by :data:`remat_save_policy`. Whatever the policy, no
+        gathered weight is saved for the backward pass.
+      reshard: gather each weight again in the backward pass (FSDP's
+        ``reshard_after_forward``); ``False`` keeps the forward's gathered weights for the
+        backward pass instead: one all-gather per weight, not two, and every gathered weight
+        alive until its backward use.
+      prefetch: DeepSpeed's ``stage3_prefetch_bucket_size``: a use's gather may start this
+        many gathered elements ahead of it (:func:`prefetch_anchors`); 0: at its use.
+      reuse_distance: DeepSpeed's ``stage3_max_reuse_distance``: leaves reused within this
+        many elements are gathered once and kept (:func:`kept_leaves`); ``None``: none.
+      max_live: DeepSpeed's ``stage3_max_live_parameters``, the cap on what reuse keeps.
+      partition: DeepSpeed's ``partition_activations``: each checkpointed layer's saved input
+        split over the mesh's model-parallel axes (:class:`jzero.replay.trace.Partition`).
+      bits: ZeRO++ qwZ: every gather of a floating parameter sends it quantized to this many
+        bits (8 or 4; :func:`jzero.comm.quantize.quantized_all_gather`); 0: exact.
+      grad_bits: ZeRO++ qgZ: every gather's transpose (the gradient's reduce-scatter) is the
+        quantized all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter`; 0: exact.
+      overlap: ``overlap_comm``: a scan that gathers weights fetches each layer one iteration
+        ahead, in the forward and the backward pass, and reduce-scatters each layer's gradient
+        beside the next layer's backward pass (:func:`jzero.comm.overlap.overlapped_scan`). Scans
+        that keep gathered weights (``reshard=False``), tag activations (policy ``none``),
+        partition or offload them, run in reverse, have one iteration or a non-floating carry
+        gather at their own iteration as without it.
+
+    Returns:
+      A function with the same outputs as ``fn``, taking the local shards instead.
+    """
+    shards = next(
+        (
+            full.shape[d]
+            for full, d in zip(jax.tree.leaves(full_shapes), dims, strict=True)
+            if d is not None
+        ),
+        None,
+    )
+
+    def g(local: Any, *args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+            full_shapes, *abstract_tree(args, weak_type=True)
+        )
+        closed, segments = _layers(closed, full_shapes, policy)
+        leaves = jax.tree.leaves(local)
+        n = (
+            1
+            if shards is None
+            else shards
+            // next(x.shape[d] for x, d in zip(leaves, dims, strict=True) if d is not None)
+        )
+
+        def pending(leaves: list[Any]) -> list[Any]:
+            return [
+                x if d is None else _Pending(x, d, index=i, bits=bits, grad_bits=grad_bits)
+                for i, (x, d) in enumerate(zip(leaves, dims, strict=True))
+            ]
+
+        flat_args = jax.tree.leaves(args)
+        kept: frozenset[int] = frozenset()
+        anchors: list[int] = []
+        if shards is not None and (prefetch or reuse_distance is not None):
+            rec = _Replay(axis_name, grad_dtype, policy, reshard, shards=n, record=True)
+            jax.eval_shape(
+                lambda sh, a: rec.run(closed.jaxpr, closed.consts, [*pending(sh), *a], segments),
+                abstract_tree(leaves, weak_type=True),
+                abstract_tree(flat_args, weak_type=True),
+            )
+            if reuse_distance is not None:
+                limit = max_live if max_live is not None else 2**63
+                kept = kept_leaves(rec.events, reuse_distance, limit)
+            if prefetch:
+                anchors = prefetch_anchors(rec.events, prefetch)
+        rep = _Replay(
+            axis_name,
+            grad_dtype,
+            policy,
+            reshard,
+            shards=n,
+            kept=kept,
+            anchors=anchors,
+            partition=partition,
+            overlap=overlap,
+        )
+        outs = rep.run(closed.jaxpr, closed.consts, [*pending(leaves), *flat_args], segments)
+        outs = [rep.materialize(o) for o in outs]
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return g
+
+
+_PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
+
+
+def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | None]:
+    """Per leaf of ``params``, the stacked-layer dimension a ``scan`` in ``fn`` consumes.
+
+    ``fn(params, *args)`` is traced once (abstract values, nothing runs). A parameter that
+    reaches a ``scan`` as a scanned operand (possibly through dtype casts and nested ``jit``)
+    has its leading dimension consumed one slice per iteration: that dimension is 0. Stage 3
+    must keep it whole (:mod:`jzero.plan`), so that this module can gather one layer at a time.
+
+    Args:
+      fn: the loss function of full parameters.
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct``.
+      args: example arguments (arrays or ``ShapeDtypeStruct``), e.g. a micro-batch.
+
+    Returns:
+      One entry per leaf of ``params`` in ``jax.tree.leaves`` order: 0 or ``None``.
+    """
+    closed = jax.make_jaxpr(fn)(params, *args)
+    num = len(jax.tree.leaves(params))
+    found: list[int | None] = [None] * num
+
+    def visit(jaxpr: Any, origin: dict[Any, int]) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [
+                origin.get(v) if not isinstance(v, jex_core.Literal) else None for v in eqn.invars
+            ]
+            if not any(i is not None for i in ins):
+                continue
+            name = eqn.primitive.name
+            if name in _PASS_THROUGH:
+                origin[eqn.outvars[0]] = ins[0]
+            elif name in ("pjit", "jit", "closed_call"):
+                inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+                if hasattr(inner, "jaxpr"):
+                    visit(
+                        inner.jaxpr,
+                        {
+                            v: i
+                            for v, i in zip(inner.jaxpr.invars, ins, strict=True)
+                            if i is not None
+                        },
+                    )
+            elif name == "scan":
+                first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+                for i in ins[first_xs:]:
+                    if i is not None:
+                        found[i] = 0
+
+    visit(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars[:num])})
+    return found
+
+
+def remat_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[..., Any]:
+    """``fn`` with the body of every top-level ``lax.scan`` it runs checkpointed by ``policy``.
+
+    The same numbers as ``fn``; only what its gradient keeps for the backward pass changes.
+    The engine does this itself (``activation_checkpointing``); use it with your own step.
+
+    Args:
+      fn: any function of arrays (pytrees in, pytrees out), e.g. a loss.
+      policy: a :class:`RematPolicy` or a policy text (``"full"``, ``"names:a,b"``, ...).
+    """
+    if isinstance(policy, str):
+        policy = parse_policy(policy)
+    return replay(fn, policy)

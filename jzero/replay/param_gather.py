@@ -1,0 +1,105 @@
+"""The gather of one sharded parameter: an all-gather with a chosen transpose, and its pending form.
+
+The collective half of :mod:`jzero.replay.gather`: :func:`all_gather` moves a shard to the full
+value, and a :class:`_Pending` is a parameter still in its shard that the replay
+(:mod:`jzero.replay.interpreter`) gathers where it is used.
+
+Decisions:
+
+* The transpose of each gather (the gradient's reduce-scatter) runs in the communication dtype
+  when one is given (``communication_data_type``), else in the parameter's dtype; a custom VJP
+  is used only when that differs from the shard's dtype or the transpose is quantized.
+* ZeRO++: with ``bits`` every gather of a floating parameter is quantized (qwZ,
+  :func:`jzero.comm.quantize.quantized_all_gather`), and with ``grad_bits`` every transpose is the
+  quantized reduce-scatter (qgZ); a pending gather carries both, so casts and nested calls keep
+  them. Non-floating arrays are always gathered exactly.
+* A pending gather passes through dtype casts that do not widen it (so a bf16 copy is gathered
+  in bf16, at half the bytes); a widening cast is recorded (``dtype``) and applied after the
+  gather, so a bf16 parameter the model upcasts is still gathered in bf16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jzero.comm import quantized_all_gather, quantized_psum_scatter
+
+__all__ = ["all_gather"]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A parameter still in its shard: gathering ``shard`` on ``dim`` gives the full value."""
+
+    shard: Any
+    dim: int
+    dtype: Any = None  # a widening cast applied after the gather (the gather stays narrow)
+    index: int = -1  # the parameter leaf it comes from (``jax.tree.leaves`` order)
+    bits: int = 0  # ZeRO++ qwZ: the forward gather sends this many bits a value (0: exact)
+    grad_bits: int = 0  # ZeRO++ qgZ: the gradient's reduce-scatter likewise (0: exact)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        """Which gathered value this is: the leaf, the dtype gathered, the dtype after it."""
+        return (self.index, str(self.shard.dtype), str(self.dtype))
+
+    def numel(self, shards: int) -> int:
+        """Elements of the gathered value."""
+        return int(self.shard.size) * shards
+
+    def gather(self, axis_name: str, grad_dtype: Any, shard: Any = None, dim: int | None = None):
+        x = all_gather(
+            self.shard if shard is None else shard,
+            axis_name,
+            self.dim if dim is None else dim,
+            grad_dtype,
+            bits=self.bits,
+            grad_bits=self.grad_bits,
+        )
+        return x if self.dtype is None else x.astype(self.dtype)
+
+
+def all_gather(
+    x: jax.Array,
+    axis_name: str,
+    dim: int,
+    grad_dtype: Any = None,
+    *,
+    bits: int = 0,
+    grad_bits: int = 0,
+) -> jax.Array:
+    """A tiled all-gather whose transpose reduce-scatters in ``grad_dtype`` (default: x's).
+
+    ``bits`` (8 or 4) sends the gather quantized (ZeRO++ qwZ,
+    :func:`jzero.comm.quantize.quantized_all_gather`); ``grad_bits`` (8 or 4) makes the transpose
+    ZeRO++'s quantized reduce-scatter (qgZ, :func:`jzero.comm.quantize.quantized_psum_scatter`).
+    Both apply to floating arrays only; 0 is exact.
+    """
+    if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+        bits = grad_bits = 0
+    if bits:
+        grad = grad_bits or None
+        return quantized_all_gather(x, axis_name, dim, grad_dtype, bits, grad_bits=grad)
+    if not grad_bits and (grad_dtype is None or jax.numpy.dtype(grad_dtype) == x.dtype):
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    @jax.custom_vjp
+    def gather(x: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+
+    def fwd(x: jax.Array) -> tuple[jax.Array, None]:
+        return gather(x), None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[jax.Array]:
+        if grad_bits:
+            return (quantized_psum_scatter(ct, axis_name, dim, grad_bits).astype(x.dtype),)
+        reduced = jax.lax.psum_scatter(
+            ct.astype(grad_dtype or x.dtype), axis_name, scatter_dimension=dim, tiled=True
+        )
+        return (reduced.astype(x.dtype),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(x)

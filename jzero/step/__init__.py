@@ -1,0 +1,37 @@
+"""The pure jitted step: TrainState, gradients, update, streamed update, make_train_step.
+
+Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm` and
+:mod:`jzero.groups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
+
+* :mod:`~jzero.step.state`: :class:`TrainState`, its shardings, the state before step 1.
+* :mod:`~jzero.step.gradients`: the local loss, accumulation and the per-stage reductions.
+* :mod:`~jzero.step.update`: the optax update on the shards, then params at rest.
+* :mod:`~jzero.step.streaming`: the offloaded update streamed over sub-groups.
+* :mod:`~jzero.step.train_step`: :func:`make_train_step` and :func:`make_eval_step`.
+"""
+
+from jzero.step.gradients import LossFn as LossFn
+from jzero.step.state import TrainState as TrainState
+from jzero.step.state import find_learning_rate as find_learning_rate
+from jzero.step.state import init_train_state as init_train_state
+from jzero.step.state import state_shardings as state_shardings
+from jzero.step.streaming import streamed_groups as streamed_groups
+from jzero.step.streaming import streamed_update as streamed_update
+from jzero.step.train_step import make_eval_step as make_eval_step
+from jzero.step.train_step import make_gradient_step as make_gradient_step
+from jzero.step.train_step import make_train_step as make_train_step
+from jzero.step.update import params_at_rest as params_at_rest
+
+__all__ = [
+    "find_learning_rate",
+    "init_train_state",
+    "LossFn",
+    "make_eval_step",
+    "make_gradient_step",
+    "make_train_step",
+    "params_at_rest",
+    "state_shardings",
+    "streamed_groups",
+    "streamed_update",
+    "TrainState",
+]

@@ -1,0 +1,373 @@
+"""The gradient half of the train step: the loss on each device's rows, reduced as the stage says.
+
+Decisions:
+
+* Gradients are computed and reduced inside ``shard_map`` over the data axis, where each
+  device sees its slice of the global batch. That is the only way to get a true
+  ``reduce-scatter`` on every backend (plain GSPMD lowers a sharded-gradient constraint to an
+  all-reduce plus a slice on CPU). ``check_vma=False``: each device differentiates its own
+  local loss, and jzero chooses every reduction explicitly.
+* Stage 0 and 1 accumulate the full local gradient over micro-batches (``lax.scan``) and reduce
+  once at the boundary (stage 0 all-reduce, stage 1 reduce-scatter). Stages 2 and 3
+  reduce-scatter every micro-batch and accumulate only the shard.
+* At stage 3 the parameters enter ``shard_map`` as shards and :mod:`jzero.replay.gather` moves each
+  gather to its use (inside the layer scan for stacked layers). Their gradients come out of the
+  transpose of the all-gather already reduce-scattered.
+* Activation checkpointing (``remat_policy``, the config's ``activation_checkpointing``) is a
+  rewrite of the loss too: at every stage the body of each ``lax.scan`` in the loss (each
+  stacked layer) runs under ``jax.checkpoint`` with the policy (:mod:`jzero.replay.remat`), by the
+  same replay that places stage 3's gathers. Without a policy stages 0-2 call the loss as
+  written. The eval step never rematerialises (it has no backward pass).
+* The gradient is the mean over the global batch: local sums are divided by
+  ``accumulation_steps x data-parallel size`` once, on the reduced shards.
+* With a ``replica`` axis (hybrid sharding) the ``shard_map`` spans ``replica`` and ``data``:
+  each device differentiates its own rows, gradients are reduce-scattered within ``data`` as
+  the stage says, and only the shards cross the replica axis, once per step at the
+  accumulation boundary: an all-reduce of ``1/data`` of the gradient bytes (hybrid), or a
+  reduce-scatter of them (ZeRO++ hpZ, whose optimizer state is sharded over both axes).
+  Stage 3's gathers stay within ``data``.
+* ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over
+  ``data`` by the quantized all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter`: here
+  for
+  the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones. It
+  quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
+  and sums in float32; all-reduces and the replica-axis reduction stay exact.
+* ``overlap_comm`` at stages 0-2: the step's own reductions run per bucket
+  (``plan.reduce_bucket_size``, :func:`jzero.comm.overlap.reduce_buckets`).
+* Under fp16 loss scaling the gradients are unscaled after the reduction, then their global
+  norm decides finiteness and DeepSpeed's clipping (:func:`_clip`), before any update.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jzero._util import dotted
+from jzero.comm import quantized_psum_scatter, reduce_buckets
+from jzero.plan import LossScaleState, Plan, on_device
+from jzero.replay import Partition, RematPolicy, gathered, parse_policy
+from jzero.step.state import TrainState, _spec, _to_device
+
+PyTree = Any
+
+LossFn = Callable[[PyTree, PyTree], Any]
+
+
+def _loss_and_aux(out: Any) -> tuple[Any, Any]:
+    """Splits what a loss returned: a scalar, or a ``(loss, aux)`` pair; else a clear error."""
+    if isinstance(out, tuple) and len(out) == 2:
+        return out
+    if getattr(out, "shape", None) == ():
+        return out, {}
+    shown = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out)
+    raise ValueError(
+        f"loss_fn must return a scalar loss or a (loss, aux) pair, but it returned {shown}. "
+        "Return the mean loss of the batch it is given."
+    )
+
+
+def _with_extra(loss_fn: LossFn, has_aux: bool | None, takes_extra: bool) -> LossFn:
+    """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``.
+
+    ``has_aux`` None: whether the loss returns ``(loss, aux)`` is read from what it returns
+    when the step is traced (once per batch shape, at no cost per step).
+    """
+    if takes_extra:
+        return loss_fn
+    if has_aux is None:
+
+        def detect(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
+            loss, aux = _loss_and_aux(loss_fn(params, batch))
+            return loss, (aux, extra)
+
+        return detect
+    if has_aux:
+        return lambda params, extra, batch: (lambda o: (o[0], (o[1], extra)))(
+            loss_fn(params, batch)
+        )
+    return lambda params, extra, batch: (loss_fn(params, batch), ({}, extra))
+
+
+def _mean_extra(extra: PyTree, axis: str | tuple[str, ...]) -> PyTree:
+    """Averages floating non-trainable state over devices (running statistics); the rest
+    (counters, RNG keys) advances identically on every device and is kept."""
+
+    def mean(x: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return jax.lax.pmean(x, axis)
+        return x
+
+    return jax.tree.map(mean, extra)
+
+
+def _float_aux(aux: PyTree) -> PyTree:
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
+
+
+def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) -> LossFn:
+    """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
+    and checkpoints each scan body by ``policy`` (:mod:`jzero.replay.remat`)."""
+    if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
+        return gathered(
+            loss_fn,
+            plan.param_dims,
+            plan.compute_params,
+            plan.axis,
+            grad_dtype=plan.precision.comm_dtype,
+            policy=policy,
+            reshard=plan.reshard_after_forward,
+            prefetch=_prefetch(plan),
+            reuse_distance=plan.max_reuse_distance,
+            max_live=plan.max_live_parameters,
+            partition=_partition(plan, policy),
+            bits=plan.quantized_weights,
+            grad_bits=plan.quantized_gradients,
+            overlap=plan.overlap_comm,
+        )
+    return loss_fn
+
+
+def _prefetch(plan: Plan) -> int:
+    """The elements a stage-3 gather outside a scan may run ahead of its use: DeepSpeed's
+    ``stage3_prefetch_bucket_size`` when set, else under ``overlap_comm`` one layer (the
+    largest gathered unit), so a Python loop's layer ``i + 1`` is gathered while layer ``i``
+    computes, as the scans' overlap does; else 0."""
+    if plan.prefetch_bucket_size or not plan.overlap_comm:
+        return plan.prefetch_bucket_size
+    return plan.largest_gathered()[0]
+
+
+def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
+    """``partition_activations``: the mesh's other axes with more than one device, if any."""
+    if policy is None or not policy.partition or not policy.active:
+        return None
+    axes = tuple(a for a, n in plan.mesh.shape.items() if a not in plan.batch_axes and n > 1)
+    return Partition(plan.mesh, axes) if axes else None
+
+
+def _gradient_part(
+    plan: Plan,
+    loss_fn: LossFn,
+    accumulation_steps: int,
+    gradient_clipping: float,
+    has_aux: bool | None,
+    takes_extra: bool,
+    remat_policy: RematPolicy | str | None,
+) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
+    """The step up to the update: ``(state, batch) -> (params on the device, gradients
+    reduced, unscaled and clipped in the update layout, their global norm, whether it is
+    finite, loss, aux, new extra)``."""
+    accum = int(accumulation_steps)
+    if isinstance(remat_policy, str):
+        remat_policy = parse_policy(remat_policy)
+    full_loss = _with_extra(loss_fn, has_aux, takes_extra)
+    grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
+    prec = plan.precision
+
+    def gradients(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
+        if not isinstance(state.loss_scale, LossScaleState):
+            raise ValueError(
+                "The TrainState has no loss-scale state; build it with "
+                "jzero.step.init_train_state(plan, params, optimizer)."
+            )
+        _check_batch_rows(batch, accum * plan.data_parallel_size, accum)
+        params = _to_device(state.params, plan.params)
+        ls = state.loss_scale
+        loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
+        grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
+        if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
+            grads = jax.tree.map(lambda g: g / ls.scale, grads)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm)
+        grads = _clip(grads, grad_norm, gradient_clipping)
+        return params, grads, grad_norm, finite, loss, aux, extra
+
+    return gradients
+
+
+def _check_batch_rows(batch: PyTree, multiple: int, accum: int) -> None:
+    """Trace-time check: every batch leaf splits into ``accum`` micro-batches per device."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        lead = x.shape[0] if x.ndim else None
+        if lead is None or lead % multiple:
+            name = dotted(path) or "<batch>"
+            raise ValueError(
+                f"Batch leaf {name!r} has leading dim {lead}, which does not split into "
+                f"{accum} micro-batch(es) on each of the {multiple // accum} devices of the "
+                f"data axis. Pass a global batch whose leading dim is a multiple of {multiple} "
+                "(accumulation_steps x data-parallel size)."
+            )
+
+
+def _local_grads(
+    plan: Plan, full_loss: LossFn, accum: int, policy: RematPolicy | None
+) -> Callable[..., Any]:
+    """The per-device gradient computation, run inside ``shard_map`` over the data axis.
+
+    ``(params, extra, scale, batch) -> (loss, aux, grads, extra)``: each device differentiates
+    the loss of its own rows (``accum`` micro-batches of them, accumulated by a scan) and the
+    gradients leave reduced over the data axis as the stage says (:func:`_reduce`), already
+    divided into the mean over the global batch, in the master weights' dtype.
+    """
+    prec, axis, n = plan.precision, plan.batch_axes, plan.data_parallel_size
+    treedef = jax.tree.structure(plan.abstract_params)
+    master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
+    # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,
+    # at the accumulation boundary.
+    reduce_each = plan.stage.shard_grads
+    local = _local_loss(plan, full_loss, policy)
+
+    def scaled(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        """The loss to differentiate (times the loss scale under fp16), and what to report."""
+        loss, (aux, extra) = local(params, extra, batch)
+        if not prec.mixed:
+            return loss, (loss, aux, extra)
+        loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
+        return (loss * scale if prec.scaled else loss), (loss, aux, extra)
+
+    grad_fn = jax.grad(scaled, has_aux=True)
+
+    def micro(params: PyTree, extra: PyTree, scale: jax.Array, mb: PyTree) -> tuple[Any, Any]:
+        """One micro-batch: its gradient, reduce-scattered now at stages 2-3, and widened to
+        the accumulator's dtype when there is more than one micro-batch to add up."""
+        g, (loss, aux, extra) = grad_fn(params, extra, scale, mb)
+        if reduce_each:
+            g = _reduce(plan, g, now_sharded=True)
+        if accum > 1:
+            leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
+            g = treedef.unflatten([x.astype(prec.accumulator(m)) for x, m in leaves])
+        return extra, (loss, _float_aux(aux), g)
+
+    def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        if accum == 1:
+            extra, (loss, aux, g) = micro(params, extra, scale, batch)
+        else:
+            extra, (loss, aux, g) = _accumulate(
+                functools.partial(micro, params), extra, scale, batch, accum
+            )
+        if not reduce_each:
+            g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
+        g = _reduce_replicas(plan, g)
+        # The mean over the global batch: local sums over accum micro-batches and n devices.
+        leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
+        g = treedef.unflatten([x.astype(m) / (accum * n) for x, m in leaves])
+        loss = jax.lax.pmean(loss, axis)
+        aux = jax.tree.map(lambda a: jax.lax.pmean(a, axis), aux)
+        return loss, aux, g, _mean_extra(extra, axis)
+
+    return local_grads
+
+
+def _accumulate(
+    micro: Callable[..., Any], extra: PyTree, scale: jax.Array, batch: PyTree, accum: int
+) -> tuple[PyTree, tuple[Any, Any, Any]]:
+    """Runs ``micro`` over ``accum`` micro-batches of ``batch`` (a scan) and sums what it
+    returns: the loss and aux come back as means, the gradients as sums. Model state
+    (``extra``) threads through the micro-batches in order."""
+    mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    shapes = jax.eval_shape(micro, extra, scale, first)[1]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def body(carry: Any, mb: PyTree) -> tuple[Any, None]:
+        extra, sums = carry
+        extra, out = micro(extra, scale, mb)
+        return (extra, jax.tree.map(jnp.add, sums, out)), None
+
+    (extra, (loss, aux, g)), _ = jax.lax.scan(body, (extra, zeros), mbs)
+    return extra, (loss / accum, jax.tree.map(lambda a: a / accum, aux), g)
+
+
+def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
+    """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
+    where the plan shards the gradient (and ``now_sharded``), else an all-reduce (over every
+    batch axis: a leaf that stays whole is summed over the replicas here too). Leaves come
+    back in the dtype they went in; stage 3's arrive reduce-scattered already (the transpose
+    of their all-gather) and pass through.
+
+    With ``plan.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the quantized
+    all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter` (summed in float32, from the
+    gradient's own dtype: the integers replace the communication dtype); all-reduces stay
+    exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
+    reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`)."""
+    bits = plan.quantized_gradients
+    leaves = jax.tree.leaves(grads)
+    todo, sent, dims = [], [], []
+    for i, (g, param_dim, grad_dim) in enumerate(
+        zip(leaves, plan.param_dims, plan.grad_dims(), strict=True)
+    ):
+        if param_dim is not None:
+            continue
+        scatter = grad_dim is not None and now_sharded
+        todo.append(i)
+        dims.append(grad_dim if scatter else None)
+        sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
+
+    def scatter(x: jax.Array, dim: int) -> jax.Array:
+        if bits:
+            return quantized_psum_scatter(x, plan.axis, dim, bits)
+        return jax.lax.psum_scatter(x, plan.axis, scatter_dimension=dim, tiled=True)
+
+    def total(x: jax.Array) -> jax.Array:
+        return jax.lax.psum(x, plan.batch_axes)
+
+    reduced = reduce_buckets(sent, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
+    out = list(leaves)
+    for i, r in zip(todo, reduced, strict=True):
+        out[i] = r.astype(leaves[i].dtype)
+    return jax.tree.structure(grads).unflatten(out)
+
+
+def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
+    """Sums the ``data``-reduced gradient shards over the replica axis, once per step (after
+    accumulation), in the communication dtype: an all-reduce (hybrid sharding) or, under hpZ,
+    a reduce-scatter into the optimizer's ``replica`` x ``data`` shards. Leaves that stayed
+    whole were summed over every axis by :func:`_reduce`."""
+    if plan.replica_axis is None:
+        return grads
+    out = []
+    for g, grad_dim in zip(jax.tree.leaves(grads), plan.grad_dims(), strict=True):
+        if grad_dim is None:
+            out.append(g)
+            continue
+        c = g.astype(plan.precision.communication(g.dtype))
+        if plan.hpz:
+            c = jax.lax.psum_scatter(c, plan.replica_axis, scatter_dimension=grad_dim, tiled=True)
+        else:
+            c = jax.lax.psum(c, plan.replica_axis)
+        out.append(c.astype(g.dtype))
+    return jax.tree.structure(grads).unflatten(out)
+
+
+def _sharded_grads(plan: Plan, local_grads: Callable[..., Any]) -> Callable[..., Any]:
+    """``local_grads`` under ``shard_map``: params come in as the plan rests them (shards at
+    stage 3), the batch split over the data axis; gradients leave in the plan's grad layout."""
+    treedef = jax.tree.structure(plan.abstract_params)
+
+    def specs(dims: list[int | None], axes: tuple[str, ...]) -> PyTree:
+        shapes = zip(plan.leaves, dims, strict=True)
+        return treedef.unflatten([_spec(axes, len(leaf.shape), d) for leaf, d in shapes])
+
+    return jax.shard_map(
+        local_grads,
+        mesh=plan.mesh,
+        in_specs=(specs(plan.param_dims, (plan.axis,)), P(), P(), plan.batch.spec),
+        out_specs=(P(), P(), specs(plan.grad_dims(), plan.state_axes), P()),
+        axis_names=set(plan.batch_axes),
+        check_vma=False,
+    )
+
+
+def _clip(grads: PyTree, grad_norm: jax.Array, max_norm: float) -> PyTree:
+    """DeepSpeed's clipping: scale by ``max_norm / (norm + 1e-6)`` when that is below one."""
+    if not max_norm or max_norm <= 0:
+        return grads
+    coef = jnp.minimum(1.0, max_norm / (grad_norm + 1e-6))
+    return jax.tree.map(lambda g: (g * coef).astype(g.dtype), grads)

@@ -1,0 +1,145 @@
+"""The train state: what a step reads and writes, its shardings, and the state before step 1.
+
+Decisions:
+
+* The state is created inside one ``jit`` whose ``out_shardings`` are the plan's
+  (:func:`init_train_state`): every leaf is born in its shard, and parameters given as a
+  function of no arguments are created there, so they never exist whole. The caller's arrays
+  are copied, never donated.
+* Under mixed precision the parameters given become the float32 master weights, and the
+  16-bit copy the step computes with is rounded from them.
+* Offloaded leaves (a host memory kind in the plan) are brought into device memory inside the
+  step (:func:`_to_device`), so XLA schedules the copies; the step's ``out_shardings`` send the
+  results back.
+* One ``PartitionSpec`` helper (:func:`_spec`: one dimension over the given mesh axes) serves
+  both halves of the step's ``shard_map`` calls (:mod:`jzero.step.gradients`,
+  :mod:`jzero.step.update`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jzero.plan import LossScaleState, Plan, axis_entry, cast_floating, is_host
+
+__all__ = ["TrainState", "find_learning_rate", "init_train_state", "state_shardings"]
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes; donated to the step.
+
+    Attributes:
+      step: the number of optimizer updates applied so far (int32 scalar); a skipped step
+        (non-finite gradients under :attr:`jzero.plan.precision.Precision.skips`: an fp16 overflow,
+        or any precision with ``skip_nonfinite``) does not count, so the schedule does not
+        advance either.
+      params: the parameters the model computes with, sharded per ``plan.params`` (16-bit
+        under mixed precision).
+      opt_state: the optax state, sharded per ``plan.opt_state``.
+      extra: non-trainable model state (e.g. BatchNorm statistics, RNG counters), replicated
+        and never sharded as parameters; empty for a plain loss function.
+      master: under mixed precision the float32 master weights, sharded per ``plan.master``;
+        empty otherwise.
+      loss_scale: the :class:`jzero.plan.precision.LossScaleState`.
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: PyTree
+    extra: PyTree = ()
+    master: PyTree = ()
+    loss_scale: LossScaleState | tuple = ()
+
+
+def state_shardings(plan: Plan) -> TrainState:
+    """The sharding of every leaf of the :class:`TrainState` for ``plan``."""
+    r = plan.replicated
+    return TrainState(
+        step=r,
+        params=plan.params,
+        opt_state=plan.opt_state,
+        extra=r,
+        master=plan.master if plan.precision.mixed else (),
+        loss_scale=LossScaleState(r, r, r, r, r),
+    )
+
+
+def init_train_state(
+    plan: Plan,
+    params: PyTree,
+    optimizer: optax.GradientTransformation,
+    extra: PyTree = (),
+) -> TrainState:
+    """The :class:`TrainState` before the first step, every leaf in its plan's sharding.
+
+    Args:
+      plan: the sharding plan.
+      params: the initial parameters (full precision; under mixed precision they become the
+        float32 master weights and the 16-bit copy is made from them), or a function of no
+        arguments that creates them: it then runs inside the same ``jit``, so the parameters
+        are created directly in their shards and never exist whole.
+      optimizer: the optax transformation the plan was made for.
+      extra: non-trainable model state, if any.
+
+    Returns:
+      A fresh state; the caller's arrays are copied, never donated.
+    """
+    prec = plan.precision
+    sh = state_shardings(plan)
+
+    make = params if callable(params) else None
+
+    def init(params: PyTree, extra: PyTree) -> TrainState:
+        if make is not None:
+            params = make()
+        master = jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, plan.abstract_params)
+        opt_state = optimizer.init(master)
+        compute = cast_floating(master, prec.compute_dtype) if prec.mixed else master
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree.map(jnp.copy, compute),
+            opt_state=opt_state,
+            extra=jax.tree.map(jnp.copy, extra),
+            master=master if prec.mixed else (),
+            loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
+        )
+
+    return jax.jit(init, out_shardings=sh)(None if make is not None else params, extra)
+
+
+def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
+    """The learning rate held in an ``optax.inject_hyperparams`` state, if there is one."""
+    found: list[jax.Array] = []
+
+    def visit(x: Any) -> bool:
+        hp = getattr(x, "hyperparams", None)
+        if isinstance(hp, dict) and "learning_rate" in hp and not found:
+            found.append(hp["learning_rate"])
+        return hp is not None
+
+    jax.tree.leaves(opt_state, is_leaf=visit)
+    return found[0] if found else None
+
+
+def _spec(mesh_axes: str | tuple[str, ...], ndim: int, dim: int | None) -> P:
+    if dim is None:
+        return P()
+    entries: list[Any] = [None] * ndim
+    entries[dim] = axis_entry(mesh_axes)
+    return P(*entries)
+
+
+def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Brings offloaded (host-memory) leaves into device memory inside the step."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(x, jax.memory.Space.Device) if is_host(s) else x,
+        tree,
+        shardings,
+    )

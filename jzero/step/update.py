@@ -1,0 +1,148 @@
+"""The update half of the train step: the optax update on the shards, then params at rest.
+
+Decisions:
+
+* The optax update runs as ordinary sharded JAX under ``jit``: it sees global arrays laid out
+  in shards (the plan's update layout), so every optax transform (including norm-based ones
+  like LAMB) computes what it would on one device, while each device only does the arithmetic
+  for its own shard.
+* It updates the float32 master weights under mixed precision; otherwise the params
+  themselves, cut to the update layout with no communication (:func:`_update_inputs`).
+* A skipped step (non-finite gradients under skipping) keeps every bit of the masters and the
+  optimizer state, and the floating model state (BatchNorm statistics may hold the same NaN);
+  integer model state (RNG counters) advances as usual (:func:`_keep_old_when_nonfinite`).
+* The params the next step computes with are gathered from the updated shards explicitly,
+  inside ``shard_map``, so the collective's dtype is exactly the one chosen: a 16-bit
+  communication dtype rounds each shard before the all-gather (half the bytes), a float32 one
+  gathers the masters and rounds after; both give the same bits. Under ZeRO++ hpZ the updated
+  ``replica`` x ``data`` shards are all-gathered over ``replica`` back into the
+  ``data``-sharded parameters; with ``overlap_comm`` at stages 1-2 the gather runs per bucket
+  (``plan.allgather_bucket_size``, :func:`jzero.comm.overlap.gather_buckets`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero.comm import gather_buckets
+from jzero.plan import Plan, axis_entry, cast_floating, on_device
+from jzero.step.state import TrainState, _spec, _to_device
+
+__all__ = ["params_at_rest"]
+
+PyTree = Any
+
+
+def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree, PyTree]:
+    """What the optax update runs on, on the device: the local shard of the master weights
+    (the float32 masters under mixed precision, else the params themselves cut to the update
+    layout, with no communication) and the optimizer state."""
+    if plan.precision.mixed:
+        master = _to_device(state.master, plan.master)
+    else:
+        master = jax.lax.with_sharding_constraint(params, on_device(plan.update_layout))
+    return master, _to_device(state.opt_state, plan.opt_state)
+
+
+def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
+    """A skipped step's ``(master, opt_state, extra)``: the old values where ``finite`` is
+    false. Floating model state (BatchNorm statistics may hold the same NaN) is kept too;
+    integer model state (RNG counters) advances as usual."""
+    (new_master, new_opt, new_extra), (master, opt, extra) = new, old
+
+    def keep(a: PyTree, b: PyTree) -> PyTree:
+        return jax.tree.map(lambda x, y: jnp.where(finite, x, y), a, b)
+
+    extra = jax.tree.map(
+        lambda x, y: jnp.where(finite, x, y) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        new_extra,
+        extra,
+    )
+    return keep(new_master, master), keep(new_opt, opt), extra
+
+
+def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
+    """The params the next step computes with, from updated master shards in the update
+    layout (the 16-bit copies of them work too: the rounding is the same)."""
+    return _params_at_rest(plan, master)
+
+
+def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
+    """The params the next step computes with, from the updated master shards.
+
+    Leaves that rest whole but are updated in shards are all-gathered explicitly (inside
+    ``shard_map``, so the collective's dtype is exactly the one chosen here). Under mixed
+    precision the 16-bit copy is the rounding of the masters: a 16-bit communication dtype
+    rounds each shard before the all-gather (half the bytes), a float32 one gathers the masters
+    and rounds after. Both give the same bits.
+    """
+    prec = plan.precision
+    axis = plan.axis
+    compute = prec.compute_dtype
+    comm = prec.comm_dtype if prec.comm_dtype is not None else compute
+    round_first = prec.mixed and jnp.dtype(comm).itemsize <= jnp.dtype(compute).itemsize
+    if round_first:
+        master = cast_floating(master, compute)
+    treedef = jax.tree.structure(plan.abstract_params)
+    leaves = plan.leaves
+    state_axes = plan.state_axes
+    # Per leaf, the axes its updated shard is gathered over: every state axis where the
+    # parameter rests whole, the replica axis where hpZ keeps it sharded over data only.
+    gather_axes = [
+        ()
+        if leaf.state_dim is None
+        else state_axes
+        if leaf.param_dim is None
+        else tuple(a for a in state_axes if a != axis)
+        for leaf in leaves
+    ]
+    if any(gather_axes):
+        in_specs = treedef.unflatten(
+            [_spec(state_axes, len(leaf.shape), leaf.state_dim) for leaf in leaves]
+        )
+        out_specs = treedef.unflatten(
+            [_spec(axis, len(leaf.shape), leaf.param_dim) for leaf in leaves]
+        )
+
+        def gather(tree: PyTree) -> PyTree:
+            xs = jax.tree.leaves(tree)
+            if plan.allgather_bucket_size is not None:  # stages 1-2: all over state_axes
+                dims = [
+                    leaf.state_dim if axes else None
+                    for axes, leaf in zip(gather_axes, leaves, strict=True)
+                ]
+                return treedef.unflatten(
+                    gather_buckets(
+                        xs,
+                        dims,
+                        plan.state_shards,
+                        plan.allgather_bucket_size,
+                        lambda x, d: jax.lax.all_gather(
+                            x, axis_entry(state_axes), axis=d, tiled=True
+                        ),
+                    )
+                )
+            return treedef.unflatten(
+                [
+                    x
+                    if not axes
+                    else jax.lax.all_gather(x, axis_entry(axes), axis=leaf.state_dim, tiled=True)
+                    for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
+                ]
+            )
+
+        master = jax.shard_map(
+            gather,
+            mesh=plan.mesh,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            axis_names=set(state_axes),
+            check_vma=False,
+        )(master)
+    master = jax.lax.with_sharding_constraint(master, on_device(plan.params))
+    if prec.mixed and not round_first:
+        master = cast_floating(master, compute)
+    return master
