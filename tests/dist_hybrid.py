@@ -3,8 +3,10 @@
 
 Trains the toy model 6 steps at stages 1, 2, 3 on ``mesh: {replica: 2, data: 4}`` and at stage 3
 with ZeRO++ hpZ (``zero_hpz_partition_size: 4``), passing only this process's rows of every
-global batch, and prints one JSON line per run from process 0: the losses, the final parameters'
-checksum, and which process holds each device of the mesh.
+global batch, and prints one JSON line per run from process 0: the losses and grad norms, the
+final parameters' checksum, and which process holds each device of the mesh. In float64: the
+point is that the processes compute what one process computes, which float32 would blur by the
+reduction order of the cross-process all-reduce.
 """
 
 import json
@@ -17,7 +19,6 @@ import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
 import toy  # noqa: E402
-from dist_train import train_local  # noqa: E402
 
 import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
@@ -44,17 +45,37 @@ def config(name: str) -> dict:
     }
 
 
+def first_grad_norm() -> float:
+    """The float64 global norm of the toy's gradient on the first global batch, on one device
+    and without jzero: what every run's first grad_norm must be."""
+    with jax.enable_x64(True):
+        batch = toy.make_batches(1, GLOBAL_BATCH, dtype=np.float64)[0]
+        grads = jax.jit(jax.grad(toy.loss_fn))(toy.make_params(dtype=np.float64), batch)
+        return float(optax.global_norm(grads))
+
+
 def train(name: str) -> dict:
-    """Trains one run on this process's rows; returns the record process 0 prints."""
-    engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(name))
-    losses = train_local(engine, STEPS, GLOBAL_BATCH)
-    params = jax.tree.map(
-        lambda x: np.asarray(jax.jit(lambda a: a, out_shardings=engine.plan.replicated)(x)),
-        engine.params,
-    )
+    """Trains one run on this process's rows in float64; returns the record process 0
+    prints."""
+    with jax.enable_x64(True):
+        params = toy.make_params(dtype=np.float64)
+        engine = jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), config(name))
+        rows = distributed.local_batch_size(GLOBAL_BATCH)
+        lo = jax.process_index() * rows
+        losses, norms = [], []
+        for batch in toy.make_batches(STEPS, GLOBAL_BATCH, dtype=np.float64):
+            metrics = engine.train_step({k: v[lo : lo + rows] for k, v in batch.items()})
+            losses.append(float(metrics["loss"]))
+            norms.append(float(metrics["grad_norm"]))
+        params = jax.tree.map(
+            lambda x: np.asarray(jax.jit(lambda a: a, out_shardings=engine.plan.replicated)(x)),
+            engine.params,
+        )
     return {
         "run": name,
         "losses": losses,
+        "norms": norms,
+        "dtype": str(params["embed"].dtype),
         "checksum": float(sum(np.abs(x).sum() for x in jax.tree.leaves(params))),
         "mesh": dict(engine.mesh.shape),
         "processes": [[d.process_index for d in row] for row in engine.mesh.devices.tolist()],
@@ -63,6 +84,7 @@ def train(name: str) -> dict:
 
 
 def main() -> None:
+    jax.config.update("jax_enable_x64", True)
     distributed.init_distributed()
     for name in RUNS:
         record = train(name)

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 import toy
+from numerics import EPS, max_rel_error, rounding_scale
 from test_distributed import run_two
 
 import jzero
@@ -49,19 +50,52 @@ def run(cfg, steps=3, dtype=jnp.float32, tx=None):
     return losses, norms, jax.device_get(e.params), e, compiled
 
 
+# The runs that must compute what {data: 8} and the single-device loop compute are in float64
+# (tests/numerics.py): float32 would differ by the reduction order (4 then 2 against 8 at once).
 @functools.cache
 def hybrid(stage):
-    return run(config(stage, HYBRID))
+    with jax.enable_x64(True):
+        return run(config(stage, HYBRID), dtype=jnp.float64)
 
 
 @functools.cache
 def flat(stage):
-    return run(config(stage, {"data": 8}))
+    with jax.enable_x64(True):
+        return run(config(stage, {"data": 8}), dtype=jnp.float64)
+
+
+@functools.cache
+def float64_reference(steps=3, clip=0.5):
+    """The single-device optax loop (run's AdamW, DeepSpeed's clipping) in float64: (losses,
+    grad norms before clipping, final params)."""
+    with jax.enable_x64(True):
+        params = toy.make_params(dtype=jnp.float64)
+        tx = optax.adamw(1e-2, weight_decay=1e-2)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(toy.loss_fn)(params, batch)
+            norm = optax.global_norm(grads)
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / (norm + 1e-6)), grads)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, norm
+
+        losses, norms = [], []
+        for b in toy.make_batches(steps, BATCH, dtype=np.float64):
+            params, opt_state, loss, norm = step(params, opt_state, b)
+            losses.append(float(loss))
+            norms.append(float(norm))
+        return losses, norms, jax.device_get(params)
 
 
 def sharded_grad_bytes(plan):
-    """Bytes of the gradient leaves ZeRO shards (float32): the gradient the stage reduces."""
-    return sum(4 * math.prod(leaf.shape) for leaf in plan.leaves if leaf.state_dim is not None)
+    """Bytes of the gradient leaves ZeRO shards: the gradient the stage reduces."""
+    return sum(
+        np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape)
+        for leaf in plan.leaves
+        if leaf.state_dim is not None
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -69,15 +103,17 @@ def test_hybrid_trains_like_one_data_axis(stage):
     losses, norms, params, e, _ = hybrid(stage)
     ref_losses, ref_norms, ref_params, _, _ = flat(stage)
     assert dict(e.mesh.shape) == HYBRID and e.plan.data_parallel_size == 8
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(np.float64)}
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0)
     # Clipping sees the global norm over all shards, each counted once (not once per replica).
-    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    single = toy.reference_run(
-        toy.make_params(), toy.make_batches(3, BATCH), optax.adamw(1e-2, weight_decay=1e-2), 0.5
-    )
-    np.testing.assert_allclose(losses, single[0], rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-10, atol=0)
+    assert max_rel_error(params, ref_params) < 1e-9
+    # And both are the single-device loop; grad_norm shows a gradient's scale, which clipping
+    # and Adam hide from the losses.
+    single_losses, single_norms, single_params = float64_reference()
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(norms, single_norms, rtol=1e-10, atol=0)
+    assert max_rel_error(params, single_params) < 1e-9
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -128,17 +164,18 @@ def test_flat_mesh_reduces_everything_over_all_devices():
 
 @functools.cache
 def hpz():
-    return run(config(3, zero_hpz_partition_size=4))
+    with jax.enable_x64(True):
+        return run(config(3, zero_hpz_partition_size=4), dtype=jnp.float64)
 
 
 def test_hpz_gathers_within_groups_and_trains_like_stage3():
     losses, norms, params, e, compiled = hpz()
     ref_losses, ref_norms, ref_params, ref_e, ref_compiled = flat(3)
     assert dict(e.mesh.shape) == HYBRID and e.plan.hpz
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-    np.testing.assert_allclose(norms, ref_norms, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-10, atol=0)
+    assert max_rel_error(params, ref_params) < 1e-9
+    np.testing.assert_allclose(norms, float64_reference()[1], rtol=1e-10, atol=0)
     by_axes = hlo.collectives_by_axes(compiled, e.mesh)
     within = by_axes[("data",)]
     # The forward and backward gathers (as many as plain stage 3's) stay inside the 4-groups.
@@ -157,7 +194,11 @@ def test_hpz_gathers_within_groups_and_trains_like_stage3():
     model = plan.model_state_bytes()
     ref_model = ref_e.plan.model_state_bytes()
     assert model["opt_state"] == ref_model["opt_state"]
-    whole = sum(4 * math.prod(leaf.shape) for leaf in plan.leaves if leaf.param_dim is None)
+    whole = sum(
+        np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape)
+        for leaf in plan.leaves
+        if leaf.param_dim is None
+    )
     assert model["params"] - whole == 2 * (ref_model["params"] - whole)
 
 
@@ -215,26 +256,43 @@ def test_precision_offload_and_accumulation_on_the_hybrid_mesh():
     zero = {"offload_optimizer": {"device": "cpu"}}
     a = run({**config(2, HYBRID, **zero), **extra})
     b = run({**config(2, {"data": 8}, **zero), **extra})
+    ref_losses, ref_norms, _ = float64_reference()
     # bf16 gradients are summed in another order (4 then 2 instead of 8 at once) and rounded
-    # to bf16 in between: measured 9e-4 apart after 3 steps.
-    np.testing.assert_allclose(a[0], b[0], rtol=2e-3)
+    # to bf16 in between, so the two bf16 runs are each as far from the float64 run as bf16
+    # rounding takes this training (rounding_scale), and so at most twice that from each other.
+    np.testing.assert_allclose(a[0], b[0], rtol=0, atol=2 * rounding_scale(b[0], ref_losses))
+    # The first step's gradient norm, from the same parameters: the toy rounds each gradient's
+    # path to bf16 at most about 16 times (tests/test_parity.py), so within 16 bf16 unit
+    # roundoffs of the float64 norm (a gradient x2 is 100% off), on both meshes.
+    for norms in (a[1], b[1]):
+        assert norms[0] == pytest.approx(ref_norms[0], rel=16 * EPS["bfloat16"], abs=0)
     by_axes = hlo.collectives_by_axes(a[4], a[3].mesh)
     assert by_axes[("replica",)]["all-reduce"].count >= 1
 
 
-def test_checkpoint_moves_between_hybrid_and_flat_meshes(tmp_path):
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def test_checkpoint_moves_between_hybrid_and_flat_meshes(tmp_path, x64):
+    # In float64: the restored step on another mesh computes the saver's loss up to the
+    # float64 rounding of the batch mean's other reduction order.
     def engine(mesh, directory, devices=None):
         cfg = config(2, mesh)
         cfg["checkpoint"] = {"directory": str(directory)}
         m = None if devices is None else jzero.make_mesh(devices, devices=jax.devices()[:devices])
-        return jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), cfg, mesh=m)
+        params = toy.make_params(dtype=jnp.float64)
+        return jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), cfg, mesh=m)
 
-    batches = toy.make_batches(3, BATCH)
+    batches = toy.make_batches(3, BATCH, dtype=np.float64)
+    first_norm = float64_reference()[1][0]  # the initial gradient's, whatever the optimizer
     sizes = {}
     for name, mesh in (("hybrid", HYBRID), ("flat", {"data": 8})):
         e = engine(mesh, tmp_path / name)
-        for b in batches[:2]:
-            e.train_step(b)
+        norms = [float(e.train_step(b)["grad_norm"]) for b in batches[:2]]
+        assert norms[0] == pytest.approx(first_norm, rel=1e-10, abs=0)
         e.save()
         e.wait_until_finished()
         sizes[name] = sum(f.stat().st_size for f in (tmp_path / name).rglob("*") if f.is_file())
@@ -250,10 +308,10 @@ def test_checkpoint_moves_between_hybrid_and_flat_meshes(tmp_path):
             got = jax.device_get((r.params, r.opt_state))
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
                 np.testing.assert_array_equal(x, y)
-            assert float(r.train_step(batches[2])["loss"]) == pytest.approx(after, rel=1e-6)
+            assert float(r.train_step(batches[2])["loss"]) == pytest.approx(after, rel=1e-10)
             r.close()
     # Each shard is written once, not once per replica: a second copy of the state would add
-    # state_bytes (about 210 KB); the two checkpoints differ only by Orbax's packing (chunks
+    # state_bytes (about 420 KB); the two checkpoints differ only by Orbax's packing (chunks
     # and metadata, about 10%).
     assert abs(sizes["hybrid"] - sizes["flat"]) < state_bytes / 2
 
@@ -268,8 +326,15 @@ def test_two_processes_one_replica_each():
         ref = dist_hybrid.train(r["run"])
         assert r["process_count"] == 2 and r["mesh"] == HYBRID
         assert r["processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]  # a replica per process
-        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-6)
-        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-6)
+        assert r["dtype"] == ref["dtype"] == "float64"
+        # float64 (dist_hybrid.py): two processes compute what one process computes.
+        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-10, atol=0)
+        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-10, atol=0)
+        # A sum of magnitudes, as close as the parameters (1e-9 of their scale).
+        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-9, abs=0)
+        # Clipping (0.5) and Adam hide a gradient's scale from the losses: the first grad norm
+        # is the optax gradient's.
+        assert ref["norms"][0] == pytest.approx(dist_hybrid.first_grad_norm(), rel=1e-10, abs=0)
     assert [r["run"] for r in record_lines] == list(dist_hybrid.RUNS)
 
 
@@ -311,7 +376,8 @@ def test_memory_report_shows_the_bytes_across_replicas():
     from jzero import memory
 
     _, _, _, e, compiled = hybrid(2)
-    report = memory.memory_report(e, toy.make_batches(1, BATCH)[0])
+    with jax.enable_x64(True):  # hybrid(2) is the float64 engine
+        report = memory.memory_report(e, toy.make_batches(1, BATCH, dtype=np.float64)[0])
     row = report.rows[0]
     by_axes = hlo.collectives_by_axes(compiled, e.mesh)
     across = sum(s.bytes for a, st in by_axes.items() if "replica" in a for s in st.values())

@@ -2,7 +2,9 @@
 and the NVMe tier (ZeRO-Infinity) with the optimizer state in files.
 
 Every variant must train with the same bits as the run without offload: losses, parameters
-and every optimizer-state leaf.
+and every optimizer-state leaf. The NVMe tier's own update programs may round a last bit
+differently (the CPU code generator contracts other multiply-adds), so its float32 runs are
+compared in float64 instead (tests/numerics.py), and its bf16 run within bf16's rounding.
 """
 
 import functools
@@ -15,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 import toy
+from numerics import EPS, max_rel_error, rounding_scale
 
 import jzero
 from jzero import groups as groups_lib
@@ -38,26 +41,54 @@ def host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-def train(cfg, steps=STEPS):
-    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
-    losses = [float(e.train_step(b)["loss"]) for b in toy.make_batches(steps, BATCH)]
-    return losses, host(e.params), host(e.opt_state), e
+F64 = jnp.float64
+
+
+def train(cfg, steps=STEPS, dtype=jnp.float32):
+    """(losses, params, optimizer state on the host, engine, grad norms); float64 parameters and
+    batches (under ``jax.enable_x64``) with ``dtype=F64``."""
+    with jax.enable_x64(dtype == F64):
+        tx = optax.adamw(1e-2, weight_decay=1e-2)
+        e = jzero.initialize(toy.make_params(dtype=dtype), toy.loss_fn, tx, cfg)
+        metrics = [e.train_step(b) for b in toy.make_batches(steps, BATCH, dtype=dtype)]
+        losses = [float(m["loss"]) for m in metrics]
+        norms = [float(m["grad_norm"]) for m in metrics]
+        return losses, host(e.params), host(e.opt_state), e, norms
 
 
 @functools.cache
-def reference(stage, bf16=False):
-    losses, params, opt, e = train(config(stage, bf16))
+def reference(stage, bf16=False, dtype=jnp.float32):
+    losses, params, opt, e, norms = train(config(stage, bf16), dtype=dtype)
     e.close()
-    return losses, params, opt
+    return losses, params, opt, norms
+
+
+@functools.cache
+def first_grad_norm():
+    """The float64 global norm of the toy's gradient on the first batch, without jzero: every
+    run's first grad_norm (clipping and Adam hide a gradient's scale from the losses)."""
+    with jax.enable_x64(True):
+        batch = toy.make_batches(1, BATCH, dtype=np.float64)[0]
+        return float(optax.global_norm(jax.grad(toy.loss_fn)(toy.make_params(dtype=F64), batch)))
+
+
+def assert_first_norm(norms, dtype):
+    """The first step's grad_norm against the float64 gradient's: within 1e-10 in float64;
+    in float32 or bf16 within 16 unit roundoffs (the toy rounds each gradient's path about 16
+    times, tests/test_parity.py). A gradient x2 is 100% off."""
+    rel = 1e-10 if dtype == F64 else 16 * EPS[np.dtype(dtype).name]
+    assert norms[0] == pytest.approx(first_grad_norm(), rel=rel, abs=0)
 
 
 def assert_same_run(run, ref):
     losses, params, opt = run[:3]
     assert losses == ref[0]
+    assert run[4] == ref[3]
     for a, b in zip(params, ref[1], strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(opt, ref[2], strict=True):
         np.testing.assert_array_equal(a, b)
+    assert_first_norm(run[4], params[0].dtype)
 
 
 PSI = sum(x.size for x in jax.tree.leaves(toy.make_params()))
@@ -162,9 +193,19 @@ def test_partial_offload_ratio_puts_about_half_in_host_memory():
         e = jzero.initialize(
             layers_params(), layers_loss, optax.adamw(1e-2), config(2, True, **zero)
         )
-        losses = [float(e.train_step(b)["loss"]) for b in batches]
-        runs[ratio] = (losses, host(e.params), host(e.opt_state), e)
-    assert_same_run(runs[0.5], runs[None][:3])
+        metrics = [e.train_step(b) for b in batches]
+        losses = [float(m["loss"]) for m in metrics]
+        runs[ratio] = (losses, host(e.params), host(e.opt_state), e, float(metrics[0]["grad_norm"]))
+    assert runs[0.5][0] == runs[None][0] and runs[0.5][4] == runs[None][4]
+    for a, b in zip(runs[0.5][1] + runs[0.5][2], runs[None][1] + runs[None][2], strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The first gradient's norm against float64's: the 7 bf16 layers round each gradient's
+    # path about 14 times, so within 16 bf16 unit roundoffs (a gradient x2 is 100% off).
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda x: np.asarray(x, np.float64), layers_params())
+        b64 = {"x": np.asarray(batches[0]["x"], np.float64)}
+        want = float(optax.global_norm(jax.grad(layers_loss)(p64, b64)))
+    assert runs[None][4] == pytest.approx(want, rel=16 * EPS["bfloat16"], abs=0)
     plan = runs[0.5][3].plan
     on_host = plan.host_state_bytes()
     on_device = plan.model_state_bytes()
@@ -180,19 +221,33 @@ def nvme(path, **extra):
     return {"device": "nvme", "nvme_path": str(path), **extra}
 
 
-def assert_close_run(run, ref):
-    """Equal up to the CPU code generator's float32 rounding (see nvme_bits_child.py)."""
-    np.testing.assert_allclose(run[0], ref[0], rtol=1e-6)
-    for a, b in zip(run[1] + run[2], ref[1] + ref[2], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+def assert_close_run(run, ref, ref64=None):
+    """The run on the NVMe tier against the run in memory. In float64: equal up to float64
+    rounding (1e-10 losses and norms, 1e-9 of each leaf's scale). With bf16 (``ref64``: the
+    same stage in float64): the NVMe tier's update programs round a last float32 bit
+    differently (nvme_bits_child.py) and a bf16 copy of a master on a rounding boundary then
+    flips, so each run is as far from the float64 run as bf16 rounding takes this training
+    (rounding_scale, per leaf), and the two at most twice that from each other."""
+    if ref64 is None:
+        assert run[1][0].dtype == np.float64
+        np.testing.assert_allclose(run[0], ref[0], rtol=1e-10, atol=0)
+        np.testing.assert_allclose(run[4], ref[3], rtol=1e-10, atol=0)
+        assert max_rel_error(run[1] + run[2], ref[1] + ref[2]) < 1e-9
+    else:
+        np.testing.assert_allclose(
+            run[0], ref[0], rtol=0, atol=2 * rounding_scale(ref[0], ref64[0])
+        )
+        for a, b, truth in zip(run[1] + run[2], ref[1] + ref[2], ref64[1] + ref64[2], strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=2 * rounding_scale(b, truth))
+    assert_first_norm(run[4], run[1][0].dtype)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_nvme_trains_like_the_state_in_memory(stage, tmp_path):
     pipelined = {"pipeline_read": True, "pipeline_write": True} if stage == 2 else {}
     cfg = config(stage, offload_optimizer=nvme(tmp_path, **pipelined), sub_group_size=PSI // 3)
-    run = train(cfg)
-    assert_close_run(run, reference(stage))
+    run = train(cfg, dtype=F64)
+    assert_close_run(run, reference(stage, dtype=F64))
     e = run[3]
     store = e._disk.store
     # The files hold the state: one version of every state leaf's shards, each array's data
@@ -232,7 +287,7 @@ def test_nvme_is_bit_identical_without_fused_multiply_adds(tmp_path):
 def test_nvme_mixed_precision_keeps_masters_on_disk(tmp_path):
     cfg = config(2, True, offload_optimizer=nvme(tmp_path), sub_group_size=PSI // 2)
     run = train(cfg)
-    assert_close_run(run, reference(2, True))
+    assert_close_run(run, reference(2, True), reference(2, dtype=F64))
     e = run[3]
     assert all(0 in x.shape for x in jax.tree.leaves(e.state.master))
     masters = sum(4 * int(np.prod(leaf.shape)) for leaf in e.plan.leaves)
@@ -249,12 +304,19 @@ def flip_last_byte(path):
         f.write(bytes([last ^ 0xFF]))
 
 
-def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path, x64):
     cfg = config(2, offload_optimizer=nvme(tmp_path), sub_group_size=PSI // 3)
     cfg["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
-    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
-    batches = toy.make_batches(STEPS, BATCH)
-    e.train_step(batches[0])
+    tx = optax.adamw(1e-2, weight_decay=1e-2)
+    e = jzero.initialize(toy.make_params(dtype=F64), toy.loss_fn, tx, cfg)
+    batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
+    assert_first_norm([float(e.train_step(batches[0])["grad_norm"])], F64)
     e.save()
     e.wait_until_finished()
     store = e._disk.store
@@ -271,8 +333,11 @@ def test_nvme_read_error_stops_the_step_and_keeps_the_state(tmp_path):
         np.testing.assert_array_equal(a, b)
     # The previous state comes back from the checkpoint and training goes on as before.
     e.restore()
-    losses = [float(e.train_step(b)["loss"]) for b in batches[1:]]
-    np.testing.assert_allclose(losses, reference(2)[0][1:], rtol=1e-6)
+    metrics = [e.train_step(b) for b in batches[1:]]
+    # In float64: the restored run continues the run in memory (and its gradients' scale).
+    ref = reference(2, dtype=F64)
+    np.testing.assert_allclose([float(m["loss"]) for m in metrics], ref[0][1:], rtol=1e-10)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref[3][1:], rtol=1e-10)
     e.close()
 
 
@@ -282,8 +347,8 @@ def test_nvme_checkpoint_restores_without_nvme(tmp_path):
     cfg["checkpoint"] = {"directory": str(tmp_path / "ckpt")}
     e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2, weight_decay=1e-2), cfg)
     batches = toy.make_batches(STEPS, BATCH)
-    for b in batches[:2]:
-        e.train_step(b)
+    norms = [float(e.train_step(b)["grad_norm"]) for b in batches[:2]]
+    assert_first_norm(norms, np.float32)
     e.save()
     e.wait_until_finished()
     want = float(e.train_step(batches[2])["loss"])
