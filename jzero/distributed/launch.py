@@ -54,7 +54,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from jzero.distributed.runtime import (
+from jzero.distributed.layout import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,

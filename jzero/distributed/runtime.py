@@ -43,28 +43,21 @@ import numpy as np
 
 from jzero._util import dotted
 from jzero.distributed.layout import (
-    ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
     ENV_REPLICAS,
     DistributedSpec,
     resolve_spec,
 )
 
 __all__ = [
-    "DistributedSpec",
     "any_process",
     "barrier",
-    "ENV_COORDINATOR",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
     "backends_initialized",
     "ensure_initialized",
     "global_batch",
     "init_distributed",
     "is_main_process",
     "local_batch_size",
-    "resolve_spec",
 ]
 
 logger = logging.getLogger(__name__)

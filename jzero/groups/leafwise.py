@@ -5,8 +5,8 @@ one sub-group's fp32 master weights, gradients and optimizer state need be in fa
 time (with ``offload_optimizer``/NVMe, the rest waits in host memory or in files). This module
 is that step for any optax transformation that acts leaf by leaf: which leaves form a group
 and which state each owns (:mod:`jzero.groups.ownership`), one group's update and the grouped update
-(:mod:`jzero.groups.update`), and here the check that an optimizer is leafwise. Every name of
-those modules is importable from here as before.
+(:mod:`jzero.groups.update`), and here the check that an optimizer is leafwise. Every public
+name of the three is importable from :mod:`jzero.groups`.
 
 Decisions:
 
@@ -43,33 +43,13 @@ from jax.extend import core as jcore
 
 from jzero._util import dotted
 from jzero.groups.ownership import (
-    leaf_groups,
-    merge_single_leaf_groups,
-    owned_state,
     param_leaf_owner,
-    shared_state,
 )
 from jzero.groups.update import (
-    GroupUpdate,
     grouped_update,
-    placeholder,
-    update_group,
-    update_group_leaves,
 )
 
-__all__ = [
-    "GroupUpdate",
-    "check_leafwise",
-    "grouped_update",
-    "leaf_groups",
-    "merge_single_leaf_groups",
-    "owned_state",
-    "param_leaf_owner",
-    "placeholder",
-    "shared_state",
-    "update_group",
-    "update_group_leaves",
-]
+__all__ = ["check_leafwise"]
 
 PyTree = Any
 

@@ -1,6 +1,6 @@
 """Collective communication read from a compiled program: how jzero proves its claims.
 
-Three parts, every name importable from here:
+Three parts, every name importable from :mod:`jzero.hlo`:
 
 * the program's text and its parsing (:mod:`jzero.hlo.parse`: :func:`program_text`,
   :func:`replica_groups`);
@@ -32,12 +32,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from jzero.hlo.collective_bytes import (
-    CollectiveStats,
-    collectives,
-    collectives_by_axes,
-    collectives_by_dtype,
-)
 from jzero.hlo.parse import (
     _INSTR,
     _NAME,
@@ -46,24 +40,15 @@ from jzero.hlo.parse import (
     _operands,
     _shape_bytes,
     _text,
-    program_text,
-    replica_groups,
 )
 
 __all__ = [
     "AsyncCollective",
-    "CollectiveStats",
-    "KINDS",
     "LayoutCopy",
     "LoopCollective",
     "async_collectives",
-    "collectives",
-    "collectives_by_axes",
-    "collectives_by_dtype",
-    "replica_groups",
     "layout_copies",
     "loop_collectives",
-    "program_text",
 ]
 
 

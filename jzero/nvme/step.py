@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 
 from jzero import groups as groups_lib
-from jzero.nvme.state import NvmeState, read_ahead, state_bytes
+from jzero.nvme.state import NvmeState, read_ahead
 from jzero.plan import on_device
 from jzero.step import TrainState, make_gradient_step, params_at_rest
 
-__all__ = ["NvmeStep", "state_bytes"]
+__all__ = ["NvmeStep"]
 
 PyTree = Any
 

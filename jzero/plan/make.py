@@ -2,8 +2,8 @@
 
 :func:`make_plan` builds the :class:`Plan` (:mod:`jzero.plan.plan`) from the leaf rule
 (:mod:`jzero.plan.leaf_rule`: which dimension of each leaf is sharded) and the host-memory choice
-(:mod:`jzero.plan.memory_kinds`: which leaves rest in host memory); the names of those modules are
-importable from here as before.
+(:mod:`jzero.plan.memory_kinds`: which leaves rest in host memory); the public names of all of
+them are importable from :mod:`jzero.plan`.
 
 Decisions:
 
@@ -49,36 +49,20 @@ from jax.sharding import PartitionSpec as P
 from jzero._util import dotted
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
-    LeafPlan,
     _leaf_plan,
     _spec_with,
     axis_entry,
-    is_contiguous,
     shard_dim,
 )
 from jzero.plan.memory_kinds import (
-    HOST_MEMORY_KINDS,
     _offloaded_leaves,
     _with_kind,
-    is_host,
-    on_device,
 )
 from jzero.plan.plan import Plan
 from jzero.plan.precision import Precision, cast_floating
 from jzero.plan.stages import StageSpec, check_offload, stage_spec
 
-__all__ = [
-    "DATA_AXIS",
-    "HOST_MEMORY_KINDS",
-    "LeafPlan",
-    "Plan",
-    "axis_entry",
-    "is_host",
-    "make_plan",
-    "is_contiguous",
-    "on_device",
-    "shard_dim",
-]
+__all__ = ["make_plan"]
 
 PyTree = Any
 

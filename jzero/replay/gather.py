@@ -4,7 +4,7 @@ At ZeRO stage 3 a device holds only its shard of each parameter. The loss functi
 expects full parameters, so they must be all-gathered; the whole point of stage 3 is that they
 are never all gathered *at once*. DeepSpeed does this with module hooks. In JAX there are no
 modules at run time, only a traced program, so jzero rewrites the program. Three parts, every
-name importable from here:
+name importable from :mod:`jzero.replay`:
 
 * the gather of one parameter (:mod:`jzero.replay.param_gather`: :func:`all_gather`, whose transpose
   reduce-scatters in the communication dtype or quantized, and the pending gather a sharded
@@ -44,22 +44,13 @@ import jax
 from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
-from jzero.replay.interpreter import GATHERED, PARTITIONED, _Replay, remat_save_policy
-from jzero.replay.param_gather import _Pending, all_gather
+from jzero.replay.interpreter import _Replay
+from jzero.replay.param_gather import _Pending
 from jzero.replay.prefetch import kept_leaves, prefetch_anchors
 from jzero.replay.remat import RematPolicy, parse_policy
 from jzero.replay.trace import Partition, find_layers, inline_calls, layer_keys
 
-__all__ = [
-    "GATHERED",
-    "PARTITIONED",
-    "all_gather",
-    "remat_save_policy",
-    "remat_scans",
-    "gathered",
-    "layer_dims",
-    "replay",
-]
+__all__ = ["remat_scans", "gathered", "layer_dims", "replay"]
 
 
 def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, Any]:

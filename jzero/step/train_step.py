@@ -4,7 +4,7 @@ The step is two halves under one ``jit``: the gradient half (:mod:`jzero.step.gr
 on each device's rows inside ``shard_map``, accumulated, reduced as the stage says, unscaled and
 clipped) and the update half (:mod:`jzero.step.update`: the optax update on the shards, then the
 params at rest gathered from them). The state both read and write is :mod:`jzero.step.state`'s
-:class:`TrainState`; its names are importable from here as before.
+:class:`TrainState`, whose one public home is :mod:`jzero.step`.
 
 Decisions:
 
@@ -46,7 +46,6 @@ from jzero.step.state import (
     _spec,
     _to_device,
     find_learning_rate,
-    init_train_state,
     state_shardings,
 )
 from jzero.step.streaming import streamed_groups, streamed_update
@@ -54,19 +53,9 @@ from jzero.step.update import (
     _keep_old_when_nonfinite,
     _params_at_rest,
     _update_inputs,
-    params_at_rest,
 )
 
-__all__ = [
-    "LossFn",
-    "TrainState",
-    "find_learning_rate",
-    "init_train_state",
-    "make_eval_step",
-    "make_train_step",
-    "params_at_rest",
-    "state_shardings",
-]
+__all__ = ["make_eval_step", "make_train_step"]
 
 PyTree = Any
 
