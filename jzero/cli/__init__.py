@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from jzero.cli import checkpoint, devices, memory
@@ -33,18 +35,47 @@ from jzero.cli import checkpoint, devices, memory
 __all__ = ["build_parser", "main"]
 
 
+class _LateSigterm:
+    """SIGTERM outside :func:`jzero.train.run`'s own handling: before the run takes over it
+    ends the process at once (exit 143, as the default would); once the run has returned (its
+    final checkpoint committed, ``summary.json`` written) it is logged and ignored, so a
+    second SIGTERM a moment after the first (SLURM's beside the launcher's) cannot turn the
+    run's exit status into a kill."""
+
+    def __init__(self) -> None:
+        self.run_returned = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.run_returned:
+            raise SystemExit(128 + signum)
+        print("jzero: SIGTERM received after the run ended; exiting as planned", file=sys.stderr)
+
+
 def _train(args: argparse.Namespace) -> int:
     devices.use_cpu_devices(args.cpu_devices)
     from jzero import distributed, train
 
-    summary = train.run(
-        args.config,
-        overrides=args.set or (),
-        steps=args.steps,
-        resume=not args.no_resume,
-        overwrite=args.overwrite,
-        progress=not args.quiet,
-    )
+    late = _LateSigterm()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, late) if main_thread else None
+    try:
+        summary = train.run(  # its own handlers replace `late` for the run, then restore it
+            args.config,
+            overrides=args.set or (),
+            steps=args.steps,
+            resume=not args.no_resume,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+        late.run_returned = True
+        return _report(summary, train, distributed)
+    finally:
+        if main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _report(summary: dict, train: object, distributed: object) -> int:
+    """Prints the summary line (process 0) and returns the exit status."""
     if distributed.is_main_process():  # only process 0 prints
         ended = (
             "interrupted" if summary["interrupted"] else "stopped" if summary["stopped"] else "done"
