@@ -24,25 +24,30 @@ def config(stage, **extra):
     }
 
 
+@jax.enable_x64(True)
 def test_evaluate_is_the_mean_loss_of_the_current_params_and_changes_nothing():
     # Stage 3 (params gathered inside the eval step), a loss with aux (evaluate returns the loss).
-    engine = jzero.initialize(toy.make_params(), toy.loss_with_aux, optax.sgd(0.1), config(3))
-    train, held_out = toy.make_batches(1, BATCH)[0], toy.make_batches(1, 16, seed=5)[0]
+    # In float64: evaluate's sharded mean is the one-device loss to 1e-10, on any CPU.
+    params0 = toy.make_params(dtype=jnp.float64)
+    engine = jzero.initialize(params0, toy.loss_with_aux, optax.sgd(0.1), config(3))
+    train = toy.make_batches(1, BATCH, dtype=np.float64)[0]
+    held_out = toy.make_batches(1, 16, seed=5, dtype=np.float64)[0]
     before = float(engine.evaluate(held_out))  # 16 rows: any multiple of the 8 devices
-    assert before == pytest.approx(float(toy.loss_fn(toy.make_params(), held_out)), rel=1e-6)
+    assert before == pytest.approx(float(toy.loss_fn(params0, held_out)), rel=1e-10, abs=0)
     engine.train_step(train)
     params = jax.device_get(engine.params)
     after = engine.evaluate(held_out)
-    assert after.shape == () and after.dtype == jnp.float32
-    assert float(after) == pytest.approx(float(toy.loss_fn(params, held_out)), rel=1e-6)
-    assert float(after) != pytest.approx(before, rel=1e-3)  # it reads the trained params
+    assert after.shape == () and after.dtype == jnp.float64
+    assert float(after) == pytest.approx(float(toy.loss_fn(params, held_out)), rel=1e-10, abs=0)
+    # It reads the trained params: one SGD step moves the held-out loss by far more than 0.1%.
+    assert float(after) != pytest.approx(before, rel=1e-3)
     # Evaluating updates nothing.
     assert engine.global_step == 1 and engine.iteration == 1
     now = jax.device_get(engine.params)
     for a, b in zip(jax.tree.leaves(now), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match=r"divisible by the data-parallel size 8 .* \[12\]"):
-        engine.evaluate(toy.make_batches(1, 12)[0])
+        engine.evaluate(toy.make_batches(1, 12, dtype=np.float64)[0])
 
 
 # -- checkpoints: rotation and the data position ------------------------------------------------
@@ -51,11 +56,10 @@ TOKENS = np.random.default_rng(0).integers(0, VOCAB, 4000).astype(np.uint8)
 
 
 def _token_params():
+    """float64 (the resume tests enable x64), so that the first grad norm can be checked
+    against ``jax.grad`` at 1e-10."""
     rng = np.random.default_rng(1)
-    return {
-        "embed": (rng.normal(size=(VOCAB, 16)) * 0.3).astype(np.float32),
-        "out": (rng.normal(size=(16, VOCAB)) * 0.3).astype(np.float32),
-    }
+    return {"embed": rng.normal(size=(VOCAB, 16)) * 0.3, "out": rng.normal(size=(16, VOCAB)) * 0.3}
 
 
 def _token_loss(p, batch):
@@ -78,22 +82,29 @@ def _token_engine(directory):
 
 @pytest.fixture(scope="module")
 def five_saved_steps(tmp_path_factory):
-    """Five steps with a checkpoint after each and max_to_keep 2: (directory, losses)."""
+    """Five float64 steps with a checkpoint after each and max_to_keep 2: (directory, losses,
+    grad norms, the one-device gradient norm of the first batch)."""
     directory = tmp_path_factory.mktemp("ckpt")
-    with _token_engine(directory) as engine:
-        losses = [float(engine.train_step(engine.data_iterator.next())["loss"]) for _ in range(5)]
-    return directory, losses
+    with jax.enable_x64(True), _token_engine(directory) as engine:
+        first = BatchIterator(TOKENS, 16, SEQ, seed=7).next()
+        grads = jax.jit(jax.grad(_token_loss))(_token_params(), first)
+        metrics = [engine.train_step(engine.data_iterator.next()) for _ in range(5)]
+        losses = [float(m["loss"]) for m in metrics]
+        norms = [float(m["grad_norm"]) for m in metrics]
+        return directory, losses, norms, float(optax.global_norm(grads))
 
 
 def test_max_to_keep_leaves_only_the_newest_checkpoints_on_disk(five_saved_steps):
-    directory, _ = five_saved_steps
+    directory = five_saved_steps[0]
     on_disk = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
     assert on_disk == [4, 5]
 
 
 def test_resume_continues_with_the_next_batch_not_batch_0(five_saved_steps):
-    directory, losses = five_saved_steps
-    with _token_engine(directory) as engine:
+    directory, losses, norms, first = five_saved_steps
+    # Adam hides a gradient's scale from the losses; the first grad norm is jax.grad's.
+    assert norms[0] == pytest.approx(first, rel=1e-10, abs=0)
+    with jax.enable_x64(True), _token_engine(directory) as engine:
         assert engine.data_iterator.step == 0
         meta = engine.restore(4)
         assert meta["data"] == {"step": 4, "seed": 7}
@@ -104,7 +115,8 @@ def test_resume_continues_with_the_next_batch_not_batch_0(five_saved_steps):
         np.testing.assert_array_equal(batch["tokens"], expected[4])
         assert not np.array_equal(batch["tokens"], expected[0])
         # The resumed step is the fifth step of the run that never stopped, bit for bit.
-        assert float(engine.train_step(batch)["loss"]) == losses[4]
+        m = engine.train_step(batch)
+        assert (float(m["loss"]), float(m["grad_norm"])) == (losses[4], norms[4])
 
 
 # -- donation ---------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 and really sharding the computation.
 
 The toy model's layers are split over a ``model`` axis of 2 on a data=4 x model=2 mesh; every
-stage must train exactly like data parallelism over 8 devices without annotations.
+stage must train exactly like data parallelism over 8 devices without annotations: in float64
+(each test enables x64), losses and grad norms at 1e-10, since splitting a layer sums its
+products in another order, which float32 rounds differently on each CPU; and the first grad
+norm is the one-device ``jax.grad``'s, since clipping hides a gradient's scale from the losses.
 """
 
 import functools
@@ -32,6 +35,22 @@ SPECS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _metrics(engine, batch):
+    m = engine.train_step(batch)
+    return float(m["loss"]), float(m["grad_norm"])
+
+
+def _grad_norm(loss, params, batch):
+    """The global norm of the one-device gradient, outside jzero."""
+    return float(optax.global_norm(jax.jit(jax.grad(loss))(params, batch)))
+
+
 def config(stage, mesh):
     return {
         "train_batch_size": BATCH,
@@ -46,17 +65,23 @@ def shard_shape(x):
 
 
 @functools.cache
+def first_grad_norm():
+    params = toy.make_params(dtype=jnp.float64)
+    return _grad_norm(toy.loss_fn, params, toy.make_batches(1, BATCH, dtype=np.float64)[0])
+
+
+@functools.cache
 def runs(stage):
-    """Losses of 3 steps with the model axis and without; the model-axis engine and step."""
-    params, batches = toy.make_params(), toy.make_batches(3, BATCH)
+    """[((loss, grad_norm) with the model axis, the same without)] of 3 float64 steps; the
+    model-axis engine and step."""
+    params = toy.make_params(dtype=jnp.float64)
+    batches = toy.make_batches(3, BATCH, dtype=np.float64)
     split = jzero.initialize(
         params, toy.loss_fn, optax.adamw(1e-2), config(stage, MODEL_MESH), param_specs=SPECS
     )
     plain = jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), config(stage, {"data": -1}))
     compiled = split.lower(batches[0]).compile()
-    losses = [
-        (float(split.train_step(b)["loss"]), float(plain.train_step(b)["loss"])) for b in batches
-    ]
+    losses = [(_metrics(split, b), _metrics(plain, b)) for b in batches]
     return losses, split, compiled
 
 
@@ -87,8 +112,11 @@ def test_a_mesh_that_does_not_fit_the_devices_is_a_clear_error(axes, message):
 def test_model_axis_trains_like_data_parallel_at_every_stage(stage):
     losses, engine, _ = runs(stage)
     for split, plain in losses:
-        assert split == pytest.approx(plain, rel=1e-5)
-    assert not np.allclose(engine.params["embed"], toy.make_params()["embed"])  # it trained
+        np.testing.assert_allclose(split, plain, rtol=1e-10, atol=0)
+    assert losses[0][1][1] == pytest.approx(first_grad_norm(), rel=1e-10, abs=0)
+    assert engine.params["embed"].dtype == jnp.float64
+    # It trained: Adam moves every entry by about lr (1e-2) a step, far beyond allclose's 1e-8.
+    assert not np.allclose(engine.params["embed"], toy.make_params(dtype=jnp.float64)["embed"])
     w, b = engine.params["blocks"]["w"], engine.params["blocks"]["b"]  # after the steps
     # At rest: the user's `model` entry kept, ZeRO's data axis on a free dim at stage 3, never
     # the layer dimension the scan consumes (so `b`, whose other dim is `model`'s, stays whole).
@@ -116,7 +144,7 @@ def test_the_compiled_step_computes_each_layer_on_its_model_shard(stage):
     hlo = compiled.as_text()
     micro = BATCH // engine.plan.num_shards  # 8 rows a device on data=4
     # The layer matmul inside the scan yields [8, 32] per device: half of the 64 columns.
-    layer_dots = re.findall(r"= f32\[(\d+),(\d+)\]\{[0-9,]*\} dot\(.*while/body", hlo)
+    layer_dots = re.findall(r"= f64\[(\d+),(\d+)\]\{[0-9,]*\} dot\(.*while/body", hlo)
     assert (str(micro), "32") in layer_dots
     state_in = compiled.input_shardings[0][0]
     assert "model" in tuple(state_in.params["blocks"]["w"].spec)
@@ -128,8 +156,9 @@ def test_the_compiled_step_computes_each_layer_on_its_model_shard(stage):
 class AnnotatedNNX(nnx.Module):
     def __init__(self, rngs):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
-        self.up = nnx.Linear(toy.IN, 64, kernel_init=init, rngs=rngs)
-        down = jax.random.normal(rngs.params(), (64, toy.OUT)) * 0.1
+        f64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
+        self.up = nnx.Linear(toy.IN, 64, kernel_init=init, rngs=rngs, **f64)
+        down = jax.random.normal(rngs.params(), (64, toy.OUT), jnp.float64) * 0.1
         self.down = nnx.Param(down, sharding=("model", None))
 
     def __call__(self, x):
@@ -140,10 +169,11 @@ class AnnotatedLinen(linen.Module):
     @linen.compact
     def __call__(self, x):
         init = linen.initializers.lecun_normal()
-        h = linen.Dense(64, kernel_init=linen.with_partitioning(init, (None, "model")))(x)
-        return linen.Dense(toy.OUT, kernel_init=linen.with_partitioning(init, ("model", None)))(
-            jnp.tanh(h)
-        )
+        f64 = {"param_dtype": jnp.float64, "dtype": jnp.float64}
+        up = linen.with_partitioning(init, (None, "model"))
+        down = linen.with_partitioning(init, ("model", None))
+        h = linen.Dense(64, kernel_init=up, **f64)(x)
+        return linen.Dense(toy.OUT, kernel_init=down, **f64)(jnp.tanh(h))
 
 
 def _nnx_loss(model, b):
@@ -164,7 +194,7 @@ def _linen_loss(p, b):
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
 def test_flax_partition_annotations_are_kept_and_train_like_data_parallel(kind):
-    batches = toy.make_batches(2, BATCH)
+    batches = toy.make_batches(2, BATCH, dtype=np.float64)
     if kind == "nnx":
         engine = jzero.initialize(
             model=lambda: AnnotatedNNX(nnx.Rngs(0)),
@@ -190,10 +220,14 @@ def test_flax_partition_annotations_are_kept_and_train_like_data_parallel(kind):
     assert leaf(engine.params, kernel).sharding.spec == P("data", "model")
     assert leaf(engine.params, down).sharding.spec[0] == "model"
     weights = jax.tree.map(np.asarray, engine.params)
+    assert {x.dtype for x in jax.tree.leaves(weights)} == {np.dtype(np.float64)}
     plain = jzero.initialize(weights, tree_loss, optax.adamw(1e-2), config(3, {"data": -1}))
-    for b in batches:
-        a, c = float(engine.train_step(b)["loss"]), float(plain.train_step(b)["loss"])
-        assert a == pytest.approx(c, rel=1e-5)
+    first = _grad_norm(tree_loss, weights, batches[0])
+    for i, b in enumerate(batches):
+        a, c = _metrics(engine, b), _metrics(plain, b)
+        np.testing.assert_allclose(a, c, rtol=1e-10, atol=0)
+        if i == 0:
+            assert c[1] == pytest.approx(first, rel=1e-10, abs=0)
     assert leaf(engine.params, kernel).sharding.spec == P("data", "model")
     if kind == "nnx":
         assert isinstance(engine.model, AnnotatedNNX)
