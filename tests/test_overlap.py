@@ -9,7 +9,6 @@ first step's grad_norm, with optax's gradient (Adam and clipping hide a gradient
 the losses).
 """
 
-import functools
 import json
 import math
 import os
@@ -23,8 +22,7 @@ import numpy as np
 import optax
 import pytest
 import toy
-from test_zeropp import batches, gpt_params, gpt_run
-from test_zeropp import loss_fn as gpt_loss
+from test_zeropp import first_grad_norm, gpt_run
 
 import jzero
 from jzero import hlo
@@ -33,15 +31,6 @@ from jzero.config import JzeroConfigWarning
 from jzero.plan import make_plan
 
 F64 = "float64"
-
-
-@functools.cache
-def first_grad_norm(num_layers):
-    """optax's global norm of the float64 tiny GPT's gradient on gpt_run's first batch."""
-    with jax.enable_x64(True):
-        cfg, params = gpt_params(num_layers, F64)
-        grads = jax.jit(jax.grad(lambda p, b: gpt_loss(p, b, cfg)))(params, batches(1)[0])
-        return float(optax.global_norm(grads))
 
 
 def assert_same_training(run, ref, num_layers):
