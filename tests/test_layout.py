@@ -1,7 +1,9 @@
-"""Step time: every leaf is sharded on its leading dimension the data axis divides (contiguous
-shards), never on the stacked-layer dimension a stage-3 scan consumes; the compiled stage 1-2
-steps have no layout copies around their collectives; a checkpoint written under the former
-rule (largest dimension, last on a tie) restores bit-identically."""
+"""Step time: every leaf is sharded on its leading dimension (contiguous shards), padded where
+the data axis does not divide it, never on the stacked-layer dimension a stage-3 scan consumes;
+the compiled stage 1-2 steps have no layout copies around their collectives (the built-in GPT
+of ``configs/zero2.yaml`` on 8 devices included, whose 4-layer stacks 8 does not divide); a
+checkpoint written under the former rule (largest dimension, last on a tie) restores
+bit-identically."""
 
 import functools
 import shutil
@@ -14,19 +16,28 @@ import pytest
 import toy
 
 import jzero
+from jzero import config as config_lib
 from jzero.checkpoint import Checkpointer, abstract_target
 from jzero.hlo import layout_copies
 from jzero.models import gpt
-from jzero.plan import is_contiguous, make_plan
+from jzero.plan import is_contiguous, make_plan, shard_dim
 from jzero.replay import layer_dims
-from jzero.step import init_train_state, state_shardings
+from jzero.step import (
+    from_logical,
+    init_train_state,
+    logical_shardings,
+    logical_state,
+    logical_view,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "old_layout"
 N = 8
 
 
-def first_divisible(shape, skip=()):
-    return next((d for d, n in enumerate(shape) if d not in skip and n % N == 0), None)
+def first_dim(shape, skip=()):
+    """The leading dimension of more than one element (the rule, for the shapes used here:
+    none of them is under half the shard count)."""
+    return next((d for d, n in enumerate(shape) if d not in skip and n > 1), None)
 
 
 @functools.cache
@@ -43,7 +54,7 @@ def loss(params, batch):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_each_leaf_is_sharded_on_its_leading_divisible_dimension(stage):
+def test_each_leaf_is_sharded_on_its_leading_dimension_padded_where_needed(stage):
     params = stacked_params()
     dims = layer_dims(loss, params, toy.make_batches(1, 8)[0])
     names = [
@@ -60,19 +71,34 @@ def test_each_leaf_is_sharded_on_its_leading_divisible_dimension(stage):
     by_name = {leaf.path: leaf for leaf in plan.leaves}
     for leaf in plan.leaves:
         layer = (leaf.layer_dim,) if leaf.layer_dim is not None and stage == 3 else ()
-        assert leaf.state_dim == first_divisible(leaf.shape, layer), leaf
-        if leaf.state_dim is not None and leaf.shape[0] % N == 0 or layer:
-            assert is_contiguous(leaf.shape, leaf.state_dim, layer), leaf
+        assert leaf.state_dim == first_dim(leaf.shape, layer), leaf
+        assert is_contiguous(leaf.shape, leaf.state_dim, layer), leaf
+        # Padded to the next multiple of the shard count, and no further.
+        assert leaf.padded % N == 0 and 0 <= leaf.padding < N, leaf
+        assert leaf.padded == leaf.shape[leaf.state_dim] + leaf.padding
     # 3-D and 2-D stacked leaves: the layer dimension itself at stages 1-2 (one contiguous
     # block each), the dimension beside it at stage 3, where the scan gathers layer by layer.
     expected = 1 if stage == 3 else 0
     assert by_name["blocks.w"].state_dim == by_name["blocks.b"].state_dim == expected
     if stage == 3:
         assert by_name["blocks.w"].param_dim == 1 != by_name["blocks.w"].layer_dim
-    # Odd shapes: (12, 64) and (6, 16) shard on their second dim, (5, 3) and (5,) stay whole.
-    assert by_name["embed"].state_dim == by_name["odd_lead"].state_dim == 1
-    assert by_name["odd"].state_dim is None and by_name["head.b"].state_dim is None
-    assert "leading dimension that the data axis divides" in plan.describe()
+    # Odd shapes: (12, 64), (6, 16), (5, 3) and (5,) shard on dim 0, padded to 16, 8, 8, 8.
+    assert {p: by_name[p].padded for p in ("embed", "odd_lead", "odd", "head.b")} == {
+        "embed": 16, "odd_lead": 8, "odd": 8, "head.b": 8,
+    }  # fmt: skip
+    text = plan.describe()
+    assert "12x64 (+4 on dim 0)" in text and "5 (+3 on dim 0)" in text
+    assert "padded with zeros to a multiple of the shard count" in text
+    assert "leaves ZeRO left whole" not in text
+
+
+def test_a_dimension_under_half_the_shard_count_gives_way_to_one_that_divides():
+    # Padding 2 rows to 8 would hold four times the leaf; its second dimension divides.
+    assert shard_dim((2, 64), 8) == 1
+    assert shard_dim((4, 64), 8) == 0  # padding doubles it: the leading dimension still
+    assert shard_dim((2, 5), 8) == 0  # nothing divides: the leading one, padded
+    assert shard_dim((1, 1), 8) is None and shard_dim((), 8) is None
+    assert shard_dim((1, 50257), 8) == 1  # a dimension of one element is not split
 
 
 def test_contiguity_is_what_the_row_major_layout_says():
@@ -119,6 +145,27 @@ def test_the_compiled_step_has_no_layout_copies_around_its_collectives(stage):
     assert {c.collective for c in found} == {"reduce-scatter"}
 
 
+def test_the_zero2_config_gpt_on_8_devices_has_no_layout_copies():
+    """``configs/zero2.yaml`` as ``jzero train`` builds it, on 8 devices: its 4-layer stacks
+    rest padded to 8 on their leading dimension (the former rule sharded them on their second
+    and re-laid 28 copies, 6.4 MiB, out around the collectives each step)."""
+    from flax import nnx
+
+    cfg = config_lib.load_config(Path(__file__).parents[1] / "configs" / "zero2.yaml")
+    model_cfg = gpt.config_for(cfg)
+    engine = jzero.initialize(
+        model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(0)), loss_fn=gpt.nnx_loss_fn, config=cfg
+    )
+    assert engine.plan.num_shards == N
+    leaves = engine.plan.leaves
+    assert all(leaf.state_dim is not None for leaf in leaves)
+    stacked = [leaf for leaf in leaves if leaf.shape[0] == model_cfg.num_layers]
+    assert stacked and all(leaf.state_dim == 0 and leaf.padded == N for leaf in stacked)
+    batch = {"tokens": np.zeros((engine.train_batch_size, model_cfg.seq_len + 1), np.int32)}
+    copies = layout_copies(engine.lower(batch).compile())
+    assert copies == [], [c.line for c in copies]
+
+
 def test_a_checkpoint_in_the_former_layout_restores_bit_identically(tmp_path):
     directory = tmp_path / "ckpt"
     shutil.copytree(FIXTURE / "ckpt", directory)
@@ -128,14 +175,23 @@ def test_a_checkpoint_in_the_former_layout_restores_bit_identically(tmp_path):
         mesh = jzero.make_mesh(n, devices=jax.devices()[:n])
         plan = make_plan(params, tx, mesh, stage, persistence_threshold=0)
         abstract = jax.eval_shape(functools.partial(init_train_state, plan, optimizer=tx), params)
+        # Checkpoints hold logical shapes: read into layouts jit accepts for them, then pad.
+        logical = logical_state(plan, abstract)
         state, meta = Checkpointer(directory).restore(
-            abstract_target(abstract, state_shardings(plan))
+            abstract_target(logical, logical_shardings(plan, logical))
         )
         assert meta["layout"].startswith("largest dimension")
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
         assert len(flat) == len(expected.files)
         for path, x in flat:
             np.testing.assert_array_equal(np.asarray(x), expected[jax.tree_util.keystr(path)])
+        resting = from_logical(plan, state)
+        assert jax.tree.map(lambda x: x.shape, resting) == jax.tree.map(
+            lambda x: x.shape, abstract
+        )
+        back = logical_view(plan, resting)
+        for (path, x), (_, y) in zip(flat, jax.tree_util.tree_flatten_with_path(back)[0]):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def reference_norms(params, batches, tx, clip):

@@ -24,7 +24,17 @@ from jzero import distributed
 from jzero.engine.checks import _check_live_parameters, _finite
 from jzero.plan import Plan
 from jzero.replay import remat
-from jzero.step import TrainState, make_eval_step, make_train_step, state_shardings
+from jzero.step import (
+    TrainState,
+    from_logical,
+    logical_shardings,
+    logical_state,
+    logical_view,
+    make_eval_step,
+    make_train_step,
+    relayout,
+    state_shardings,
+)
 
 __all__ = ["Engine"]
 
@@ -92,7 +102,11 @@ class Engine:
     # -- state -------------------------------------------------------------------------------
     @property
     def params(self) -> PyTree:
-        """The current parameters, sharded per the plan.
+        """The current parameters, sharded per the plan, at their logical shapes.
+
+        A leaf that rests padded (its sharded dimension not divisible by the shard count, see
+        ``describe()``) is handed out as a copy without the padding, laid out on a dimension the
+        shard count divides (or whole); the others are the state's own arrays.
 
         They are donated to the next ``train_step``, which deletes these arrays (no second copy
         of the state in device memory): a handle kept across a step raises ``RuntimeError:
@@ -101,6 +115,14 @@ class Engine:
         same holds for :attr:`opt_state` and :attr:`state`. With the parameters on NVMe
         (``offload_param: {device: nvme}``) they are read from their files, a copy.
         """
+        if self._disk is not None:
+            return self._disk.params(self.state)
+        if not self.plan.padded:
+            return self.state.params
+        return logical_view(self.plan, self.state._replace(opt_state=(), master=())).params
+
+    def _resting_params(self) -> PyTree:
+        """The params as they rest (padded leaves padded), as the eval step takes them."""
         return self.state.params if self._disk is None else self._disk.params(self.state)
 
     @property
@@ -116,8 +138,12 @@ class Engine:
     @property
     def opt_state(self) -> PyTree:
         """The current optimizer state, sharded per the plan (donated to the next step, as
-        :attr:`params`). Under the NVMe tier it is read from its files, a copy."""
-        return self._full_state().opt_state
+        :attr:`params`), at its logical shapes (as :attr:`params`). Under the NVMe tier it is
+        read from its files, a copy."""
+        state = self._full_state()
+        if not self.plan.padded:
+            return state.opt_state
+        return logical_view(self.plan, state._replace(params=(), master=())).opt_state
 
     @property
     def global_step(self) -> int:
@@ -211,7 +237,7 @@ class Engine:
         if self._disk is not None:  # the files too, group by group
             self.state = self._disk.relayout(self.state, new)
         else:
-            self.state = jax.device_put(self.state, state_shardings(new))
+            self.state = relayout(self.state, self.plan, new)
         self.plan = new
         self._step = self._eval = None
         logger.info(
@@ -293,7 +319,7 @@ class Engine:
         self.fit_layout(batch)
         if self._eval is None:
             self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)
-        return self._eval(self.params, self.state.extra, batch)
+        return self._eval(self._resting_params(), self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
@@ -369,6 +395,8 @@ class Engine:
             from jzero import weights
 
             weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
+        # Checkpoints hold the logical shapes (no padding), so any device count restores them.
+        state = logical_view(self.plan, state)
         saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True)
         if saved:
             self._unchanged_since = step if step == self.iteration else None
@@ -413,13 +441,15 @@ class Engine:
         """
         from jzero.checkpoint import abstract_target
 
-        shardings = state_shardings(self.plan)
-        current = self.state
+        current = logical_state(self.plan, self.state)
+        shardings = logical_shardings(self.plan, current)
         if self._disk is not None:  # its leaves are read into host memory, then to the files
             current = self._disk.abstract_full(self.state)
-            shardings = self._disk.restore_shardings(shardings)
+            shardings = self._disk.restore_shardings(state_shardings(self.plan))
         target = abstract_target(current, shardings)
-        self.state, meta = self._checkpointer().restore(target, step)
+        state, meta = self._checkpointer().restore(target, step)
+        # The checkpoint holds logical shapes; padded leaves are padded into this plan's.
+        self.state = state if self._disk is not None else from_logical(self.plan, state)
         if self._disk is not None:  # back to the files (the restore read it all into memory)
             self.state = self._disk.spill(self.state)
         self.iteration = int(meta.get("iteration", self.global_step))

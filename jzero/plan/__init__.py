@@ -10,6 +10,8 @@ checkpoint and weights. It runs nothing: a plan is data.
 * :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
 * :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
   JAX memory kinds on shardings.
+* :mod:`~jzero.plan.padding`: leaves whose sharded dimension the shard count does not divide
+  rest padded with zeros, and are used at their logical shapes.
 * :mod:`~jzero.plan.plan`: the :class:`Plan` and what follows from its shardings.
 * :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
   optimizer and a mesh.
@@ -18,7 +20,9 @@ checkpoint and weights. It runs nothing: a plan is data.
 from jzero.distributed import DATA_AXIS as DATA_AXIS
 from jzero.plan.leaf_rule import LeafPlan as LeafPlan
 from jzero.plan.leaf_rule import axis_entry as axis_entry
+from jzero.plan.leaf_rule import divisible_dim as divisible_dim
 from jzero.plan.leaf_rule import is_contiguous as is_contiguous
+from jzero.plan.leaf_rule import padded_size as padded_size
 from jzero.plan.leaf_rule import shard_dim as shard_dim
 from jzero.plan.make import make_plan as make_plan
 from jzero.plan.memory_kinds import HOST_MEMORY_KINDS as HOST_MEMORY_KINDS
@@ -29,6 +33,12 @@ from jzero.plan.memory_kinds import check_memory_kind as check_memory_kind
 from jzero.plan.memory_kinds import is_host as is_host
 from jzero.plan.memory_kinds import memory_kinds_from_config as memory_kinds_from_config
 from jzero.plan.memory_kinds import on_device as on_device
+from jzero.plan.padding import even_sharding as even_sharding
+from jzero.plan.padding import logical_copies as logical_copies
+from jzero.plan.padding import pad_to as pad_to
+from jzero.plan.padding import to_logical as to_logical
+from jzero.plan.padding import to_stored as to_stored
+from jzero.plan.padding import unpad_to as unpad_to
 from jzero.plan.plan import Plan as Plan
 from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
@@ -49,6 +59,8 @@ __all__ = [
     "check_memory_kind",
     "check_offload",
     "DATA_AXIS",
+    "divisible_dim",
+    "even_sharding",
     "formula_text",
     "HOST_MEMORY_KINDS",
     "PINNED_HOST",
@@ -56,12 +68,15 @@ __all__ = [
     "is_contiguous",
     "is_host",
     "LeafPlan",
+    "logical_copies",
     "LossScaleState",
     "make_plan",
     "memory_kinds_from_config",
     "next_loss_scale",
     "OFFLOADS",
     "on_device",
+    "pad_to",
+    "padded_size",
     "Plan",
     "Precision",
     "shard_dim",
@@ -69,4 +84,7 @@ __all__ = [
     "STAGES",
     "stages_allowing",
     "StageSpec",
+    "to_logical",
+    "to_stored",
+    "unpad_to",
 ]

@@ -2,16 +2,25 @@
 
 Decisions:
 
-* A leaf is sharded over the data axis on its *leading* dimension that the data-axis size
-  divides, so that every shard is one contiguous block of the row-major array (FSDP2's dim-0
-  sharding, DeepSpeed's flat partitions). Collectives on a major dimension need no layout
-  copies around them; the former rule (largest dimension, last on a tie) made XLA gather and
-  reduce-scatter along minor dimensions with copies of gradient and parameter size around each
-  (160 ``copy`` ops in a stage-1 GPT step, measured). Where parameters are sharded at rest
-  (stage 3), a stacked-layer dimension that a ``scan`` consumes (``layer_dims``, found by
-  tracing the loss: :func:`jzero.replay.gather.layer_dims`) is skipped, so the scan's per-layer
-  slice stays whole and is gathered one layer at a time; each layer's shard is then contiguous
-  within the layer. A leaf with no divisible dimension stays replicated.
+* A leaf is sharded over the data axis on its *leading* dimension (of more than one element),
+  so that every shard is one contiguous block of the row-major array (FSDP2's dim-0 sharding,
+  DeepSpeed's flat partitions). Collectives on a major dimension need no layout copies around
+  them; a minor dimension makes XLA gather and reduce-scatter with copies of gradient and
+  parameter size around each (160 ``copy`` ops in a stage-1 GPT step, measured, under a
+  former largest-dimension rule; 28 copies, 6.4 MiB, under a divisible-leading-dimension rule
+  for a 4-layer stack on 8 devices). Where parameters are sharded at rest (stage 3), a
+  stacked-layer dimension that a ``scan`` consumes (``layer_dims``, found by tracing the loss:
+  :func:`jzero.replay.gather.layer_dims`) is skipped, so the scan's per-layer slice stays whole
+  and is gathered one layer at a time; each layer's shard is then contiguous within the layer.
+* **Padding.** When the shard count does not divide the dimension, the dimension is padded
+  with zeros up to a multiple of it (FSDP2 pads its last dim-0 shard the same way), so every
+  leaf is sharded at any device count: 50,257 rows on 8 devices rest as 50,264, 6,283 rows a
+  device. The padding exists only where arrays rest (:mod:`jzero.plan.padding`): the loss,
+  the optimizer update, ``engine.params``, checkpoints and exports see the logical shapes, and
+  the padded elements are zeros that no gradient, norm or update reads. The one exception to
+  the leading dimension: when padding it would more than double the leaf (a dimension of
+  fewer elements than half the shard count) and a later dimension divides evenly, that one is
+  sharded instead (exact bytes, at the price of the copies above).
 * At stage 3 a parameter with fewer elements than ``stage3_param_persistence_threshold`` stays
   replicated (DeepSpeed's persistent parameters); its gradient and optimizer state are still
   sharded, as in DeepSpeed.
@@ -32,7 +41,30 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.plan.stages import StageSpec
 
-__all__ = ["LeafPlan", "axis_entry", "is_contiguous", "shard_dim"]
+__all__ = ["LeafPlan", "axis_entry", "divisible_dim", "is_contiguous", "padded_size", "shard_dim"]
+
+
+def padded_size(n: int, shards: int) -> int:
+    """``n`` rounded up to a multiple of ``shards``: a sharded dimension's length at rest."""
+    return -(-n // shards) * shards
+
+
+def divisible_dim(
+    shape: Sequence[int],
+    num_shards: int,
+    free: Sequence[bool] | None = None,
+    skip: Sequence[int] = (),
+) -> int | None:
+    """The leading dimension ``num_shards`` divides (and is free, not skipped), else ``None``:
+    where a leaf can be split without padding."""
+    if num_shards <= 1:
+        return None
+    for d, n in enumerate(shape):
+        if (free is not None and not free[d]) or d in skip:
+            continue
+        if n >= num_shards and n % num_shards == 0:
+            return d
+    return None
 
 
 def shard_dim(
@@ -41,7 +73,8 @@ def shard_dim(
     free: Sequence[bool] | None = None,
     skip: Sequence[int] = (),
 ) -> int | None:
-    """The dimension a leaf is sharded on: the leading one ``num_shards`` divides, else ``None``.
+    """The dimension a leaf is sharded on: its leading one of more than one element, padded to
+    a multiple of ``num_shards`` where that does not divide it.
 
     Args:
       shape: the leaf's shape.
@@ -50,16 +83,21 @@ def shard_dim(
       skip: dimensions that must stay whole (a stacked-layer dimension a scan consumes).
 
     Returns:
-      The first dimension in order that fits, or ``None`` when none fits or there is only one
-      shard.
+      The first free, unskipped dimension of more than one element; a later dimension that
+      ``num_shards`` divides instead when padding the first would more than double the leaf
+      (it has fewer than ``num_shards / 2`` elements). ``None`` when there is no such dimension
+      (a scalar, all ones) or only one shard.
     """
     if num_shards <= 1:
         return None
     for d, n in enumerate(shape):
-        if (free is not None and not free[d]) or d in skip:
+        if (free is not None and not free[d]) or d in skip or n <= 1:
             continue
-        if n >= num_shards and n % num_shards == 0:
-            return d
+        if 2 * n < num_shards:
+            later = divisible_dim(shape, num_shards, free, (*skip, *range(d + 1)))
+            if later is not None:
+                return later
+        return d
     return None
 
 
@@ -100,6 +138,8 @@ class LeafPlan:
       state_dim: the dimension that gradients and optimizer state are sharded on, or ``None``.
       note: why ZeRO could not shard this leaf, empty when it could.
       layer_dim: the stacked-layer dimension a ``scan`` consumes, or ``None``.
+      padded: the length ``state_dim`` rests at (a multiple of the state's shard count), the
+        logical length where no padding is needed; ``None`` without a ``state_dim``.
     """
 
     path: str
@@ -109,6 +149,26 @@ class LeafPlan:
     state_dim: int | None
     note: str = ""
     layer_dim: int | None = None
+    padded: int | None = None
+
+    @property
+    def padding(self) -> int:
+        """Zero elements added along ``state_dim`` so that every shard has the same length."""
+        return 0 if self.state_dim is None else self.padded - self.shape[self.state_dim]
+
+    def stored_shape(self, sharded: bool = True) -> tuple[int, ...]:
+        """The shape this leaf rests at: padded along ``state_dim`` when ``sharded`` (its
+        gradient, master and optimizer state; its parameter where ``param_dim`` is set)."""
+        if not sharded or not self.padding:
+            return self.shape
+        out = list(self.shape)
+        out[self.state_dim] = self.padded
+        return tuple(out)
+
+    @property
+    def param_shape(self) -> tuple[int, ...]:
+        """The shape the parameter rests at: padded where it is sharded at rest."""
+        return self.stored_shape(self.param_dim is not None)
 
 
 def _leaf_plan(
@@ -130,7 +190,7 @@ def _leaf_plan(
         return LeafPlan(path, shape, x.dtype, None, None, "", layer_dim)
     if dim is None:
         note = (
-            f"no dimension of {shape} is divisible by the data axis size {num_shards}"
+            f"no dimension of {shape} has more than one element"
             if num_shards > 1
             else "the data axis has one device"
         )
@@ -143,4 +203,5 @@ def _leaf_plan(
             f"parameter kept whole: {math.prod(shape):,} elements is below "
             f"stage3_param_persistence_threshold={persistence_threshold:,}"
         )
-    return LeafPlan(path, shape, x.dtype, param_dim, dim, note, layer_dim)
+    padded = None if dim is None else padded_size(shape[dim], num_shards)
+    return LeafPlan(path, shape, x.dtype, param_dim, dim, note, layer_dim, padded)

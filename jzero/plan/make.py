@@ -9,12 +9,15 @@ Decisions:
 
 * The plan is computed from abstract values only (``jax.ShapeDtypeStruct``), so it exists before
   any parameter is allocated and works for meshes larger than the machine (an abstract mesh).
-* Leaf rule: each leaf is sharded on its leading dimension the data axis divides, a stacked-layer
-  dimension a ``scan`` consumes stays whole at stage 3, small parameters persist whole at stage 3,
-  and a user's own ``PartitionSpec`` is kept (see :mod:`jzero.plan.leaf_rule` for the reasons).
+* Leaf rule: each leaf is sharded on its leading dimension, padded to a multiple of the shard
+  count where that does not divide it (:mod:`jzero.plan.padding`), a stacked-layer dimension a
+  ``scan`` consumes stays whole at stage 3, small parameters persist whole at stage 3, and a
+  user's own ``PartitionSpec`` is kept (see :mod:`jzero.plan.leaf_rule` for the reasons).
 * Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works;
-  a state leaf whose shape differs from its parameter's (e.g. factored moments) gets the leaf
-  rule applied to its own shape, and non-parameter state (counts) is replicated.
+  a state leaf whose shape differs from its parameter's (e.g. factored moments) is split on its
+  leading dimension that the shard count divides (else whole), and non-parameter state
+  (counts) is replicated. A parameter's mirrors (Adam's moments) rest padded like it
+  (``Plan.stored_opt_state``).
 * The stage decides which category is sharded by reading :mod:`jzero.plan.stages`; nothing here
   branches on the stage number.
 * Hybrid sharding (a ``replica`` axis beside ``data``, FSDP's HSDP and DeepSpeed's MiCS): the
@@ -52,7 +55,7 @@ from jzero.plan.leaf_rule import (
     _leaf_plan,
     _spec_with,
     axis_entry,
-    shard_dim,
+    divisible_dim,
 )
 from jzero.plan.memory_kinds import (
     _offloaded_leaves,
@@ -222,8 +225,18 @@ def make_plan(
             return sharding
         if not spec.shard_opt_state:
             return replicated
-        d = shard_dim(tuple(state_leaf.shape), n)
+        # A state leaf of its own shape (a factored moment) is split where it divides evenly.
+        d = divisible_dim(tuple(state_leaf.shape), n)
         return NamedSharding(mesh, _spec_with(P(), len(state_leaf.shape), d, state_axes))
+
+    def stored(state_leaf: Any, _: Any, index: int) -> Any:
+        """The state leaf as it rests: a parameter's mirror padded like the parameter's
+        gradient and master."""
+        if isinstance(state_leaf, optax.MaskedNode) or not hasattr(state_leaf, "shape"):
+            return state_leaf
+        if tuple(state_leaf.shape) != leaves[index].shape:
+            return state_leaf
+        return jax.ShapeDtypeStruct(leaves[index].stored_shape(), state_leaf.dtype)
 
     opt_sh = optax.tree_map_params(
         optimizer,
@@ -232,6 +245,15 @@ def make_plan(
         update_sh,
         treedef.unflatten(list(range(len(leaves)))),
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    )
+    stored_opt_state = optax.tree_map_params(
+        optimizer,
+        stored,
+        abstract_opt_state,
+        update_sh,
+        treedef.unflatten(list(range(len(leaves)))),
+        transform_non_params=lambda x: x,
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
     # Any leaf that is not an array (e.g. optax's MaskedNode) needs no sharding; keep structure.
@@ -273,6 +295,7 @@ def make_plan(
         update_layout=update_sh,
         abstract_opt_state=abstract_opt_state,
         opt_state=opt_sh,
+        stored_opt_state=stored_opt_state,
         batch=NamedSharding(mesh, P(axis_entry((replica, axis) if replica else (axis,)))),
         replicated=replicated,
         precision=precision,

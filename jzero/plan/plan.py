@@ -119,6 +119,36 @@ class Plan:
     allgather_bucket_size: int | None = None
     quantized_weights: int = 0
     quantized_gradients: int = 0
+    stored_opt_state: PyTree = None
+
+    # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
+    def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
+        treedef = jax.tree.structure(self.abstract_params)
+        return treedef.unflatten(
+            [
+                jax.ShapeDtypeStruct(leaf.stored_shape(sharded(leaf)), x.dtype)
+                for leaf, x in zip(self.leaves, jax.tree.leaves(tree), strict=True)
+            ]
+        )
+
+    @property
+    def stored_params(self) -> PyTree:
+        """The params as they rest (compute dtype): padded where sharded at rest (stage 3)."""
+        return self._stored(self.compute_params, lambda leaf: leaf.param_dim is not None)
+
+    @property
+    def stored_update(self) -> PyTree:
+        """The master weights and reduced gradients as they rest: padded where sharded."""
+        return self._stored(self.abstract_params, lambda leaf: True)
+
+    @property
+    def padded(self) -> bool:
+        """Whether any leaf rests padded."""
+        return any(leaf.padding for leaf in self.leaves)
+
+    def stored_opt(self) -> PyTree:
+        """The optimizer state as it rests (a parameter's mirrors padded like it)."""
+        return self.abstract_opt_state if self.stored_opt_state is None else self.stored_opt_state
 
     @property
     def update(self) -> PyTree:
@@ -230,16 +260,23 @@ class Plan:
     def _state_trees(self, accumulation_steps: int) -> list[tuple[str, PyTree, PyTree]]:
         """(category, abstract tree, shardings) of everything a device keeps for training."""
         grad_acc = self.grads if self.stage.shard_grads else self.params_replicated()
-        grads = self.compute_params
+        dtypes = jax.tree.leaves(self.compute_params)
         if accumulation_steps > 1:
-            grads = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, self.precision.accumulator(x.dtype)),
-                self.abstract_params,
-            )
-        parts = [("params", self.compute_params, self.params), ("grads", grads, grad_acc)]
+            dtypes = [
+                jax.ShapeDtypeStruct((), self.precision.accumulator(x.dtype))
+                for x in jax.tree.leaves(self.abstract_params)
+            ]
+        treedef = jax.tree.structure(self.abstract_params)
+        grads = treedef.unflatten(
+            [
+                jax.ShapeDtypeStruct(leaf.stored_shape(self.stage.shard_grads), d.dtype)
+                for leaf, d in zip(self.leaves, dtypes, strict=True)
+            ]
+        )
+        parts = [("params", self.stored_params, self.params), ("grads", grads, grad_acc)]
         if self.precision.mixed:
-            parts.append(("master_params", self.abstract_params, self.master))
-        parts.append(("opt_state", self.abstract_opt_state, self.opt_state))
+            parts.append(("master_params", self.stored_update, self.master))
+        parts.append(("opt_state", self.stored_opt(), self.opt_state))
         return parts
 
     def _bytes_where(self, host: bool, accumulation_steps: int) -> dict[str, int]:
@@ -286,11 +323,14 @@ class Plan:
         flat_g = jax.tree.leaves(self.grads)
         flat_c = jax.tree.leaves(self.compute_params)
         for leaf, sp, sg, c in zip(self.leaves, flat_p, flat_g, flat_c, strict=True):
-            nbytes = math.prod(sp.shard_shape(leaf.shape)) * np.dtype(c.dtype).itemsize
+            nbytes = math.prod(sp.shard_shape(leaf.param_shape)) * np.dtype(c.dtype).itemsize
+            shape = "x".join(map(str, leaf.shape)) or "()"
+            if leaf.padding:
+                shape += f" (+{leaf.padding} on dim {leaf.state_dim})"
             rows.append(
                 (
                     leaf.path,
-                    "x".join(map(str, leaf.shape)) or "()",
+                    shape,
                     np.dtype(c.dtype).name,
                     str(tuple(sp.spec)) + (" host" if is_host(sp) else ""),
                     str(tuple(sg.spec)),
@@ -320,8 +360,8 @@ class Plan:
                 lines.append("  ".join("-" * w for w in widths))
         lines.append("")
         lines.append(
-            "each leaf is sharded on its leading dimension that the data axis divides "
-            "(contiguous shards)"
+            "each leaf is sharded on its leading dimension (contiguous shards), padded with "
+            "zeros to a multiple of the shard count where that does not divide it (+N)"
             + (
                 "; a stacked-layer dimension a scan consumes stays whole, so each layer is "
                 "gathered on its own"
@@ -360,6 +400,17 @@ class Plan:
             comm.append(f"ZeRO++ qgZ: int{self.quantized_gradients} gradient reduce-scatters")
         if comm:
             lines.append("communication: " + ", ".join(comm))
+        padded = [leaf for leaf in self.leaves if leaf.padding]
+        if padded:
+            extra = sum(
+                leaf.padding * math.prod(leaf.shape) // leaf.shape[leaf.state_dim]
+                for leaf in padded
+            )
+            lines.append(
+                f"padding: {len(padded)} leaves rest padded, {extra:,} zero elements in all "
+                f"({extra / max(1, sum(math.prod(x.shape) for x in self.leaves)):.2%} of the "
+                "parameters), never read by the loss, the norms or the update"
+            )
         whole = [leaf for leaf in self.leaves if leaf.note]
         if whole:
             lines.append("leaves ZeRO left whole on every device:")

@@ -139,14 +139,11 @@ def gathered(
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
     """
-    shards = next(
-        (
-            full.shape[d]
-            for full, d in zip(jax.tree.leaves(full_shapes), dims, strict=True)
-            if d is not None
-        ),
-        None,
-    )
+    sizes = [
+        None if d is None else full.shape[d]
+        for full, d in zip(jax.tree.leaves(full_shapes), dims, strict=True)
+    ]
+    sharded = any(d is not None for d in dims)
 
     def g(local: Any, *args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
@@ -154,23 +151,20 @@ def gathered(
         )
         closed, segments = _layers(closed, full_shapes, policy)
         leaves = jax.tree.leaves(local)
-        n = (
-            1
-            if shards is None
-            else shards
-            // next(x.shape[d] for x, d in zip(leaves, dims, strict=True) if d is not None)
-        )
+        n = jax.lax.axis_size(axis_name) if sharded else 1
 
         def pending(leaves: list[Any]) -> list[Any]:
             return [
-                x if d is None else _Pending(x, d, index=i, bits=bits, grad_bits=grad_bits)
+                x
+                if d is None
+                else _Pending(x, d, index=i, bits=bits, grad_bits=grad_bits, size=sizes[i])
                 for i, (x, d) in enumerate(zip(leaves, dims, strict=True))
             ]
 
         flat_args = jax.tree.leaves(args)
         kept: frozenset[int] = frozenset()
         anchors: list[int] = []
-        if shards is not None and (prefetch or reuse_distance is not None):
+        if sharded and (prefetch or reuse_distance is not None):
             rec = _Replay(axis_name, grad_dtype, policy, reshard, shards=n, record=True)
             jax.eval_shape(
                 lambda sh, a: rec.run(closed.jaxpr, closed.consts, [*pending(sh), *a], segments),

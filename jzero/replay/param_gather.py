@@ -13,6 +13,9 @@ Decisions:
   :func:`jzero.comm.quantize.quantized_all_gather`), and with ``grad_bits`` every transpose is the
   quantized reduce-scatter (qgZ); a pending gather carries both, so casts and nested calls keep
   them. Non-floating arrays are always gathered exactly.
+* A shard that rests padded (:mod:`jzero.plan.padding`) is gathered padded and cut to the
+  logical length after the gather (``size``); the cut's transpose pads the gradient with zeros
+  before its reduce-scatter, so the padding never reaches the loss or the gradients.
 * A pending gather passes through dtype casts that do not widen it (so a bf16 copy is gathered
   in bf16, at half the bytes); a widening cast is recorded (``dtype``) and applied after the
   gather, so a bf16 parameter the model upcasts is still gathered in bf16.
@@ -40,6 +43,7 @@ class _Pending:
     index: int = -1  # the parameter leaf it comes from (``jax.tree.leaves`` order)
     bits: int = 0  # ZeRO++ qwZ: the forward gather sends this many bits a value (0: exact)
     grad_bits: int = 0  # ZeRO++ qgZ: the gradient's reduce-scatter likewise (0: exact)
+    size: int | None = None  # the logical length of ``dim``: a padded gather is cut to it
 
     @property
     def key(self) -> tuple[int, str, str]:
@@ -59,6 +63,11 @@ class _Pending:
             bits=self.bits,
             grad_bits=self.grad_bits,
         )
+        d = self.dim if dim is None else dim
+        if self.size is not None and x.shape[d] != self.size:
+            # The shards rest padded (jzero.plan.padding): the padding stays out of the loss,
+            # and the slice's transpose puts zeros there in the gradient's reduce-scatter.
+            x = jax.lax.slice_in_dim(x, 0, self.size, axis=d)
         return x if self.dtype is None else x.astype(self.dtype)
 
 

@@ -13,8 +13,14 @@ Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.co
 from jzero.step.gradients import LossFn as LossFn
 from jzero.step.state import TrainState as TrainState
 from jzero.step.state import find_learning_rate as find_learning_rate
+from jzero.step.state import from_logical as from_logical
 from jzero.step.state import init_train_state as init_train_state
+from jzero.step.state import logical_shardings as logical_shardings
+from jzero.step.state import logical_state as logical_state
+from jzero.step.state import logical_view as logical_view
+from jzero.step.state import relayout as relayout
 from jzero.step.state import state_shardings as state_shardings
+from jzero.step.state import stored_state as stored_state
 from jzero.step.streaming import streamed_groups as streamed_groups
 from jzero.step.streaming import streamed_update as streamed_update
 from jzero.step.train_step import make_eval_step as make_eval_step
@@ -24,13 +30,19 @@ from jzero.step.update import params_at_rest as params_at_rest
 
 __all__ = [
     "find_learning_rate",
+    "from_logical",
     "init_train_state",
+    "logical_shardings",
+    "logical_view",
+    "logical_state",
     "LossFn",
     "make_eval_step",
     "make_gradient_step",
     "make_train_step",
     "params_at_rest",
+    "relayout",
     "state_shardings",
+    "stored_state",
     "streamed_groups",
     "streamed_update",
     "TrainState",

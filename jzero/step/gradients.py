@@ -34,6 +34,10 @@ Decisions:
   and sums in float32; all-reduces and the replica-axis reduction stay exact.
 * ``overlap_comm`` at stages 0-2: the step's own reductions run per bucket
   (``plan.reduce_bucket_size``, :func:`jzero.comm.overlap.reduce_buckets`).
+* A leaf whose sharded dimension the shard count does not divide is reduce-scattered padded
+  with zeros (:mod:`jzero.plan.padding`): the gradients leave the reduction in the shapes the
+  masters rest at, the padding zero, so the global norm, the finiteness test and the clipping
+  read the logical gradient only.
 * Under fp16 loss scaling the gradients are unscaled after the reduction, then their global
   norm decides finiteness and DeepSpeed's clipping (:func:`_clip`), before any update.
 """
@@ -51,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero._util import dotted
 from jzero.comm import quantized_psum_scatter, reduce_buckets
-from jzero.plan import LossScaleState, Plan, on_device
+from jzero.plan import LossScaleState, Plan, on_device, pad_to
 from jzero.replay import Partition, RematPolicy, gathered, parse_policy
 from jzero.step.state import TrainState, _spec, _to_device
 
@@ -300,14 +304,16 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     bits = plan.quantized_gradients
     leaves = jax.tree.leaves(grads)
     todo, sent, dims = [], [], []
-    for i, (g, param_dim, grad_dim) in enumerate(
-        zip(leaves, plan.param_dims, plan.grad_dims(), strict=True)
+    for i, (g, leaf, grad_dim) in enumerate(
+        zip(leaves, plan.leaves, plan.grad_dims(), strict=True)
     ):
-        if param_dim is not None:
+        if leaf.param_dim is not None:
             continue
         scatter = grad_dim is not None and now_sharded
         todo.append(i)
         dims.append(grad_dim if scatter else None)
+        if scatter:  # a leaf the shard count does not divide is scattered padded with zeros
+            g = pad_to(g, leaf.stored_shape())
         sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
 
     def scatter(x: jax.Array, dim: int) -> jax.Array:

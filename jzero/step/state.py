@@ -8,6 +8,8 @@ Decisions:
   are copied, never donated.
 * Under mixed precision the parameters given become the float32 master weights, and the
   16-bit copy the step computes with is rounded from them.
+* Leaves whose sharded dimension the shard count does not divide rest padded with zeros
+  (:mod:`jzero.plan.padding`): the state holds the plan's ``stored_*`` shapes.
 * Offloaded leaves (a host memory kind in the plan) are brought into device memory inside the
   step (:func:`_to_device`), so XLA schedules the copies; the step's ``out_shardings`` send the
   results back.
@@ -26,8 +28,20 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.plan import LossScaleState, Plan, axis_entry, cast_floating, is_host
+from jzero.plan.padding import even_sharding, logical_copies, to_logical, to_stored
 
-__all__ = ["TrainState", "find_learning_rate", "init_train_state", "state_shardings"]
+__all__ = [
+    "TrainState",
+    "find_learning_rate",
+    "from_logical",
+    "init_train_state",
+    "logical_shardings",
+    "logical_state",
+    "logical_view",
+    "relayout",
+    "state_shardings",
+    "stored_state",
+]
 
 PyTree = Any
 
@@ -104,14 +118,92 @@ def init_train_state(
         compute = cast_floating(master, prec.compute_dtype) if prec.mixed else master
         return TrainState(
             step=jnp.zeros((), jnp.int32),
-            params=jax.tree.map(jnp.copy, compute),
-            opt_state=opt_state,
+            params=to_stored(jax.tree.map(jnp.copy, compute), plan.stored_params),
+            opt_state=to_stored(opt_state, plan.stored_opt()),
             extra=jax.tree.map(jnp.copy, extra),
-            master=master if prec.mixed else (),
+            master=to_stored(master, plan.stored_update) if prec.mixed else (),
             loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
         )
 
     return jax.jit(init, out_shardings=sh)(None if make is not None else params, extra)
+
+
+def logical_state(plan: Plan, state: TrainState) -> TrainState:
+    """The :class:`TrainState`'s shapes at their logical sizes (``ShapeDtypeStruct``): what
+    the padded leaves (:mod:`jzero.plan.padding`) hold without their padding."""
+    sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    return TrainState(
+        step=sds(state.step),
+        params=plan.compute_params,
+        opt_state=plan.abstract_opt_state,
+        extra=jax.tree.map(sds, state.extra),
+        master=plan.abstract_params if plan.precision.mixed else (),
+        loss_scale=jax.tree.map(sds, state.loss_scale),
+    )
+
+
+def stored_state(plan: Plan, logical: TrainState) -> TrainState:
+    """The shapes a :class:`TrainState` rests at under ``plan``, from its logical ones."""
+    return logical._replace(
+        params=plan.stored_params,
+        opt_state=plan.stored_opt(),
+        master=plan.stored_update if plan.precision.mixed else (),
+    )
+
+
+def relayout(state: TrainState, old: Plan, new: Plan) -> TrainState:
+    """``state`` (resting under plan ``old``) moved to plan ``new``'s shardings and padding,
+    by one jitted program; a plain ``device_put`` where neither plan pads."""
+    shardings = state_shardings(new)
+    if not old.padded and not new.padded:
+        return jax.device_put(state, shardings)
+    logical = logical_state(old, state)
+    target = stored_state(new, logical)
+    return jax.jit(lambda s: to_stored(to_logical(s, logical), target), out_shardings=shardings)(
+        state
+    )
+
+
+def logical_view(plan: Plan, state: TrainState) -> TrainState:
+    """``state`` outside ``jit`` at its logical shapes: padded leaves cut into copies whose
+    layout ``jit`` accepts (:func:`jzero.plan.padding.logical_copies`), the rest as they are."""
+    if not plan.padded:
+        return state
+    logical = logical_state(plan, state)
+    # Fields left out of ``state`` (``()``) are left out of the view too.
+    empty = {f: () for f, v in zip(state._fields, state, strict=True) if type(v) is tuple and not v}
+    logical = logical._replace(**empty)
+    return logical_copies(state, logical, _per_leaf(plan, state))
+
+
+def _per_leaf(plan: Plan, tree: TrainState) -> TrainState:
+    """:func:`state_shardings` (a prefix of the state) spelled out leaf by leaf; a field left
+    out of ``tree`` (``()``) stays out."""
+
+    def spell(shardings: Any, sub: Any) -> Any:
+        if type(sub) is tuple and not sub:
+            return ()
+        return jax.tree.map(lambda sh, t: jax.tree.map(lambda _: sh, t), shardings, sub)
+
+    return TrainState(*(spell(s, t) for s, t in zip(state_shardings(plan), tree, strict=True)))
+
+
+def logical_shardings(plan: Plan, logical: TrainState) -> TrainState:
+    """Per leaf of a logical :class:`TrainState`, a sharding ``jit`` accepts for its logical
+    shape: the plan's, with each uneven dimension's axes moved to one they divide
+    (:func:`jzero.plan.padding.even_sharding`)."""
+    return jax.tree.map(
+        lambda x, sh: even_sharding(tuple(x.shape), sh), logical, _per_leaf(plan, logical)
+    )
+
+
+def from_logical(plan: Plan, state: TrainState) -> TrainState:
+    """A logical :class:`TrainState` (as :func:`logical_view` gives, or a checkpoint holds)
+    padded into ``plan``'s resting shapes and shardings."""
+    if not plan.padded:
+        return jax.device_put(state, state_shardings(plan))
+    target = stored_state(plan, logical_state(plan, state))
+    return jax.jit(lambda s: to_stored(s, target), out_shardings=state_shardings(plan))(state)
 
 
 def find_learning_rate(opt_state: PyTree) -> jax.Array | None:

@@ -38,7 +38,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import compiler_options
-from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device
+from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
 from jzero.replay import RematPolicy
 from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
 from jzero.step.state import (
@@ -201,6 +201,7 @@ def make_train_step(
             new_params = _params_at_rest(plan, copies)
         else:
             master, opt_state = _update_inputs(plan, state, params)
+            grads = to_logical(grads, plan.abstract_params, on_device(plan.grads))
             updates, new_opt_state = optimizer.update(grads, opt_state, master)
             new_master = optax.apply_updates(master, updates)
             if prec.skips:  # a skipped step leaves every bit of the state as it was
@@ -213,9 +214,9 @@ def make_train_step(
         new_state = TrainState(
             step=state.step + applied,
             params=new_params,
-            opt_state=new_opt_state,
+            opt_state=to_stored(new_opt_state, plan.stored_opt()),
             extra=extra,
-            master=new_master if prec.mixed else (),
+            master=to_stored(new_master, plan.stored_update) if prec.mixed else (),
             loss_scale=next_loss_scale(prec, ls, finite),
         )
         lr = learning_rate(state.step) if learning_rate else find_learning_rate(state.opt_state)

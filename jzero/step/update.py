@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.comm import gather_buckets
-from jzero.plan import Plan, axis_entry, cast_floating, on_device
+from jzero.plan import Plan, axis_entry, cast_floating, on_device, to_logical, to_stored, unpad_to
 from jzero.step.state import TrainState, _spec, _to_device
 
 __all__ = ["params_at_rest"]
@@ -37,14 +37,24 @@ PyTree = Any
 
 
 def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree, PyTree]:
-    """What the optax update runs on, on the device: the local shard of the master weights
-    (the float32 masters under mixed precision, else the params themselves cut to the update
-    layout, with no communication) and the optimizer state."""
+    """What the optax update runs on, on the device, at the logical shapes (padded leaves cut,
+    :mod:`jzero.plan.padding`): the local shard of the master weights (the float32 masters
+    under mixed precision, else the params themselves cut to the update layout, with no
+    communication) and the optimizer state."""
     if plan.precision.mixed:
-        master = _to_device(state.master, plan.master)
+        master = to_logical(
+            _to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
+        )
     else:
-        master = jax.lax.with_sharding_constraint(params, on_device(plan.update_layout))
-    return master, _to_device(state.opt_state, plan.opt_state)
+        master = jax.lax.with_sharding_constraint(
+            to_logical(params, plan.compute_params), on_device(plan.update_layout)
+        )
+    opt_state = to_logical(
+        _to_device(state.opt_state, plan.opt_state),
+        plan.abstract_opt_state,
+        on_device(plan.opt_state),
+    )
+    return master, opt_state
 
 
 def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
@@ -86,6 +96,9 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     round_first = prec.mixed and jnp.dtype(comm).itemsize <= jnp.dtype(compute).itemsize
     if round_first:
         master = cast_floating(master, compute)
+    # The updated shards rest padded (jzero.plan.padding); a gathered leaf is cut back after
+    # its all-gather, one sharded at rest keeps its padding.
+    master = to_stored(master, plan.stored_update)
     treedef = jax.tree.structure(plan.abstract_params)
     leaves = plan.leaves
     state_axes = plan.state_axes
@@ -114,22 +127,23 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
                     leaf.state_dim if axes else None
                     for axes, leaf in zip(gather_axes, leaves, strict=True)
                 ]
-                return treedef.unflatten(
-                    gather_buckets(
-                        xs,
-                        dims,
-                        plan.state_shards,
-                        plan.allgather_bucket_size,
-                        lambda x, d: jax.lax.all_gather(
-                            x, axis_entry(state_axes), axis=d, tiled=True
-                        ),
-                    )
+                xs = gather_buckets(
+                    xs,
+                    dims,
+                    plan.state_shards,
+                    plan.allgather_bucket_size,
+                    lambda x, d: jax.lax.all_gather(x, axis_entry(state_axes), axis=d, tiled=True),
                 )
-            return treedef.unflatten(
-                [
+            else:
+                xs = [
                     x
                     if not axes
                     else jax.lax.all_gather(x, axis_entry(axes), axis=leaf.state_dim, tiled=True)
+                    for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
+                ]
+            return treedef.unflatten(
+                [
+                    unpad_to(x, leaf.param_shape) if axes else x
                     for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
                 ]
             )
