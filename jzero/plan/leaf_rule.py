@@ -179,22 +179,27 @@ def _leaf_plan(
     stage: StageSpec,
     persistence_threshold: int,
     layer_dim: int | None = None,
+    padding: bool = True,
 ) -> LeafPlan:
     shape = tuple(x.shape)
     free = [d >= len(base) or base[d] is None for d in range(len(shape))]
     # At rest-sharded stages the scan's per-layer slice must stay whole.
     skip = (layer_dim,) if layer_dim is not None and stage.shard_params else ()
-    dim = shard_dim(shape, num_shards, free, skip)
+    rule = shard_dim if padding else divisible_dim
+    dim = rule(shape, num_shards, free, skip)
     note = ""
     if not stage.shard_opt_state:
         return LeafPlan(path, shape, x.dtype, None, None, "", layer_dim)
     if dim is None:
         note = (
-            f"no dimension of {shape} has more than one element"
-            if num_shards > 1
-            else "the data axis has one device"
+            "the data axis has one device"
+            if num_shards <= 1
+            else f"no dimension of {shape} has more than one element"
+            if padding
+            else f"no dimension of {shape} is divisible by the data axis size {num_shards} "
+            "(the NVMe tier does not pad)"
         )
-        if skip and shard_dim(shape, num_shards, free) is not None:
+        if skip and rule(shape, num_shards, free) is not None:
             note += f" apart from its stacked-layer dimension {layer_dim}, which stays whole"
     param_dim = dim if stage.shard_params else None
     if param_dim is not None and math.prod(shape) < persistence_threshold:

@@ -102,6 +102,7 @@ def make_plan(
     allgather_bucket_size: int | None = None,
     quantized_weights: int = 0,
     quantized_gradients: int = 0,
+    padding: bool = True,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -136,6 +137,9 @@ def make_plan(
         whole (0-2), and are ``None`` in the plan otherwise.
       quantized_weights: see :class:`Plan`; needs a stage that shards parameters (3).
       quantized_gradients: see :class:`Plan`; needs a stage that reduce-scatters (1-3).
+      padding: shard a leaf whose leading dimension the shard count does not divide by padding
+        it (:mod:`jzero.plan.padding`); ``False``: the former rule, where such a leaf is split
+        on a later dimension that divides, else stays whole (the NVMe tier's files need it).
 
     Returns:
       The :class:`Plan`.
@@ -198,7 +202,7 @@ def make_plan(
             "pass one stacked-layer dimension (or None) per leaf."
         )
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, n, spec, persistence_threshold, ld)
+        _leaf_plan(_path_str(path), x, b, n, spec, persistence_threshold, ld, padding)
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 

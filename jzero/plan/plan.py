@@ -231,7 +231,7 @@ class Plan:
                 parent = leaf.path.rpartition(".")[0]
                 leads = parents[parent]
                 if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
-                    if leaf.param_dim != 0 and leaf.shape[0] > 1:
+                    if leaf.shape[0] > 1:  # the trace moves it off the layer dimension
                         size //= leaf.shape[0]
             size *= dtype.itemsize if in_bytes else 1
             if size > best:

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from jzero import groups as groups_lib
-from jzero.plan import Plan, is_host, on_device
+from jzero.plan import Plan, is_host, on_device, pad_to, unpad_to
 
 __all__ = ["streamed_groups", "streamed_update"]
 
@@ -125,6 +125,18 @@ def streamed_update(
     m_rest = jax.tree.leaves(state.master) if mixed else jax.tree.leaves(params)
     s_rest = jax.tree.leaves(state.opt_state)
     g_leaves = jax.tree.leaves(grads)
+    # Padded leaves (jzero.plan.padding) are updated at their logical shapes and rest padded.
+    m_stored = [tuple(x.shape) for x in jax.tree.leaves(plan.stored_update)]
+    s_stored = [tuple(x.shape) for x in jax.tree.leaves(plan.stored_opt())]
+    s_dev = jax.tree.leaves(on_device(plan.opt_state))
+
+    def cut(x: Any, shape: tuple[int, ...], sharding: Any) -> Any:
+        if tuple(x.shape) == shape:
+            return x
+        return jax.lax.with_sharding_constraint(unpad_to(x, shape), sharding)
+
+    g_leaves = [cut(g, tuple(a.shape), update_sh[i]) for i, (g, a) in enumerate(
+        zip(g_leaves, p_abstract, strict=True))]  # fmt: skip
 
     def keep(new: list[Any], old: list[Any]) -> list[Any]:
         if finite is None:
@@ -155,10 +167,12 @@ def streamed_update(
                 s_in,
                 [s_rest[k] for k in shared],
                 finite,
-            )
+                ([tuple(p_abstract[i].shape) for i in group],
+                 [tuple(s_abstract[k].shape) for k in owned]),
+            )  # fmt: skip
             for i, x in zip(group, group_m, strict=True):
                 new_m[i] = x if is_host(m_sh[i]) else _to(x, False)
-                x = _to(x, False)  # the copy the next step computes with, on the device
+                x = unpad_to(_to(x, False), tuple(p_abstract[i].shape))  # the next step's copy
                 floating = jnp.issubdtype(x.dtype, jnp.floating)
                 copies[i] = x.astype(compute) if mixed and floating else x
             for k, x in zip(owned, group_s, strict=True):
@@ -179,7 +193,8 @@ def streamed_update(
             for j, x in zip(s_at, s_b, strict=True):
                 s_in[j] = x
         masters = [
-            _to(x, False) if is_host(m_sh[i]) else x for x, i in zip(m_in, group, strict=True)
+            cut(_to(x, False) if is_host(m_sh[i]) else x, tuple(p_abstract[i].shape), update_sh[i])
+            for x, i in zip(m_in, group, strict=True)
         ]
         if not mixed:  # the params themselves, cut to the update layout
             masters = [
@@ -187,7 +202,8 @@ def streamed_update(
                 for x, i in zip(masters, group, strict=True)
             ]
         states = [
-            _to(x, False) if is_host(s_sh[k]) else x for x, k in zip(s_in, owned, strict=True)
+            cut(_to(x, False) if is_host(s_sh[k]) else x, tuple(s_abstract[k].shape), s_dev[k])
+            for x, k in zip(s_in, owned, strict=True)
         ]
         result = _group_update(plan, optimizer, owner, group)(
             [g_leaves[i] for i in group], masters, states, shared_old
@@ -197,6 +213,8 @@ def streamed_update(
         for i, x in zip(group, group_m, strict=True):
             floating = jnp.issubdtype(x.dtype, jnp.floating)
             copies[i] = x.astype(compute) if mixed and floating else x
+        group_m = [pad_to(x, m_stored[i]) for x, i in zip(group_m, group, strict=True)]
+        group_s = [pad_to(x, s_stored[k]) for x, k in zip(group_s, owned, strict=True)]
         sent_m = [
             _to(x, True) if is_host(m_sh[i]) else x for x, i in zip(group_m, group, strict=True)
         ]
@@ -239,18 +257,28 @@ def _host_update(
     states: list[Any],
     shared: list[Any],
     finite: jax.Array | None,
+    logical: tuple[list[tuple[int, ...]], list[tuple[int, ...]]],
 ) -> tuple[list[Any], list[Any], list[Any]]:
     """One group's update run on the host (``compute_on("device_host")``): its masters and
     state as they rest in host memory, the gradients, shared state and flag sent there. Returns
-    the new masters, owned state and shared state, in host memory."""
+    the new masters, owned state and shared state, in host memory, as they rest (padded leaves
+    are updated at their ``logical`` shapes, masters' and owned state's, and padded back)."""
     from jax.experimental.compute_on import compute_on
 
+    m_shapes, s_shapes = logical
+
     def update(grads, masters, states, shared, finite):
+        rest = ([tuple(x.shape) for x in masters], [tuple(x.shape) for x in states])
+        masters = [unpad_to(x, n) for x, n in zip(masters, m_shapes, strict=True)]
+        states = [unpad_to(x, n) for x, n in zip(states, s_shapes, strict=True)]
         result = _group_update(plan, optimizer, owner, group)(grads, masters, states, shared)
         out = (result.params, result.opt_state, result.shared)
-        if finite is None:
-            return out
-        return jax.tree.map(lambda a, b: jnp.where(finite, a, b), out, (masters, states, shared))
+        if finite is not None:
+            out = jax.tree.map(lambda a, b: jnp.where(finite, a, b), out, (masters, states, shared))
+        new_m, new_s, new_shared = out
+        new_m = [pad_to(x, n) for x, n in zip(new_m, rest[0], strict=True)]
+        new_s = [pad_to(x, n) for x, n in zip(new_s, rest[1], strict=True)]
+        return new_m, new_s, new_shared
 
     host = functools.partial(_to, host=True)  # no-op where the array rests there already
     args = jax.tree.map(host, (grads, masters, states, shared))
