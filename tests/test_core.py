@@ -5,7 +5,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -38,27 +37,8 @@ OPTIMIZERS = {
 
 @functools.cache
 def reference(opt):
-    """The plain single-device optax loop with DeepSpeed's clipping rule, in float64 (computed
-    once per optimizer): (params, batches, losses, gradient global norms, final params)."""
-    with jax.enable_x64(True):
-        params = toy.make_params(dtype=jnp.float64)
-        batches = toy.make_batches(10, GLOBAL_BATCH, dtype=np.float64)
-        tx = OPTIMIZERS[opt]()
-
-        @jax.jit
-        def step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(toy.loss_fn)(params, batch)
-            norm = optax.global_norm(grads)
-            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / (norm + 1e-6)), grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, norm
-
-        state, opt_state, losses, norms = params, tx.init(params), [], []
-        for b in batches:
-            state, opt_state, loss, norm = step(state, opt_state, b)
-            losses.append(float(loss))
-            norms.append(float(norm))
-        return params, batches, losses, norms, jax.device_get(state)
+    """The plain single-device optax loop in float64 (computed once per optimizer)."""
+    return toy.reference_float64(OPTIMIZERS[opt], GLOBAL_BATCH, clip=CLIP)
 
 
 # In float64: the point is that every stage's sharded step is the optax loop's arithmetic (a

@@ -1,8 +1,8 @@
 """A small model for the core tests: a scanned stack of layers plus leaves of awkward shapes.
 
-Leaves: ``embed`` (12, d) shards on d; ``blocks.w`` (L, d, d) and ``blocks.b`` (L, d) are stacked
-layers run under ``lax.scan``; ``head.w`` (d, 5) shards on d; ``head.b`` (5,) and ``odd`` (5, 3)
-have no dimension that 8 divides, so ZeRO leaves them whole.
+Leaves: ``embed`` (12, d); ``blocks.w`` (L, d, d) and ``blocks.b`` (L, d) are stacked layers run
+under ``lax.scan``; ``head.w`` (d, 5); ``head.b`` (5,) and ``odd`` (5, 3) have no dimension that
+8 divides, so they (and ``embed``'s 12 rows) rest padded on 8 devices.
 """
 
 import jax
@@ -59,6 +59,32 @@ def make_batches(num: int, batch_size: int, seed: int = 1, dtype=np.float32) -> 
         }
         for _ in range(num)
     ]
+
+
+def reference_float64(tx_fn, global_batch: int, steps: int = 10, clip: float = 0.5):
+    """The plain single-device optax loop with DeepSpeed's clipping rule, in float64:
+    ``(params, batches, losses, gradient global norms, final params)``."""
+    from optax import apply_updates, global_norm
+
+    with jax.enable_x64(True):
+        params = make_params(dtype=jnp.float64)
+        batches = make_batches(steps, global_batch, dtype=np.float64)
+        tx = tx_fn()
+
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            norm = global_norm(grads)
+            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / (norm + 1e-6)), grads)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return apply_updates(params, updates), opt_state, loss, norm
+
+        state, opt_state, losses, norms = params, tx.init(params), [], []
+        for b in batches:
+            state, opt_state, loss, norm = step(state, opt_state, b)
+            losses.append(float(loss))
+            norms.append(float(norm))
+        return params, batches, losses, norms, jax.device_get(state)
 
 
 def reference_run(params, batches, tx, clip: float):

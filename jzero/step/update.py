@@ -143,7 +143,7 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
                 ]
             return treedef.unflatten(
                 [
-                    unpad_to(x, leaf.param_shape) if axes else x
+                    unpad_to(x, leaf.shape) if axes and leaf.param_dim is None else x
                     for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
                 ]
             )
