@@ -18,8 +18,8 @@ import optax
 import toy
 
 import jzero
-from jzero.checkpoint import Checkpointer, CheckpointError, abstract_target
-from jzero.step import init_train_state, state_shardings
+from jzero.checkpoint import Checkpointer, CheckpointError
+from jzero.step import init_train_state, restore_target
 
 
 def main(directory: str) -> None:
@@ -27,7 +27,7 @@ def main(directory: str) -> None:
     tx = optax.adamw(1e-2, weight_decay=1e-2)
     plan = jzero.make_plan(params, tx, jzero.make_mesh(-1), 3, persistence_threshold=0)
     abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
-    target = abstract_target(abstract, state_shardings(plan))
+    target = restore_target(plan, abstract)  # logical shapes: checkpoints hold no padding
     try:
         Checkpointer(directory).restore(target)
         message = None

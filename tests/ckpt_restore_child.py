@@ -16,8 +16,8 @@ import optax
 import toy
 
 import jzero
-from jzero.checkpoint import Checkpointer, abstract_target
-from jzero.step import init_train_state, state_shardings
+from jzero.checkpoint import Checkpointer
+from jzero.step import from_logical, init_train_state, logical_view, restore_target
 
 GLOBAL_BATCH = 32
 CLIP = 0.5
@@ -29,9 +29,10 @@ def main(directory: str, stage: int, num_steps: int, out: str) -> None:
     tx = optax.adamw(1e-2, weight_decay=1e-2)
     plan = jzero.make_plan(params, tx, jzero.make_mesh(-1), stage, persistence_threshold=0)
     abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
-    target = abstract_target(abstract, state_shardings(plan))
+    target = restore_target(plan, abstract)  # logical shapes: checkpoints hold no padding
     with Checkpointer(directory) as ckpt:
         state, meta = ckpt.restore(target)
+    state = from_logical(plan, state)  # padded into this plan's resting shapes
     start = int(state.step)
     step_fn = jzero.make_train_step(plan, toy.loss_fn, tx, gradient_clipping=CLIP)
     batches = toy.make_batches(num_steps, GLOBAL_BATCH, dtype=np.float64)
@@ -42,7 +43,7 @@ def main(directory: str, stage: int, num_steps: int, out: str) -> None:
         norms.append(float(metrics["grad_norm"]))
     flat = {
         jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(x)
-        for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+        for p, x in jax.tree_util.tree_flatten_with_path(logical_view(plan, state).params)[0]
     }
     np.savez(
         out,

@@ -49,7 +49,9 @@ def main() -> None:
         laid_out = all(
             x.sharding.is_equivalent_to(s, x.ndim)
             for x, s in zip(
-                jax.tree.leaves(engine.params), jax.tree.leaves(engine.plan.params), strict=True
+                jax.tree.leaves(engine.state.params),  # as they rest, padded where needed
+                jax.tree.leaves(engine.plan.params),
+                strict=True,
             )
         )
         record = {"equal": equal, "laid_out": laid_out}

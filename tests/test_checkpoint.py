@@ -33,7 +33,12 @@ from jzero.checkpoint import (
     list_steps,
 )
 from jzero.cli.checkpoint import add_commands
-from jzero.step import init_train_state, state_shardings
+from jzero.step import (
+    from_logical,
+    init_train_state,
+    logical_view,
+    restore_target,
+)
 from jzero.weights import export_checkpoint, load_exported
 
 TESTS = Path(__file__).parent
@@ -59,10 +64,10 @@ def fresh_state(plan, dtype=jnp.float32):
 
 
 def target_of(plan):
-    """The restore target: the state's shapes in the plan's shardings."""
+    """The restore target: the state's logical shapes (checkpoints hold no padding) in
+    layouts the plan's shardings allow; ``from_logical`` pads what is read."""
     init = functools.partial(init_train_state, plan, optimizer=optimizer())
-    abstract = jax.eval_shape(init, plan.abstract_params)
-    return abstract_target(abstract, state_shardings(plan))
+    return restore_target(plan, jax.eval_shape(init, plan.abstract_params))
 
 
 def host(tree):
@@ -85,12 +90,12 @@ def uninterrupted(stage, directory, dtype=np.float32):
         with Checkpointer(directory) as ckpt:
             for i, batch in enumerate(batches(dtype)):
                 if i == SAVE_AT:
-                    assert ckpt.save(SAVE_AT, state, meta=META)
-                    at_save = host(state.params)
+                    assert ckpt.save(SAVE_AT, logical_view(plan, state), meta=META)
+                    at_save = host(logical_view(plan, state).params)
                 state, metrics = step_fn(state, batch)
                 losses.append(float(metrics["loss"]))
                 norms.append(float(metrics["grad_norm"]))
-        return step_fn, losses, norms, host(state.params), at_save
+        return step_fn, losses, norms, host(logical_view(plan, state).params), at_save
 
 
 @functools.cache
@@ -133,15 +138,16 @@ def test_resume_is_bit_identical(stage, ckpt_root):
     ckpt = Checkpointer(directory)
     assert ckpt.all_steps() == [SAVE_AT] and ckpt.latest_step() == SAVE_AT
     with jax.enable_x64(True):
-        target = target_of(make_plan(stage, dtype=jnp.float64))  # a new plan, fresh arrays
-        state, meta = ckpt.restore(target)
+        plan = make_plan(stage, dtype=jnp.float64)  # a new plan, fresh arrays
+        state, meta = ckpt.restore(target_of(plan))
+        state = from_logical(plan, state)
         assert meta == META and int(state.step) == SAVE_AT
         resumed, resumed_norms = [], []
         for batch in batches(np.float64)[SAVE_AT:]:
             state, metrics = step_fn(state, batch)
             resumed.append(float(metrics["loss"]))
             resumed_norms.append(float(metrics["grad_norm"]))
-        params = host(state.params)
+        params = host(logical_view(plan, state).params)
     assert resumed == losses[SAVE_AT:] and resumed_norms == norms[SAVE_AT:]
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final), strict=True):
         assert a.dtype == np.float64

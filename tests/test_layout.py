@@ -186,11 +186,9 @@ def test_a_checkpoint_in_the_former_layout_restores_bit_identically(tmp_path):
         for path, x in flat:
             np.testing.assert_array_equal(np.asarray(x), expected[jax.tree_util.keystr(path)])
         resting = from_logical(plan, state)
-        assert jax.tree.map(lambda x: x.shape, resting) == jax.tree.map(
-            lambda x: x.shape, abstract
-        )
+        assert jax.tree.map(lambda x: x.shape, resting) == jax.tree.map(lambda x: x.shape, abstract)
         back = logical_view(plan, resting)
-        for (path, x), (_, y) in zip(flat, jax.tree_util.tree_flatten_with_path(back)[0]):
+        for (_, x), (_, y) in zip(flat, jax.tree_util.tree_flatten_with_path(back)[0], strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

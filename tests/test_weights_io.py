@@ -20,6 +20,7 @@ import toy
 import jzero
 from jzero.checkpoint import Checkpointer
 from jzero.cli.checkpoint import add_commands
+from jzero.step import logical_view
 from jzero.weights import (
     INDEX_NAME,
     leaf_entries,
@@ -90,7 +91,7 @@ def test_save_16bit_model_writes_sharded_bf16(tmp_path):
         np.testing.assert_array_equal(got[k], x)
     # Loaded back under bf16: the master weights are the bf16 values, exactly.
     again = make_engine(extra=BF16, init_from=root)
-    for k, x in flat(again.state.master).items():
+    for k, x in flat(logical_view(again.plan, again.state).master).items():
         np.testing.assert_array_equal(x, want[k].astype(np.float32))
     for k, x in flat(again.params).items():
         np.testing.assert_array_equal(x, want[k])
@@ -139,11 +140,16 @@ def test_init_from_single_file_and_checkpoint_into_the_plans_shards(tmp_path):
         engine = make_engine(init_from=source)  # stage 3: params sharded at rest
         for k, x in flat(engine.params).items():
             np.testing.assert_array_equal(x, want[k])
-        for x, s in zip(
-            jax.tree.leaves(engine.params), jax.tree.leaves(engine.plan.params), strict=True
+        # Read straight into the plan's shards (the resting arrays, padded where they must be).
+        resting = jax.tree.leaves(engine.state.params)
+        for x, s, a in zip(
+            resting,
+            jax.tree.leaves(engine.plan.params),
+            jax.tree.leaves(engine.plan.stored_params),
+            strict=True,
         ):
-            assert x.sharding.is_equivalent_to(s, x.ndim)
-        assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(engine.params))
+            assert x.sharding.is_equivalent_to(s, x.ndim) and x.shape == a.shape
+        assert not any(x.sharding.is_fully_replicated for x in resting)
     # The config's checkpoint.init_from does the same (e.g. for jzero train).
     engine = make_engine(extra={"checkpoint": {"init_from": str(tmp_path / "p.safetensors")}})
     for k, x in flat(engine.params).items():

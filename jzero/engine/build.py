@@ -197,9 +197,14 @@ def initialize(
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
     if init_from is not None:
         from jzero import weights
-        from jzero.plan import on_device
+        from jzero.plan import even_sharding, on_device
 
-        shardings = on_device(plan.master if plan.precision.mixed else plan.params)
+        # Read at the logical shapes, in layouts jit accepts for them; the init pads them.
+        shardings = jax.tree.map(
+            lambda x, sh: even_sharding(tuple(x.shape), sh),
+            plan.abstract_params,
+            on_device(plan.master if plan.precision.mixed else plan.params),
+        )
         values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
     elif init_fn is not None:
         made = jax.eval_shape(init_fn, key)

@@ -19,6 +19,7 @@ from jzero.step.state import logical_shardings as logical_shardings
 from jzero.step.state import logical_state as logical_state
 from jzero.step.state import logical_view as logical_view
 from jzero.step.state import relayout as relayout
+from jzero.step.state import restore_target as restore_target
 from jzero.step.state import state_shardings as state_shardings
 from jzero.step.state import stored_state as stored_state
 from jzero.step.streaming import streamed_groups as streamed_groups
@@ -41,6 +42,7 @@ __all__ = [
     "make_train_step",
     "params_at_rest",
     "relayout",
+    "restore_target",
     "state_shardings",
     "stored_state",
     "streamed_groups",

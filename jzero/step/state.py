@@ -39,6 +39,7 @@ __all__ = [
     "logical_state",
     "logical_view",
     "relayout",
+    "restore_target",
     "state_shardings",
     "stored_state",
 ]
@@ -194,6 +195,20 @@ def logical_shardings(plan: Plan, logical: TrainState) -> TrainState:
     (:func:`jzero.plan.padding.even_sharding`)."""
     return jax.tree.map(
         lambda x, sh: even_sharding(tuple(x.shape), sh), logical, _per_leaf(plan, logical)
+    )
+
+
+def restore_target(plan: Plan, state: TrainState) -> TrainState:
+    """What a checkpoint of a :class:`TrainState` is read into under ``plan``: per leaf a
+    ``jax.ShapeDtypeStruct`` of its logical shape (checkpoints hold no padding) with a sharding
+    ``jit`` accepts for it. ``state`` gives the structure (arrays or abstract, e.g. from
+    ``jax.eval_shape`` of :func:`init_train_state`). Pad what is read with
+    :func:`from_logical`; write with ``Checkpointer.save(step, logical_view(plan, state))``."""
+    logical = logical_state(plan, state)
+    return jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sh),
+        logical,
+        logical_shardings(plan, logical),
     )
 
 
