@@ -104,14 +104,16 @@ def _share(leaf, sharded):
     multiple of 8 and split 8 ways (the ZeRO formula up to the padding), else all of it."""
     if not sharded:
         return math.prod(leaf.shape)
-    rows = -(-leaf.shape[leaf.state_dim] // 8)  # the padded dimension's rows per device
-    return rows * math.prod(leaf.shape) // leaf.shape[leaf.state_dim]
+    d, m = leaf.state_dim, leaf.merged  # m leading dimensions rest as one (4 layers x 64 rows)
+    length = math.prod(leaf.shape[d : d + m])
+    rows = -(-length // 8)  # the sharded dimension's rows per device, padded
+    return rows * math.prod(leaf.shape) // length
 
 
 def test_what_each_stage_shards(compiled):
     """Per-device model-state bytes are ZeRO's formula per leaf, up to the padding of the
-    leaves 8 does not divide (embed 12 rows, head.b and odd 5, the 4-layer stacks at stages
-    1-2): every leaf is sharded from stage 1 on."""
+    leaves 8 does not divide (embed 12 rows, head.b and odd 5; the 4-layer stacks' state rests
+    merged with their rows, exact): every leaf is sharded from stage 1 on."""
     count_bytes = 4  # adamw's step count stays whole
     for s in STAGES:
         plan = compiled[s][0].plan
@@ -129,7 +131,7 @@ def test_what_each_stage_shards(compiled):
         if s:
             logical = 4 * sum(math.prod(leaf.shape) for leaf in plan.leaves) / 8
             rows = 4 * sum(
-                math.prod(leaf.shape) // leaf.shape[leaf.state_dim] for leaf in plan.leaves
+                math.prod(leaf.shape[leaf.state_dim + leaf.merged :]) for leaf in plan.leaves
             )
             one_moment = (b["opt_state"] - count_bytes) / 2
             assert logical <= one_moment < logical + rows

@@ -92,13 +92,35 @@ def test_each_leaf_is_sharded_on_its_leading_dimension_padded_where_needed(stage
     assert "leaves ZeRO left whole" not in text
 
 
-def test_a_dimension_under_half_the_shard_count_gives_way_to_one_that_divides():
-    # Padding 2 rows to 8 would hold four times the leaf; its second dimension divides.
-    assert shard_dim((2, 64), 8) == 1
-    assert shard_dim((4, 64), 8) == 0  # padding doubles it: the leading dimension still
+def test_a_leading_dimension_padded_by_over_half_gives_way_to_one_that_divides():
+    # Padding 4 rows to 8 would double the leaf; its second dimension divides.
+    assert shard_dim((4, 64), 8) == 1 and shard_dim((2, 64), 8) == 1
+    assert shard_dim((12, 64), 8) == 0  # 12 rows padded to 16: the leading dimension still
     assert shard_dim((2, 5), 8) == 0  # nothing divides: the leading one, padded
     assert shard_dim((1, 1), 8) is None and shard_dim((), 8) is None
     assert shard_dim((1, 50257), 8) == 1  # a dimension of one element is not split
+
+
+def test_state_of_a_stack_shorter_than_the_shard_count_rests_merged():
+    """Where only the state is sharded, (4, 64, 64) on 8 devices rests as (256, 64): half a
+    layer a device, exact and contiguous; stage 3's sharded parameter takes dimension 1."""
+    params = {"w": jax.ShapeDtypeStruct((4, 64, 64), np.float32),
+              "odd": jax.ShapeDtypeStruct((4, 5, 3), np.float32)}  # fmt: skip
+    mesh = jzero.make_mesh(N)
+    for stage in (1, 2, 3):
+        plan = make_plan(params, optax.adam(1e-3), mesh, stage, persistence_threshold=0)
+        by_name = {leaf.path: leaf for leaf in plan.leaves}
+        w, odd = by_name["w"], by_name["odd"]
+        if stage < 3:
+            assert (w.state_dim, w.merged, w.padding) == (0, 2, 0)
+            assert w.stored_shape() == (256, 64)
+            assert plan.model_state_bytes()["opt_state"] == 2 * 4 * 64 * 64 * 4 // N + 2 * 4 * (
+                8 * 5 * 3 // N
+            ) + 4  # fmt: skip
+        else:
+            assert (w.param_dim, w.state_dim, w.merged, w.padding) == (1, 1, 1, 0)
+        # 4 x 5 rows do not tile 8 devices: the leading dimension is padded to 8.
+        assert (odd.state_dim, odd.merged, odd.padded) == (0, 1, 8)
 
 
 def test_contiguity_is_what_the_row_major_layout_says():
@@ -146,9 +168,10 @@ def test_the_compiled_step_has_no_layout_copies_around_its_collectives(stage):
 
 
 def test_the_zero2_config_gpt_on_8_devices_has_no_layout_copies():
-    """``configs/zero2.yaml`` as ``jzero train`` builds it, on 8 devices: its 4-layer stacks
-    rest padded to 8 on their leading dimension (the former rule sharded them on their second
-    and re-laid 28 copies, 6.4 MiB, out around the collectives each step)."""
+    """``configs/zero2.yaml`` as ``jzero train`` builds it, on 8 devices: the state of its
+    4-layer stacks rests with the layer and row dimensions merged (the former rule sharded them
+    on their second dimension and re-laid 28 copies, 6.4 MiB, out around the collectives each
+    step)."""
     from flax import nnx
 
     cfg = config_lib.load_config(Path(__file__).parents[1] / "configs" / "zero2.yaml")
@@ -160,7 +183,9 @@ def test_the_zero2_config_gpt_on_8_devices_has_no_layout_copies():
     leaves = engine.plan.leaves
     assert all(leaf.state_dim is not None for leaf in leaves)
     stacked = [leaf for leaf in leaves if leaf.shape[0] == model_cfg.num_layers]
-    assert stacked and all(leaf.state_dim == 0 and leaf.padded == N for leaf in stacked)
+    # 4 layers x 128 rows rest as 512 rows: half a layer a device, exact and contiguous.
+    assert stacked and all(leaf.state_dim == 0 and leaf.merged == 2 for leaf in stacked)
+    assert not any(leaf.padding for leaf in stacked)
     batch = {"tokens": np.zeros((engine.train_batch_size, model_cfg.seq_len + 1), np.int32)}
     copies = layout_copies(engine.lower(batch).compile())
     assert copies == [], [c.line for c in copies]

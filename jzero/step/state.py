@@ -238,7 +238,9 @@ def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
 def _spec(mesh_axes: str | tuple[str, ...], ndim: int, dim: int | None) -> P:
     if dim is None:
         return P()
-    entries: list[Any] = [None] * ndim
+    # Trailing dimensions are left out, so the spec fits a leaf resting with merged leading
+    # dimensions (fewer of them) too.
+    entries: list[Any] = [None] * (dim + 1)
     entries[dim] = axis_entry(mesh_axes)
     return P(*entries)
 

@@ -133,7 +133,10 @@ def streamed_update(
     def cut(x: Any, shape: tuple[int, ...], sharding: Any) -> Any:
         if tuple(x.shape) == shape:
             return x
-        return jax.lax.with_sharding_constraint(unpad_to(x, shape), sharding)
+        y = unpad_to(x, shape)
+        if y.ndim != x.ndim:  # a merged view keeps the layout its reshape has
+            return y
+        return jax.lax.with_sharding_constraint(y, sharding)
 
     g_leaves = [cut(g, tuple(a.shape), update_sh[i]) for i, (g, a) in enumerate(
         zip(g_leaves, p_abstract, strict=True))]  # fmt: skip
@@ -193,14 +196,19 @@ def streamed_update(
             for j, x in zip(s_at, s_b, strict=True):
                 s_in[j] = x
         masters = [
-            cut(_to(x, False) if is_host(m_sh[i]) else x, tuple(p_abstract[i].shape), update_sh[i])
-            for x, i in zip(m_in, group, strict=True)
+            _to(x, False) if is_host(m_sh[i]) else x for x, i in zip(m_in, group, strict=True)
         ]
-        if not mixed:  # the params themselves, cut to the update layout
+        if not mixed:  # the params themselves, cut to the update layout as masters rest
             masters = [
-                jax.lax.with_sharding_constraint(x, update_sh[i])
+                jax.lax.with_sharding_constraint(
+                    pad_to(unpad_to(x, tuple(p_abstract[i].shape)), m_stored[i]), update_sh[i]
+                )
                 for x, i in zip(masters, group, strict=True)
             ]
+        masters = [
+            cut(x, tuple(p_abstract[i].shape), update_sh[i])
+            for x, i in zip(masters, group, strict=True)
+        ]
         states = [
             cut(_to(x, False) if is_host(s_sh[k]) else x, tuple(s_abstract[k].shape), s_dev[k])
             for x, k in zip(s_in, owned, strict=True)

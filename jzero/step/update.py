@@ -46,9 +46,12 @@ def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTre
             _to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
         )
     else:
-        master = jax.lax.with_sharding_constraint(
-            to_logical(params, plan.compute_params), on_device(plan.update_layout)
+        # Cut as the masters rest (padded, merged), then viewed at the logical shapes.
+        resting = jax.lax.with_sharding_constraint(
+            to_stored(to_logical(params, plan.compute_params), plan.stored_update),
+            on_device(plan.update_layout),
         )
+        master = to_logical(resting, plan.compute_params, on_device(plan.update_layout))
     opt_state = to_logical(
         _to_device(state.opt_state, plan.opt_state),
         plan.abstract_opt_state,
