@@ -197,3 +197,19 @@ def test_the_export_of_a_padded_run_is_the_single_device_parameters(tmp_path):
     assert max_rel_error(exported, ref_params) < 1e-9
     # And bit for bit what engine.params hands out.
     jax.tree.map(np.testing.assert_array_equal, exported, jax.device_get(engine.params))
+
+
+def test_pad_shards_false_keeps_the_divisible_rule():
+    """``zero_optimization.pad_shards: false`` (and the NVMe tier, always): a leaf whose
+    leading dimension 8 does not divide is split on one that divides, else stays whole."""
+    engine = jzero.initialize(
+        toy.make_params(),
+        toy.loss_fn,
+        tx(),
+        {**config(2, pad_shards=False), "train_batch_size": 32},
+    )
+    by_name = {leaf.path: leaf for leaf in engine.plan.leaves}
+    assert not engine.plan.padded
+    assert by_name["embed"].state_dim == 1 and by_name["blocks.w"].state_dim == 1
+    assert by_name["odd"].state_dim is None and by_name["head.b"].state_dim is None
+    assert "no dimension of (5,) is divisible by the data axis size 8" in engine.describe()

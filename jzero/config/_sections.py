@@ -234,6 +234,12 @@ class ZeroConfig:
     and gather it again in the backward pass (3 Psi of traffic, about one layer of weights live
     at a time). ``false`` keeps the gathered weights from the forward to the backward pass: 2 Psi
     of traffic, but every gathered weight is alive at the peak, about the whole model."""
+    pad_shards: bool = True
+    """jzero's own: a leaf whose leading dimension the shard count does not divide is sharded
+    anyway, padded with zeros to a multiple of it (or, for state only, with its leading
+    dimensions merged), at any device count; ``false`` keeps the former rule: such a leaf is
+    split on a later dimension that divides, else it stays whole on every device. The NVMe tier
+    (``offload_optimizer.device: nvme``) always works as ``false``."""
     stage3_max_reuse_distance: int | None = _field(None, min=0, auto=None)
     """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
     gathered parameters. Here: from the traced order of the gathers outside scans, a leaf

@@ -182,7 +182,8 @@ def initialize(
         hpz=cfg.zero_optimization.zero_hpz_partition_size > 1,
         # The NVMe tier's files hold shards as they are split evenly: there a leaf the shard
         # count does not divide stays whole (the former rule), elsewhere it rests padded.
-        padding=cfg.zero_optimization.offload_optimizer.device != "nvme",
+        padding=cfg.zero_optimization.pad_shards
+        and cfg.zero_optimization.offload_optimizer.device != "nvme",
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
     )
     plan = replan()
