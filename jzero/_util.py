@@ -14,6 +14,10 @@ Decisions:
 * **Abstract trees** (:func:`abstract_tree`): ``jax.ShapeDtypeStruct`` per leaf. ``weak_type`` is
   kept only when asked (the replay traces a loss with the weak types it was given; the engine
   plans concrete parameters, whose leaves are never weakly typed).
+* **Traced, not run** (:func:`under_trace`): a helper that calls ``jnp`` eagerly (optax's
+  ``tree_map_params`` initialises the optimizer on placeholders) runs under ``jax.make_jaxpr``,
+  so its array operations join a trace that is thrown away instead of each compiling a
+  program of its own (the first step's compilation count, :mod:`tests.test_compile_count`).
 * **Sizes in**: a number of bytes, or a number with a unit: ``B``, ``KB`` ... ``TB`` (powers of
   1000, as Hugging Face and DeepSpeed read ``5GB``) or ``KiB`` ... ``TiB`` (powers of 1024),
   any case, spaces allowed around the unit. :func:`read_size` returns ``None`` for anything
@@ -90,6 +94,16 @@ def abstract_tree(tree: Any, *, weak_type: bool = False) -> Any:
         return jax.ShapeDtypeStruct(tuple(np.shape(x)), dtype)
 
     return jax.tree.map(one, tree)
+
+
+def under_trace(fn: Callable[[], Any]) -> Any:
+    """``fn()``, run under a trace that is thrown away: eager ``jnp`` operations inside it
+    compile nothing. What it returns must not hold the trace's values (shardings, shapes)."""
+    import jax
+
+    out: list[Any] = []
+    jax.make_jaxpr(lambda: out.append(fn()) or ())()
+    return out[0]
 
 
 # -- sizes ---------------------------------------------------------------------------------------

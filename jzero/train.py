@@ -29,6 +29,9 @@ Decisions:
   it, a resumed one appends) and the end writes ``summary.json``; both are strict JSON (NaN
   and infinities are ``null``) and written by process 0 only, which alone logs and shows the
   progress bar.
+* JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
+  ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
+  a restarted run loads its programs instead of compiling them; the summary counts both.
 * The peak memory per device is the allocator's figure on an accelerator; on CPU, where the
   allocator keeps none, it is the compiled step's peak (:func:`jzero.memory.memory_report`).
 """
@@ -227,7 +230,10 @@ def run(
       ``None``), ``skipped_steps``, ``final_loss``, ``first_eval_loss``, ``eval_loss``,
       ``seconds``, ``tokens_per_s``, ``resumed_from``, ``stage``, ``devices``,
       ``model_state_bytes_per_device``, ``host_state_bytes_per_device``,
-      ``peak_bytes_per_device`` and ``metrics`` (the path of ``metrics.jsonl``).
+      ``peak_bytes_per_device``, ``metrics`` (the path of ``metrics.jsonl``),
+      ``compile_cache`` (its directory, or ``None``: ``train.compile_cache``), ``compiles``
+      (the programs compiled), ``cache_hits`` (the programs loaded from the cache instead)
+      and ``cache_misses`` (the programs compiled and written to it).
 
     Raises:
       ConfigError: a bad config (a ``ValueError``, as are the refusals above).
@@ -243,10 +249,24 @@ def run(
     # replaces the SIGTERM handler of JAX's distributed runtime (its preemption notifier, which
     # only logs), so a signal during set-up is not swallowed either.
     stop = _StopOnSignal()
+    cache = distributed.compile_cache_dir(
+        cfg.train.compile_cache, cfg.checkpoint.directory, cfg.train.log_dir
+    )
+    uncache = distributed.enable_compile_cache(cache) if cache is not None else None
     try:
-        return _train(cfg, stop, steps=steps, fresh=fresh, progress=progress)
+        with distributed.CompileCounter() as compiled:
+            summary = _train(cfg, stop, steps=steps, fresh=fresh, progress=progress)
+        summary["compile_cache"] = None if cache is None else str(cache)
+        summary.update(compiled.as_dict())
+        if distributed.is_main_process():
+            (Path(cfg.train.log_dir) / "summary.json").write_text(
+                strict_json(summary, indent=2) + "\n"
+            )
+        return summary
     finally:
         stop.restore()
+        if uncache is not None:  # this process's later programs are not the run's
+            uncache()
 
 
 def _train(
@@ -418,7 +438,4 @@ def _train(
         "peak_bytes_per_device": peak(),
         "metrics": str(log_dir / "metrics.jsonl"),
     }
-    summary = _json_safe(summary)  # as written: NaN is None
-    if main_process:
-        (log_dir / "summary.json").write_text(strict_json(summary, indent=2) + "\n")
-    return summary
+    return _json_safe(summary)  # as written (by run, with the compilations): NaN is None

@@ -109,3 +109,20 @@ def test_offload_benchmark_prints_every_tier():
     assert list(rows) == ["none", "optimizer", "optimizer+subgroups", "optimizer+host", "nvme"]
     assert float(rows["nvme"][-1]) > 0  # the NVMe tier's files hold the state
     assert all(float(r[-1]) == 0 for name, r in rows.items() if name != "nvme")
+
+
+def test_compile_time_benchmark_prints_the_table_and_the_compilations():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[3:]]
+    assert [r[:2] for r in rows] == [["loop", "2"], ["scan", "2"]]
+    for r in rows:  # seconds (compiles) for plain, stage 0 and stage 3, a ratio for jzero's
+        assert [r[3], r[5], r[8]] == ["(2)", "(2)", "(2)"]
+        assert all(float(r[i]) > 0 for i in (2, 4, 7)) and r[6].endswith("x")

@@ -24,6 +24,7 @@ Decisions:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -59,9 +60,14 @@ def _train(args: argparse.Namespace) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, late) if main_thread else None
     try:
+        cache = []  # --compile-cache / --no-compile-cache, as train.compile_cache
+        if args.no_compile_cache:
+            cache = ["train.compile_cache=null"]
+        elif args.compile_cache is not None:
+            cache = [f"train.compile_cache={json.dumps(args.compile_cache)}"]
         summary = train.run(  # its own handlers replace `late` for the run, then restore it
             args.config,
-            overrides=args.set or (),
+            overrides=[*(args.set or ()), *cache],
             steps=args.steps,
             resume=not args.no_resume,
             overwrite=args.overwrite,
@@ -110,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start fresh and replace the checkpoints of an earlier run in checkpoint.directory "
         "(deleted once this run's first checkpoint is committed); implies --no-resume",
+    )
+    cache = train.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="keep compiled programs in DIR, so a restart loads them instead of compiling "
+        "(overrides train.compile_cache; default: compile_cache beside checkpoint.directory)",
+    )
+    cache.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="compile every program at every start (train.compile_cache=null)",
     )
     train.set_defaults(func=_train)
     from jzero.distributed import launch

@@ -110,6 +110,12 @@ class TrainConfig:
     max_consecutive_nonfinite: int = _field(32, min=0)
     """jzero's own: stop with an error after this many steps in a row with inf/NaN gradients
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
+    compile_cache: str | None = _field("auto", path=True)
+    """jzero's own: the directory of JAX's persistent compilation cache, so a restarted or
+    resumed run loads its compiled programs instead of compiling them again. ``auto``:
+    ``compile_cache`` beside ``checkpoint.directory`` (``runs/ckpt`` -> ``runs/compile_cache``),
+    or beside ``log_dir`` without one; null compiles at every start (``jzero train
+    --no-compile-cache``). See :mod:`jzero.distributed.compile_cache`."""
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,15 @@ Import direction: this package imports nothing else of jzero's (only the shared 
   a detected cluster (imports no JAX).
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
+* :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
+  counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
   stopped together (``python -m jzero.distributed.launch``).
 """
 
+from jzero.distributed.compile_cache import CompileCounter as CompileCounter
+from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
+from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
 from jzero.distributed.layout import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from jzero.distributed.layout import (
     DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
@@ -43,11 +48,14 @@ __all__ = [
     "backends_initialized",
     "barrier",
     "check_batch",
+    "compile_cache_dir",
+    "CompileCounter",
     "DATA_AXIS",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_INITIALIZATION_TIMEOUT",
     "DEFAULT_SHUTDOWN_TIMEOUT",
     "DistributedSpec",
+    "enable_compile_cache",
     "ensure_initialized",
     "ENV_COORDINATOR",
     "ENV_NUM_PROCESSES",

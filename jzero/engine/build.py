@@ -144,9 +144,13 @@ def initialize(
     if params is None and init_fn is None:
         raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
     mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
-    key = jax.random.key(cfg.seed)
+    seed = cfg.seed
+
+    def key() -> jax.Array:  # made inside the programs that use it: no program of its own
+        return jax.random.key(seed)
+
     if params is None:
-        params = jax.eval_shape(init_fn, key)
+        params = jax.eval_shape(lambda: init_fn(key()))
     abstract = abstract_tree(params)
     from_first_batch = config_lib.batch_from_first_batch(cfg)
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
@@ -208,7 +212,7 @@ def initialize(
         )
         values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
     elif init_fn is not None:
-        made = jax.eval_shape(init_fn, key)
+        made = jax.eval_shape(lambda: init_fn(key()))
         if jax.tree.structure(made) != jax.tree.structure(abstract) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(abstract), strict=True)
@@ -217,7 +221,7 @@ def initialize(
                 "init_fn(key) creates parameters that differ from the params given: "
                 f"{made} vs {abstract}. Pass params=None to take init_fn's shapes."
             )
-        values = functools.partial(init_fn, key)  # created inside init_train_state's jit
+        values = lambda: init_fn(key())  # noqa: E731  created inside init_train_state's jit
     elif _is_abstract(params):
         raise ValueError(
             "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
@@ -225,15 +229,20 @@ def initialize(
         )
     else:
         values = params
-    if adapted is not None and adapted.values is None:
-        extra = jax.jit(lambda key: adapted.init_fn(key)[1], out_shardings=plan.replicated)(key)
+    made_with_extra = adapted is not None and adapted.values is None and init_from is None
     nvme = _nvme_state(cfg, plan, tx)  # its paths are checked before anything is made
-    if nvme is None:
+    if nvme is None and made_with_extra:  # the model is built once, in the one init program
+        state = init_train_state(plan, lambda: adapted.init_fn(key()), tx, returns_extra=True)
+    elif nvme is None:
+        if adapted is not None and adapted.values is None:  # the weights come from init_from
+            extra = _init_extra(adapted, key, plan)
         state = init_train_state(plan, values, tx, extra)
     else:
         try:
             from jzero.nvme import first_version
 
+            if adapted is not None and adapted.values is None:
+                extra = _init_extra(adapted, key, plan)
             state = first_version(nvme, values, extra)
         except BaseException:
             nvme.close()
@@ -261,6 +270,12 @@ def initialize(
         replan=replan,
         nvme=nvme,
     )
+
+
+def _init_extra(adapted: Any, key: Callable[[], jax.Array], plan: Plan) -> PyTree:
+    """A Flax model's non-trainable state alone, replicated (where the parameters are made
+    elsewhere: loaded by ``init_from``, or written to the NVMe tier's files)."""
+    return jax.jit(lambda: adapted.init_fn(key())[1], out_shardings=plan.replicated)()
 
 
 def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTransformation) -> Any:

@@ -135,9 +135,10 @@ def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tu
         params = variables.pop("params", {})
         return params, variables
 
-    boxed = jax.eval_shape(lambda key: model.init(key, *init_args), jax.random.key(0))
+    # The keys are made inside the traces: an eager key would compile a program of its own.
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *init_args))
     param_specs = _specs_or_none(linen.get_partition_spec(boxed).get("params", {}))
-    abstract_params, abstract_extra = jax.eval_shape(init_fn, jax.random.key(0))
+    abstract_params, abstract_extra = jax.eval_shape(lambda: init_fn(jax.random.key(0)))
     takes_state = len(inspect.signature(loss_fn).parameters) >= 3
     if abstract_extra and not takes_state:
         raise ValueError(

@@ -49,7 +49,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero._util import dotted
+from jzero._util import dotted, under_trace
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
     _leaf_plan,
@@ -242,23 +242,27 @@ def make_plan(
             return state_leaf
         return jax.ShapeDtypeStruct(leaves[index].stored_shape(), state_leaf.dtype)
 
-    opt_sh = optax.tree_map_params(
-        optimizer,
-        fit,
-        abstract_opt_state,
-        update_sh,
-        treedef.unflatten(list(range(len(leaves)))),
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    opt_sh = under_trace(  # optax initialises on placeholders eagerly: compile nothing
+        lambda: optax.tree_map_params(
+            optimizer,
+            fit,
+            abstract_opt_state,
+            update_sh,
+            treedef.unflatten(list(range(len(leaves)))),
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
     )
-    stored_opt_state = optax.tree_map_params(
-        optimizer,
-        stored,
-        abstract_opt_state,
-        update_sh,
-        treedef.unflatten(list(range(len(leaves)))),
-        transform_non_params=lambda x: x,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    stored_opt_state = under_trace(
+        lambda: optax.tree_map_params(
+            optimizer,
+            stored,
+            abstract_opt_state,
+            update_sh,
+            treedef.unflatten(list(range(len(leaves)))),
+            transform_non_params=lambda x: x,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
     )
     # Any leaf that is not an array (e.g. optax's MaskedNode) needs no sharding; keep structure.
     opt_sh = jax.tree.map(

@@ -91,8 +91,12 @@ def init_train_state(
     params: PyTree,
     optimizer: optax.GradientTransformation,
     extra: PyTree = (),
+    *,
+    returns_extra: bool = False,
 ) -> TrainState:
     """The :class:`TrainState` before the first step, every leaf in its plan's sharding.
+
+    The whole state is made by one jitted program (one compilation), whatever it holds.
 
     Args:
       plan: the sharding plan.
@@ -102,6 +106,8 @@ def init_train_state(
         are created directly in their shards and never exist whole.
       optimizer: the optax transformation the plan was made for.
       extra: non-trainable model state, if any.
+      returns_extra: ``params`` is a function returning ``(params, extra)`` (a Flax model's
+        init), so the model is built once, in the same program; ``extra`` is then ignored.
 
     Returns:
       A fresh state; the caller's arrays are copied, never donated.
@@ -110,9 +116,17 @@ def init_train_state(
     sh = state_shardings(plan)
 
     make = params if callable(params) else None
+    if returns_extra and make is None:
+        raise ValueError(
+            "init_train_state(returns_extra=True) needs params to be a function returning "
+            f"(params, extra); got {type(params).__name__}. Pass the function, or drop "
+            "returns_extra and pass extra=..."
+        )
 
     def init(params: PyTree, extra: PyTree) -> TrainState:
-        if make is not None:
+        if returns_extra:
+            params, extra = make()
+        elif make is not None:
             params = make()
         master = jax.tree.map(lambda x, a: jnp.asarray(x, a.dtype), params, plan.abstract_params)
         opt_state = optimizer.init(master)
@@ -126,7 +140,9 @@ def init_train_state(
             loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
         )
 
-    return jax.jit(init, out_shardings=sh)(None if make is not None else params, extra)
+    return jax.jit(init, out_shardings=sh)(
+        None if make is not None else params, None if returns_extra else extra
+    )
 
 
 def logical_state(plan: Plan, state: TrainState) -> TrainState:
