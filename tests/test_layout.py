@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -255,3 +256,24 @@ def test_stage3_moves_scanned_leaves_off_their_layer_dimension_at_the_first_step
     np.testing.assert_allclose([float(m["loss"]) for m in metrics], expected, rtol=1e-10, atol=0)
     # Clipping and Adam hide a gradient's scale from the losses; grad_norm shows it.
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], norms, rtol=1e-10, atol=0)
+
+
+def test_persistent_stacked_leaves_keep_their_state_layout_through_the_refit():
+    """Stage 3 with DeepSpeed's persistence threshold: 8 scanned layers whose leaves all stay
+    whole at rest. Tracing the scan changes no parameter's layout, and the state of a whole
+    parameter is never moved off the layer dimension, so the first step runs on the state as
+    initialized (it once failed there with a sharding mismatch)."""
+    params = {"w": np.ones((8, 16, 16), np.float32) / 16, "b": np.zeros((8, 16), np.float32)}
+
+    def scan_loss(p, b):
+        h, _ = jax.lax.scan(lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), b["x"],
+                            (p["w"], p["b"]))  # fmt: skip
+        return jnp.mean(h**2)
+
+    cfg = {"train_batch_size": 16, "zero_optimization": {"stage": 3}}
+    engine = jzero.initialize(params, scan_loss, optax.adam(1e-3), cfg)
+    before = [(leaf.param_dim, leaf.state_dim) for leaf in engine.plan.leaves]
+    loss = engine.train_step({"x": np.ones((16, 16), np.float32)})["loss"]
+    assert np.isfinite(float(loss))
+    assert [(leaf.param_dim, leaf.state_dim) for leaf in engine.plan.leaves] == before
+    assert before == [(None, 0), (None, 0)]

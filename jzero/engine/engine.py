@@ -224,7 +224,10 @@ class Engine:
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
         new = self._replan(layer_dims=dims)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
-        if new.param_dims == self.plan.param_dims:
+        def layout(plan: Plan) -> list[Any]:  # where each leaf is split, and its resting shape
+            return [(x.param_dim, x.state_dim, x.stored_shape()) for x in plan.leaves]
+
+        if layout(new) == layout(self.plan):
             self.plan = new
             if self._disk is not None:
                 self._disk.use_plan(new)
@@ -232,7 +235,7 @@ class Engine:
         moved = [
             leaf.path
             for leaf, old in zip(new.leaves, self.plan.leaves, strict=True)
-            if leaf.param_dim != old.param_dim
+            if (leaf.param_dim, leaf.state_dim) != (old.param_dim, old.state_dim)
         ]
         if self._disk is not None:  # the files too, group by group
             self.state = self._disk.relayout(self.state, new)

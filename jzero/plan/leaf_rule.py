@@ -224,6 +224,8 @@ def _leaf_plan(
             f"parameter kept whole: {math.prod(shape):,} elements is below "
             f"stage3_param_persistence_threshold={persistence_threshold:,}"
         )
+    if param_dim is None and skip:  # the state of a whole parameter is never scanned
+        dim = rule(shape, num_shards, free)
     merged = 1
     if padding and param_dim is None and dim is not None:
         merged = _mergeable(shape, num_shards, free)
