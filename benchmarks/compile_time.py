@@ -8,9 +8,12 @@ and as a ``jax.lax.scan`` over stacked layers, trained with Adam on a batch of `
 Each cell runs in a fresh process (no in-memory compilation cache): from the parameters as
 host arrays to the first step's loss on the host. "plain jit" is the single-device optax step
 under ``jax.jit`` (the state put on the device, ``jit(optimizer.init)``, the jitted step);
+"plain DP" the hand-written data-parallel step on every device (``benchmarks/plain_dp.py``:
+replicated params, the batch sharded, gradient clipping 1.0 as jzero's default), the baseline
+a user would otherwise write;
 "stage N" is ``jzero.initialize`` plus ``engine.train_step`` at that stage on every device,
 with jzero's defaults (gradient clipping 1.0, the grad-norm and non-finite metrics). Each cell
-prints the seconds, the programs compiled, and for jzero the ratio to plain jit.
+prints the seconds, the programs compiled, and for jzero the ratios to plain DP and plain jit.
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ def _child(kind: str, form: str, layers: int, width: int, batch: int) -> dict:
                 return optax.apply_updates(params, updates), opt_state, loss
 
             loss = float(step(state, opt_state, data)[2])
+        elif kind == "dp":  # the hand-written data-parallel step on every device
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from plain_dp import plain_dp_step
+
+            mesh = jzero.make_mesh(-1)
+            loss = float(plain_dp_step(params, tx, loss_fn, mesh, data, clip=1.0)())
         else:
             config = {"train_batch_size": batch, "zero_optimization": {"stage": int(kind)}}
             engine = jzero.initialize(params, loss_fn, tx, config=config)
@@ -126,20 +135,29 @@ def main(argv: list[str] | None = None) -> None:
     layer_counts = [int(n) for n in args.layers.split(",")]
     print(
         f"initialize + first train_step: seconds (programs compiled), {args.width}x{args.width} "
-        f"layers, batch {args.batch}, Adam; plain jit on one device, jzero on all"
+        f"layers, batch {args.batch}, Adam; plain jit on one device, plain DP and jzero on all; "
+        "ratios to plain DP, then to plain jit"
     )
-    head = f"{'model':<6}{'layers':>7}  {'plain jit':>12}  {'stage 0':>19}  {'stage 3':>19}"
+    head = (
+        f"{'model':<6}{'layers':>7}  {'plain jit':>10}  {'plain DP':>10}  "
+        f"{'stage 0':>24}  {'stage 3':>24}"
+    )
     print(head)
     print("-" * len(head))
+    kinds = ("plain", "dp", "0", "3")
     for form in args.forms.split(","):
         for layers in layer_counts:
-            cells = {k: _cell(k, form, layers, args.width, args.batch) for k in ("plain", "0", "3")}
-            base = cells["plain"]["seconds"]
-            shown = [f"{base:8.2f} ({cells['plain']['compiles']})"]
+            cells = {k: _cell(k, form, layers, args.width, args.batch) for k in kinds}
+            one, dp = cells["plain"]["seconds"], cells["dp"]["seconds"]
+            shown = [f"{cells[k]['seconds']:6.2f} ({cells[k]['compiles']})" for k in kinds[:2]]
             for k in ("0", "3"):
                 c = cells[k]
-                shown.append(f"{c['seconds']:8.2f} ({c['compiles']}) {c['seconds'] / base:5.2f}x")
-            print(f"{form:<6}{layers:>7}  {shown[0]:>12}  {shown[1]:>19}  {shown[2]:>19}")
+                t = c["seconds"]
+                shown.append(f"{t:6.2f} ({c['compiles']}) {t / dp:5.2f}x {t / one:5.2f}x")
+            print(
+                f"{form:<6}{layers:>7}  {shown[0]:>10}  {shown[1]:>10}  {shown[2]:>24}  "
+                f"{shown[3]:>24}"
+            )
             sys.stdout.flush()
 
 
