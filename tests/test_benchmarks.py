@@ -48,11 +48,13 @@ def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
     names = [line[:12].strip() for line in timed]
     assert names == ["plain DP", "plain+remat", "stage 0", "stage 1", "stage 2", "stage 3"]
     assert all(float(line[12:].split()[0]) > 0 for line in timed)  # ms/step
-    # On 2 devices the 2 stacked layers shard on their leading dimension: no stage has layout
-    # copies around its collectives. On 8 (the memory tables) they cannot, and stages 1-2 do.
+    # On 2 devices the 2 stacked layers shard on their leading dimension; on 8 (the memory
+    # tables) their state rests with layers and rows merged: no stage has layout copies
+    # around its collectives on either (8 devices had 28 of them before the merge).
     assert [line.split()[-1] for line in timed[2:]] == ["0.00"] * 4
     copies = [line.split() for line in out.split("Layout copies")[1].splitlines()[3:7]]
-    assert [c[0] for c in copies] == ["0", "1", "2", "3"] and float(copies[1][2]) > 0
+    assert [c[0] for c in copies] == ["0", "1", "2", "3"]
+    assert [c[1:] for c in copies] == [["0", "0.00"]] * 4
 
 
 def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
