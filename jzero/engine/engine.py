@@ -224,6 +224,7 @@ class Engine:
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
         new = self._replan(layer_dims=dims)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
+
         def layout(plan: Plan) -> list[Any]:  # where each leaf is split, and its resting shape
             return [(x.param_dim, x.state_dim, x.stored_shape()) for x in plan.leaves]
 

@@ -242,28 +242,23 @@ def make_plan(
             return state_leaf
         return jax.ShapeDtypeStruct(leaves[index].stored_shape(), state_leaf.dtype)
 
-    opt_sh = under_trace(  # optax initialises on placeholders eagerly: compile nothing
-        lambda: optax.tree_map_params(
-            optimizer,
-            fit,
-            abstract_opt_state,
-            update_sh,
-            treedef.unflatten(list(range(len(leaves)))),
-            transform_non_params=lambda _: replicated,
-            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+    def per_state_leaf(fn: Any, non_params: Any) -> PyTree:
+        """``fn(state leaf, its parameter's update sharding, its parameter's index)`` over the
+        optimizer state (``non_params`` on state that mirrors no parameter)."""
+        return under_trace(  # optax initialises on placeholders eagerly: compile nothing
+            lambda: optax.tree_map_params(
+                optimizer,
+                fn,
+                abstract_opt_state,
+                update_sh,
+                treedef.unflatten(list(range(len(leaves)))),
+                transform_non_params=non_params,
+                is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+            )
         )
-    )
-    stored_opt_state = under_trace(
-        lambda: optax.tree_map_params(
-            optimizer,
-            stored,
-            abstract_opt_state,
-            update_sh,
-            treedef.unflatten(list(range(len(leaves)))),
-            transform_non_params=lambda x: x,
-            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-        )
-    )
+
+    opt_sh = per_state_leaf(fit, lambda _: replicated)
+    stored_opt_state = per_state_leaf(stored, lambda x: x)
     # Any leaf that is not an array (e.g. optax's MaskedNode) needs no sharding; keep structure.
     opt_sh = jax.tree.map(
         lambda s, x: s if hasattr(x, "shape") else replicated,
