@@ -27,8 +27,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jzero.plan import LossScaleState, Plan, axis_entry, cast_floating, is_host
-from jzero.plan.padding import even_sharding, logical_copies, to_logical, to_stored
+from jzero.plan import (
+    LossScaleState,
+    Plan,
+    axis_entry,
+    cast_floating,
+    even_sharding,
+    is_host,
+    logical_copies,
+    to_logical,
+    to_stored,
+)
 
 __all__ = [
     "TrainState",
