@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import toy
-from numerics import EPS
+from numerics import EPS, needs_float16
 
 import jzero
 from jzero.hlo import collectives, program_text
@@ -165,6 +165,7 @@ def _deepspeed_scaler(overflows, steps, init, window, hysteresis, min_scale):
     return out
 
 
+@needs_float16
 def test_fp16_skips_overflowing_steps_and_follows_the_scale_schedule():
     overflow = {1, 3, 4, 9}  # 0-based steps whose batch makes the loss overflow
     steps = 14
@@ -205,6 +206,7 @@ def test_fp16_skips_overflowing_steps_and_follows_the_scale_schedule():
     assert float(m["loss"]) < 1.2  # and it still trains in fp16
 
 
+@needs_float16
 def test_fp16_static_loss_scale_never_changes():
     e = engine(1, fp16={"enabled": True, "loss_scale": 128})
     for b in toy.make_batches(3, BATCH):

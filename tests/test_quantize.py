@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from numerics import EPS
+from numerics import EPS, needs_float16
 
 from jzero.comm import (
     dequantize,
@@ -58,7 +58,13 @@ def element_scales(scales, size, block=256):
 
 
 @pytest.mark.parametrize(
-    "bits,dtype", [(8, jnp.float32), (4, jnp.float32), (8, jnp.bfloat16), (8, jnp.float16)]
+    "bits,dtype",
+    [
+        (8, jnp.float32),
+        (4, jnp.float32),
+        (8, jnp.bfloat16),
+        pytest.param(8, jnp.float16, marks=needs_float16),
+    ],
 )
 def test_round_trip_within_half_a_scale(bits, dtype):
     # 5 x 103 = 515 elements: three blocks of 256, the last padded; the second all zeros.
