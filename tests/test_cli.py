@@ -128,10 +128,13 @@ def test_a_stop_signal_ends_after_the_step_with_the_summary_and_a_checkpoint(tmp
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err
     assert "interrupted: " in out
-    # The second SIGTERM lands in the run (logged) or, when the stop and save took under 0.3 s,
-    # after it (logged too); either way the exit status and the checkpoint are the run's.
+    # The second SIGTERM lands in the run (logged), just after it (logged too) or, when the
+    # stop and save took under 0.3 s, while the interpreter shuts down (ignored: CPython's
+    # finalization would reset a Python handler to the default, a kill, exit -15, as it did
+    # here every time on a quiet machine); either way the exit status and the checkpoint are
+    # the run's. A single SIGTERM is never reported as a second.
     late = "SIGTERM received again" in err or "SIGTERM received after the run ended" in err
-    assert late == (times > 1)
+    assert not late or times > 1
     summary = json.loads((log_dir / "summary.json").read_text())
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert summary["interrupted"] is True

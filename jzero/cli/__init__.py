@@ -74,7 +74,13 @@ def _train(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
         late.run_returned = True
-        return _report(summary, train, distributed)
+        status = _report(summary, train, distributed)
+        if _PROCESS_ENTRY and main_thread:  # the process only shuts down from here (entry)
+            # SIG_IGN, not a Python handler: the interpreter's finalization resets those to
+            # the default (a kill) and can take a second (XLA's and Orbax's teardown).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            previous = None
+        return status
     finally:
         if main_thread and previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -138,8 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def entry() -> None:
+    """The ``jzero`` process (the console script and ``python -m jzero.cli``): :func:`main`,
+    then exit with its status. Once ``jzero train``'s run has returned, its state is on disk
+    (the final checkpoint committed, ``summary.json`` written), so a SIGTERM from then on,
+    while the interpreter shuts down (Orbax's and JAX's threads joining: a second of it on a
+    slow CPU), is ignored: the process ends with the run's own status rather than as a kill,
+    so SLURM's SIGTERM a moment after the launcher's cannot turn a clean stop into exit -15."""
+    global _PROCESS_ENTRY
+    _PROCESS_ENTRY = True
+    sys.exit(main())
+
+
+# Set by :func:`entry`: this interpreter is the ``jzero`` process and ends when main returns.
+_PROCESS_ENTRY = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jzero`` console script."""
+    """The ``jzero`` command line, as a function: the exit status (the process is
+    :func:`entry`)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from jzero.checkpoint.dirs import CheckpointWriteError
