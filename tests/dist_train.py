@@ -58,12 +58,8 @@ def train_local(engine, steps: int, global_batch: int, dtype=np.float32) -> list
 
 
 def first_grad_norm() -> float:
-    """The float64 global norm of the toy's gradient on the first global batch, on one device
-    and without jzero: what every run's first grad_norm must be."""
-    with jax.enable_x64(True):
-        batch = toy.make_batches(1, GLOBAL_BATCH, dtype=np.float64)[0]
-        grads = jax.jit(jax.grad(toy.loss_fn))(toy.make_params(dtype=np.float64), batch)
-        return float(optax.global_norm(grads))
+    """What every run's first grad_norm must be (:func:`toy.first_grad_norm`)."""
+    return toy.first_grad_norm(GLOBAL_BATCH)
 
 
 def train(stage: int) -> dict:

@@ -101,11 +101,7 @@ def uninterrupted(stage, directory, dtype=np.float32):
 @functools.cache
 def first_grad_norm():
     """The float64 global norm of the toy's first gradient on one device, without jzero."""
-    with jax.enable_x64(True):
-        grads = jax.jit(jax.grad(toy.loss_fn))(
-            toy.make_params(dtype=np.float64), batches(np.float64)[0]
-        )
-        return float(optax.global_norm(grads))
+    return toy.first_grad_norm(GLOBAL_BATCH)
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,7 @@ def shard_shape(x):
 
 @functools.cache
 def first_grad_norm():
-    params = toy.make_params(dtype=jnp.float64)
-    return _grad_norm(toy.loss_fn, params, toy.make_batches(1, BATCH, dtype=np.float64)[0])
+    return toy.first_grad_norm(BATCH)
 
 
 @functools.cache

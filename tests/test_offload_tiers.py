@@ -70,9 +70,7 @@ def reference(stage, bf16=False, dtype=jnp.float32):
 def first_grad_norm():
     """The float64 global norm of the toy's gradient on the first batch, without jzero: every
     run's first grad_norm (clipping and Adam hide a gradient's scale from the losses)."""
-    with jax.enable_x64(True):
-        batch = toy.make_batches(1, BATCH, dtype=np.float64)[0]
-        return float(optax.global_norm(jax.grad(toy.loss_fn)(toy.make_params(dtype=F64), batch)))
+    return toy.first_grad_norm(BATCH)
 
 
 def assert_first_norm(norms, dtype):

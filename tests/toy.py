@@ -5,6 +5,8 @@ under ``lax.scan``; ``head.w`` (d, 5); ``head.b`` (5,) and ``odd`` (5, 3) have n
 8 divides, so they (and ``embed``'s 12 rows) rest padded on 8 devices.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,19 @@ def make_batches(num: int, batch_size: int, seed: int = 1, dtype=np.float32) -> 
         }
         for _ in range(num)
     ]
+
+
+@functools.cache
+def first_grad_norm(global_batch: int) -> float:
+    """The float64 global norm of the gradient on the first of ``make_batches(n, global_batch)``,
+    on one device and without jzero: every run's first grad_norm (clipping and Adam hide a
+    gradient's scale from the losses)."""
+    from optax import global_norm
+
+    with jax.enable_x64(True):
+        batch = make_batches(1, global_batch, dtype=np.float64)[0]
+        grads = jax.jit(jax.grad(loss_fn))(make_params(dtype=jnp.float64), batch)
+        return float(global_norm(grads))
 
 
 def reference_float64(tx_fn, global_batch: int, steps: int = 10, clip: float = 0.5):
