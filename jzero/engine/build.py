@@ -233,19 +233,21 @@ def initialize(
     nvme = _nvme_state(cfg, plan, tx)  # its paths are checked before anything is made
     if nvme is None and made_with_extra:  # the model is built once, in the one init program
         state = init_train_state(plan, lambda: adapted.init_fn(key()), tx, returns_extra=True)
-    elif nvme is None:
-        if adapted is not None and adapted.values is None:  # the weights come from init_from
-            extra = _init_extra(adapted, key, plan)
-        state = init_train_state(plan, values, tx, extra)
     else:
         try:
-            from jzero.nvme import first_version
-
+            # The weights come from init_from, or go to the NVMe tier's files: the model's
+            # non-trainable state is made on its own.
             if adapted is not None and adapted.values is None:
                 extra = _init_extra(adapted, key, plan)
-            state = first_version(nvme, values, extra)
+            if nvme is None:
+                state = init_train_state(plan, values, tx, extra)
+            else:
+                from jzero.nvme import first_version
+
+                state = first_version(nvme, values, extra)
         except BaseException:
-            nvme.close()
+            if nvme is not None:
+                nvme.close()
             raise
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(

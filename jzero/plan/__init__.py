@@ -33,12 +33,14 @@ from jzero.plan.memory_kinds import check_memory_kind as check_memory_kind
 from jzero.plan.memory_kinds import is_host as is_host
 from jzero.plan.memory_kinds import memory_kinds_from_config as memory_kinds_from_config
 from jzero.plan.memory_kinds import on_device as on_device
+from jzero.plan.padding import cut_leaf as cut_leaf
 from jzero.plan.padding import even_sharding as even_sharding
 from jzero.plan.padding import logical_copies as logical_copies
 from jzero.plan.padding import pad_to as pad_to
 from jzero.plan.padding import to_logical as to_logical
 from jzero.plan.padding import to_stored as to_stored
 from jzero.plan.padding import unpad_to as unpad_to
+from jzero.plan.padding import update_view as update_view
 from jzero.plan.plan import Plan as Plan
 from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
@@ -58,6 +60,7 @@ __all__ = [
     "cast_floating",
     "check_memory_kind",
     "check_offload",
+    "cut_leaf",
     "DATA_AXIS",
     "divisible_dim",
     "even_sharding",
@@ -87,4 +90,5 @@ __all__ = [
     "to_logical",
     "to_stored",
     "unpad_to",
+    "update_view",
 ]

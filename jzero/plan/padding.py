@@ -41,7 +41,16 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.plan.leaf_rule import divisible_dim
 
-__all__ = ["even_sharding", "logical_copies", "pad_to", "to_logical", "to_stored", "unpad_to"]
+__all__ = [
+    "cut_leaf",
+    "even_sharding",
+    "logical_copies",
+    "pad_to",
+    "to_logical",
+    "to_stored",
+    "unpad_to",
+    "update_view",
+]
 
 PyTree = Any
 
@@ -75,22 +84,34 @@ def to_stored(tree: PyTree, stored: PyTree) -> PyTree:
     return jax.tree.map(lambda x, s: pad_to(x, tuple(s.shape)), tree, stored)
 
 
+def cut_leaf(x: jax.Array, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
+    """Inside ``jit``: one leaf cut to its logical ``shape``, laid out by ``sharding`` (uneven
+    where the shard count does not divide; ``jit`` allows that inside a program); a merged view
+    keeps the layout its reshape has. A leaf already logical passes unchanged."""
+    shape = tuple(shape)
+    if tuple(x.shape) == shape:
+        return x
+    y = unpad_to(x, shape)
+    if sharding is None or y.ndim != x.ndim:
+        return y
+    return jax.lax.with_sharding_constraint(y, sharding)
+
+
+def update_view(x: jax.Array, shape: tuple[int, ...], stored: tuple[int, ...], sharding: Any):
+    """Inside ``jit``: a parameter (whole, or resting as its shards) cut to the update layout
+    ``sharding`` as its master weights rest (``stored``: padded, merged), with no
+    communication, then viewed at its logical ``shape``: what the optax update runs on where
+    the params are the masters (no mixed precision)."""
+    resting = jax.lax.with_sharding_constraint(pad_to(unpad_to(x, shape), stored), sharding)
+    return cut_leaf(resting, shape, sharding)
+
+
 def to_logical(tree: PyTree, logical: PyTree, shardings: PyTree | None = None) -> PyTree:
-    """Inside ``jit``: every leaf of ``tree`` cut to its logical shape in ``logical``, laid out
-    by ``shardings`` (uneven where the shard count does not divide; ``jit`` allows that inside
-    a program). Leaves already logical pass unchanged."""
-
-    def cut(x: jax.Array, s: Any, sh: Any) -> jax.Array:
-        if tuple(x.shape) == tuple(s.shape):
-            return x
-        y = unpad_to(x, tuple(s.shape))
-        if sh is None or y.ndim != x.ndim:  # a merged view keeps the layout its reshape has
-            return y
-        return jax.lax.with_sharding_constraint(y, sh)
-
+    """Inside ``jit``: :func:`cut_leaf` on every leaf of ``tree``, to its shape in ``logical``,
+    laid out by ``shardings`` when given."""
     if shardings is None:
-        return jax.tree.map(lambda x, s: cut(x, s, None), tree, logical)
-    return jax.tree.map(cut, tree, logical, shardings)
+        return jax.tree.map(lambda x, s: cut_leaf(x, s.shape), tree, logical)
+    return jax.tree.map(lambda x, s, sh: cut_leaf(x, s.shape, sh), tree, logical, shardings)
 
 
 def even_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedSharding:

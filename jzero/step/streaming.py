@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 
 from jzero import groups as groups_lib
-from jzero.plan import Plan, is_host, on_device, pad_to, unpad_to
+from jzero.plan import Plan, cut_leaf, is_host, on_device, pad_to, unpad_to, update_view
 
 __all__ = ["streamed_groups", "streamed_update"]
 
@@ -130,15 +130,7 @@ def streamed_update(
     s_stored = [tuple(x.shape) for x in jax.tree.leaves(plan.stored_opt())]
     s_dev = jax.tree.leaves(on_device(plan.opt_state))
 
-    def cut(x: Any, shape: tuple[int, ...], sharding: Any) -> Any:
-        if tuple(x.shape) == shape:
-            return x
-        y = unpad_to(x, shape)
-        if y.ndim != x.ndim:  # a merged view keeps the layout its reshape has
-            return y
-        return jax.lax.with_sharding_constraint(y, sharding)
-
-    g_leaves = [cut(g, tuple(a.shape), update_sh[i]) for i, (g, a) in enumerate(
+    g_leaves = [cut_leaf(g, a.shape, update_sh[i]) for i, (g, a) in enumerate(
         zip(g_leaves, p_abstract, strict=True))]  # fmt: skip
 
     def keep(new: list[Any], old: list[Any]) -> list[Any]:
@@ -198,19 +190,18 @@ def streamed_update(
         masters = [
             _to(x, False) if is_host(m_sh[i]) else x for x, i in zip(m_in, group, strict=True)
         ]
-        if not mixed:  # the params themselves, cut to the update layout as masters rest
+        if mixed:
             masters = [
-                jax.lax.with_sharding_constraint(
-                    pad_to(unpad_to(x, tuple(p_abstract[i].shape)), m_stored[i]), update_sh[i]
-                )
+                cut_leaf(x, p_abstract[i].shape, update_sh[i])
                 for x, i in zip(masters, group, strict=True)
             ]
-        masters = [
-            cut(x, tuple(p_abstract[i].shape), update_sh[i])
-            for x, i in zip(masters, group, strict=True)
-        ]
+        else:  # the params themselves, cut to the update layout
+            masters = [
+                update_view(x, p_abstract[i].shape, m_stored[i], update_sh[i])
+                for x, i in zip(masters, group, strict=True)
+            ]
         states = [
-            cut(_to(x, False) if is_host(s_sh[k]) else x, tuple(s_abstract[k].shape), s_dev[k])
+            cut_leaf(_to(x, False) if is_host(s_sh[k]) else x, s_abstract[k].shape, s_dev[k])
             for x, k in zip(s_in, owned, strict=True)
         ]
         result = _group_update(plan, optimizer, owner, group)(

@@ -28,7 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from jzero.comm import gather_buckets
-from jzero.plan import Plan, axis_entry, cast_floating, on_device, to_logical, to_stored, unpad_to
+from jzero.plan import (
+    Plan,
+    axis_entry,
+    cast_floating,
+    on_device,
+    to_logical,
+    to_stored,
+    unpad_to,
+    update_view,
+)
 from jzero.step.state import TrainState, _spec, _to_device
 
 __all__ = ["params_at_rest"]
@@ -46,12 +55,13 @@ def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTre
             _to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
         )
     else:
-        # Cut as the masters rest (padded, merged), then viewed at the logical shapes.
-        resting = jax.lax.with_sharding_constraint(
-            to_stored(to_logical(params, plan.compute_params), plan.stored_update),
+        master = jax.tree.map(
+            lambda x, a, s, sh: update_view(x, a.shape, s.shape, sh),
+            params,
+            plan.compute_params,
+            plan.stored_update,
             on_device(plan.update_layout),
         )
-        master = to_logical(resting, plan.compute_params, on_device(plan.update_layout))
     opt_state = to_logical(
         _to_device(state.opt_state, plan.opt_state),
         plan.abstract_opt_state,
