@@ -31,6 +31,7 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -143,20 +144,27 @@ def even_sharding(shape: tuple[int, ...], sharding: NamedSharding) -> NamedShard
 
 def logical_copies(tree: PyTree, logical: PyTree, shardings: PyTree) -> PyTree:
     """``tree`` (resting arrays, some padded) at its logical shapes, outside ``jit``: padded
-    leaves are cut by one jitted program into :func:`even_sharding` layouts; the others are
-    returned as they are (no copy)."""
+    leaves are cut by one jitted program into :func:`even_sharding` layouts (compiled once per
+    set of shapes and layouts, so reading ``engine.params`` again compiles nothing); the others
+    are returned as they are (no copy)."""
     leaves, treedef = jax.tree.flatten(tree)
     shapes = [tuple(s.shape) for s in jax.tree.leaves(logical)]
     shs = jax.tree.leaves(shardings)
     todo = [i for i, (x, s) in enumerate(zip(leaves, shapes, strict=True)) if x.shape != s]
     if not todo:
         return tree
-    outs = [even_sharding(shapes[i], shs[i]) for i in todo]
-    cut = jax.jit(
-        lambda xs: [unpad_to(x, shapes[i]) for x, i in zip(xs, todo, strict=True)],
-        out_shardings=outs,
-    )([leaves[i] for i in todo])
+    outs = tuple(even_sharding(shapes[i], shs[i]) for i in todo)
+    cut = _cutter(tuple(shapes[i] for i in todo), outs)([leaves[i] for i in todo])
     out = list(leaves)
     for i, x in zip(todo, cut, strict=True):
         out[i] = x
     return treedef.unflatten(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _cutter(shapes: tuple[tuple[int, ...], ...], outs: tuple[NamedSharding, ...]) -> Any:
+    """The jitted cut of resting leaves to ``shapes``, laid out by ``outs``."""
+    return jax.jit(
+        lambda xs: [unpad_to(x, shape) for x, shape in zip(xs, shapes, strict=True)],
+        out_shardings=list(outs),
+    )
