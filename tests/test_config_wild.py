@@ -170,7 +170,8 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
     }
     cfg, (message,) = load_quietly(raw)
     listed = [line.split(":")[0].removeprefix("  - ") for line in message.splitlines()[1:-1]]
-    used = {"train_micro_batch_size_per_gpu", "gradient_allreduce_op", "bf16", "optimizer"}
+    used = {"train_micro_batch_size_per_gpu", "gradient_allreduce_op", "bf16", "optimizer",
+            "tensor_parallel"}  # fmt: skip
     inner = {"checkpoint.tag_validation", "checkpoint.writer", "optimizer.legacy_fusion"}
     assert set(listed) == (set(raw) - used - {"checkpoint"}) | inner
     assert cfg.bf16.check_grad_overflow is True
@@ -180,7 +181,10 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
     ("raw", "start"),
     [
         ({"pipeline": {"stages": 2}}, "pipeline.stages: 2 asks for pipeline parallelism"),
-        ({"tensor_parallel": {"autotp_size": 4}}, "tensor_parallel.autotp_size: 4 asks for"),
+        (
+            {"tensor_parallel": {"tp": {"tp_size": 4}}},
+            "tensor_parallel.tp.tp_size: 4 is DeepSpeed's inference key",
+        ),
         (
             {"expert_parallel": {"enabled": True, "autoep_size": 2}},
             "expert_parallel.autoep_size: 2 asks for expert parallelism",

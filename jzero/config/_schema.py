@@ -15,7 +15,7 @@ Decisions:
   as ``"auto"``.
 * DeepSpeed's sections for features jzero does not have are accepted and listed in the
   no-effect warning, except where ignoring them would train something else than what was
-  asked: ``pipeline.stages`` > 1, ``tensor_parallel.autotp_size`` > 1, ``expert_parallel``
+  asked: ``pipeline.stages`` > 1, ``expert_parallel``
   with ``autoep_size`` > 1, ``sequence_parallel_size`` > 1, an enabled ``compression_training``
   technique, ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are
   errors (``jzero.config._validate``).
@@ -299,9 +299,13 @@ class Config:
     pipeline: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
     """DeepSpeed: pipeline parallelism. Accepted with ``stages`` "auto" or 1 (one stage is what
     jzero runs); more stages are an error."""
-    tensor_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
-    """DeepSpeed AutoTP. Accepted with ``autotp_size`` 0 or 1; more is an error (shard
-    parameters over a model axis with ``mesh`` and ``param_specs`` instead)."""
+    tensor_parallel: Mapping[str, Any] | None = None
+    """DeepSpeed AutoTP: ``autotp_size: T`` (> 1) builds the mesh ``{data: N/T, model: T}``
+    and gives every parameter a Megatron-style spec over ``model`` from its name
+    (:mod:`jzero.distributed.tensor`); ``tp_plan`` maps dotted-path globs to ``colwise``,
+    ``rowwise``, ``vocab``, ``replicate`` or a spec list for anything else; ``num_heads``
+    (jzero's key; the built-in GPT's ``model.num_heads`` otherwise) is checked to divide by
+    T. ``tp_size`` is read as ``autotp_size``. A user's own annotations win over the rules."""
     expert_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
     """DeepSpeed AutoEP. Accepted disabled or with ``autoep_size`` 1; more is an error."""
     sequence_parallel_size: int = _field(1, min=1, no_effect=_PARALLEL)
@@ -325,6 +329,14 @@ class Config:
           ConfigError: when the shard group contradicts the ``mesh`` section.
         """
         sizes = self.mesh.sizes()
+        tp = self.autotp_size()
+        if tp > 1:
+            if sizes.get("model", -1) not in (-1, tp):
+                raise ConfigError(
+                    f"tensor_parallel.autotp_size: {tp} is the size of the model axis, but "
+                    f"mesh.model is {sizes['model']}; remove mesh.model or set it to {tp}."
+                )
+            sizes["model"] = tp
         zero = self.zero_optimization
         key, group = None, None
         if zero.mics_shard_size > 0:
@@ -348,6 +360,16 @@ class Config:
                 )
             sizes["replica"] = -1
         return sizes
+
+    def autotp_size(self) -> int:
+        """``tensor_parallel.autotp_size`` (or its ``tp_size`` spelling); 1 when unset or 0."""
+        tp = self.tensor_parallel or {}
+        size = tp.get("autotp_size", tp.get("tp_size"))
+        return int(size) if size else 1
+
+    def tp_plan(self) -> dict[str, Any]:
+        """``tensor_parallel.tp_plan``: dotted-path globs to layouts, in the order written."""
+        return dict((self.tensor_parallel or {}).get("tp_plan") or {})
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain dicts and lists with the YAML key names.

@@ -342,6 +342,66 @@ def _enabled_techniques(node: Any, path: str) -> list[str]:
     return found
 
 
+_TP_KEYS = ("autotp_size", "tp_size", "tp_plan", "num_heads", "tp_grain_size", "enabled",
+            "tp", "partition_config", "keep_module_on_host", "injection_policy_tuple",
+            "preset_model")  # fmt: skip
+
+
+def _tensor_parallel_errors(cfg: Config) -> list[str]:
+    """The ``tensor_parallel`` section: sizes that are positive integers (0 or 1: off), one
+    size however spelled, a ``tp_plan`` mapping, and a model axis that divides the heads."""
+    tp = cfg.tensor_parallel
+    if tp is None:
+        return []
+    if not isinstance(tp, Mapping):
+        return [f"tensor_parallel: {_show(tp)} must be a section, e.g. {{autotp_size: 2}}."]
+    errors = []
+    unknown = sorted(set(tp) - set(_TP_KEYS))
+    if unknown:
+        errors.append(
+            f"tensor_parallel: unknown key(s) {unknown}; the keys are {sorted(_TP_KEYS)}."
+        )
+    sizes = {}
+    for key in ("autotp_size", "tp_size"):
+        value = tp.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not _is_number(value) or value != int(value) or value < 0:
+            errors.append(
+                f"tensor_parallel.{key}: {_show(value)} is not allowed; it must be a whole "
+                "number of devices (0 or 1: no tensor parallelism)."
+            )
+        else:
+            sizes[key] = int(value)
+    if len(set(sizes.values())) > 1:
+        errors.append(
+            f"tensor_parallel: autotp_size {sizes['autotp_size']} and tp_size "
+            f"{sizes['tp_size']} disagree; keep one of them."
+        )
+    inner = _size(tp, "tp", "tp_size")
+    if _is_number(inner) and inner > 1:
+        errors.append(
+            f"tensor_parallel.tp.tp_size: {_show(inner)} is DeepSpeed's inference key; jzero "
+            "trains with tensor_parallel.autotp_size instead."
+        )
+    plan = tp.get("tp_plan")
+    if plan is not None and not isinstance(plan, Mapping):
+        errors.append(
+            f"tensor_parallel.tp_plan: {_show(plan)} must map dotted-path patterns to layouts, "
+            "e.g. {'*.fc_in.*': colwise}."
+        )
+    size = max(sizes.values(), default=1)
+    heads = tp.get("num_heads", cfg.model.get("num_heads"))
+    if size > 1 and _is_number(heads) and heads % size:
+        errors.append(
+            f"tensor_parallel.autotp_size: {size} does not divide the {heads} attention heads, "
+            "so the heads can't be split evenly over the model axis; choose an autotp_size "
+            f"among the divisors of {heads} "
+            f"({', '.join(str(t) for t in range(1, int(heads) + 1) if heads % t == 0)})."
+        )
+    return errors
+
+
 def _check_unsupported_parallelism(cfg: Config) -> None:
     """DeepSpeed features whose absence would train something else than what was asked."""
     errors = []
@@ -357,15 +417,7 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
             "ZeRO); remove the pipeline section or set stages: 1, and use ZeRO stage 3 to fit "
             "a large model."
         )
-    for keys in (("autotp_size",), ("tp", "tp_size"), ("tensor_parallel", "tp_size")):
-        value = _size(cfg.tensor_parallel, *keys)
-        if over_one(value):
-            errors.append(
-                f"tensor_parallel.{'.'.join(keys)}: {_show(value)} asks for DeepSpeed's "
-                "automatic tensor parallelism, which jzero does not have; remove it, and shard "
-                "parameters over a model axis yourself with mesh: {data: -1, model: N} and "
-                "jzero.initialize(..., param_specs=...)."
-            )
+    errors += _tensor_parallel_errors(cfg)
     ep = cfg.expert_parallel
     ep_size = _size(ep, "autoep_size")
     if isinstance(ep, Mapping) and ep.get("enabled") is True and over_one(ep_size):

@@ -1,14 +1,17 @@
 """Devices and processes: the mesh, the multi-process runtime, process layout, ``jzero launch``.
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
-:mod:`jzero._util`); every other package may import it. Later, one module per parallelism
-(tensor, sequence, pipeline, expert) joins it here, as in torchtitan's ``distributed/``.
+:mod:`jzero._util`); every other package may import it. One module per parallelism beside
+ZeRO's data axis (tensor and sequence now; pipeline and expert later), as in torchtitan's
+``distributed/``.
 
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
 * :mod:`~jzero.distributed.layout`: the process layout from settings, ``JZERO_*`` variables or
   a detected cluster (imports no JAX).
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
+* :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
+  parameters' names and shapes.
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
@@ -42,9 +45,13 @@ from jzero.distributed.runtime import init_distributed as init_distributed
 from jzero.distributed.runtime import is_main_process as is_main_process
 from jzero.distributed.runtime import launcher_replicas as launcher_replicas
 from jzero.distributed.runtime import local_batch_size as local_batch_size
+from jzero.distributed.tensor import MODEL_AXIS as MODEL_AXIS
+from jzero.distributed.tensor import TPChoice as TPChoice
+from jzero.distributed.tensor import autotp_specs as autotp_specs
 
 __all__ = [
     "any_process",
+    "autotp_specs",
     "backends_initialized",
     "barrier",
     "check_batch",
@@ -67,6 +74,8 @@ __all__ = [
     "launcher_replicas",
     "local_batch_size",
     "make_mesh",
+    "MODEL_AXIS",
     "REPLICA_AXIS",
     "resolve_spec",
+    "TPChoice",
 ]

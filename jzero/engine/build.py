@@ -36,7 +36,7 @@ import optax
 from jzero import config as config_lib
 from jzero import distributed, optim
 from jzero._util import abstract_tree
-from jzero.distributed import make_mesh
+from jzero.distributed import make_mesh, tensor
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
@@ -62,6 +62,42 @@ def _optimizer(
             "an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
         )
     return optim.build_optimizer(cfg), optim.build_schedule(cfg)
+
+
+def _tensor_parallel(
+    cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree, param_specs: PyTree
+) -> tuple[PyTree, list[str] | None]:
+    """AutoTP (``tensor_parallel.autotp_size`` > 1, or a ``tp_plan``): the params' specs over
+    the model axis, the user's own winning, and the rule behind each; as given otherwise."""
+    size, tp_plan = cfg.autotp_size(), cfg.tp_plan()
+    if size <= 1 and not tp_plan:
+        return param_specs, None
+    axis = tensor.MODEL_AXIS
+    if mesh.shape.get(axis, 1) != size and size > 1:
+        raise ValueError(
+            f"tensor_parallel.autotp_size: {size} needs a mesh axis {axis!r} of {size} "
+            f"devices, but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build "
+            f"it, or give it {axis}: {size}."
+        )
+    heads = (cfg.tensor_parallel or {}).get("num_heads", cfg.model.get("num_heads"))
+    specs, choices = tensor.autotp_specs(
+        abstract,
+        int(mesh.shape.get(axis, 1)),
+        tp_plan=tp_plan,
+        param_specs=param_specs,
+        num_heads=heads,
+        axis=axis,
+    )
+    loose = tensor.unmatched(choices)
+    if loose:
+        logger.warning(
+            "jzero: AutoTP matched no rule for %d leaves, replicated over %r: %s (give them a "
+            "tensor_parallel.tp_plan entry to split them)",
+            len(loose),
+            axis,
+            ", ".join(loose),
+        )
+    return specs, [c.rule for c in choices]
 
 
 def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
@@ -165,6 +201,7 @@ def initialize(
         optimizer_given=optimizer is not None,
         data_parallel_size=mesh.shape.get("data", 1) * mesh.shape.get("replica", 1),
     )
+    param_specs, tp_rules = _tensor_parallel(cfg, mesh, abstract, param_specs)
     tx, schedule = _optimizer(cfg, optimizer)
     opt_kind, param_kind = memory_kinds_from_config(cfg.zero_optimization, mesh.devices.flat)
     replan = functools.partial(
@@ -189,6 +226,7 @@ def initialize(
         padding=cfg.zero_optimization.pad_shards
         and cfg.zero_optimization.offload_optimizer.device != "nvme",
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
+        tp_rules=tp_rules,
     )
     plan = replan()
     from jzero.step import streamed_groups

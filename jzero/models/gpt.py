@@ -15,6 +15,13 @@ Decisions:
   self-attention written with ``einsum``, then a GELU MLP), a final LayerNorm and a **tied**
   output head (logits are the final activations times the token embedding transposed). Dense
   layers carry biases.
+* The fused q/k/v projection has a dimension of its own for q, k and v (``attn_qkv`` is
+  ``[D, 3, D]``, its bias ``[3, D]``), so tensor parallelism (:mod:`jzero.distributed.tensor`)
+  splits it per head group: each device of the ``model`` axis holds the q, k and v columns of
+  its heads and runs attention on them with no communication. A flat ``[D, 3D]`` leaf could
+  not rest split that way under one ``PartitionSpec``. Its bias stays flat (``[3D]``, small,
+  replicated over ``model``), so ZeRO merges its 4-layer stack into exact contiguous shards
+  (a ``[4, 3, 128]`` stack would be split on its last dimension, with layout copies).
 * Layers are stacked: every leaf of ``params["blocks"]`` has a leading dim of ``num_layers`` and
   all blocks run under **one** ``jax.lax.scan`` (``nnx.scan`` in the NNX form; the NNX blocks are
   created with ``nnx.vmap`` over split RNG streams). The stacked weights are the scan's scanned
@@ -141,7 +148,7 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> dict[str, jax.Array]:
     return {
         "ln1_scale": jnp.ones((d,), jnp.float32),
         "ln1_bias": jnp.zeros((d,), jnp.float32),
-        "attn_qkv": _normal(k_qkv, (d, 3 * d), _INIT_STD),
+        "attn_qkv": _normal(k_qkv, (d, 3, d), _INIT_STD),
         "attn_qkv_bias": jnp.zeros((3 * d,), jnp.float32),
         "attn_out": _normal(k_out, (d, d), resid_std),
         "attn_out_bias": jnp.zeros((d,), jnp.float32),
@@ -173,8 +180,9 @@ def _attention(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.
     """Causal multi-head self-attention; ``x`` is [B, T, D]."""
     b, t, d = x.shape
     head_dim = d // num_heads
-    qkv = x @ p["attn_qkv"] + p["attn_qkv_bias"]
-    q, k, v = jnp.split(qkv.reshape(b, t, 3 * num_heads, head_dim), 3, axis=2)
+    qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
+    qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     wide = _wide(x.dtype)
     scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))

@@ -23,7 +23,8 @@ Decisions:
   dimension is a divisor of the shard count smaller than it, the state rests with its leading
   dimensions merged into one that divides evenly: a 4-layer stack (4, 128, 512) on 8 devices
   rests as (512, 512), half a layer a device, exact and contiguous, as DeepSpeed's flat
-  partitions are. Inside the step the merge is a reshape that XLA's partitioner lays out as
+  partitions are (a leaf with another mesh axis in its spec is never merged: it is padded).
+  Inside the step the merge is a reshape that XLA's partitioner lays out as
   4 x 2 tiles, no data moved (measured: an AdamW update through it compiles to no collective
   and no copy). Where no merge divides evenly the leading dimension is padded.
 * The one exception to the leading dimension: when padding it would add more than half of it
@@ -227,7 +228,9 @@ def _leaf_plan(
     if param_dim is None and skip:  # the state of a whole parameter is never scanned
         dim = rule(shape, num_shards, free)
     merged = 1
-    if padding and param_dim is None and dim is not None:
+    # A merge drops dimensions from the resting shape, so only a leaf with no other mesh axis
+    # (whose spec would have to drop them too) is merged.
+    if padding and param_dim is None and dim is not None and all(free):
         merged = _mergeable(shape, num_shards, free)
         dim = 0 if merged > 1 else dim
     length = math.prod(shape[dim : dim + merged]) if dim is not None else 0

@@ -103,6 +103,7 @@ def make_plan(
     quantized_weights: int = 0,
     quantized_gradients: int = 0,
     padding: bool = True,
+    tp_rules: Sequence[str] | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -140,6 +141,8 @@ def make_plan(
       padding: shard a leaf whose leading dimension the shard count does not divide by padding
         it (:mod:`jzero.plan.padding`); ``False``: the former rule, where such a leaf is split
         on a later dimension that divides, else stays whole (the NVMe tier's files need it).
+      tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
+        :func:`jzero.distributed.tensor.autotp_specs`), shown by :meth:`Plan.describe`.
 
     Returns:
       The :class:`Plan`.
@@ -317,6 +320,7 @@ def make_plan(
         allgather_bucket_size=allgather_bucket_size if buckets else None,
         quantized_weights=int(quantized_weights),
         quantized_gradients=int(quantized_gradients),
+        tp_rules=tuple(tp_rules or ()),
     )
 
 

@@ -84,6 +84,8 @@ class Plan:
       allgather_bucket_size: likewise for the all-gather of the updated parameters (stages 1-2).
       quantized_weights: ZeRO++ qwZ at stage 3: stage 3's parameter gathers send this many
         bits a value (8 or 4); 0: exact.
+      tp_rules: per leaf, the tensor-parallel rule that laid it out over the model axis
+        (:func:`jzero.distributed.tensor.autotp_specs`), empty without AutoTP.
       quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
         data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
         on the receiving device; 0: exact.
@@ -120,6 +122,7 @@ class Plan:
     quantized_weights: int = 0
     quantized_gradients: int = 0
     stored_opt_state: PyTree = None
+    tp_rules: tuple[str, ...] = ()
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
     def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
@@ -143,8 +146,9 @@ class Plan:
 
     @property
     def padded(self) -> bool:
-        """Whether any leaf rests padded."""
-        return any(leaf.padding for leaf in self.leaves)
+        """Whether any leaf rests in another shape than its logical one: padded, or with its
+        leading dimensions merged."""
+        return any(leaf.stored_shape() != leaf.shape for leaf in self.leaves)
 
     def stored_opt(self) -> PyTree:
         """The optimizer state as it rests (a parameter's mirrors padded like it)."""
@@ -318,11 +322,14 @@ class Plan:
     def describe(self) -> str:
         """A table of every leaf: shape, spec per category, per-device bytes, what stayed whole."""
         n = self.num_shards
+        rules = self.tp_rules or ("",) * len(self.leaves)
         rows = [("leaf", "shape", "dtype", "params", "grads", "opt state", "bytes/device")]
+        if self.tp_rules:
+            rows[0] += ("tensor parallel",)
         flat_p = jax.tree.leaves(self.params)
         flat_g = jax.tree.leaves(self.grads)
         flat_c = jax.tree.leaves(self.compute_params)
-        for leaf, sp, sg, c in zip(self.leaves, flat_p, flat_g, flat_c, strict=True):
+        for leaf, sp, sg, c, rule in zip(self.leaves, flat_p, flat_g, flat_c, rules, strict=True):
             nbytes = math.prod(sp.shard_shape(leaf.param_shape)) * np.dtype(c.dtype).itemsize
             shape = "x".join(map(str, leaf.shape)) or "()"
             if leaf.padding:
@@ -337,6 +344,7 @@ class Plan:
                     str(tuple(sg.spec)) if self.stage.shard_opt_state else "()",
                     f"{nbytes:,}",
                 )
+                + ((rule,) if self.tp_rules else ())
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
@@ -411,6 +419,20 @@ class Plan:
                 f"({extra / max(1, sum(math.prod(x.shape) for x in self.leaves)):.2%} of the "
                 "parameters), never read by the loss, the norms or the update"
             )
+        if self.tp_rules:
+            model = {a: n for a, n in self.mesh.shape.items() if a == "model"}
+            lines.append(
+                f"tensor parallel (AutoTP) over {model}: Megatron's column, row and vocabulary "
+                "splits; ZeRO shards a dimension the model axis leaves free"
+            )
+            loose = [leaf.path for leaf, r in zip(self.leaves, rules, strict=True)
+                     if r.startswith("no rule")]  # fmt: skip
+            if loose:
+                lines.append(
+                    f"leaves no tensor-parallel rule matched, replicated over model "
+                    f"({len(loose)}; give them a tensor_parallel.tp_plan entry to split them): "
+                    + ", ".join(loose)
+                )
         whole = [leaf for leaf in self.leaves if leaf.note]
         if whole:
             lines.append("leaves ZeRO left whole on every device:")

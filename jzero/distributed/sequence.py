@@ -1,0 +1,215 @@
+"""Sequence parallelism (DeepSpeed-Ulysses): attention over a sequence split across the ``seq``
+mesh axis, by two all-to-alls around an unchanged attention function.
+
+Outside attention every op of a transformer block (projections, MLP, norms) acts on each token
+alone, so each device keeps only its own ``T/S`` tokens. :func:`sequence_parallel_attention`
+wraps an attention function so that, inside ``jax.shard_map`` with ``seq`` manual, it sees the
+whole sequence for a group of ``H/S`` heads; :func:`sequence_chunk` and
+:func:`sequence_offset` cut a replicated batch into each device's tokens and give their
+positions.
+
+Decisions:
+
+* **All-to-all, not all-gather or ring attention.** Ulysses trades the sequence split for a
+  head split: ``all_to_all(split heads, concat seq)`` turns each device's ``[B, T/S, H, Dh]``
+  into ``[B, T, H/S, Dh]``, attention runs unchanged on full sequences (a causal mask, ALiBi,
+  a kernel such as ``jax.nn.dot_product_attention`` all see every position), and one
+  all-to-all back restores ``[B, T/S, H, Dh]``. Each device then does ``1/S`` of the attention
+  work with no change to the attention code, and its activation memory outside attention is
+  ``~1/S``. An all-gather of k and v (Megatron's context parallelism) would keep every head and
+  hold the full k/v on every device; ring attention needs an attention kernel written for it.
+* **Communication:** four all-to-alls of the activations per attention call in the forward
+  pass (q, k, v in, the output back), each moving ``(S-1)/S`` of a ``[B, T/S, H, Dh]`` tensor
+  per device: a constant volume per device as ``T`` and ``S`` grow together, where an
+  all-gather's grows with ``S``. The backward pass is four more (an all-to-all's transpose is
+  the all-to-all the other way). XLA may fuse the three inputs' into one tuple all-to-all.
+* **One model code with and without sequence parallelism.** Where ``axis`` is not a bound
+  mesh axis (a plain call, ``jax.jit`` with no ``shard_map``, or ``shard_map`` with ``seq``
+  left automatic) or its size is 1, the wrapper calls the attention function directly. An
+  unbound axis is detected by ``jax.lax.axis_size`` raising ``NameError`` (JAX's "unbound
+  axis name"), the one public test JAX offers; a bound axis's size is a Python int at trace
+  time, so the choice costs nothing at run time.
+* **Grouped-query attention:** k and v may have fewer heads than q. Each head count is split
+  into ``S`` contiguous groups, so device ``j`` holds q heads ``j*H/S ...`` and kv heads
+  ``j*Hkv/S ...``: the pairing ``q head h -> kv head h // (H/Hkv)`` (``jnp.repeat``'s, and
+  ``jax.nn.dot_product_attention``'s) is kept within each device. A head count ``S`` does not
+  divide is an error naming the counts and the sizes that would work: an uneven split cannot
+  give each device whole heads. (DeepSpeed repeats kv heads when ``Hkv < S``; here the caller
+  does so, with ``jnp.repeat(k, r, axis=head_dim)``, where it wants that.)
+* ``*args`` and ``**kwargs`` go to the attention function unchanged: they must be valid for
+  the full sequence and the device's group of heads (a scalar scale, a dropout key; not a
+  per-head bias of all ``H`` heads).
+* The sequence dimension is contiguous per device: device ``j`` of ``seq`` holds tokens
+  ``j*T/S ... (j+1)*T/S - 1``, the order ``PartitionSpec(..., "seq")`` gives and the order the
+  all-to-all concatenates in.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
+
+SEQ_AXIS = "seq"
+"""The name of the sequence-parallel mesh axis: the sequence dimension of the activations is
+split over it, and attention is computed per group of heads across it."""
+
+
+def _bound_axis_size(axis: str) -> int | None:
+    """The size of the mapped axis ``axis`` where it is bound (``shard_map`` with it manual,
+    or ``vmap``/``pmap`` naming it), else ``None``."""
+    try:
+        return jax.lax.axis_size(axis)
+    except NameError:  # JAX: "unbound axis name: seq"
+        return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_heads(
+    q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int, size: int, axis: str
+) -> None:
+    """Raises ``ValueError`` for a head count of q, k or v that ``size`` does not divide."""
+    arrays = {"q": q, "k": k, "v": v}
+    heads = {name: x.shape[head_dim] for name, x in arrays.items()}
+    for name, n in heads.items():
+        if n % size == 0:
+            continue
+        common = math.gcd(*heads.values())
+        counts = (
+            f"{common} heads"
+            if len(set(heads.values())) == 1
+            else f"both head counts (q {heads['q']}, k/v {heads['k']})"
+        )
+        fix = (
+            f" Or repeat k's and v's heads {size // heads['k']} times "
+            f"(jnp.repeat(k, {size // heads['k']}, axis={head_dim}), the same for v) so that "
+            f"each device gets whole ones, as DeepSpeed does when the k/v heads are fewer than "
+            f"the devices."
+            if name != "q" and heads["q"] % size == 0 and size % heads["k"] == 0
+            else ""
+        )
+        raise ValueError(
+            f"sequence_parallel_attention: {name} has {n} heads (dimension {head_dim} of its "
+            f"local shape {tuple(arrays[name].shape)}), which the {size} devices of the "
+            f"{axis!r} axis cannot split into whole heads. Choose sequence_parallel_size "
+            f"(the {axis!r} axis size) among the divisors of {counts}: "
+            f"{', '.join(map(str, _divisors(common)))}.{fix}"
+        )
+
+
+def sequence_parallel_attention(
+    attn_fn: Callable[..., jax.Array],
+    axis: str = SEQ_AXIS,
+    *,
+    seq_dim: int = 1,
+    head_dim: int = 2,
+) -> Callable[..., jax.Array]:
+    """Wraps an attention function for DeepSpeed-Ulysses sequence parallelism.
+
+    Args:
+      attn_fn: ``attn_fn(q, k, v, *args, **kwargs) -> out``, attention over full sequences,
+        with ``out`` shaped like ``q`` (``[B, T, H, Dh]`` in the default layout).
+      axis: the mesh axis the sequence is split over.
+      seq_dim: the sequence dimension of q, k, v and the output.
+      head_dim: the heads dimension of q, k, v and the output.
+
+    Returns:
+      A function with ``attn_fn``'s signature that takes this device's sequence chunks
+      ``[B, T/S, H, Dh]`` (k and v may have fewer heads: grouped-query attention) and returns
+      this device's chunk of the attention output, computed over the whole sequence. Where
+      ``axis`` is unbound or of size 1 it is ``attn_fn`` itself, called directly.
+
+    Raises:
+      ValueError: ``seq_dim`` and ``head_dim`` the same dimension; or (when called under a
+        bound ``axis`` of size ``S > 1``) a head count of q, k or v that ``S`` does not divide.
+
+    Example:
+      >>> attn = sequence_parallel_attention(causal_attention)  # doctest: +SKIP
+      >>> step = jax.shard_map(lambda q, k, v: attn(q, k, v), mesh=mesh,
+      ...     in_specs=P("data", "seq"), out_specs=P("data", "seq"))  # doctest: +SKIP
+    """
+    if seq_dim == head_dim:
+        raise ValueError(
+            f"sequence_parallel_attention: seq_dim and head_dim are both {seq_dim}; they must "
+            "name different dimensions of q, k and v. Pass the layout's sequence and heads "
+            "dimensions (seq_dim=1, head_dim=2 for [B, T, H, Dh])."
+        )
+
+    @functools.wraps(attn_fn)
+    def wrapped(q: jax.Array, k: jax.Array, v: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+        size = _bound_axis_size(axis)
+        if size is None or size == 1:
+            return attn_fn(q, k, v, *args, **kwargs)
+        ndim = q.ndim
+        s_dim, h_dim = seq_dim % ndim, head_dim % ndim
+        if s_dim == h_dim:
+            raise ValueError(
+                f"sequence_parallel_attention: seq_dim={seq_dim} and head_dim={head_dim} are "
+                f"the same dimension of the {ndim}-d q, k and v. Pass different dimensions."
+            )
+        _check_heads(q, k, v, h_dim, size, axis)
+
+        def heads_to_seq(x: jax.Array) -> jax.Array:  # [B, T/S, H, Dh] -> [B, T, H/S, Dh]
+            return jax.lax.all_to_all(x, axis, split_axis=h_dim, concat_axis=s_dim, tiled=True)
+
+        out = attn_fn(heads_to_seq(q), heads_to_seq(k), heads_to_seq(v), *args, **kwargs)
+        # [B, T, H/S, Dh] -> [B, T/S, H, Dh]
+        return jax.lax.all_to_all(out, axis, split_axis=s_dim, concat_axis=h_dim, tiled=True)
+
+    return wrapped
+
+
+def sequence_chunk(x: jax.Array, axis: str = SEQ_AXIS, dim: int = 1) -> jax.Array:
+    """This device's contiguous chunk of ``x`` along ``dim``, for a batch that enters
+    ``shard_map`` replicated over ``axis`` (device ``j`` gets chunk ``j`` of ``S``).
+
+    Args:
+      x: the full-length array, the same on every device of ``axis``.
+      axis: the sequence-parallel mesh axis.
+      dim: the sequence dimension of ``x``.
+
+    Returns:
+      ``x``'s chunk ``jax.lax.axis_index(axis)`` of length ``T/S`` along ``dim``; ``x`` itself
+      where ``axis`` is unbound or of size 1.
+
+    Raises:
+      ValueError: a length along ``dim`` that the size of ``axis`` does not divide.
+    """
+    size = _bound_axis_size(axis)
+    if size is None or size == 1:
+        return x
+    length = x.shape[dim]
+    if length % size:
+        raise ValueError(
+            f"sequence_chunk: a sequence of {length} tokens (dimension {dim} of shape "
+            f"{tuple(x.shape)}) cannot be split evenly over the {size} devices of the {axis!r} "
+            f"axis. Pad or cut the sequence to a multiple of {size}, or choose a {axis!r} size "
+            f"among the divisors of {length}."
+        )
+    local = length // size
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * local, local, axis=dim)
+
+
+def sequence_offset(local_len: int, axis: str = SEQ_AXIS) -> jax.Array | int:
+    """The global position of this device's first token, for position embeddings: this
+    device's index on ``axis`` times ``local_len`` (0 where ``axis`` is unbound).
+
+    Args:
+      local_len: the number of tokens each device holds (``T/S``).
+      axis: the sequence-parallel mesh axis.
+
+    Returns:
+      ``jax.lax.axis_index(axis) * local_len`` (a traced int32 scalar) under a bound ``axis``;
+      the Python int 0 where it is unbound.
+    """
+    if _bound_axis_size(axis) is None:
+        return 0
+    return jax.lax.axis_index(axis) * local_len
