@@ -17,6 +17,9 @@ from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
 from jzero.distributed import init_distributed as init_distributed
 from jzero.distributed import make_mesh as make_mesh
+from jzero.distributed import sequence_chunk as sequence_chunk
+from jzero.distributed import sequence_offset as sequence_offset
+from jzero.distributed import sequence_parallel_attention as sequence_parallel_attention
 from jzero.engine import Engine as Engine
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
@@ -34,20 +37,23 @@ __all__ = [
     "Config",
     "ConfigError",
     "Engine",
-    "Plan",
-    "STAGES",
-    "StageSpec",
-    "TrainState",
-    "Precision",
     "estimate",
     "init_distributed",
     "init_train_state",
     "initialize",
     "load_config",
-    "make_mesh",
     "make_eval_step",
+    "make_mesh",
     "make_plan",
     "make_train_step",
+    "Plan",
+    "Precision",
+    "sequence_chunk",
+    "sequence_offset",
+    "sequence_parallel_attention",
+    "STAGES",
+    "StageSpec",
+    "TrainState",
 ]
 
 __version__ = "0.1.0"

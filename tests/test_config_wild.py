@@ -193,7 +193,10 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
             {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}},
             "compression_training.sparse_pruning.shared_parameters: DeepSpeed Compression",
         ),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size: 2 asks for sequence"),
+        (
+            {"sequence_parallel_size": 3, "model": {"num_heads": 4}},
+            "sequence_parallel_size: 3 does not divide the 4 attention heads",
+        ),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op: 'sum' is not supported"),
         ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation: false"),
     ],

@@ -317,3 +317,25 @@ def test_a_size_that_does_not_divide_a_split_dimension_names_the_leaf():
     with pytest.raises(ValueError, match=r"autotp_size: 3 does not divide dimension 1 \(64\) of "
                        r"lm_head.weight \(32, 64\), which the rule vocab head"):  # fmt: skip
         autotp_specs(params, 3)
+
+
+def test_the_estimate_divides_the_model_by_t_and_shards_the_rest_over_the_data_group():
+    psi, n, t = 7.5e9, 64, 4
+    e = jzero.estimate(psi, n, tensor_parallel=t)
+    d = n // t  # ZeRO's group: the data axis beside the model axis
+    assert e.row(3).device_bytes == pytest.approx(16 * psi / (d * t))
+    assert e.row(1).device_bytes == pytest.approx(4 * psi / t + 12 * psi / t / d)
+    assert e.row(0).device_bytes == pytest.approx(16 * psi / t)
+    # Megatron's activation split, and its traffic: 4 all-reduces of s b h a layer.
+    shape = {"seq_len": 2048, "micro_batch": 1, "hidden": 4096, "layers": 32, "heads": 32}
+    split = jzero.estimate(psi, n, tensor_parallel=t, **shape).row(3)
+    whole = jzero.estimate(psi, n, **shape).row(3)
+    s, h, a, L = 2048, 4096, 32, 32
+    per_layer = s * h * (10 + 24 / t) + 5 * a * s * s / t  # Korthikanti et al., bf16
+    assert split.activations == pytest.approx(L * per_layer)
+    assert split.activations < whole.activations
+    assert split.model_axis_bytes == pytest.approx(4 * 2 * (t - 1) / t * s * h * 2 * L)
+    assert whole.model_axis_bytes == 0
+    seq = jzero.estimate(psi, n, sequence_parallel=4, **shape).row(3)
+    assert seq.activations == pytest.approx(whole.activations / 4)
+    assert seq.device_bytes == pytest.approx(whole.device_bytes)  # ZeRO over data x seq

@@ -84,6 +84,8 @@ def _estimate(args: argparse.Namespace) -> int:
         activation_dtype=args.activation_dtype,
         replicas=args.replicas,
         sub_group_size=args.sub_group_size,
+        tensor_parallel=args.tensor_parallel,
+        sequence_parallel=args.sequence_parallel,
     )
     return _print_report(result, args.plot)
 
@@ -154,6 +156,20 @@ def add_commands(subparsers: Any) -> None:
         default=1,
         help="hybrid sharding: replica groups R (e.g. one per node); state is sharded within "
         "each group of N/R devices and only gradient shards cross groups (default 1)",
+    )
+    est.add_argument(
+        "--tensor-parallel",
+        "--tp",
+        default=1,
+        help="AutoTP's model axis T (tensor_parallel.autotp_size): each device holds Psi/T, "
+        "ZeRO-sharded over N/T (default 1)",
+    )
+    est.add_argument(
+        "--sequence-parallel",
+        "--sp",
+        default=1,
+        help="Ulysses's seq axis S (sequence_parallel_size): activations / S, ZeRO over it too "
+        "(default 1)",
     )
     est.add_argument(
         "--sub-group-size",

@@ -16,7 +16,7 @@ Decisions:
 * DeepSpeed's sections for features jzero does not have are accepted and listed in the
   no-effect warning, except where ignoring them would train something else than what was
   asked: ``pipeline.stages`` > 1, ``expert_parallel``
-  with ``autoep_size`` > 1, ``sequence_parallel_size`` > 1, an enabled ``compression_training``
+  with ``autoep_size`` > 1, an enabled ``compression_training``
   technique, ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are
   errors (``jzero.config._validate``).
 """
@@ -308,8 +308,13 @@ class Config:
     T. ``tp_size`` is read as ``autotp_size``. A user's own annotations win over the rules."""
     expert_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
     """DeepSpeed AutoEP. Accepted disabled or with ``autoep_size`` 1; more is an error."""
-    sequence_parallel_size: int = _field(1, min=1, no_effect=_PARALLEL)
-    """DeepSpeed: Ulysses sequence parallelism. Accepted at 1; more is an error."""
+    sequence_parallel_size: int = _field(1, min=1)
+    """DeepSpeed-Ulysses: ``S`` > 1 adds a ``seq`` mesh axis of S devices beside ``data``
+    (``{data: N/(S*T), seq: S}``). Its devices share the batch's rows and each computes the
+    loss of its own ``T/S`` tokens; around attention two all-to-alls swap the sequence split
+    for a head split (:mod:`jzero.distributed.sequence`; built into the built-in GPT, and
+    ``jzero.sequence_parallel_attention`` for your own model). ZeRO shards over ``data`` x
+    ``seq``, as DeepSpeed does. S must divide the heads and the sequence length."""
     gradient_allreduce_op: str = "mean"
     """DeepSpeed: how gradients are combined over the data axis. jzero averages them, so
     only "mean" (DeepSpeed's default) is accepted."""
@@ -337,6 +342,14 @@ class Config:
                     f"mesh.model is {sizes['model']}; remove mesh.model or set it to {tp}."
                 )
             sizes["model"] = tp
+        sp = self.sequence_parallel_size
+        if sp > 1:
+            if sizes.get("seq", -1) not in (-1, sp):
+                raise ConfigError(
+                    f"sequence_parallel_size: {sp} is the size of the seq axis, but mesh.seq is "
+                    f"{sizes['seq']}; remove mesh.seq or set it to {sp}."
+                )
+            sizes["seq"] = sp
         zero = self.zero_optimization
         key, group = None, None
         if zero.mics_shard_size > 0:

@@ -347,6 +347,10 @@ _TP_KEYS = ("autotp_size", "tp_size", "tp_plan", "num_heads", "tp_grain_size", "
             "preset_model")  # fmt: skip
 
 
+def _divisors(n: int) -> list[int]:
+    return [t for t in range(1, n + 1) if n % t == 0]
+
+
 def _tensor_parallel_errors(cfg: Config) -> list[str]:
     """The ``tensor_parallel`` section: sizes that are positive integers (0 or 1: off), one
     size however spelled, a ``tp_plan`` mapping, and a model axis that divides the heads."""
@@ -397,7 +401,7 @@ def _tensor_parallel_errors(cfg: Config) -> list[str]:
             f"tensor_parallel.autotp_size: {size} does not divide the {heads} attention heads, "
             "so the heads can't be split evenly over the model axis; choose an autotp_size "
             f"among the divisors of {heads} "
-            f"({', '.join(str(t) for t in range(1, int(heads) + 1) if heads % t == 0)})."
+            f"({', '.join(str(t) for t in _divisors(int(heads)))})."
         )
     return errors
 
@@ -426,11 +430,16 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
             "jzero does not have; set autoep_size: 1 or enabled: false (every expert is then "
             "trained data parallel, sharded by ZeRO)."
         )
-    if cfg.sequence_parallel_size > 1:
-        errors.append(
-            f"sequence_parallel_size: {cfg.sequence_parallel_size} asks for sequence "
-            "parallelism, which jzero does not have; remove it (or set 1)."
-        )
+    sp = cfg.sequence_parallel_size
+    heads, seq_len = cfg.model.get("num_heads"), cfg.model.get("seq_len")
+    for what, n in (("attention heads (model.num_heads)", heads),
+                    ("tokens of a sequence (model.seq_len)", seq_len)):  # fmt: skip
+        if sp > 1 and _is_number(n) and n % sp:
+            errors.append(
+                f"sequence_parallel_size: {sp} does not divide the {n} {what}, so they can't "
+                "be split evenly over the seq axis; choose a sequence_parallel_size among the "
+                f"divisors of {n} ({', '.join(str(t) for t in _divisors(int(n)))})."
+            )
     enabled = _enabled_techniques(cfg.compression_training, "compression_training")
     if enabled:
         errors.append(

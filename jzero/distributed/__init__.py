@@ -12,6 +12,8 @@ ZeRO's data axis (tensor and sequence now; pipeline and expert later), as in tor
   alike on every process, each process's rows joined into the global batch, the barrier.
 * :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
   parameters' names and shapes.
+* :mod:`~jzero.distributed.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
+  the ``seq`` axis by two all-to-alls.
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
@@ -34,6 +36,7 @@ from jzero.distributed.layout import DistributedSpec as DistributedSpec
 from jzero.distributed.layout import resolve_spec as resolve_spec
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
 from jzero.distributed.mesh import REPLICA_AXIS as REPLICA_AXIS
+from jzero.distributed.mesh import SEQ_AXIS as SEQ_AXIS
 from jzero.distributed.mesh import make_mesh as make_mesh
 from jzero.distributed.runtime import any_process as any_process
 from jzero.distributed.runtime import backends_initialized as backends_initialized
@@ -45,6 +48,11 @@ from jzero.distributed.runtime import init_distributed as init_distributed
 from jzero.distributed.runtime import is_main_process as is_main_process
 from jzero.distributed.runtime import launcher_replicas as launcher_replicas
 from jzero.distributed.runtime import local_batch_size as local_batch_size
+from jzero.distributed.sequence import sequence_chunk as sequence_chunk
+from jzero.distributed.sequence import sequence_offset as sequence_offset
+from jzero.distributed.sequence import (
+    sequence_parallel_attention as sequence_parallel_attention,
+)
 from jzero.distributed.tensor import MODEL_AXIS as MODEL_AXIS
 from jzero.distributed.tensor import TPChoice as TPChoice
 from jzero.distributed.tensor import autotp_specs as autotp_specs
@@ -77,5 +85,9 @@ __all__ = [
     "MODEL_AXIS",
     "REPLICA_AXIS",
     "resolve_spec",
+    "SEQ_AXIS",
+    "sequence_chunk",
+    "sequence_offset",
+    "sequence_parallel_attention",
     "TPChoice",
 ]

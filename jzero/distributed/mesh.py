@@ -12,8 +12,9 @@ Decisions:
   neighbouring devices. One axis may be ``-1``: the devices the others leave.
 * The product of the sizes must equal the number of devices: a mesh that silently left
   devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
-* ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis and
-  ``data`` the next, so each ``data`` group is made of neighbouring devices: within one host.
+* ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis,
+  ``data`` the next, then ``seq`` (sequence parallelism) where there is one, so each ``data``
+  group is made of neighbouring devices: within one host.
   With several processes the devices are laid out by ``create_hybrid_device_mesh`` with the
   processes as the slow (cross-host) dimension, so that ``replica`` runs across processes and
   ``data`` within them wherever the sizes allow.
@@ -31,12 +32,17 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["DATA_AXIS", "REPLICA_AXIS", "make_mesh"]
+__all__ = ["DATA_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
 
 logger = logging.getLogger("jzero")
 
 DATA_AXIS = "data"
 """The name of the data-parallel mesh axis, the one ZeRO shards over."""
+
+SEQ_AXIS = "seq"
+"""The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.distributed.sequence`):
+its devices share the batch's rows and split their tokens; ZeRO shards over it beside
+``data``."""
 
 REPLICA_AXIS = "replica"
 """The name of the replica axis (hybrid sharding): the batch is split over it too, but ZeRO's
@@ -114,12 +120,10 @@ def make_mesh(
             f"mesh {sizes} asks for {total} devices but only {len(devices)} {platform} "
             f"device(s) are available. Lower mesh.data (or set it to -1 for all devices).{hint}"
         )
-    if REPLICA_AXIS in sizes:  # replica outermost, then data: data groups are neighbours
-        sizes = {
-            REPLICA_AXIS: sizes[REPLICA_AXIS],
-            DATA_AXIS: sizes[DATA_AXIS],
-            **{k: v for k, v in sizes.items() if k not in (REPLICA_AXIS, DATA_AXIS)},
-        }
+    # replica outermost, then data, then seq: data groups (and each data x seq ZeRO group)
+    # are neighbours, and each seq group's devices too.
+    lead = [a for a in (REPLICA_AXIS, DATA_AXIS, SEQ_AXIS) if a in sizes]
+    sizes = {**{a: sizes[a] for a in lead}, **{k: v for k, v in sizes.items() if k not in lead}}
     names = tuple(sizes)
     shape = tuple(sizes.values())
     processes = len({getattr(d, "process_index", 0) for d in devices})

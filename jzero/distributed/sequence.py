@@ -55,9 +55,7 @@ import jax
 
 __all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
 
-SEQ_AXIS = "seq"
-"""The name of the sequence-parallel mesh axis: the sequence dimension of the activations is
-split over it, and attention is computed per group of heads across it."""
+from jzero.distributed.mesh import SEQ_AXIS
 
 
 def _bound_axis_size(axis: str) -> int | None:

@@ -36,7 +36,7 @@ import optax
 from jzero import config as config_lib
 from jzero import distributed, optim
 from jzero._util import abstract_tree
-from jzero.distributed import make_mesh, tensor
+from jzero.distributed import DATA_AXIS, SEQ_AXIS, make_mesh, tensor
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
@@ -62,6 +62,39 @@ def _optimizer(
             "an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
         )
     return optim.build_optimizer(cfg), optim.build_schedule(cfg)
+
+
+def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Under sequence parallelism (a ``seq`` axis of more than one device) ZeRO shards over
+    ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; else ``data``."""
+    size = cfg.sequence_parallel_size
+    if size > 1 and mesh.shape.get(SEQ_AXIS, 1) != size:
+        raise ValueError(
+            f"sequence_parallel_size: {size} needs a mesh axis {SEQ_AXIS!r} of {size} devices, "
+            f"but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build it, or "
+            f"give it {SEQ_AXIS}: {size}."
+        )
+    if mesh.shape.get(SEQ_AXIS, 1) <= 1:
+        return {}
+    return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
+
+
+def _check_sequence_parallel(cfg: config_lib.Config) -> None:
+    """What sequence parallelism does not compose with yet: clear errors, never a wrong step."""
+    zero = cfg.zero_optimization
+    refused = {
+        "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": zero.zero_hpz_partition_size > 1,
+        "zero_quantized_weights / zero_quantized_gradients (ZeRO++)": bool(
+            zero.zero_quantized_weights or zero.zero_quantized_gradients
+        ),
+        "offload_optimizer.device: nvme": zero.offload_optimizer.device == "nvme",
+    }
+    for what, on in refused.items():
+        if on:
+            raise ValueError(
+                f"sequence_parallel_size: {cfg.sequence_parallel_size} does not compose with "
+                f"{what} yet; set sequence_parallel_size: 1, or turn that off."
+            )
 
 
 def _tensor_parallel(
@@ -227,8 +260,11 @@ def initialize(
         and cfg.zero_optimization.offload_optimizer.device != "nvme",
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
         tp_rules=tp_rules,
+        **_zero_axes(cfg, mesh),
     )
     plan = replan()
+    if plan.seq_axis is not None:
+        _check_sequence_parallel(cfg)
     from jzero.step import streamed_groups
 
     zero = cfg.zero_optimization

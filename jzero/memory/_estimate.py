@@ -107,7 +107,14 @@ def _model_states(
 
 
 def transformer_activations(
-    seq_len: int, micro_batch: int, hidden: int, layers: int, heads: int, dtype: str = "bf16"
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    dtype: str = "bf16",
+    tensor_parallel: int = 1,
+    sequence_parallel: int = 1,
 ) -> tuple[float, float]:
     """Activation bytes per device of a transformer's layers, without and with full recomputation.
 
@@ -124,6 +131,12 @@ def transformer_activations(
       layers: transformer layers L.
       heads: attention heads a.
       dtype: the activations' dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+      tensor_parallel: the model axis t: the paper's tensor-parallel split, per layer
+        ``s b h (10 + 24 / t + 5 a s / (h t))`` (the norms' and residual's activations whole
+        on every device of the axis, the attention's and MLP's split).
+      sequence_parallel: the seq axis S (Ulysses): each device holds ``s / S`` tokens outside
+        attention and ``a / S`` heads of the whole sequence inside it, so everything divides
+        by S.
 
     Returns:
       ``(without, with_full_recomputation)`` in bytes.
@@ -134,8 +147,9 @@ def transformer_activations(
     """
     s, b, h, n, a = seq_len, micro_batch, hidden, layers, heads
     k = _DTYPE_BYTES[dtype] / 2
-    per_layer = s * b * h * (32 * k + 2) + a * s * s * b * (4 * k + 1)
-    return n * per_layer, n * 2 * k * s * b * h + per_layer
+    t, sp = tensor_parallel, sequence_parallel
+    per_layer = (s * b * h * (8 * k + 2 + 24 * k / t) + a * s * s * b * (4 * k + 1) / t) / sp
+    return n * per_layer, n * 2 * k * s * b * h / sp + per_layer
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,8 @@ class EstimateRow:
     activations_checkpointed: float = 0.0
     cross_host_psi: float = 0.0
     disk: float = 0.0
+    model_axis_bytes: float = 0.0
+    seq_axis_bytes: float = 0.0
 
     @property
     def device_bytes(self) -> float:
@@ -195,11 +211,13 @@ class Estimate:
     shape: Mapping[str, int] | None = None
     activation_dtype: str = "bf16"
     replicas: int = 1
+    tensor_parallel: int = 1
+    sequence_parallel: int = 1
 
     @property
     def shards(self) -> int:
-        """Devices each sharded state is split over: ``devices / replicas``."""
-        return self.devices // self.replicas
+        """Devices each sharded state is split over: ``devices / (replicas x T)``."""
+        return self.devices // self.replicas // self.tensor_parallel
 
     @property
     def counts_activations(self) -> bool:
@@ -233,6 +251,8 @@ class Estimate:
         disk = any(r.disk for r in self.rows)
         header += ["host GB/node"] + (["disk GB/node"] if disk else []) + ["comm/step"]
         header += ["cross-host/step"]
+        split = act and (self.tensor_parallel > 1 or self.sequence_parallel > 1)
+        header += ["model GB/step", "seq GB/step"] if split else []
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
@@ -243,6 +263,8 @@ class Estimate:
             cells += [f"{r.host_bytes / GB:.2f}"] + ([f"{r.disk / GB:.2f}"] if disk else [])
             cells += [f"{r.comm_psi:g} Psi"]
             cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
+            if split:
+                cells += [f"{r.model_axis_bytes / GB:.3g}", f"{r.seq_axis_bytes / GB:.3g}"]
             if usable is not None:
                 if r.total_bytes(False) <= usable:
                     cells.append("yes")
@@ -255,6 +277,13 @@ class Estimate:
             if self.replicas > 1
             else ""
         )
+        if self.tensor_parallel > 1 or self.sequence_parallel > 1:
+            hybrid += (
+                f", tensor_parallel T = {self.tensor_parallel}, sequence_parallel S = "
+                f"{self.sequence_parallel}: each device holds Psi/T = "
+                f"{self.params / self.tensor_parallel:.4g} parameters, ZeRO-sharded over N = "
+                f"{self.shards} (data x seq)"
+            )
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
@@ -291,6 +320,16 @@ class Estimate:
                 f"{2 * k:g} s b h L + one layer rebuilt in the backward pass.",
                 "  fits: yes (without AC), AC (only with activation checkpointing), no.",
             ]
+            if split:
+                t, sp = self.tensor_parallel, self.sequence_parallel
+                lines += [
+                    f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
+                    f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
+                    "tensor-parallel split; Ulysses divides every term by S).",
+                    "  model GB/step: Megatron's 4 all-reduces of s b h / S a layer, 2 (T-1)/T "
+                    "each; seq GB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
+                    "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
+                ]
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
@@ -333,6 +372,8 @@ def estimate(
     activation_dtype: str = "bf16",
     replicas: int = 1,
     sub_group_size: float = 1e9,
+    tensor_parallel: int = 1,
+    sequence_parallel: int = 1,
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -371,6 +412,14 @@ def estimate(
       replicas: hybrid sharding's replica groups R (``mesh: {replica: R, data: N/R}``,
         ``mics_shard_size: N/R``): state is sharded within each group of ``N/R`` devices and
         only the gradient shards cross the groups; 1 (default): one group of all N.
+      tensor_parallel: AutoTP's model axis T (``tensor_parallel.autotp_size``): each device
+        holds ``Psi / T`` of the model, ZeRO-sharded over the ``N / T`` devices of its data
+        group (x ``seq``), and the activations split as :func:`transformer_activations` says.
+        With the transformer's shape, the model-axis traffic is Megatron's: 4 all-reduces of
+        ``s b h`` a layer (2 forward, 2 backward), ``2 (T-1)/T`` of the buffer each on a ring.
+      sequence_parallel: Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over
+        it too (DeepSpeed's way), the activations divide by S, and with the transformer's
+        shape its traffic is 8 all-to-alls of ``s b h / S`` a layer, ``(S-1)/S`` each.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -412,6 +461,13 @@ def estimate(
             f"largest_layer_params: {largest_layer_params!r} is not allowed; it must be between "
             f"0 and the parameter count {psi:.4g}."
         )
+    tp = _positive(tensor_parallel, "tensor_parallel", "2", integer=True)
+    sp = _positive(sequence_parallel, "sequence_parallel", "4", integer=True)
+    if n % (r * tp * sp):
+        raise ValueError(
+            f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
+            f"sequence_parallel={sp}; pass sizes whose product divides {n}."
+        )
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
     given.update(layers=layers, heads=heads)
@@ -434,8 +490,18 @@ def estimate(
                 f"activation_dtype: {activation_dtype!r} is not allowed; it must be one of "
                 f"{', '.join(_DTYPE_BYTES)}."
             )
-        act, act_ac = transformer_activations(**shape, dtype=activation_dtype)
-    shards = n // r
+        act, act_ac = transformer_activations(
+            **shape, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
+        )
+    model_bytes = seq_bytes = 0.0
+    if shape is not None:
+        sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / sp
+        width = _DTYPE_BYTES[activation_dtype] * shape["layers"]
+        model_bytes = 4 * 2 * (tp - 1) / tp * sbh * width
+        seq_bytes = 8 * (sp - 1) / sp * sbh / tp * width
+    # Each device holds Psi / T of the model; ZeRO shards it over its data (x seq) group.
+    psi_all, psi, ll = psi, psi / tp, ll / tp
+    shards = n // r // tp
     buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
@@ -463,12 +529,15 @@ def estimate(
             act_ac,
             _cross_host(spec, r, shards, n // per_node),
             disk,
+            model_bytes,
+            seq_bytes,
         )
         for spec, o, d, h, disk in rows
     )
     return Estimate(
-        psi, n, per_node, out, memory, _check_margin(margin), ll, buf, shape, activation_dtype, r
-    )
+        psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
+        activation_dtype, r, tp, sp,
+    )  # fmt: skip
 
 
 def _cross_host(spec: StageSpec, replicas: int, shards: int, nodes: int) -> float:

@@ -96,6 +96,12 @@ def _plan_on(engine: Any, devices: int) -> Any:
     from jzero import plan as plan_lib
 
     local = engine.plan
+    if len(local.zero_axes) > 1:
+        raise ValueError(
+            f"jzero plan --devices: planning another device count is for meshes whose ZeRO "
+            f"axis is data alone, but this one shards over {' x '.join(local.zero_axes)} "
+            "(sequence parallelism); drop --devices to plan the config's mesh."
+        )
     sizes = {**dict(local.mesh.shape), local.axis: devices}
     mesh = AbstractMesh(
         tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
@@ -143,6 +149,13 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
         cross = sum(
             s.bytes for axes, stats in by_axes.items() if "replica" in axes for s in stats.values()
         )
+    within = {
+        name: sum(s.bytes for axes, stats in by_axes.items() if axes == (name,)
+                  for s in stats.values())
+        if name in engine.mesh.shape
+        else None
+        for name in ("model", "seq")
+    }  # fmt: skip
     local_device = _state_bytes(local, "model_state_bytes", accum)
     resident = sum(v for k, v in local_device.items() if k != "grads")
     if not mem.host_argument_size_in_bytes:  # host arrays are then counted among the arguments
@@ -163,6 +176,8 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
         other_argument_bytes=max(int(other), 0),
         comm_bytes=int(comm),
         cross_replica_bytes=cross,
+        model_axis_bytes=within["model"],
+        seq_axis_bytes=within["seq"],
     )
 
 

@@ -68,6 +68,10 @@ class StageMemory:
         :mod:`jzero.hlo`), ``None`` when no step was compiled.
       cross_replica_bytes: the part of ``comm_bytes`` whose device groups span the mesh's
         ``replica`` axis (across hosts under hybrid sharding); ``None`` without that axis.
+      model_axis_bytes: the part whose groups span the ``model`` axis (tensor parallelism's
+        activation all-reduces); ``None`` without that axis.
+      seq_axis_bytes: the part whose groups span the ``seq`` axis only (sequence
+        parallelism's all-to-alls); ``None`` without that axis.
     """
 
     stage: int
@@ -87,6 +91,8 @@ class StageMemory:
     other_peak_bytes: int | None = None
     comm_bytes: int | None = None
     cross_replica_bytes: int | None = None
+    model_axis_bytes: int | None = None
+    seq_axis_bytes: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -174,7 +180,10 @@ class PlanReport:
         alt = "AC" if _ac_on(other) else "no AC"
         comm = any(r.comm_bytes is not None for r in self.rows)
         cross = any(r.cross_replica_bytes is not None for r in self.rows)
+        model = any(r.model_axis_bytes is not None for r in self.rows)
+        seq = any(r.seq_axis_bytes is not None for r in self.rows)
         header += (["comm/step"] if comm else []) + (["x-replica/step"] if cross else [])
+        header += (["model/step"] if model else []) + (["seq/step"] if seq else [])
         header += ["args", "temp", "peak"]
         header += [f"temp {alt}", f"peak {alt}"] if compare else []
         header += ["fits"] if usable is not None else []
@@ -182,7 +191,12 @@ class PlanReport:
         for r in self.rows:
             cells = [str(r.stage), r.offload, *(_fmt(r.device.get(k, 0), unit) for k in keys)]
             cells += [_fmt(sum(r.host.values()), unit), _fmt(r.gathered_layer, unit)]
-            for shown, v in ((comm, r.comm_bytes), (cross, r.cross_replica_bytes)):
+            for shown, v in (
+                (comm, r.comm_bytes),
+                (cross, r.cross_replica_bytes),
+                (model, r.model_axis_bytes),
+                (seq, r.seq_axis_bytes),
+            ):
                 if shown:
                     cells.append("-" if v is None else _fmt(v, unit))
             for v in (r.argument_bytes, r.temp_bytes):
@@ -221,6 +235,12 @@ class PlanReport:
                     if cross
                     else "."
                 )
+            )
+        if model or seq:
+            lines.append(
+                "model/step: the part within the model axis (tensor parallelism's activation "
+                "all-reduces); seq/step: within the seq axis (sequence parallelism's "
+                "all-to-alls)."
             )
         if compare and usable is not None:
             lines.append("fits: yes (without activation checkpointing), AC (only with it), no.")

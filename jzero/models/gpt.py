@@ -35,6 +35,11 @@ Decisions:
   output) use 0.02 / sqrt(2 * num_layers); biases and LayerNorm offsets are zero and LayerNorm
   scales are one.
 * No dropout: the model is deterministic, so forward passes need no RNG.
+* Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size``) is built in: where
+  jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
+  inputs and targets, the position table from this device's first position, and attention
+  runs through :func:`jzero.distributed.sequence.sequence_parallel_attention` (all-to-all to
+  the whole sequence for ``H/S`` heads, and back). Called anywhere else, it is the plain model.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jzero.distributed.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
 
 __all__ = ["GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
 
@@ -176,19 +183,30 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     return (y * scale.astype(wide) + bias.astype(wide)).astype(x.dtype)
 
 
+def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention of [B, T, H, Dh] heads, the softmax in float32 (or wider)."""
+    t, head_dim = q.shape[1], q.shape[-1]
+    wide = _wide(q.dtype)
+    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(wide).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
+
+
+# Under sequence parallelism (a `seq` axis bound by jzero's step) each device holds T/S tokens;
+# attention then sees the whole sequence for H/S heads. Elsewhere it is the plain call.
+_ulysses_attention = sequence_parallel_attention(_causal_attention)
+
+
 def _attention(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.Array:
-    """Causal multi-head self-attention; ``x`` is [B, T, D]."""
+    """Causal multi-head self-attention; ``x`` is [B, T, D] (this device's tokens)."""
     b, t, d = x.shape
     head_dim = d // num_heads
     qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
     qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    wide = _wide(x.dtype)
-    scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(wide).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-    out = jnp.einsum("bhts,bshd->bthd", probs, v).reshape(b, t, d)
+    out = _ulysses_attention(q, k, v).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
 
 
@@ -209,7 +227,13 @@ def _embed(
             f"The input has {t} tokens per sequence but GPTConfig.seq_len={cfg.seq_len}. "
             "Shorten the input or raise seq_len."
         )
-    x = jnp.take(tokens_table, tokens, axis=0) + positions[:t]
+    offset = sequence_offset(t)  # this device's first position under sequence parallelism
+    table = (
+        positions[:t]
+        if isinstance(offset, int)
+        else jax.lax.dynamic_slice_in_dim(positions, offset, t)
+    )
+    x = jnp.take(tokens_table, tokens, axis=0) + table
     return x.astype(cfg.compute_dtype)
 
 
@@ -222,7 +246,8 @@ def _head(ln_f: Mapping[str, jax.Array], tokens_table: jax.Array, x: jax.Array) 
 
 def _next_token_loss(logits_fn: Callable[[jax.Array], jax.Array], tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats; ``tokens`` is int [B, T + 1]."""
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    # Under sequence parallelism each device takes its own T/S positions of both.
+    inputs, targets = sequence_chunk(tokens[:, :-1]), sequence_chunk(tokens[:, 1:])
     log_probs = jax.nn.log_softmax(logits_fn(inputs), axis=-1)
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
     return -picked.mean()

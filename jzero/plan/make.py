@@ -84,7 +84,7 @@ def make_plan(
     mesh: Mesh,
     stage: int | StageSpec,
     *,
-    axis: str = DATA_AXIS,
+    axis: str | tuple[str, ...] = DATA_AXIS,
     persistence_threshold: int = 100_000,
     param_specs: PyTree | None = None,
     precision: Precision | None = None,
@@ -104,6 +104,7 @@ def make_plan(
     quantized_gradients: int = 0,
     padding: bool = True,
     tp_rules: Sequence[str] | None = None,
+    seq_axis: str | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -112,7 +113,9 @@ def make_plan(
       optimizer: the optax transformation whose state is to be sharded.
       mesh: the device mesh; ``axis`` must be one of its axes.
       stage: a ZeRO stage (0-3) or its :class:`~jzero.plan.stages.StageSpec`.
-      axis: the data-parallel mesh axis.
+      axis: the data-parallel mesh axis, or a tuple of the axes ZeRO shards over
+        (``("data", "seq")`` under sequence parallelism: DeepSpeed shards ZeRO's state over
+        the sequence-parallel ranks too).
       persistence_threshold: stage 3 keeps parameters with fewer elements whole
         (DeepSpeed's ``stage3_param_persistence_threshold``).
       param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
@@ -143,6 +146,8 @@ def make_plan(
         on a later dimension that divides, else stays whole (the NVMe tier's files need it).
       tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
         :func:`jzero.distributed.tensor.autotp_specs`), shown by :meth:`Plan.describe`.
+      seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
+        not split over it (its devices split their tokens instead, in the loss).
 
     Returns:
       The :class:`Plan`.
@@ -153,10 +158,16 @@ def make_plan(
         check_offload(spec, "optimizer")
     if offload_params is not None:
         check_offload(spec, "optimizer+params")
-    if axis not in mesh.shape:
+    zero_axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    for name in zero_axes:
+        if name not in mesh.shape:
+            raise ValueError(
+                f"The mesh has no axis {name!r}; its axes are {list(mesh.shape)}. "
+                f"Build the mesh with jzero.make_mesh or name its data-parallel axis {name!r}."
+            )
+    if seq_axis is not None and seq_axis not in zero_axes:
         raise ValueError(
-            f"The mesh has no axis {axis!r}; its axes are {list(mesh.shape)}. "
-            f"Build the mesh with jzero.make_mesh or name its data-parallel axis {axis!r}."
+            f"seq_axis {seq_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
         )
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), abstract_params
@@ -177,12 +188,14 @@ def make_plan(
                     f"(e.g. mesh: {{data: -1, {missing[0]}: 2}}) or remove them from the "
                     "annotation."
                 )
-            if axis in jax.tree.leaves(tuple(b)):
+            taken = [a for a in zero_axes if a in jax.tree.leaves(tuple(b))]
+            if taken:
                 raise ValueError(
-                    f"The partition spec {b} of {_path_str(path)} already uses the data axis "
-                    f"{axis!r}; jzero places the data axis itself. Remove {axis!r} from it."
+                    f"The partition spec {b} of {_path_str(path)} already uses the "
+                    f"{'data axis' if taken[0] == DATA_AXIS else 'axis'} {taken[0]!r} ZeRO "
+                    f"shards over; jzero places it itself. Remove {taken[0]!r} from it."
                 )
-    _check_axes_used(mesh, axis, bases)
+    _check_axes_used(mesh, zero_axes, bases)
     replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
     if hpz and (replica is None or not spec.shard_params):
         raise ValueError(
@@ -195,8 +208,8 @@ def make_plan(
     _check_comm(spec, reduce_bucket_size, allgather_bucket_size, quantized_weights,
                 quantized_gradients)  # fmt: skip
     buckets = bool(overlap_comm) and not spec.shard_params
-    state_axes = (axis, replica) if hpz else (axis,)
-    n = int(mesh.shape[axis]) * (int(mesh.shape[replica]) if hpz else 1)
+    state_axes = (*zero_axes, replica) if hpz else zero_axes
+    n = math.prod(int(mesh.shape[a]) for a in state_axes)
     traced = layer_dims is not None
     layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
     if len(layer_dims) != len(flat):
@@ -209,7 +222,7 @@ def make_plan(
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 
-    def shardings(dims: list[int | None], axes: tuple[str, ...] = (axis,)) -> PyTree:
+    def shardings(dims: list[int | None], axes: tuple[str, ...] = zero_axes) -> PyTree:
         return treedef.unflatten(
             [
                 NamedSharding(mesh, _spec_with(b, len(leaf.shape), d, axes))
@@ -290,6 +303,8 @@ def make_plan(
     else:
         opt_sh = _with_kind(opt_sh, offload_optimizer)
         master_sh = _with_kind(update_sh, offload_optimizer)
+    # The batch's rows are split over every batch axis but seq (whose devices share rows).
+    row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a != seq_axis)
     return Plan(
         stage=spec,
         mesh=mesh,
@@ -302,7 +317,7 @@ def make_plan(
         abstract_opt_state=abstract_opt_state,
         opt_state=opt_sh,
         stored_opt_state=stored_opt_state,
-        batch=NamedSharding(mesh, P(axis_entry((replica, axis) if replica else (axis,)))),
+        batch=NamedSharding(mesh, P(axis_entry(row_axes))),
         replicated=replicated,
         precision=precision,
         master=master_sh if precision.mixed else None,
@@ -321,6 +336,7 @@ def make_plan(
         quantized_weights=int(quantized_weights),
         quantized_gradients=int(quantized_gradients),
         tp_rules=tuple(tp_rules or ()),
+        seq_axis=seq_axis,
     )
 
 
@@ -361,13 +377,14 @@ def _check_comm(
         )
 
 
-def _check_axes_used(mesh: Mesh, axis: str, bases: Sequence[P]) -> None:
+def _check_axes_used(mesh: Mesh, zero_axes: tuple[str, ...], bases: Sequence[P]) -> None:
     """Refuses a mesh axis of several devices that neither splits the batch (``data``,
     ``replica``) nor any parameter (a partition spec): its devices would compute the same
     rows, a silent multiple of the compute."""
     used = {a for b in bases for a in jax.tree.leaves(tuple(b))}
     for name, size in mesh.shape.items():
-        if size > 1 and name not in (axis, REPLICA_AXIS) and name not in used:
+        axis = zero_axes[0]
+        if size > 1 and name not in (*zero_axes, REPLICA_AXIS) and name not in used:
             raise ValueError(
                 f"mesh axis {name!r} ({size} devices) is neither {axis!r}, {REPLICA_AXIS!r} nor "
                 "named by any parameter's partition spec, so its devices would all compute the "

@@ -43,7 +43,8 @@ class Plan:
     Attributes:
       stage: the stage table row.
       mesh: the device mesh (``axis`` is its data-parallel axis).
-      axis: the data-parallel axis name.
+      axis: the data-parallel axis name, or the axes ZeRO shards over (``("data", "seq")``
+        under sequence parallelism).
       abstract_params: the params as ``jax.ShapeDtypeStruct``.
       leaves: one :class:`LeafPlan` per parameter leaf, in ``jax.tree.leaves`` order.
       params: shardings of the params at rest.
@@ -84,6 +85,9 @@ class Plan:
       allgather_bucket_size: likewise for the all-gather of the updated parameters (stages 1-2).
       quantized_weights: ZeRO++ qwZ at stage 3: stage 3's parameter gathers send this many
         bits a value (8 or 4); 0: exact.
+      seq_axis: the sequence-parallel mesh axis (Ulysses), one of :attr:`zero_axes`, or
+        ``None``: its devices share the batch's rows and each computes the loss of its own
+        tokens (:mod:`jzero.distributed.sequence`).
       tp_rules: per leaf, the tensor-parallel rule that laid it out over the model axis
         (:func:`jzero.distributed.tensor.autotp_specs`), empty without AutoTP.
       quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
@@ -123,6 +127,7 @@ class Plan:
     quantized_gradients: int = 0
     stored_opt_state: PyTree = None
     tp_rules: tuple[str, ...] = ()
+    seq_axis: str | None = None
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
     def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
@@ -160,9 +165,15 @@ class Plan:
         return self.update_layout
 
     @property
+    def zero_axes(self) -> tuple[str, ...]:
+        """The mesh axes ZeRO shards over, major first: ``data``, and ``seq`` beside it under
+        sequence parallelism (:attr:`seq_axis`)."""
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+    @property
     def num_shards(self) -> int:
-        """The size of the data axis: how many shards a parameter is split into at rest."""
-        return int(self.mesh.shape[self.axis])
+        """The size of ZeRO's axes: how many shards a parameter is split into at rest."""
+        return math.prod(int(self.mesh.shape[a]) for a in self.zero_axes)
 
     @property
     def num_replicas(self) -> int:
@@ -170,19 +181,38 @@ class Plan:
         return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
 
     @property
+    def seq_size(self) -> int:
+        """The size of the sequence-parallel axis (1 without one)."""
+        return int(self.mesh.shape[self.seq_axis]) if self.seq_axis else 1
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch is split over: ``replica`` (if any), then ``data``."""
-        return (self.replica_axis, self.axis) if self.replica_axis else (self.axis,)
+        """The mesh axes each device computes its own part of the loss over, the ones the
+        step's ``shard_map`` makes manual: ``replica`` (if any), then ZeRO's axes. The
+        batch's rows are split over all of them but ``seq``, whose devices share rows and
+        split their tokens."""
+        return (self.replica_axis, *self.zero_axes) if self.replica_axis else self.zero_axes
 
     @property
     def state_axes(self) -> tuple[str, ...]:
         """The mesh axes gradients and optimizer state are sharded over, major first:
-        ``data``, and ``replica`` too under :attr:`hpz`."""
-        return (self.axis, self.replica_axis) if self.hpz and self.replica_axis else (self.axis,)
+        ZeRO's axes, and ``replica`` too under :attr:`hpz`."""
+        return (
+            (*self.zero_axes, self.replica_axis)
+            if self.hpz and self.replica_axis
+            else (self.zero_axes)
+        )
 
     @property
     def data_parallel_size(self) -> int:
-        """Devices the batch is split over (``replica`` x ``data``)."""
+        """Devices the batch's rows are split over (``replica`` x ``data``); a ``seq`` group
+        shares its rows."""
+        return self.num_shards * self.num_replicas // self.seq_size
+
+    @property
+    def loss_shards(self) -> int:
+        """Devices whose local losses average into the step's loss: every device of
+        :attr:`batch_axes` (each holds its own rows, or its own tokens of them)."""
         return self.num_shards * self.num_replicas
 
     @property
@@ -349,7 +379,7 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [
             f"ZeRO stage {self.stage.stage} ({self.stage.description}) over "
-            f"{self.axis}={n} of mesh {dict(self.mesh.shape)}",
+            f"{' x '.join(self.zero_axes)}={n} of mesh {dict(self.mesh.shape)}",
         ]
         if self.replica_axis:
             lines.append(

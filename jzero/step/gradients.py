@@ -220,7 +220,7 @@ def _local_grads(
     gradients leave reduced over the data axis as the stage says (:func:`_reduce`), already
     divided into the mean over the global batch, in the master weights' dtype.
     """
-    prec, axis, n = plan.precision, plan.batch_axes, plan.data_parallel_size
+    prec, axis, n = plan.precision, plan.batch_axes, plan.loss_shards
     treedef = jax.tree.structure(plan.abstract_params)
     master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
     # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,

@@ -122,7 +122,7 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
         if leaf.state_dim is None
         else state_axes
         if leaf.param_dim is None
-        else tuple(a for a in state_axes if a != axis)
+        else tuple(a for a in state_axes if a not in plan.zero_axes)
         for leaf in leaves
     ]
     if any(gather_axes):
