@@ -349,6 +349,7 @@ def plan_report(
         }
         engine.fit_layout(batch)
         seen.setdefault("devices", engine.plan.num_shards)
+        seen.setdefault("mesh", dict(engine.mesh.shape))
         seen.setdefault("replicas", engine.plan.num_replicas)
         seen.setdefault("micro", (engine.micro_batch_size, engine.accumulation_steps))
         seen.setdefault("psi", sum(math.prod(leaf.shape) for leaf in engine.plan.leaves))
@@ -368,6 +369,11 @@ def plan_report(
         f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
         f"{seen['psi']:,} parameters, {n} devices"
         + (f" per replica x {seen['replicas']} replicas" if seen["replicas"] > 1 else "")
+        + (
+            f" of ZeRO's axes in mesh {seen['mesh']}"
+            if any(a in seen["mesh"] for a in ("model", "seq"))
+            else ""
+        )
         + f", micro batch {micro} x {accum} accumulation"
     )
     return PlanReport(title, tuple(rows), n, seen["devices"], memory, margin)
