@@ -10,6 +10,7 @@ the mesh axes their device groups span.
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from numerics import max_rel_error
 
 import jzero
 from jzero.distributed import autotp_specs
-from jzero.hlo import collectives_by_axes
+from jzero.hlo import collectives_by_axes, replica_groups
 from jzero.step import logical_view
 
 V, D, H, DH, F, L, T = 64, 32, 4, 8, 64, 2, 8
@@ -189,10 +190,35 @@ def test_autotp_llama_trains_like_the_single_device_optax_loop(stage):
     assert "tensor parallel (AutoTP) over {'model': 2}" in engine.describe()
 
 
+def _zero_gathers_over_model(compiled, mesh):
+    """All-gathers within the model groups that XLA made out of ZeRO's own collectives (a
+    weight or gradient gathered whole over `model` before its data-axis collective)."""
+    names, sizes = list(mesh.shape), list(mesh.shape.values())
+    found = []
+    for line in compiled.as_text().splitlines():
+        if " all-gather(" not in line and " all-gather-start(" not in line:
+            continue
+        groups = replica_groups(line, mesh.size)
+        coords = [np.array(np.unravel_index(g, sizes)).T for g in groups]
+        spanned = {names[i] for c in coords for i in range(len(names)) if len(set(c[:, i])) > 1}
+        origin = re.search(r'op_name="([^"]*)"', line)
+        if (
+            spanned == {"model"}
+            and origin
+            and origin.group(1).endswith(("reduce_scatter", "all_gather", "psum_scatter"))
+        ):
+            found.append(line.strip()[:160])
+    return found
+
+
 def test_model_axis_collectives_stay_within_model_groups_and_zero_within_data():
     for stage in (1, 3):
         engine, _, _ = trained(stage)
-        by_axes = collectives_by_axes(engine.lower(batches()[0]).compile(), engine.mesh)
+        compiled = engine.lower(batches()[0]).compile()
+        # ZeRO's collectives run on each device's model-axis piece: no gradient or parameter
+        # is gathered whole over `model` first (jzero.comm.manual).
+        assert _zero_gathers_over_model(compiled, engine.mesh) == [], stage
+        by_axes = collectives_by_axes(compiled, engine.mesh)
         # Megatron's activation all-reduces (after the row-parallel layers) run within the
         # model groups ...
         assert by_axes[("model",)]["all-reduce"].count >= 2 * L, by_axes.keys()

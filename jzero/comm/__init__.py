@@ -5,8 +5,13 @@ Import direction: imports nothing else of jzero's; imported by :mod:`jzero.repla
 
 * :mod:`~jzero.comm.quantize`: block-quantized all-gather (qwZ) and reduce-scatter (qgZ).
 * :mod:`~jzero.comm.overlap`: ``overlap_comm``'s buckets and the compiler options.
+* :mod:`~jzero.comm.manual`: ZeRO's collectives on arrays split over other axes (tensor
+  parallelism), run with those axes manual too.
 """
 
+from jzero.comm.manual import over_axes as over_axes
+from jzero.comm.manual import spec_axes as spec_axes
+from jzero.comm.manual import trailing_spec as trailing_spec
 from jzero.comm.overlap import GPU_ASYNC_OPTIONS as GPU_ASYNC_OPTIONS
 from jzero.comm.overlap import bucket_groups as bucket_groups
 from jzero.comm.overlap import compiler_options as compiler_options
@@ -27,10 +32,13 @@ __all__ = [
     "from_rows",
     "gather_buckets",
     "GPU_ASYNC_OPTIONS",
+    "over_axes",
     "quantize",
     "quantized_all_gather",
     "quantized_psum",
     "quantized_psum_scatter",
     "reduce_buckets",
+    "spec_axes",
     "to_rows",
+    "trailing_spec",
 ]

@@ -346,6 +346,15 @@ class Plan:
             ]
         )
 
+    @property
+    def other_entries(self) -> tuple[tuple[Any, ...], ...]:
+        """Per leaf, its spec's entries on the mesh axes other than ZeRO's (a user's or AutoTP's
+        ``model``), one per dimension; all ``None`` for a leaf no other axis splits."""
+        return tuple(
+            tuple(b) + (None,) * (len(leaf.shape) - len(b))
+            for leaf, b in zip(self.leaves, self._bases(), strict=True)
+        )
+
     def _bases(self) -> tuple[P, ...]:
         return self.base_specs or tuple(P() for _ in self.leaves)
 

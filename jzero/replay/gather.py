@@ -98,6 +98,7 @@ def gathered(
     bits: int = 0,
     grad_bits: int = 0,
     overlap: bool = False,
+    specs: Sequence[tuple] | None = None,
 ) -> Callable[..., Any]:
     """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
 
@@ -135,6 +136,9 @@ def gathered(
         that keep gathered weights (``reshard=False``), tag activations (policy ``none``),
         partition or offload them, run in reverse, have one iteration or a non-floating carry
         gather at their own iteration as without it.
+      specs: per leaf, its entries (one per dimension) on the mesh's other axes (tensor
+        parallelism's ``model``): its gathers run with those axes manual too
+        (:func:`jzero.comm.manual.over_axes`); ``None``: no other axis.
 
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
@@ -157,7 +161,15 @@ def gathered(
             return [
                 x
                 if d is None
-                else _Pending(x, d, index=i, bits=bits, grad_bits=grad_bits, size=sizes[i])
+                else _Pending(
+                    x,
+                    d,
+                    index=i,
+                    bits=bits,
+                    grad_bits=grad_bits,
+                    size=sizes[i],
+                    spec=specs[i] if specs is not None else (),
+                )  # fmt: skip
                 for i, (x, d) in enumerate(zip(leaves, dims, strict=True))
             ]
 

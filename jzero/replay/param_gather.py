@@ -16,6 +16,9 @@ Decisions:
 * A shard that rests padded (:mod:`jzero.plan.padding`) is gathered padded and cut to the
   logical length after the gather (``size``); the cut's transpose pads the gradient with zeros
   before its reduce-scatter, so the padding never reaches the loss or the gradients.
+* A leaf split over another mesh axis (tensor parallelism's ``model``) is gathered over ZeRO's
+  axis with that axis manual too (:func:`jzero.comm.manual.over_axes`): each device gathers
+  only its model-axis piece, never the whole weight.
 * A pending gather passes through dtype casts that do not widen it (so a bf16 copy is gathered
   in bf16, at half the bytes); a widening cast is recorded (``dtype``) and applied after the
   gather, so a bf16 parameter the model upcasts is still gathered in bf16.
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec as P
 
-from jzero.comm import quantized_all_gather, quantized_psum_scatter
+from jzero.comm import over_axes, quantized_all_gather, quantized_psum_scatter, trailing_spec
 
 __all__ = ["all_gather"]
 
@@ -44,6 +48,7 @@ class _Pending:
     bits: int = 0  # ZeRO++ qwZ: the forward gather sends this many bits a value (0: exact)
     grad_bits: int = 0  # ZeRO++ qgZ: the gradient's reduce-scatter likewise (0: exact)
     size: int | None = None  # the logical length of ``dim``: a padded gather is cut to it
+    spec: tuple = ()  # the leaf's entries on the mesh's other axes (tensor parallelism), per dim
 
     @property
     def key(self) -> tuple[int, str, str]:
@@ -55,15 +60,16 @@ class _Pending:
         return int(self.shard.size) * shards
 
     def gather(self, axis_name: str, grad_dtype: Any, shard: Any = None, dim: int | None = None):
-        x = all_gather(
-            self.shard if shard is None else shard,
-            axis_name,
-            self.dim if dim is None else dim,
-            grad_dtype,
-            bits=self.bits,
-            grad_bits=self.grad_bits,
-        )
+        shard = self.shard if shard is None else shard
         d = self.dim if dim is None else dim
+
+        def gather(s: Any) -> Any:
+            return all_gather(s, axis_name, d, grad_dtype, bits=self.bits, grad_bits=self.grad_bits)
+
+        # A leaf split over another axis too (tensor parallelism) is gathered piece by piece
+        # over it (jzero.comm.manual); a scanned layer's slice has the leaf's trailing dims.
+        spec = trailing_spec(self.spec, shard.ndim) if self.spec else P()
+        x = over_axes(gather, (spec,), spec)(shard)
         if self.size is not None and x.shape[d] != self.size:
             # The shards rest padded (jzero.plan.padding): the padding stays out of the loss,
             # and the slice's transpose puts zeros there in the gradient's reduce-scatter.

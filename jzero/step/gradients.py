@@ -38,6 +38,10 @@ Decisions:
   with zeros (:mod:`jzero.plan.padding`): the gradients leave the reduction in the shapes the
   masters rest at, the padding zero, so the global norm, the finiteness test and the clipping
   read the logical gradient only.
+* A leaf split over another mesh axis too (tensor parallelism's ``model``, which the loss
+  leaves to the compiler) is reduced with that axis manual as well
+  (:func:`jzero.comm.manual.over_axes`): each device reduces its own model-axis piece, where
+  the compiler would all-gather the whole gradient over ``model`` first.
 * Under fp16 loss scaling the gradients are unscaled after the reduction, then their global
   norm decides finiteness and DeepSpeed's clipping (:func:`_clip`), before any update.
 """
@@ -54,7 +58,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero._util import dotted
-from jzero.comm import quantized_psum_scatter, reduce_buckets
+from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
 from jzero.plan import LossScaleState, Plan, on_device, pad_to
 from jzero.replay import Partition, RematPolicy, gathered, parse_policy
 from jzero.step.state import TrainState, _spec, _to_device
@@ -134,6 +138,7 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             bits=plan.quantized_weights,
             grad_bits=plan.quantized_gradients,
             overlap=plan.overlap_comm,
+            specs=plan.other_entries,
         )
     return loss_fn
 
@@ -324,11 +329,27 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     def total(x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, plan.batch_axes)
 
-    reduced = reduce_buckets(sent, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
+    # Leaves split over another axis too (tensor parallelism) are reduced piece by piece over
+    # it, with that axis manual (jzero.comm.manual): no weight-sized gather over `model`.
+    specs = [_trimmed(plan.other_entries[i]) for i in todo]
+
+    def reduce(xs: list[jax.Array]) -> list[jax.Array]:
+        return reduce_buckets(xs, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
+
+    reduced = over_axes(reduce, (specs,), specs)(sent)
     out = list(leaves)
     for i, r in zip(todo, reduced, strict=True):
         out[i] = r.astype(leaves[i].dtype)
     return jax.tree.structure(grads).unflatten(out)
+
+
+def _trimmed(entries: tuple[Any, ...]) -> P:
+    """A spec of ``entries`` without trailing ``None``: it fits a leaf resting with merged
+    leading dimensions (fewer of them) too."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
@@ -339,15 +360,22 @@ def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
     if plan.replica_axis is None:
         return grads
     out = []
-    for g, grad_dim in zip(jax.tree.leaves(grads), plan.grad_dims(), strict=True):
+    for g, grad_dim, entries in zip(
+        jax.tree.leaves(grads), plan.grad_dims(), plan.other_entries, strict=True
+    ):
         if grad_dim is None:
             out.append(g)
             continue
-        c = g.astype(plan.precision.communication(g.dtype))
-        if plan.hpz:
-            c = jax.lax.psum_scatter(c, plan.replica_axis, scatter_dimension=grad_dim, tiled=True)
-        else:
-            c = jax.lax.psum(c, plan.replica_axis)
+
+        def reduce(c: jax.Array, grad_dim: int = grad_dim) -> jax.Array:
+            if plan.hpz:
+                return jax.lax.psum_scatter(
+                    c, plan.replica_axis, scatter_dimension=grad_dim, tiled=True
+                )
+            return jax.lax.psum(c, plan.replica_axis)
+
+        spec = _trimmed(entries)
+        c = over_axes(reduce, (spec,), spec)(g.astype(plan.precision.communication(g.dtype)))
         out.append(c.astype(g.dtype))
     return jax.tree.structure(grads).unflatten(out)
 

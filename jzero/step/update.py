@@ -22,12 +22,14 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jzero.comm import gather_buckets
+from jzero.comm import gather_buckets, spec_axes
 from jzero.plan import (
     Plan,
     axis_entry,
@@ -38,7 +40,7 @@ from jzero.plan import (
     unpad_to,
     update_view,
 )
-from jzero.step.state import TrainState, _spec, _to_device
+from jzero.step.state import TrainState, _to_device
 
 __all__ = ["params_at_rest"]
 
@@ -93,6 +95,26 @@ def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     return _params_at_rest(plan, master)
 
 
+def _spec_on(entries: tuple[Any, ...], dim: int | None, axes: Any) -> P:
+    """A leaf's spec: its ``entries`` on other axes, and ZeRO's ``axes`` on ``dim``."""
+    out = list(entries)
+    if dim is not None:
+        out[dim] = axis_entry(axes)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def _local_shape(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Any) -> tuple[int, ...]:
+    """``shape`` as each device holds it over the axes ``entries`` name (a model-axis piece)."""
+
+    def size(e: Any) -> int:
+        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        return math.prod(int(mesh.shape[a]) for a in names)
+
+    return tuple(n // size(e) for n, e in zip(shape, entries, strict=True))
+
+
 def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     """The params the next step computes with, from the updated master shards.
 
@@ -126,12 +148,21 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
         for leaf in leaves
     ]
     if any(gather_axes):
+        # A leaf split over another axis too (tensor parallelism) is gathered piece by piece
+        # over it, that axis manual here as well: never the whole weight over `model`.
+        others = plan.other_entries
         in_specs = treedef.unflatten(
-            [_spec(state_axes, len(leaf.shape), leaf.state_dim) for leaf in leaves]
+            [
+                _spec_on(e, leaf.state_dim, state_axes)
+                for leaf, e in zip(leaves, others, strict=True)
+            ]
         )
         out_specs = treedef.unflatten(
-            [_spec(axis, len(leaf.shape), leaf.param_dim) for leaf in leaves]
+            [_spec_on(e, leaf.param_dim, axis) for leaf, e in zip(leaves, others, strict=True)]
         )
+        local = [
+            _local_shape(leaf.shape, e, plan.mesh) for leaf, e in zip(leaves, others, strict=True)
+        ]
 
         def gather(tree: PyTree) -> PyTree:
             xs = jax.tree.leaves(tree)
@@ -156,8 +187,8 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
                 ]
             return treedef.unflatten(
                 [
-                    unpad_to(x, leaf.shape) if axes and leaf.param_dim is None else x
-                    for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
+                    unpad_to(x, shape) if axes and leaf.param_dim is None else x
+                    for x, axes, leaf, shape in zip(xs, gather_axes, leaves, local, strict=True)
                 ]
             )
 
@@ -166,7 +197,7 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
             mesh=plan.mesh,
             in_specs=(in_specs,),
             out_specs=out_specs,
-            axis_names=set(state_axes),
+            axis_names=set(state_axes) | spec_axes(others),
             check_vma=False,
         )(master)
     master = jax.lax.with_sharding_constraint(master, on_device(plan.params))
