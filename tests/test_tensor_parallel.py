@@ -411,3 +411,25 @@ def test_jzero_train_runs_the_gpt_split_over_model_and_seq_and_resumes_whole(tmp
     assert first["steps"] == 2 and first["devices"] == 2  # data-parallel: 8 / (T x S)
     assert again["resumed_from"] == 2 and again["steps"] == 3 and again["devices"] == 8
     assert math.isfinite(again["final_loss"])
+
+
+def test_the_built_in_gpt_splits_its_attention_heads_over_model():
+    """4 heads on T=2: each device's attention scores hold 2 heads, and the fused qkv rests
+    split per head group."""
+    from jzero.models import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=4, d_model=32,
+                        d_ff=64)  # fmt: skip
+    with jax.enable_x64(False):
+        engine = jzero.initialize(
+            gpt.init_params(jax.random.key(0), cfg),
+            lambda p, b: gpt.loss_fn(p, b, cfg),
+            optax.adamw(1e-3),
+            {"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}},
+        )
+        hlo = engine.lower({"tokens": np.zeros((8, 17), np.int32)}).compile().as_text()
+    qkv = engine.params["blocks"]["attn_qkv"]
+    assert qkv.sharding.spec == P(None, None, None, "model")
+    assert qkv.addressable_shards[0].data.shape == (2, 32, 3, 16)
+    # Scores [rows, heads, t, t]: 2 rows a data group (8 rows over data=4), 2 of the 4 heads.
+    assert re.search(r"f32\[2,2,16,16\]", hlo) and not re.search(r"f32\[2,4,16,16\]", hlo)
