@@ -9,6 +9,10 @@
 #   step time     benchmarks/gpu_step_time.py: the same GPT under ZeRO stages 0-3 against a
 #                 hand-written plain JAX data-parallel step: ms/step, tokens/s, MFU, compile
 #                 time, collective bytes, layout copies, peak memory. $OUT/gpu_step_time.json
+#                 With two or more GPUs visible, then benchmarks/tensor_parallel.py: the GPT at
+#                 stage 1 with AutoTP T=1 against T=2 (tensor_parallel.autotp_size, the global
+#                 batch the same): model state and temp per device, collective bytes by mesh
+#                 axis, ms/step. $OUT/gpu_tensor_parallel.json (skipped, and says so, on one GPU)
 #   memory wall   benchmarks/gpu_step_time.py --name memory_wall: the GPT at stage 3 as a scan,
 #                 as a Python loop over layers, that loop with activation_checkpointing (policy
 #                 full) and with cpu_checkpointing, the scan with policy full: device peak and
@@ -33,8 +37,9 @@
 # Time: the whole script finishes in under 8 minutes. The install is bounded to 150 s (on a
 # machine with no package index it fails at once), the host offload section to 130 s, the
 # step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
-# a little under that, so they stop their variants and still print their tables), the comm
-# section to 120 s (no variant starts in its last 40 s); each section
+# a little under that, so they stop their variants and still print their tables), the step
+# time's T=1 vs T=2 row (several GPUs only) to 90 s, the comm section to 120 s (no variant
+# starts in its last 40 s); each section
 # is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
 set -euo pipefail
@@ -103,6 +108,27 @@ for section in $sections; do
       limit=$(limit_for 120)  # the script's own budget ends 15 s earlier: its table still prints
       run_section "step time" "$limit" \
         "$py" benchmarks/gpu_step_time.py --time-budget $((limit - 15)) "$@"
+      # AutoTP T=1 vs T=2 needs two GPUs; with --smoke on a machine without any it runs on the
+      # 8 virtual CPU devices tensor_parallel.py sets up (so the smoke run covers it too).
+      read -r platform gpus < <(timeout 60 "$py" -c \
+        'import jax; print(jax.devices()[0].platform, jax.device_count())' 2>/dev/null) || true
+      [[ "${gpus:-}" =~ ^[0-9]+$ ]] || gpus=0
+      smoke=0
+      for arg in "$@"; do
+        if [[ "$arg" == --smoke ]]; then smoke=1; fi
+      done
+      if [[ "${platform:-}" == cpu ]]; then  # only the smoke sizes are meant for CPU
+        if ((smoke)); then gpus=8; else gpus=0; fi
+      fi
+      if ((gpus >= 2)); then
+        run_section "step time T=1 vs T=2" "$(limit_for 90)" \
+          "$py" benchmarks/tensor_parallel.py --tp 1,2 --sp 1 --stages 1 --layers 24 --d-model 1024 \
+          --heads 16 --seq-len 512 --micro-batch 8 --steps 3 --warmup 1 \
+          ${OUT:+--json "$OUT/gpu_tensor_parallel.json"} "$@"
+      else
+        echo "gpu_check: step time T=1 vs T=2 (tensor_parallel.autotp_size=2) skipped:" \
+          "${gpus} GPU(s) visible, it needs at least 2"
+      fi
       ;;
     memory_wall)
       limit=$(limit_for 110)

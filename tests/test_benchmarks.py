@@ -130,3 +130,52 @@ def test_compile_time_benchmark_prints_the_table_and_the_compilations():
         assert [r[3], r[7], r[11]] == ["(2)", "(2)", "(2)"] and r[5].startswith("(")
         assert all(float(r[i]) > 0 for i in (2, 4, 6, 10))
         assert all(r[i].endswith("x") for i in (8, 9, 12, 13))
+
+
+def test_tensor_parallel_benchmark_prints_bytes_per_tp_size():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rows = [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
+    assert [(r["T"], r["S"], r["stage"], r["mesh"]) for r in rows] == [
+        ("1", "1", "1", "{data: 8}"),
+        ("2", "1", "1", "{data: 4, model: 2}"),
+        ("1", "2", "1", "{data: 4, seq: 2}"),
+    ]
+    one, two, seq = rows
+    # Megatron's split halves (about: norms, biases and positions stay whole) each device's
+    # share of the model state, at the same global batch.
+    assert float(two["model state MiB"]) < float(one["model state MiB"])
+    assert float(one["vs T=S=1"]) == 1.0 and float(two["vs T=S=1"]) < 0.75
+    # The model axis carries the row-parallel all-reduces at T = 2; T = 1 has no model axis.
+    assert float(one["model MiB"]) == 0 and float(two["model MiB"]) > 0
+    # Ulysses's all-to-alls run within the seq groups only; ZeRO shards over data x seq, so
+    # its state per device is the same as over 8 data devices.
+    assert float(seq["seq MiB"]) > 0 and float(one["seq MiB"]) == float(two["seq MiB"]) == 0
+    assert float(seq["model state MiB"]) == float(one["model state MiB"])
+    assert all(float(r["ZeRO MiB"]) > 0 for r in rows)  # ZeRO's collectives
+    assert all(float(r["temp MiB"]) > 0 and float(r["ms/step"]) > 0 for r in rows)
+
+
+def test_sequence_parallel_benchmark_prints_temporaries_falling_by_about_s():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sequence_parallel.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in proc.stdout.splitlines() if line[:3] == "| 6"]
+    (row,) = rows  # sequence length 64, one sequence per data group
+    one, four, ratio = (float(c) for c in row[1:])
+    assert four < one and ratio < 0.5  # a quarter of the tokens and heads' scores a device
