@@ -113,16 +113,22 @@ def test_offload_benchmark_prints_every_tier():
     assert all(float(r[-1]) == 0 for name, r in rows.items() if name != "nvme")
 
 
-def test_compile_time_benchmark_prints_the_table_and_the_compilations():
+def _smoke(script):
+    """``benchmarks/<script>.py --smoke`` on 8 virtual CPU devices; it must exit 0."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), "--smoke"],
+        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--smoke"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_compile_time_benchmark_prints_the_table_and_the_compilations():
+    proc = _smoke("compile_time")
     rows = [line.split() for line in proc.stdout.splitlines()[3:]]
     assert [r[:2] for r in rows] == [["loop", "2"], ["scan", "2"]]
     for r in rows:  # seconds (compiles) for plain jit, plain DP, stage 0 and stage 3, and
@@ -133,15 +139,7 @@ def test_compile_time_benchmark_prints_the_table_and_the_compilations():
 
 
 def test_tensor_parallel_benchmark_prints_bytes_per_tp_size():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _smoke("tensor_parallel")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     rows = [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
@@ -166,15 +164,7 @@ def test_tensor_parallel_benchmark_prints_bytes_per_tp_size():
 
 
 def test_sequence_parallel_benchmark_prints_temporaries_falling_by_about_s():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sequence_parallel.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _smoke("sequence_parallel")
     rows = [line.strip("|").split("|") for line in proc.stdout.splitlines() if line[:3] == "| 6"]
     (row,) = rows  # sequence length 64, one sequence per data group
     one, four, ratio = (float(c) for c in row[1:])

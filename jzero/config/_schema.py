@@ -334,22 +334,18 @@ class Config:
           ConfigError: when the shard group contradicts the ``mesh`` section.
         """
         sizes = self.mesh.sizes()
-        tp = self.autotp_size()
-        if tp > 1:
-            if sizes.get("model", -1) not in (-1, tp):
+        for key, axis, size in (
+            ("tensor_parallel.autotp_size", "model", self.autotp_size()),
+            ("sequence_parallel_size", "seq", self.sequence_parallel_size),
+        ):
+            if size <= 1:
+                continue
+            if sizes.get(axis, -1) not in (-1, size):
                 raise ConfigError(
-                    f"tensor_parallel.autotp_size: {tp} is the size of the model axis, but "
-                    f"mesh.model is {sizes['model']}; remove mesh.model or set it to {tp}."
+                    f"{key}: {size} is the size of the {axis} axis, but mesh.{axis} is "
+                    f"{sizes[axis]}; remove mesh.{axis} or set it to {size}."
                 )
-            sizes["model"] = tp
-        sp = self.sequence_parallel_size
-        if sp > 1:
-            if sizes.get("seq", -1) not in (-1, sp):
-                raise ConfigError(
-                    f"sequence_parallel_size: {sp} is the size of the seq axis, but mesh.seq is "
-                    f"{sizes['seq']}; remove mesh.seq or set it to {sp}."
-                )
-            sizes["seq"] = sp
+            sizes[axis] = size
         zero = self.zero_optimization
         key, group = None, None
         if zero.mics_shard_size > 0:
