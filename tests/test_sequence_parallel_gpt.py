@@ -152,3 +152,21 @@ def test_a_user_loss_whose_sequence_does_not_divide_names_the_numbers():
     engine = jzero.initialize(params(), loss, optax.sgd(1e-2), config(1, 4))
     with pytest.raises(ValueError, match=r"10.*4"):
         engine.train_step(short[0])
+
+
+def test_beside_tensor_parallelism_the_all_to_alls_move_only_each_devices_heads():
+    """T=2 x S=2: the heads are split over model, and each device's all-to-alls move its own;
+    sequence parallelism adds no all-gather over model to what T=2 alone has."""
+    split, _ = run(3, 2, 2)
+    alone, _ = run(3, 1, 2)
+
+    def model_gathers(engine):
+        by_axes = collectives_by_axes(engine.lower(batches(1)[0]).compile(), engine.mesh)
+        return by_axes[("model",)]["all-gather"].bytes, by_axes
+
+    with_seq, by_axes = model_gathers(split)
+    assert with_seq == model_gathers(alone)[0]
+    # q, k, v in and the output back, forward and backward, 2 layers: each all-to-all moves
+    # this device's 2 of the 4 heads (a [4 rows, 8 tokens, 2 heads, 8] float64 chunk).
+    a2a = by_axes[("seq",)]["all-to-all"]
+    assert a2a.count >= 8 * CFG.num_layers and a2a.bytes == a2a.count * 4 * 8 * 2 * 8 * 8

@@ -36,6 +36,11 @@ Decisions:
   divide is an error naming the counts and the sizes that would work: an uneven split cannot
   give each device whole heads. (DeepSpeed repeats kv heads when ``Hkv < S``; here the caller
   does so, with ``jnp.repeat(k, r, axis=head_dim)``, where it wants that.)
+* **Beside tensor parallelism** (AutoTP's column-parallel q, k, v split the heads over
+  ``model``, an axis the step leaves to the compiler), the all-to-alls run with ``model``
+  manual too, on each device's own ``H/T`` heads (device ``(m, s)`` then attends over heads
+  group ``s`` of model-axis group ``m``). Left to the compiler, the all-to-all on a
+  heads-split array first all-gathered the heads over ``model``.
 * ``*args`` and ``**kwargs`` go to the attention function unchanged: they must be valid for
   the full sequence and the device's group of heads (a scalar scale, a dropout key; not a
   per-head bias of all ``H`` heads).
@@ -52,10 +57,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-
-__all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jzero.distributed.mesh import SEQ_AXIS
+from jzero.distributed.tensor import MODEL_AXIS
+
+__all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
 
 
 def _bound_axis_size(axis: str) -> int | None:
@@ -153,16 +161,49 @@ def sequence_parallel_attention(
                 f"sequence_parallel_attention: seq_dim={seq_dim} and head_dim={head_dim} are "
                 f"the same dimension of the {ndim}-d q, k and v. Pass different dimensions."
             )
-        _check_heads(q, k, v, h_dim, size, axis)
 
-        def heads_to_seq(x: jax.Array) -> jax.Array:  # [B, T/S, H, Dh] -> [B, T, H/S, Dh]
-            return jax.lax.all_to_all(x, axis, split_axis=h_dim, concat_axis=s_dim, tiled=True)
+        def ulysses(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            _check_heads(q, k, v, h_dim, size, axis)
 
-        out = attn_fn(heads_to_seq(q), heads_to_seq(k), heads_to_seq(v), *args, **kwargs)
-        # [B, T, H/S, Dh] -> [B, T/S, H, Dh]
-        return jax.lax.all_to_all(out, axis, split_axis=s_dim, concat_axis=h_dim, tiled=True)
+            def heads_to_seq(x: jax.Array) -> jax.Array:  # [B, T/S, H, Dh] -> [B, T, H/S, Dh]
+                return jax.lax.all_to_all(x, axis, split_axis=h_dim, concat_axis=s_dim, tiled=True)
+
+            out = attn_fn(heads_to_seq(q), heads_to_seq(k), heads_to_seq(v), *args, **kwargs)
+            # [B, T, H/S, Dh] -> [B, T/S, H, Dh]
+            return jax.lax.all_to_all(out, axis, split_axis=s_dim, concat_axis=h_dim, tiled=True)
+
+        model = _head_axis(q, k, v, h_dim)
+        if model is None:
+            return ulysses(q, k, v)
+        # Heads split over the model axis too (tensor parallelism): each device's all-to-alls
+        # move its own model-axis heads, with that axis manual, never gathering them first.
+        spec = P(*([None] * h_dim), model)
+        return jax.shard_map(
+            ulysses,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(spec, spec, spec),
+            out_specs=spec,
+            axis_names={model},
+            check_vma=False,
+        )(q, k, v)
 
     return wrapped
+
+
+def _head_axis(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> str | None:
+    """The tensor-parallel axis the heads are split over, when the context mesh has one left
+    to the compiler (AutoTP's ``model``: its column-parallel q/k/v split the heads) and it
+    divides every head count; else ``None``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or MODEL_AXIS not in mesh.axis_names:
+        return None
+    kind = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[MODEL_AXIS]
+    size = int(mesh.shape[MODEL_AXIS])
+    if kind != AxisType.Auto or size <= 1:
+        return None
+    if any(x.shape[head_dim] % size for x in (q, k, v)):
+        return None
+    return MODEL_AXIS
 
 
 def sequence_chunk(x: jax.Array, axis: str = SEQ_AXIS, dim: int = 1) -> jax.Array:
