@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen
 from jax.sharding import PartitionSpec as P
 from numerics import max_rel_error
 
@@ -433,3 +434,41 @@ def test_the_built_in_gpt_splits_its_attention_heads_over_model():
     assert qkv.addressable_shards[0].data.shape == (2, 32, 3, 16)
     # Scores [rows, heads, t, t]: 2 rows a data group (8 rows over data=4), 2 of the 4 heads.
     assert re.search(r"f32\[2,2,16,16\]", hlo) and not re.search(r"f32\[2,4,16,16\]", hlo)
+
+
+class FlaxAttentionBlock(linen.Module):
+    """Flax's own multi-head attention (DenseGeneral q/k/v of (d, H, Dh), out of (H, Dh, d))."""
+
+    @linen.compact
+    def __call__(self, x):
+        f64 = {"dtype": jnp.float64, "param_dtype": jnp.float64}
+        y = linen.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * DH, **f64)(x)
+        return linen.Dense(V, **f64)(x + y)
+
+
+def test_flax_multi_head_attention_splits_on_its_heads_dimension():
+    block = FlaxAttentionBlock()
+    rng = np.random.default_rng(2)
+    b = [{"x": rng.normal(size=(BATCH, T, D)), "y": rng.integers(0, V, (BATCH, T))}
+         for _ in range(2)]  # fmt: skip
+
+    def loss(p, batch):
+        logits = block.apply({"params": p}, batch["x"])
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][..., None], -1)
+        return -picked.mean()
+
+    params = block.init(jax.random.key(0), b[0]["x"][:2])["params"]
+    split = jzero.initialize(params, loss, optax.adamw(LR), config(1))
+    whole = jzero.initialize(params, loss, optax.adamw(LR), config(1, tp=1))
+    rules = dict(zip([leaf.path for leaf in split.plan.leaves], split.plan.tp_rules, strict=True))
+    attn = "MultiHeadDotProductAttention_0"
+    assert rules[f"{attn}.query.kernel"] == "column per head (query)"
+    assert rules[f"{attn}.out.kernel"] == "row per head (out)"
+    q = split.params[attn]["query"]["kernel"]  # (d, H, Dh): the heads split, never Dh
+    assert _model_dims(q.sharding.spec) == [1]
+    assert _model_dims(split.params[attn]["out"]["kernel"].sharding.spec) == [0]
+    for batch in b:
+        np.testing.assert_allclose(
+            float(split.train_step(batch)["loss"]), float(whole.train_step(batch)["loss"]),
+            rtol=1e-10,
+        )  # fmt: skip

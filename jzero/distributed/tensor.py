@@ -26,6 +26,10 @@ Decisions:
   BERT/Flax (``query``, ``key``, ``value``), OPT/BART (``fc1``, ``fc2``, ``out_proj``), and the
   built-in GPT (``attn_qkv``, ``attn_out``, ``mlp_in``, ``mlp_out``, ``embed.tokens``). Only the
   deepest component is read, so ``attention.output.dense`` is not mistaken for a head.
+* **Flax's own attention** (``MultiHeadDotProductAttention``, NNX's ``MultiHeadAttention``)
+  keeps ``query``/``key``/``value`` kernels ``(d, H, Dh)`` and an ``out`` kernel
+  ``(H, Dh, d)``: found together, they are split on the heads dimension (q/k/v's and their
+  biases', ``out``'s first), so attention runs on whole local heads.
 * **A fused qkv leaf splits per head group, not per third.** A fused leaf with its q/k/v
   dimension of its own (``(..., d, 3, n)``, as the built-in GPT stores it) is split on ``n``:
   device ``j`` of the model axis holds the q, k and v columns of head group ``j``, so
@@ -173,6 +177,32 @@ def _builtin(path: str, shape: tuple[int, ...], vocab: int | None) -> tuple[str,
     return "no rule: replicated", None, name
 
 
+def _heads_layout(paths: Sequence[str], shapes: Sequence[tuple[int, ...]]) -> dict:
+    """Flax's multi-head attention (``MultiHeadDotProductAttention``, NNX's
+    ``MultiHeadAttention``): ``query``/``key``/``value`` kernels ``(..., d, H, Dh)`` and an
+    ``out`` kernel ``(..., H, Dh, d)`` beside them. There the heads dimension is split, not the
+    last (which would cut every head in two): ``{path: (rule, dim)}`` for those leaves."""
+    where = {path: shape for path, shape in zip(paths, shapes, strict=True)}
+    found: dict[str, tuple[str, int | None]] = {}
+    for path, shape in where.items():
+        parts = path.split(".")
+        if len(parts) < 3 or parts[-1] != "kernel" or parts[-2] not in ("query", "key", "value"):
+            continue
+        parent = ".".join(parts[:-2])
+        out = where.get(f"{parent}.out.kernel")
+        if len(shape) < 3 or out is None or len(out) < 3 or out[-3:-1] != shape[-2:]:
+            continue
+        name = parts[-2]
+        found[path] = (f"column per head ({name})", len(shape) - 2)
+        bias = where.get(f"{parent}.{name}.bias")
+        if bias is not None and bias[-2:] == shape[-2:]:
+            found[f"{parent}.{name}.bias"] = (f"column bias per head ({name})", len(bias) - 2)
+        found[f"{parent}.out.kernel"] = ("row per head (out)", len(out) - 3)
+        if f"{parent}.out.bias" in where:
+            found[f"{parent}.out.bias"] = ("row bias (out): replicated", None)
+    return found
+
+
 def _spec(ndim: int, dim: int | None, axis: str) -> P:
     if dim is None:
         return P()
@@ -274,6 +304,7 @@ def autotp_specs(
         ),
         None,
     )
+    heads = _heads_layout(paths, shapes)
     choices = []
     for path, shape, user in zip(paths, shapes, users, strict=True):
         if _user_spec(user):
@@ -284,7 +315,7 @@ def autotp_specs(
             spec, dim = _from_plan(tp_plan[pattern], shape, axis, pattern)
             rule = f"tp_plan {pattern!r}"
         else:
-            rule, dim, _ = _builtin(path, shape, vocab)
+            rule, dim = heads[path] if path in heads else _builtin(path, shape, vocab)[:2]
             spec = _spec(len(shape), dim, axis)
         if dim is not None and tp_size > 1 and shape[dim] % tp_size:
             raise ValueError(
