@@ -18,6 +18,9 @@ Decisions:
   ``tree_map_params`` initialises the optimizer on placeholders) runs under ``jax.make_jaxpr``,
   so its array operations join a trace that is thrown away instead of each compiling a
   program of its own (the first step's compilation count, :mod:`tests.test_compile_count`).
+* **Creators are recognised by kind, never by** ``callable()`` (:func:`is_creator`): a
+  function, a method, a ``functools.partial`` or a class makes parameters or a model; any
+  other object, however callable (an Equinox module is a callable pytree), is a value.
 * **Sizes in**: a number of bytes, or a number with a unit: ``B``, ``KB`` ... ``TB`` (powers of
   1000, as Hugging Face and DeepSpeed read ``5GB``) or ``KiB`` ... ``TiB`` (powers of 1024),
   any case, spaces allowed around the unit. :func:`read_size` returns ``None`` for anything
@@ -33,9 +36,11 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -45,12 +50,21 @@ __all__ = [
     "byte_unit",
     "dotted",
     "format_bytes",
+    "is_creator",
     "path_parts",
     "read_size",
     "write_atomic",
 ]
 
 # -- leaf paths ----------------------------------------------------------------------------------
+
+
+def is_creator(x: Any) -> bool:
+    """Whether ``x`` is something that *makes* a value when called (a function, method,
+    ``functools.partial`` or class), not a value that happens to be callable (an Equinox
+    module, a callable dataclass registered as a pytree)."""
+    kinds = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)
+    return isinstance(x, (*kinds, type))
 
 
 def dotted(path: tuple[Any, ...]) -> str:

@@ -34,6 +34,8 @@ import jax
 from flax import linen, nnx
 from jax.sharding import PartitionSpec
 
+from jzero._util import is_creator
+
 __all__ = ["Adapted", "adapt"]
 
 PyTree = Any
@@ -173,9 +175,10 @@ def adapt(model: Any, loss_fn: Callable[..., Any], init_args: tuple = ()) -> Ada
                 "init_args=(example_batch_inputs,) to jzero.initialize."
             )
         return _adapt_linen(model, loss_fn, tuple(init_args))
-    if isinstance(model, nnx.Module) or callable(model):
+    if isinstance(model, nnx.Module) or is_creator(model):
         return _adapt_nnx(model, loss_fn)
     raise TypeError(
         f"model must be a Flax NNX module, a function that builds one, or a Linen module; got "
-        f"{type(model).__name__}. For a plain pytree of arrays pass params=... instead."
+        f"{type(model).__name__} (jzero never calls a model that is not one of those). For a "
+        "pytree of arrays, a callable one included, pass params=... instead."
     )

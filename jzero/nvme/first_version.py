@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jzero._util import is_creator
 from jzero.plan import LossScaleState, cast_floating
 from jzero.step import TrainState, state_shardings
 
@@ -46,7 +47,7 @@ def first_version(
       The light state (placeholders where the files hold the values).
     """
     prec, tx = disk.plan.precision, disk.optimizer
-    make = values if callable(values) else None
+    make = values if is_creator(values) else None
     given = None if make is not None else jax.tree.leaves(values)
     abstract = disk.plan.abstract_params
     abstract_leaves = jax.tree.leaves(abstract)

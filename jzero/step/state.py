@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jzero._util import is_creator
 from jzero.plan import (
     LossScaleState,
     Plan,
@@ -111,8 +112,10 @@ def init_train_state(
       plan: the sharding plan.
       params: the initial parameters (full precision; under mixed precision they become the
         float32 master weights and the 16-bit copy is made from them), or a function of no
-        arguments that creates them: it then runs inside the same ``jit``, so the parameters
-        are created directly in their shards and never exist whole.
+        arguments that creates them (a function, ``functools.partial`` or method: a callable
+        pytree such as an Equinox module is a value, never called): it then runs inside the
+        same ``jit``, so the parameters are created directly in their shards and never exist
+        whole.
       optimizer: the optax transformation the plan was made for.
       extra: non-trainable model state, if any.
       returns_extra: ``params`` is a function returning ``(params, extra)`` (a Flax model's
@@ -124,7 +127,8 @@ def init_train_state(
     prec = plan.precision
     sh = state_shardings(plan)
 
-    make = params if callable(params) else None
+    # A creator is a function (or partial, method, class); a callable pytree is a value.
+    make = params if is_creator(params) else None
     if returns_extra and make is None:
         raise ValueError(
             "init_train_state(returns_extra=True) needs params to be a function returning "
