@@ -1,4 +1,4 @@
-"""The engine: ``initialize`` (config to Engine), the stateful Engine, its checks, Flax models.
+"""The engine: ``initialize`` (config to Engine), the Engine, its checks, Flax/Equinox models.
 
 Import direction: imports the core (:mod:`jzero.config`, :mod:`jzero.plan`, :mod:`jzero.step`,
 :mod:`jzero.replay`, :mod:`jzero.distributed`, :mod:`jzero.optim`) and, lazily, the disk tiers
@@ -9,6 +9,8 @@ and :mod:`jzero.memory`'s measured report. Nothing in the core imports it back.
 * :mod:`~jzero.engine.engine`: :class:`Engine`, a thin shell over the pure plan and step.
 * :mod:`~jzero.engine.checks`: a plan against ``stage3_max_live_parameters``, a state before a save.
 * :mod:`~jzero.engine.flax_adapter`: Flax models in, plain pytrees inside (the one Flax import).
+* :mod:`~jzero.engine.equinox_adapter`: Equinox models in, plain pytrees inside (the one
+  Equinox import, made only when an Equinox model is given).
 """
 
 from jzero.engine.build import initialize as initialize

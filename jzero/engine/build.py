@@ -12,9 +12,9 @@ Decisions:
   when they are all "auto" (the engine takes them then).
 * The plan is made by a ``functools.partial`` of :func:`jzero.plan.make_plan` over this call's
   arguments, kept by the engine as ``replan``: the first step re-plans with ``layer_dims=`` only.
-* Flax models go through :mod:`jzero.engine.flax_adapter`, imported only when ``model=`` is given;
-  the
-  engine then carries the non-trainable state as ``TrainState.extra``.
+* Flax models go through :mod:`jzero.engine.flax_adapter` and Equinox ones through
+  :mod:`jzero.engine.equinox_adapter`, imported only when ``model=`` is given; the engine then
+  carries the non-trainable state as ``TrainState.extra``.
 * The NVMe tier's paths are checked (room for two versions) before any state is made, and its
   stores are closed when making the first version fails.
 * ``jzero.initialize`` is this module's :func:`initialize`; :mod:`jzero.engine` holds the
@@ -200,11 +200,15 @@ def initialize(
     extra: PyTree = ()
     adapted = None
     if model is not None:
-        from jzero.engine import flax_adapter  # Flax is needed only for Flax models
+        from jzero.engine import equinox_adapter, flax_adapter  # only for Flax/Equinox models
 
         if params is not None or init_fn is not None:
             raise ValueError("Pass either model=... or params/init_fn, not both.")
-        adapted = flax_adapter.adapt(model, loss_fn, init_args)
+        eqx_model, eqx_abstract = equinox_adapter.is_equinox(model)
+        if eqx_model:
+            adapted = equinox_adapter.adapt(model, loss_fn, eqx_abstract)
+        else:
+            adapted = flax_adapter.adapt(model, loss_fn, init_args)
         params, loss_fn = adapted.abstract_params, adapted.loss_fn
         param_specs = adapted.param_specs if param_specs is None else param_specs
         init_fn = (lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None

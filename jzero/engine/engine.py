@@ -127,10 +127,11 @@ class Engine:
 
     @property
     def model(self) -> Any:
-        """The trained Flax model: an NNX module (or Linen variables) over the current arrays."""
+        """The trained model: a Flax NNX or Equinox module (or Linen variables) over the current
+        arrays."""
         if self._to_model is None:
             raise AttributeError(
-                "engine.model exists for Flax models (jzero.initialize(model=...)); "
+                "engine.model exists for Flax and Equinox models (jzero.initialize(model=...)); "
                 "this engine trains a plain pytree: use engine.params."
             )
         return self._to_model(self.params, self.state.extra)
