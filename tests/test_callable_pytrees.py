@@ -80,3 +80,13 @@ def test_a_callable_pytree_as_model_is_refused_without_a_call():
         jzero.initialize(model=make(), loss_fn=loss, optimizer=optax.sgd(0.1),
                          config={"train_batch_size": 32})  # fmt: skip
     assert CALLS == []
+
+
+def test_a_function_among_the_params_is_refused_by_name_never_called():
+    """An Equinox module held in a plain dict brings its activation function as a leaf."""
+    import equinox as eqx
+
+    mlp = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"params leaf m\.activation is a .*not an array.*"
+                       r"model=module"):  # fmt: skip
+        jzero.initialize({"m": mlp}, lambda p, b: 0.0, optax.sgd(0.1), {"train_batch_size": 8})

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from jzero import config as config_lib
@@ -62,6 +63,23 @@ def _optimizer(
             "an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
         )
     return optim.build_optimizer(cfg), optim.build_schedule(cfg)
+
+
+def _check_array_leaves(params: PyTree) -> None:
+    """Every leaf of ``params`` is an array (or its shape): a function or other object among
+    them (an Equinox module's activation, held in a dict) is refused by name, never called."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or isinstance(
+            leaf, (int, float, complex, np.generic)
+        ):
+            continue
+        name = jax.tree_util.keystr(path, simple=True, separator=".") or "<root>"
+        raise TypeError(
+            f"params leaf {name} is a {type(leaf).__name__}, not an array: params must be a "
+            "pytree of arrays. For an Equinox module pass model=module (or its constructor), "
+            "or params=eqx.partition(module, eqx.is_array)[0] with a loss that calls "
+            "eqx.combine(params, static)."
+        )
 
 
 def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -224,6 +242,7 @@ def initialize(
 
     if params is None:
         params = jax.eval_shape(lambda: init_fn(key()))
+    _check_array_leaves(params)
     abstract = abstract_tree(params)
     from_first_batch = config_lib.batch_from_first_batch(cfg)
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
