@@ -50,6 +50,7 @@ __all__ = [
     "byte_unit",
     "dotted",
     "format_bytes",
+    "divisors",
     "is_creator",
     "path_parts",
     "read_size",
@@ -57,6 +58,12 @@ __all__ = [
 ]
 
 # -- leaf paths ----------------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the sizes an error can offer for an axis
+    that must split ``n`` heads, tokens or rows evenly."""
+    return [d for d in range(1, int(n) + 1) if n % d == 0]
 
 
 def is_creator(x: Any) -> bool:

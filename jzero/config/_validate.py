@@ -47,6 +47,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from jzero._util import divisors
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
@@ -347,10 +348,6 @@ _TP_KEYS = ("autotp_size", "tp_size", "tp_plan", "num_heads", "tp_grain_size", "
             "preset_model")  # fmt: skip
 
 
-def _divisors(n: int) -> list[int]:
-    return [t for t in range(1, n + 1) if n % t == 0]
-
-
 def _tensor_parallel_errors(cfg: Config) -> list[str]:
     """The ``tensor_parallel`` section: sizes that are positive integers (0 or 1: off), one
     size however spelled, a ``tp_plan`` mapping, and a model axis that divides the heads."""
@@ -401,7 +398,7 @@ def _tensor_parallel_errors(cfg: Config) -> list[str]:
             f"tensor_parallel.autotp_size: {size} does not divide the {heads} attention heads, "
             "so the heads can't be split evenly over the model axis; choose an autotp_size "
             f"among the divisors of {heads} "
-            f"({', '.join(str(t) for t in _divisors(int(heads)))})."
+            f"({', '.join(map(str, divisors(int(heads))))})."
         )
     return errors
 
@@ -438,7 +435,7 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
             errors.append(
                 f"sequence_parallel_size: {sp} does not divide the {n} {what}, so they can't "
                 "be split evenly over the seq axis; choose a sequence_parallel_size among the "
-                f"divisors of {n} ({', '.join(str(t) for t in _divisors(int(n)))})."
+                f"divisors of {n} ({', '.join(map(str, divisors(int(n))))})."
             )
     enabled = _enabled_techniques(cfg.compression_training, "compression_training")
     if enabled:

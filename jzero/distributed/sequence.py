@@ -60,6 +60,7 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jzero._util import divisors
 from jzero.distributed.mesh import SEQ_AXIS
 from jzero.distributed.tensor import MODEL_AXIS
 
@@ -73,10 +74,6 @@ def _bound_axis_size(axis: str) -> int | None:
         return jax.lax.axis_size(axis)
     except NameError:  # JAX: "unbound axis name: seq"
         return None
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _check_heads(
@@ -107,7 +104,7 @@ def _check_heads(
             f"local shape {tuple(arrays[name].shape)}), which the {size} devices of the "
             f"{axis!r} axis cannot split into whole heads. Choose sequence_parallel_size "
             f"(the {axis!r} axis size) among the divisors of {counts}: "
-            f"{', '.join(map(str, _divisors(common)))}.{fix}"
+            f"{', '.join(map(str, divisors(common)))}.{fix}"
         )
 
 

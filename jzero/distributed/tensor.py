@@ -60,7 +60,7 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jzero._util import dotted
+from jzero._util import divisors, dotted
 
 __all__ = ["MODEL_AXIS", "TPChoice", "autotp_specs", "unmatched"]
 
@@ -290,7 +290,7 @@ def autotp_specs(
             f"tensor_parallel.autotp_size: {tp_size} does not divide the {num_heads} attention "
             f"heads, so the heads cannot be split evenly over the model axis; choose an "
             f"autotp_size among the divisors of {num_heads} "
-            f"({', '.join(str(t) for t in range(1, num_heads + 1) if num_heads % t == 0)})."
+            f"({', '.join(map(str, divisors(num_heads)))})."
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     users = treedef.flatten_up_to(param_specs) if param_specs is not None else [None] * len(flat)

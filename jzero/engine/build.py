@@ -36,7 +36,7 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed, optim
-from jzero._util import abstract_tree
+from jzero._util import abstract_tree, dotted
 from jzero.distributed import DATA_AXIS, SEQ_AXIS, make_mesh, tensor
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
@@ -73,7 +73,7 @@ def _check_array_leaves(params: PyTree) -> None:
             leaf, (int, float, complex, np.generic)
         ):
             continue
-        name = jax.tree_util.keystr(path, simple=True, separator=".") or "<root>"
+        name = dotted(path) or "<root>"
         raise TypeError(
             f"params leaf {name} is a {type(leaf).__name__}, not an array: params must be a "
             "pytree of arrays. For an Equinox module pass model=module (or its constructor), "

@@ -382,8 +382,8 @@ def _check_axes_used(mesh: Mesh, zero_axes: tuple[str, ...], bases: Sequence[P])
     ``replica``) nor any parameter (a partition spec): its devices would compute the same
     rows, a silent multiple of the compute."""
     used = {a for b in bases for a in jax.tree.leaves(tuple(b))}
+    axis = zero_axes[0]
     for name, size in mesh.shape.items():
-        axis = zero_axes[0]
         if size > 1 and name not in (*zero_axes, REPLICA_AXIS) and name not in used:
             raise ValueError(
                 f"mesh axis {name!r} ({size} devices) is neither {axis!r}, {REPLICA_AXIS!r} nor "

@@ -340,11 +340,15 @@ class Plan:
         """Shardings that keep every parameter whole (other mesh axes still honoured)."""
         treedef = jax.tree.structure(self.abstract_params)
         return treedef.unflatten(
-            [
-                NamedSharding(self.mesh, _spec_with(b, len(leaf.shape), None, self.axis))
-                for leaf, b in zip(self.leaves, self._bases(), strict=True)
-            ]
+            [NamedSharding(self.mesh, self.leaf_spec(i)) for i in range(len(self.leaves))]
         )
+
+    def leaf_spec(self, index: int, dim: int | None = None, axes: Any = None) -> P:
+        """Leaf ``index``'s spec: its own entries on the mesh's other axes (a user's or AutoTP's
+        ``model``), and ``axes`` on ``dim`` when given; trailing ``None`` left out, so it fits
+        a leaf resting with merged leading dimensions too."""
+        leaf = self.leaves[index]
+        return _spec_with(self._bases()[index], len(leaf.shape), dim, axes)
 
     @property
     def other_entries(self) -> tuple[tuple[Any, ...], ...]:

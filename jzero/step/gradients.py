@@ -331,7 +331,7 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
 
     # Leaves split over another axis too (tensor parallelism) are reduced piece by piece over
     # it, with that axis manual (jzero.comm.manual): no weight-sized gather over `model`.
-    specs = [_trimmed(plan.other_entries[i]) for i in todo]
+    specs = [plan.leaf_spec(i) for i in todo]
 
     def reduce(xs: list[jax.Array]) -> list[jax.Array]:
         return reduce_buckets(xs, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
@@ -343,15 +343,6 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     return jax.tree.structure(grads).unflatten(out)
 
 
-def _trimmed(entries: tuple[Any, ...]) -> P:
-    """A spec of ``entries`` without trailing ``None``: it fits a leaf resting with merged
-    leading dimensions (fewer of them) too."""
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
 def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
     """Sums the ``data``-reduced gradient shards over the replica axis, once per step (after
     accumulation), in the communication dtype: an all-reduce (hybrid sharding) or, under hpZ,
@@ -360,9 +351,7 @@ def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
     if plan.replica_axis is None:
         return grads
     out = []
-    for g, grad_dim, entries in zip(
-        jax.tree.leaves(grads), plan.grad_dims(), plan.other_entries, strict=True
-    ):
+    for i, (g, grad_dim) in enumerate(zip(jax.tree.leaves(grads), plan.grad_dims(), strict=True)):
         if grad_dim is None:
             out.append(g)
             continue
@@ -374,7 +363,7 @@ def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
                 )
             return jax.lax.psum(c, plan.replica_axis)
 
-        spec = _trimmed(entries)
+        spec = plan.leaf_spec(i)
         c = over_axes(reduce, (spec,), spec)(g.astype(plan.precision.communication(g.dtype)))
         out.append(c.astype(g.dtype))
     return jax.tree.structure(grads).unflatten(out)

@@ -22,12 +22,11 @@ Decisions:
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from jzero.comm import gather_buckets, spec_axes
 from jzero.plan import (
@@ -95,26 +94,6 @@ def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     return _params_at_rest(plan, master)
 
 
-def _spec_on(entries: tuple[Any, ...], dim: int | None, axes: Any) -> P:
-    """A leaf's spec: its ``entries`` on other axes, and ZeRO's ``axes`` on ``dim``."""
-    out = list(entries)
-    if dim is not None:
-        out[dim] = axis_entry(axes)
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
-
-
-def _local_shape(shape: tuple[int, ...], entries: tuple[Any, ...], mesh: Any) -> tuple[int, ...]:
-    """``shape`` as each device holds it over the axes ``entries`` name (a model-axis piece)."""
-
-    def size(e: Any) -> int:
-        names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-        return math.prod(int(mesh.shape[a]) for a in names)
-
-    return tuple(n // size(e) for n, e in zip(shape, entries, strict=True))
-
-
 def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     """The params the next step computes with, from the updated master shards.
 
@@ -150,18 +129,16 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     if any(gather_axes):
         # A leaf split over another axis too (tensor parallelism) is gathered piece by piece
         # over it, that axis manual here as well: never the whole weight over `model`.
-        others = plan.other_entries
         in_specs = treedef.unflatten(
-            [
-                _spec_on(e, leaf.state_dim, state_axes)
-                for leaf, e in zip(leaves, others, strict=True)
-            ]
+            [plan.leaf_spec(i, leaf.state_dim, state_axes) for i, leaf in enumerate(leaves)]
         )
         out_specs = treedef.unflatten(
-            [_spec_on(e, leaf.param_dim, axis) for leaf, e in zip(leaves, others, strict=True)]
+            [plan.leaf_spec(i, leaf.param_dim, axis) for i, leaf in enumerate(leaves)]
         )
+        # Each device's logical piece over those other axes, which the gather cuts back to.
         local = [
-            _local_shape(leaf.shape, e, plan.mesh) for leaf, e in zip(leaves, others, strict=True)
+            NamedSharding(plan.mesh, plan.leaf_spec(i)).shard_shape(leaf.shape)
+            for i, leaf in enumerate(leaves)
         ]
 
         def gather(tree: PyTree) -> PyTree:
@@ -197,7 +174,7 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
             mesh=plan.mesh,
             in_specs=(in_specs,),
             out_specs=out_specs,
-            axis_names=set(state_axes) | spec_axes(others),
+            axis_names=set(state_axes) | spec_axes(plan.base_specs),
             check_vma=False,
         )(master)
     master = jax.lax.with_sharding_constraint(master, on_device(plan.params))
