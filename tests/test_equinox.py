@@ -226,3 +226,19 @@ def test_integer_arrays_are_carried_as_state_not_trained():
     model = engine.model
     np.testing.assert_array_equal(model.order, [3, 2, 1, 0])
     assert not np.allclose(model.w, 1.0)  # trained
+
+
+def test_numpy_floating_arrays_of_a_module_are_parameters():
+    """``eqx.is_inexact_array`` takes NumPy arrays too: such a weight is trained, not closed
+    over as a constant."""
+    module = Permuted(np.ones((4, 3)), jnp.array([3, 2, 1, 0], jnp.int32))
+    engine = jzero.initialize(
+        model=module,
+        loss_fn=lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2),
+        optimizer=optax.sgd(0.1),
+        config={"train_batch_size": 8},
+    )
+    assert [leaf.path for leaf in engine.plan.leaves] == ["w"]
+    rng = np.random.default_rng(0)
+    engine.train_step({"x": rng.normal(size=(8, 4)), "y": rng.normal(size=(8, 3))})
+    assert not np.allclose(engine.model.w, 1.0)

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jzero._util import is_creator
 from jzero.engine.flax_adapter import Adapted, _split_aux
@@ -36,16 +37,19 @@ __all__ = ["adapt", "is_equinox"]
 PyTree = Any
 
 
+def _array(x: Any) -> bool:
+    """An array, concrete (JAX's or NumPy's, as ``eqx.is_array`` takes them) or abstract."""
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
 def _inexact(x: Any) -> bool:
-    """A floating (or complex) array, concrete or abstract: a trainable parameter."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, jnp.ndarray)) and jnp.issubdtype(
-        x.dtype, jnp.inexact
-    )
+    """A floating (or complex) array: a trainable parameter (``eqx.is_inexact_array``)."""
+    return _array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _other_array(x: Any) -> bool:
     """An array that is not a parameter (integer, boolean): non-trainable state."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, jnp.ndarray)) and not _inexact(x)
+    return _array(x) and not _inexact(x)
 
 
 def is_equinox(model: Any) -> tuple[bool, Any]:
