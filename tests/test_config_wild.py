@@ -171,7 +171,7 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
     cfg, (message,) = load_quietly(raw)
     listed = [line.split(":")[0].removeprefix("  - ") for line in message.splitlines()[1:-1]]
     used = {"train_micro_batch_size_per_gpu", "gradient_allreduce_op", "bf16", "optimizer",
-            "tensor_parallel"}  # fmt: skip
+            "tensor_parallel", "pipeline"}  # fmt: skip
     inner = {"checkpoint.tag_validation", "checkpoint.writer", "optimizer.legacy_fusion"}
     assert set(listed) == (set(raw) - used - {"checkpoint"}) | inner
     assert cfg.bf16.check_grad_overflow is True
@@ -180,7 +180,19 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
 @pytest.mark.parametrize(
     ("raw", "start"),
     [
-        ({"pipeline": {"stages": 2}}, "pipeline.stages: 2 asks for pipeline parallelism"),
+        (
+            {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 1},
+            "pipeline.stages: 2 needs at least 2 micro-batches",
+        ),
+        ({"pipeline": {"schedule": "zb"}}, "pipeline.schedule: 'zb' is not a schedule"),
+        (
+            {
+                "pipeline": {"stages": 2},
+                "gradient_accumulation_steps": 2,
+                "sequence_parallel_size": 2,
+            },
+            "pipeline.stages: 2 does not compose with sequence_parallel_size > 1 yet",
+        ),
         (
             {"tensor_parallel": {"tp": {"tp_size": 4}}},
             "tensor_parallel.tp.tp_size: 4 is DeepSpeed's inference key",

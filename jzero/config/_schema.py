@@ -296,9 +296,16 @@ class Config:
     """DeepSpeed: process-group order for MoE. No effect."""
     seq_parallel_communication_data_type: str = _field("fp32", no_effect=_PARALLEL)
     """DeepSpeed: dtype of sequence-parallel collectives. No effect."""
-    pipeline: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
-    """DeepSpeed: pipeline parallelism. Accepted with ``stages`` "auto" or 1 (one stage is what
-    jzero runs); more stages are an error."""
+    pipeline: Mapping[str, Any] | None = None
+    """DeepSpeed: pipeline parallelism. ``stages: P`` (> 1) builds the mesh
+    ``{pipe: P, data: N/P}`` and splits the model's layer scan into ``P`` stages of
+    consecutive layers (:mod:`jzero.distributed.pipeline`), ZeRO sharding within each stage's
+    ``data`` group; the micro-batches are ``gradient_accumulation_steps`` (at least ``P``).
+    ``schedule`` (jzero's key): ``1f1b`` (default; at most ``P`` micro-batches of activations
+    kept per stage) or ``gpipe`` (all ``M``). DeepSpeed's ``partition``, ``seed_layers``,
+    ``activation_checkpoint_interval``, ``pipe_partitioned``, ``grad_partitioned`` are
+    accepted and have no effect (jzero splits the layers evenly; activation checkpointing is
+    the ``activation_checkpointing`` section)."""
     tensor_parallel: Mapping[str, Any] | None = None
     """DeepSpeed AutoTP: ``autotp_size: T`` (> 1) builds the mesh ``{data: N/T, model: T}``
     and gives every parameter a Megatron-style spec over ``model`` from its name
@@ -337,6 +344,7 @@ class Config:
         for key, axis, size in (
             ("tensor_parallel.autotp_size", "model", self.autotp_size()),
             ("sequence_parallel_size", "seq", self.sequence_parallel_size),
+            ("pipeline.stages", "pipe", self.pipeline_stages()),
         ):
             if size <= 1:
                 continue
@@ -375,6 +383,15 @@ class Config:
         tp = self.tensor_parallel or {}
         size = tp.get("autotp_size", tp.get("tp_size"))
         return int(size) if size else 1
+
+    def pipeline_stages(self) -> int:
+        """``pipeline.stages``; 1 when unset or "auto"."""
+        stages = (self.pipeline or {}).get("stages", 1)
+        return 1 if stages in (None, "auto") else int(stages)
+
+    def pipeline_schedule(self) -> str:
+        """``pipeline.schedule``: ``"1f1b"`` unless set."""
+        return str((self.pipeline or {}).get("schedule", "1f1b"))
 
     def tp_plan(self) -> dict[str, Any]:
         """``tensor_parallel.tp_plan``: dotted-path globs to layouts, in the order written."""

@@ -343,6 +343,65 @@ def _enabled_techniques(node: Any, path: str) -> list[str]:
     return found
 
 
+_PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_checkpoint_interval",
+              "pipe_partitioned", "grad_partitioned", "use_reentrant")  # fmt: skip
+
+
+def _pipeline_errors(cfg: Config) -> list[str]:
+    """The ``pipeline`` section: ``stages`` a whole number (1: off; DeepSpeed's "auto" is 1),
+    ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet."""
+    from jzero.distributed.pipeline import SCHEDULES
+
+    pipe = cfg.pipeline
+    if pipe is None:
+        return []
+    if not isinstance(pipe, Mapping):
+        return [f"pipeline: {_show(pipe)} must be a section, e.g. {{stages: 2}}."]
+    errors = []
+    unknown = sorted(set(pipe) - set(_PIPE_KEYS))
+    if unknown:
+        errors.append(f"pipeline: unknown key(s) {unknown}; the keys are {sorted(_PIPE_KEYS)}.")
+    stages = pipe.get("stages", 1)
+    if stages == "auto":
+        stages = 1
+    if isinstance(stages, bool) or not _is_number(stages) or stages != int(stages) or stages < 1:
+        errors.append(
+            f"pipeline.stages: {_show(stages)} is not allowed; it must be a whole number of "
+            "stages (1: no pipeline parallelism)."
+        )
+        return errors
+    schedule = pipe.get("schedule", "1f1b")
+    if schedule not in SCHEDULES:
+        errors.append(
+            f"pipeline.schedule: {_show(schedule)} is not a schedule jzero has; use one of "
+            f"{', '.join(SCHEDULES)} (1f1b keeps at most `stages` micro-batches of activations)."
+        )
+    stages = int(stages)
+    if stages <= 1:
+        return errors
+    accum = cfg.gradient_accumulation_steps
+    if _is_number(accum) and accum < stages:
+        errors.append(
+            f"pipeline.stages: {stages} needs at least {stages} micro-batches "
+            f"(gradient_accumulation_steps) to fill the pipeline, but gradient_accumulation_steps "
+            f"is {accum}; set it to {stages} or more ({2 * stages} keeps the bubble smaller)."
+        )
+    others = {
+        "tensor_parallel.autotp_size > 1": cfg.autotp_size() > 1 or bool(cfg.tp_plan()),
+        "sequence_parallel_size > 1": cfg.sequence_parallel_size > 1,
+        "offload_optimizer.device: nvme": cfg.zero_optimization.offload_optimizer.device == "nvme",
+        "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": cfg.zero_optimization.zero_hpz_partition_size
+        > 1,
+    }
+    for what, on in others.items():
+        if on:
+            errors.append(
+                f"pipeline.stages: {stages} does not compose with {what} yet; set "
+                "pipeline.stages: 1, or turn that off."
+            )
+    return errors
+
+
 _TP_KEYS = ("autotp_size", "tp_size", "tp_plan", "num_heads", "tp_grain_size", "enabled",
             "tp", "partition_config", "keep_module_on_host", "injection_policy_tuple",
             "preset_model")  # fmt: skip
@@ -410,14 +469,7 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
     def over_one(value: Any) -> bool:
         return _is_number(value) and value > 1
 
-    num_stages = _size(cfg.pipeline, "stages")
-    if over_one(num_stages):
-        errors.append(
-            f"pipeline.stages: {_show(num_stages)} asks for pipeline parallelism, which jzero "
-            "does not have (every device of the data axis runs the whole model, sharded by "
-            "ZeRO); remove the pipeline section or set stages: 1, and use ZeRO stage 3 to fit "
-            "a large model."
-        )
+    errors += _pipeline_errors(cfg)
     errors += _tensor_parallel_errors(cfg)
     ep = cfg.expert_parallel
     ep_size = _size(ep, "autoep_size")

@@ -2,7 +2,7 @@
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
 :mod:`jzero._util`); every other package may import it. One module per parallelism beside
-ZeRO's data axis (tensor and sequence now; pipeline and expert later), as in torchtitan's
+ZeRO's data axis (tensor, sequence and pipeline now; expert later), as in torchtitan's
 ``distributed/``.
 
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
@@ -14,6 +14,8 @@ ZeRO's data axis (tensor and sequence now; pipeline and expert later), as in tor
   parameters' names and shapes.
 * :mod:`~jzero.distributed.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
   the ``seq`` axis by two all-to-alls.
+* :mod:`~jzero.distributed.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B) and the
+  engine that runs one over the ``pipe`` axis.
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
@@ -35,9 +37,14 @@ from jzero.distributed.layout import ENV_REPLICAS as ENV_REPLICAS
 from jzero.distributed.layout import DistributedSpec as DistributedSpec
 from jzero.distributed.layout import resolve_spec as resolve_spec
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
+from jzero.distributed.mesh import PIPE_AXIS as PIPE_AXIS
 from jzero.distributed.mesh import REPLICA_AXIS as REPLICA_AXIS
 from jzero.distributed.mesh import SEQ_AXIS as SEQ_AXIS
 from jzero.distributed.mesh import make_mesh as make_mesh
+from jzero.distributed.pipeline import SCHEDULES as SCHEDULES
+from jzero.distributed.pipeline import Schedule as Schedule
+from jzero.distributed.pipeline import bubble_fraction as bubble_fraction
+from jzero.distributed.pipeline import make_schedule as make_schedule
 from jzero.distributed.runtime import any_process as any_process
 from jzero.distributed.runtime import backends_initialized as backends_initialized
 from jzero.distributed.runtime import barrier as barrier
@@ -62,6 +69,7 @@ __all__ = [
     "autotp_specs",
     "backends_initialized",
     "barrier",
+    "bubble_fraction",
     "check_batch",
     "compile_cache_dir",
     "CompileCounter",
@@ -82,9 +90,13 @@ __all__ = [
     "launcher_replicas",
     "local_batch_size",
     "make_mesh",
+    "make_schedule",
     "MODEL_AXIS",
+    "PIPE_AXIS",
     "REPLICA_AXIS",
     "resolve_spec",
+    "Schedule",
+    "SCHEDULES",
     "SEQ_AXIS",
     "sequence_chunk",
     "sequence_offset",

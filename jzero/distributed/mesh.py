@@ -13,8 +13,9 @@ Decisions:
 * The product of the sizes must equal the number of devices: a mesh that silently left
   devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
 * ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis,
-  ``data`` the next, then ``seq`` (sequence parallelism) where there is one, so each ``data``
-  group is made of neighbouring devices: within one host.
+  ``pipe`` (pipeline stages) the next, then ``data``, then ``seq`` (sequence parallelism)
+  where there is one, so each ``data`` group is made of neighbouring devices: within one
+  host.
   With several processes the devices are laid out by ``create_hybrid_device_mesh`` with the
   processes as the slow (cross-host) dimension, so that ``replica`` runs across processes and
   ``data`` within them wherever the sizes allow.
@@ -32,7 +33,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["DATA_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
+__all__ = ["DATA_AXIS", "PIPE_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
 
 logger = logging.getLogger("jzero")
 
@@ -43,6 +44,10 @@ SEQ_AXIS = "seq"
 """The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.distributed.sequence`):
 its devices share the batch's rows and split their tokens; ZeRO shards over it beside
 ``data``."""
+
+PIPE_AXIS = "pipe"
+"""The name of the pipeline-parallel axis (:mod:`jzero.distributed.pipeline`): its devices hold
+consecutive stages of the model's stacked layers; ZeRO shards within each stage's ``data``."""
 
 REPLICA_AXIS = "replica"
 """The name of the replica axis (hybrid sharding): the batch is split over it too, but ZeRO's
@@ -120,9 +125,9 @@ def make_mesh(
             f"mesh {sizes} asks for {total} devices but only {len(devices)} {platform} "
             f"device(s) are available. Lower mesh.data (or set it to -1 for all devices).{hint}"
         )
-    # replica outermost, then data, then seq: data groups (and each data x seq ZeRO group)
-    # are neighbours, and each seq group's devices too.
-    lead = [a for a in (REPLICA_AXIS, DATA_AXIS, SEQ_AXIS) if a in sizes]
+    # replica outermost, then pipe, data, seq: data groups (and each data x seq ZeRO group)
+    # are neighbours, and each seq group's devices too; a pipeline stage's data group too.
+    lead = [a for a in (REPLICA_AXIS, PIPE_AXIS, DATA_AXIS, SEQ_AXIS) if a in sizes]
     sizes = {**{a: sizes[a] for a in lead}, **{k: v for k, v in sizes.items() if k not in lead}}
     names = tuple(sizes)
     shape = tuple(sizes.values())

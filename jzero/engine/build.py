@@ -37,7 +37,7 @@ import optax
 from jzero import config as config_lib
 from jzero import distributed, optim
 from jzero._util import abstract_tree, dotted
-from jzero.distributed import DATA_AXIS, SEQ_AXIS, make_mesh, tensor
+from jzero.distributed import DATA_AXIS, PIPE_AXIS, SEQ_AXIS, make_mesh, tensor
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
@@ -95,6 +95,21 @@ def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any
     if mesh.shape.get(SEQ_AXIS, 1) <= 1:
         return {}
     return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
+
+
+def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Pipeline parallelism (``pipeline.stages`` > 1): the ``pipe`` axis and the schedule; the
+    leaves it splits are known once the loss is traced (the engine's ``fit_layout``)."""
+    stages = cfg.pipeline_stages()
+    if stages > 1 and mesh.shape.get(PIPE_AXIS, 1) != stages:
+        raise ValueError(
+            f"pipeline.stages: {stages} needs a mesh axis {PIPE_AXIS!r} of {stages} devices, "
+            f"but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build it, or "
+            f"give it {PIPE_AXIS}: {stages}."
+        )
+    if mesh.shape.get(PIPE_AXIS, 1) <= 1:
+        return {}
+    return {"pipe_axis": PIPE_AXIS, "pipe_schedule": cfg.pipeline_schedule()}
 
 
 def _check_sequence_parallel(cfg: config_lib.Config) -> None:
@@ -284,6 +299,7 @@ def initialize(
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
         tp_rules=tp_rules,
         **_zero_axes(cfg, mesh),
+        **_pipeline(cfg, mesh),
     )
     plan = replan()
     if plan.seq_axis is not None:

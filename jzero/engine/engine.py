@@ -211,9 +211,9 @@ class Engine:
         if self._layout_fitted:
             return
         self._layout_fitted = True
-        if not self.plan.stage.shard_params:
+        if not self.plan.stage.shard_params and not self.plan.pipe_axis:
             return
-        from jzero.replay import layer_dims
+        from jzero.replay import layer_dims, split_at_layers
 
         rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
         if rows is None:
@@ -223,11 +223,19 @@ class Engine:
         )
         args = (self.state.extra, micro) if self.takes_extra else (micro,)
         dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
-        new = self._replan(layer_dims=dims)
+        piped = {}
+        if self.plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
+            split = split_at_layers(self.loss_fn, self.plan.compute_params, *args)
+            piped = {"pipe_leaves": split.scanned}
+        new = self._replan(layer_dims=dims, **piped)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
 
         def layout(plan: Plan) -> list[Any]:  # where each leaf is split, and its resting shape
-            return [(x.param_dim, x.state_dim, x.stored_shape()) for x in plan.leaves]
+            return [
+                (x.param_dim, x.state_dim, x.stored_shape(), spec)
+                for x, spec in zip(plan.leaves, plan.base_specs or [()] * len(plan.leaves),
+                                   strict=True)
+            ]  # fmt: skip
 
         if layout(new) == layout(self.plan):
             self.plan = new
@@ -236,9 +244,10 @@ class Engine:
             return
         moved = [
             leaf.path
-            for leaf, old in zip(new.leaves, self.plan.leaves, strict=True)
-            if (leaf.param_dim, leaf.state_dim) != (old.param_dim, old.state_dim)
-        ]
+            for leaf, old, a, b in zip(new.leaves, self.plan.leaves, layout(new),
+                                       layout(self.plan), strict=True)
+            if a != b
+        ]  # fmt: skip
         if self._disk is not None:  # the files too, group by group
             self.state = self._disk.relayout(self.state, new)
         else:
@@ -246,8 +255,9 @@ class Engine:
         self.plan = new
         self._step = self._eval = None
         logger.info(
-            "jzero: %d stacked-layer parameters (%s) are now sharded beside the dimension their "
-            "scan consumes, so stage 3 gathers one layer at a time",
+            "jzero: %d stacked-layer parameters (%s) are now laid out for their layer scan: "
+            "split into pipeline stages, and at stage 3 sharded beside the dimension the scan "
+            "consumes, so each layer is gathered on its own",
             len(moved),
             ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
         )

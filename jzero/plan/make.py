@@ -49,7 +49,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero._util import dotted, under_trace
+from jzero._util import divisors, dotted, under_trace
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
     _leaf_plan,
@@ -105,6 +105,9 @@ def make_plan(
     padding: bool = True,
     tp_rules: Sequence[str] | None = None,
     seq_axis: str | None = None,
+    pipe_axis: str | None = None,
+    pipe_leaves: Sequence[bool] | None = None,
+    pipe_schedule: str = "1f1b",
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -131,6 +134,11 @@ def make_plan(
         (DeepSpeed's ``offload_param``).
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
         consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never shards it.
+      pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism.
+      pipe_leaves: per leaf, whether the loss's layer scan consumes it
+        (:func:`jzero.replay.split_at_layers`): its stacked dimension is split over
+        ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
+      pipe_schedule: ``"1f1b"`` or ``"gpipe"`` (:mod:`jzero.distributed.pipeline`).
       reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
       prefetch_bucket_size, max_reuse_distance, max_live_parameters: see :class:`Plan`.
       hpz: ZeRO++'s hierarchical partition (see :class:`Plan`); needs a ``replica`` axis and
@@ -195,7 +203,9 @@ def make_plan(
                     f"{'data axis' if taken[0] == DATA_AXIS else 'axis'} {taken[0]!r} ZeRO "
                     f"shards over; jzero places it itself. Remove {taken[0]!r} from it."
                 )
-    _check_axes_used(mesh, zero_axes, bases)
+    if pipe_axis is not None and pipe_leaves is not None:
+        bases = _on_pipe(flat, bases, pipe_leaves, pipe_axis, int(mesh.shape[pipe_axis]))
+    _check_axes_used(mesh, (*zero_axes, *((pipe_axis,) if pipe_axis else ())), bases)
     replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
     if hpz and (replica is None or not spec.shard_params):
         raise ValueError(
@@ -337,7 +347,44 @@ def make_plan(
         quantized_gradients=int(quantized_gradients),
         tp_rules=tuple(tp_rules or ()),
         seq_axis=seq_axis,
+        pipe_axis=pipe_axis,
+        pipe_schedule=pipe_schedule,
     )
+
+
+def _on_pipe(
+    flat: Sequence[tuple[Any, Any]],
+    bases: Sequence[P],
+    pipe_leaves: Sequence[bool],
+    pipe_axis: str,
+    stages: int,
+) -> tuple[P, ...]:
+    """The bases with ``pipe_axis`` on the stacked-layer dimension (0) of the leaves the layer
+    scan consumes (pipeline parallelism: each stage holds ``L / P`` consecutive layers)."""
+    out = []
+    for (path, x), b, piped in zip(flat, bases, pipe_leaves, strict=True):
+        if not piped:
+            out.append(b)
+            continue
+        layers = int(x.shape[0])
+        if layers % stages:
+            raise ValueError(
+                f"pipeline.stages: {stages} does not divide the {layers} layers of "
+                f"{_path_str(path)} (shape {tuple(x.shape)}); each stage holds an equal share of "
+                f"consecutive layers. Use a number of stages among the divisors of {layers} "
+                f"({', '.join(map(str, divisors(layers)))}), or {layers} layers a multiple of "
+                f"{stages}."
+            )
+        entries = list(b) + [None] * (len(x.shape) - len(b))
+        if entries[0] is not None:
+            raise ValueError(
+                f"The partition spec {b} of {_path_str(path)} splits its stacked-layer dimension "
+                f"over {entries[0]!r}, which pipeline parallelism splits over {pipe_axis!r}; "
+                "remove that entry."
+            )
+        entries[0] = pipe_axis
+        out.append(P(*entries))
+    return tuple(out)
 
 
 def _check_comm(

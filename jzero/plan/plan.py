@@ -90,6 +90,10 @@ class Plan:
         tokens (:mod:`jzero.distributed.sequence`).
       tp_rules: per leaf, the tensor-parallel rule that laid it out over the model axis
         (:func:`jzero.distributed.tensor.autotp_specs`), empty without AutoTP.
+      pipe_axis: the pipeline mesh axis (:mod:`jzero.distributed.pipeline`), or ``None``: the
+        leaves the layer scan consumes are split over it on their stacked dimension (their
+        base spec names it), every other leaf is whole on each stage.
+      pipe_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
       quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
         data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
         on the receiving device; 0: exact.
@@ -128,6 +132,8 @@ class Plan:
     stored_opt_state: PyTree = None
     tp_rules: tuple[str, ...] = ()
     seq_axis: str | None = None
+    pipe_axis: str | None = None
+    pipe_schedule: str = "1f1b"
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
     def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
@@ -184,6 +190,18 @@ class Plan:
     def seq_size(self) -> int:
         """The size of the sequence-parallel axis (1 without one)."""
         return int(self.mesh.shape[self.seq_axis]) if self.seq_axis else 1
+
+    @property
+    def pipe_size(self) -> int:
+        """The pipeline stages (1 without pipeline parallelism)."""
+        return int(self.mesh.shape[self.pipe_axis]) if self.pipe_axis else 1
+
+    @property
+    def pipelined(self) -> tuple[bool, ...]:
+        """Per leaf, whether its stacked-layer dimension is split into pipeline stages."""
+        return tuple(
+            bool(self.pipe_axis) and len(b) > 0 and b[0] == self.pipe_axis for b in self._bases()
+        )
 
     @property
     def batch_axes(self) -> tuple[str, ...]:

@@ -8,6 +8,8 @@ it is given.
 * :mod:`~jzero.replay.interpreter`: the interpreter that replays a jaxpr equation by equation.
 * :mod:`~jzero.replay.param_gather`: one parameter's gather and its pending form.
 * :mod:`~jzero.replay.gather`: :func:`gathered`, the entry point, and :func:`layer_dims`.
+* :mod:`~jzero.replay.layer_split`: the loss cut at its layer scan into the unit each pipeline
+  stage runs.
 * :mod:`~jzero.replay.overlapped_scan`: the layer scan that gathers one layer ahead.
 * :mod:`~jzero.replay.prefetch`: DeepSpeed's prefetch and reuse knobs on the gather order.
 * :mod:`~jzero.replay.remat`: rematerialisation (activation checkpointing) policies.
@@ -20,6 +22,10 @@ from jzero.replay.gather import replay as replay
 from jzero.replay.interpreter import GATHERED as GATHERED
 from jzero.replay.interpreter import PARTITIONED as PARTITIONED
 from jzero.replay.interpreter import remat_save_policy as remat_save_policy
+from jzero.replay.layer_split import LayerSplit as LayerSplit
+from jzero.replay.layer_split import NoLayerScan as NoLayerScan
+from jzero.replay.layer_split import split_at_layers as split_at_layers
+from jzero.replay.layer_split import stage_unit as stage_unit
 from jzero.replay.overlapped_scan import can_overlap as can_overlap
 from jzero.replay.overlapped_scan import overlapped_scan as overlapped_scan
 from jzero.replay.param_gather import all_gather as all_gather
@@ -58,6 +64,10 @@ __all__ = [
     "eval_tagged",
     "Event",
     "find_layers",
+    "LayerSplit",
+    "NoLayerScan",
+    "split_at_layers",
+    "stage_unit",
     "first_element",
     "GATHERED",
     "gathered",

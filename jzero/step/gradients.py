@@ -60,7 +60,14 @@ from jax.sharding import PartitionSpec as P
 from jzero._util import dotted
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
 from jzero.plan import LossScaleState, Plan, on_device, pad_to
-from jzero.replay import Partition, RematPolicy, gathered, parse_policy
+from jzero.replay import (
+    Partition,
+    RematPolicy,
+    gathered,
+    parse_policy,
+    split_at_layers,
+    stage_unit,
+)
 from jzero.step.state import TrainState, _spec, _to_device
 
 PyTree = Any
@@ -254,14 +261,18 @@ def _local_grads(
             g = treedef.unflatten([x.astype(prec.accumulator(m)) for x, m in leaves])
         return extra, (loss, _float_aux(aux), g)
 
+    piped = _pipelined_grads(plan, full_loss, accum, policy) if plan.pipe_axis else None
+
     def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
-        if accum == 1:
+        if piped is not None:  # the micro-batches go through the stages; reduced once below
+            loss, aux, g = piped(params, extra, scale, batch)
+        elif accum == 1:
             extra, (loss, aux, g) = micro(params, extra, scale, batch)
         else:
             extra, (loss, aux, g) = _accumulate(
                 functools.partial(micro, params), extra, scale, batch, accum
             )
-        if not reduce_each:
+        if not reduce_each or piped is not None:
             g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
         g = _reduce_replicas(plan, g)
         # The mean over the global batch: local sums over accum micro-batches and n devices.
@@ -272,6 +283,129 @@ def _local_grads(
         return loss, aux, g, _mean_extra(extra, axis)
 
     return local_grads
+
+
+def _stage_shapes(plan: Plan) -> PyTree:
+    """The compute params one pipeline stage holds: ``L / P`` layers of each split leaf."""
+    p = plan.pipe_size
+    return jax.tree.map(
+        lambda x, piped: (
+            jax.ShapeDtypeStruct((x.shape[0] // p, *x.shape[1:]), x.dtype) if piped else x
+        ),
+        plan.compute_params,
+        jax.tree.structure(plan.abstract_params).unflatten(list(plan.pipelined)),
+    )
+
+
+def _pipelined_grads(
+    plan: Plan, full_loss: LossFn, accum: int, policy: RematPolicy | None
+) -> Callable[..., Any]:
+    """Pipeline parallelism (:mod:`jzero.distributed.pipeline`): ``(params, extra, scale,
+    batch) -> (loss, aux, grads)``, the gradients summed over the ``accum`` micro-batches of
+    this device's rows and not yet reduced over ``data``, inside the step's ``shard_map``.
+
+    The loss is cut at its layer scan (:func:`jzero.replay.split_at_layers`) into the unit
+    each stage runs; at stage 3 (or with an activation checkpointing policy) that unit is
+    replayed by :func:`gathered` as the whole loss is without a pipeline, so each layer's
+    gather stays in the scan body and its transpose reduce-scatters over ``data`` within the
+    stage. The schedule runs with ``pipe`` manual; the gradients of the leaves every stage
+    holds whole (embedding, head) are summed over ``pipe``, the split leaves' stay with
+    their stage.
+    """
+    from jzero.distributed import pipeline
+
+    prec, pipe = plan.precision, plan.pipe_axis
+    schedule = pipeline.make_schedule(plan.pipe_schedule, plan.pipe_size, accum)
+    treedef = jax.tree.structure(plan.abstract_params)
+    split_leaves = plan.pipelined
+    grad_dtypes = [prec.accumulator(x.dtype) for x in jax.tree.leaves(plan.abstract_params)]
+    stage_shapes = _stage_shapes(plan)
+
+    def loss_only(params: PyTree, extra: PyTree, mb: PyTree) -> Any:
+        loss, (aux, _) = full_loss(params, extra, mb)
+        loss = jnp.asarray(loss, jnp.float32) if prec.mixed else loss
+        return loss, _float_aux(aux)
+
+    def pipelined(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
+        mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+        mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), mbs)
+        _check_state_unchanged(full_loss, stage_shapes, extra, mb)
+        aux_tree = jax.tree.structure(jax.eval_shape(loss_only, stage_shapes, extra, mb)[1])
+
+        def region(params: PyTree, extra: PyTree, scale: jax.Array, mbs: PyTree) -> Any:
+            # Traced here, with `pipe` manual, so the replayed equations see this mesh.
+            split = split_at_layers(loss_only, stage_shapes, extra, mb)
+            unit = stage_unit(split)
+            if any(d is not None for d in plan.param_dims) or (
+                policy is not None and policy.active
+            ):
+                unit = gathered(
+                    unit,
+                    plan.param_dims,
+                    stage_shapes,
+                    plan.axis,
+                    grad_dtype=prec.comm_dtype,
+                    policy=policy,
+                    reshard=plan.reshard_after_forward,
+                    prefetch=_prefetch(plan),
+                    reuse_distance=plan.max_reuse_distance,
+                    max_live=plan.max_live_parameters,
+                    bits=plan.quantized_weights,
+                    grad_bits=plan.quantized_gradients,
+                    overlap=plan.overlap_comm,
+                )
+
+            def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
+                return unit(treedef.unflatten(ps), c, first, last, extra, mb)
+
+            seed = scale if prec.scaled else jnp.ones((), jnp.float32)
+            grads, outs = pipeline.run(
+                run_unit,
+                jax.tree.leaves(params),
+                mbs,
+                split.carry,
+                schedule,
+                seed,
+                grad_dtypes=grad_dtypes,
+                axis=pipe,
+            )
+            grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
+                     strict=True)]  # fmt: skip
+            outs = [jax.lax.psum(o, pipe) for o in outs]
+            return treedef.unflatten(grads), outs
+
+        specs = treedef.unflatten([P(pipe) if s else P() for s in split_leaves])
+        grads, outs = jax.shard_map(
+            region,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(specs, P(), P(), P()),
+            out_specs=(specs, P()),
+            axis_names={pipe},
+            check_vma=False,
+        )(params, extra, scale, mbs)
+        loss = outs[0] / accum
+        aux = aux_tree.unflatten([a / accum for a in outs[1:]])
+        return loss, aux, grads
+
+    return pipelined
+
+
+def _check_state_unchanged(full_loss: LossFn, params: PyTree, extra: PyTree, mb: PyTree) -> None:
+    """Pipeline parallelism does not carry model state through the stages: a loss that
+    changes it (BatchNorm statistics, an RNG counter) is refused rather than trained wrong."""
+    if not jax.tree.leaves(extra):
+        return
+    closed = jax.make_jaxpr(full_loss)(params, extra, mb)
+    n_params, n_extra = len(jax.tree.leaves(params)), len(jax.tree.leaves(extra))
+    ins = closed.jaxpr.invars[n_params : n_params + n_extra]
+    outs = closed.jaxpr.outvars[len(closed.jaxpr.outvars) - n_extra :]
+    if any(a is not b for a, b in zip(ins, outs, strict=True)):
+        raise ValueError(
+            "pipeline.stages > 1 does not carry a model's non-trainable state through the "
+            "stages yet, and this loss changes it (BatchNorm statistics, an nnx.Rngs counter?). "
+            "Use a model without mutable state (LayerNorm, no stateful dropout), or set "
+            "pipeline.stages: 1."
+        )
 
 
 def _accumulate(
