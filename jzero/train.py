@@ -311,6 +311,7 @@ def _train(
     first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    peak = _peak_bytes(engine, batches)  # on CPU compiles the step: the plan is final after
     by_category = engine.plan.model_state_bytes()
     on_disk = 0
     if cfg.zero_optimization.offload_optimizer.device == "nvme":  # between steps, in files
@@ -319,7 +320,6 @@ def _train(
             on_disk += by_category.pop("params", 0)
     state_bytes = sum(by_category.values())
     host_bytes = sum(engine.plan.host_state_bytes().values())
-    peak = _peak_bytes(engine, batches)
     tokens_per_step = engine.train_batch_size * model_cfg.seq_len
     logger.info("\n%s", engine.describe())
     logger.info(

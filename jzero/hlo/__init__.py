@@ -21,6 +21,7 @@ from jzero.hlo.facts import loop_collectives as loop_collectives
 from jzero.hlo.parse import KINDS as KINDS
 from jzero.hlo.parse import program_text as program_text
 from jzero.hlo.parse import replica_groups as replica_groups
+from jzero.hlo.parse import source_target_pairs as source_target_pairs
 
 __all__ = [
     "async_collectives",
@@ -36,4 +37,5 @@ __all__ = [
     "LoopCollective",
     "program_text",
     "replica_groups",
+    "source_target_pairs",
 ]

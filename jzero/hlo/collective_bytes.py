@@ -48,6 +48,7 @@ from jzero.hlo.parse import (
     _shape_bytes,
     _text,
     replica_groups,
+    source_target_pairs,
 )
 
 __all__ = ["CollectiveStats", "collectives", "collectives_by_axes", "collectives_by_dtype"]
@@ -171,14 +172,17 @@ def collectives_by_axes(
 
     Returns:
       ``{axes: {kind: CollectiveStats}}``, e.g. ``("data",)`` for collectives within each
-      data group, ``("replica",)`` across replicas, ``("replica", "data")`` over every device.
-      Only the axes present appear.
+      data group, ``("replica",)`` across replicas, ``("replica", "data")`` over every device,
+      ``("pipe",)`` for a collective-permute between neighbouring pipeline stages. Only the
+      axes present appear.
     """
     shape = dict(getattr(mesh, "shape", mesh))
     n = math.prod(shape.values())
     out: dict[tuple[str, ...], dict[str, CollectiveStats]] = {}
     for kind, size, times, line in _walk(compiled):
-        axes = _axes_spanned(replica_groups(line, n), shape)
+        # A permute's groups are its (source, target) pairs: the axes its transfers cross.
+        pairs = source_target_pairs(line) if kind == "collective-permute" else []
+        axes = _axes_spanned(pairs or replica_groups(line, n), shape)
         stats = out.setdefault(axes, {k: CollectiveStats(k) for k in KINDS})
         stats[kind].count += times
         stats[kind].bytes += size * times

@@ -102,6 +102,15 @@ def _iota(dims: str, perm: str | None) -> np.ndarray:
     return ids
 
 
+def source_target_pairs(line: str) -> list[list[int]]:
+    """A ``collective-permute``'s ``source_target_pairs={{0,4},{1,5}}`` as ``[[0, 4], [1, 5]]``:
+    each pair is the group of devices that one transfer spans; empty when the line has none."""
+    m = re.search(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}", line)
+    if not m:
+        return []
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+
+
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     """The device groups of one collective instruction, as lists of device ids.
 

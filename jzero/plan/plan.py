@@ -423,6 +423,18 @@ class Plan:
                     "all-reduced over it"
                 )
             )
+        if self.pipe_axis:
+            split = sum(self.pipelined)
+            lines.append(
+                f"pipeline: {self.pipe_size} stages over {self.pipe_axis!r}, schedule "
+                f"{self.pipe_schedule}; "
+                + (
+                    f"{split} stacked-layer leaves split into consecutive layers per stage, "
+                    "the rest whole on every stage"
+                    if self.layers_traced
+                    else "the layer scan's leaves are split when the loss is first traced"
+                )
+            )
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
             if i == 0:
