@@ -433,6 +433,7 @@ def _train(
         "resumed_from": resumed,
         "stage": engine.plan.stage.stage,
         "devices": engine.plan.data_parallel_size,
+        "mesh": {str(k): int(v) for k, v in engine.mesh.shape.items()},
         "model_state_bytes_per_device": state_bytes,
         "host_state_bytes_per_device": host_bytes,
         "peak_bytes_per_device": peak(),

@@ -86,6 +86,9 @@ def _estimate(args: argparse.Namespace) -> int:
         sub_group_size=args.sub_group_size,
         tensor_parallel=args.tensor_parallel,
         sequence_parallel=args.sequence_parallel,
+        pipeline=args.pipeline,
+        micro_batches=args.micro_batches,
+        pipeline_schedule=args.pipeline_schedule,
     )
     return _print_report(result, args.plot)
 
@@ -170,6 +173,24 @@ def add_commands(subparsers: Any) -> None:
         default=1,
         help="Ulysses's seq axis S (sequence_parallel_size): activations / S, ZeRO over it too "
         "(default 1)",
+    )
+    est.add_argument(
+        "--pipeline",
+        "--pp",
+        default=1,
+        help="pipeline stages P (pipeline.stages): each device holds Psi/P, ZeRO-sharded over "
+        "its stage's N/P devices; a stage runs L/P layers (default 1)",
+    )
+    est.add_argument(
+        "--micro-batches",
+        default=None,
+        help="micro-batches M a step (gradient_accumulation_steps) under --pipeline; default 2P",
+    )
+    est.add_argument(
+        "--pipeline-schedule",
+        choices=["1f1b", "gpipe"],
+        default="1f1b",
+        help="1f1b (default): a stage keeps P micro-batches of activations; gpipe: all M",
     )
     est.add_argument(
         "--sub-group-size",

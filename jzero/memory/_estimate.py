@@ -179,6 +179,7 @@ class EstimateRow:
     disk: float = 0.0
     model_axis_bytes: float = 0.0
     seq_axis_bytes: float = 0.0
+    pipe_axis_bytes: float = 0.0
 
     @property
     def device_bytes(self) -> float:
@@ -213,11 +214,14 @@ class Estimate:
     replicas: int = 1
     tensor_parallel: int = 1
     sequence_parallel: int = 1
+    pipeline: int = 1
+    micro_batches: int = 1
+    pipeline_schedule: str = "1f1b"
 
     @property
     def shards(self) -> int:
-        """Devices each sharded state is split over: ``devices / (replicas x T)``."""
-        return self.devices // self.replicas // self.tensor_parallel
+        """Devices each sharded state is split over: ``devices / (replicas x T x P)``."""
+        return self.devices // self.replicas // self.tensor_parallel // self.pipeline
 
     @property
     def counts_activations(self) -> bool:
@@ -253,6 +257,8 @@ class Estimate:
         header += ["cross-host/step"]
         split = act and (self.tensor_parallel > 1 or self.sequence_parallel > 1)
         header += ["model GB/step", "seq GB/step"] if split else []
+        piped = act and self.pipeline > 1
+        header += ["pipe GB/step"] if piped else []
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
@@ -265,6 +271,8 @@ class Estimate:
             cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
             if split:
                 cells += [f"{r.model_axis_bytes / GB:.3g}", f"{r.seq_axis_bytes / GB:.3g}"]
+            if piped:
+                cells.append(f"{r.pipe_axis_bytes / GB:.3g}")
             if usable is not None:
                 if r.total_bytes(False) <= usable:
                     cells.append("yes")
@@ -283,6 +291,13 @@ class Estimate:
                 f"{self.sequence_parallel}: each device holds Psi/T = "
                 f"{self.params / self.tensor_parallel:.4g} parameters, ZeRO-sharded over N = "
                 f"{self.shards} (data x seq)"
+            )
+        if self.pipeline > 1:
+            p, m = self.pipeline, self.micro_batches
+            hybrid += (
+                f", pipeline P = {p} stages ({self.pipeline_schedule}, M = {m} micro-batches, "
+                f"bubble (P-1)/(M+P-1) = {(p - 1) / (m + p - 1):.3g}): each device holds "
+                f"Psi/P of the layers, ZeRO-sharded over its stage's {self.shards} devices"
             )
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
@@ -330,6 +345,17 @@ class Estimate:
                     "each; seq GB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
                     "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
                 ]
+            if piped:
+                held = min(self.pipeline, self.micro_batches)
+                if self.pipeline_schedule == "gpipe":
+                    held = self.micro_batches
+                lines += [
+                    f"  pipeline: a stage runs L/P layers and keeps {held} micro-batches of "
+                    f"their activations ({self.pipeline_schedule}: "
+                    + ("M" if self.pipeline_schedule == "gpipe" else "P")
+                    + "); pipe GB/step: each of the M micro-batches sends its s b h activations "
+                    "to the next stage and their gradient back.",
+                ]
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
@@ -374,6 +400,9 @@ def estimate(
     sub_group_size: float = 1e9,
     tensor_parallel: int = 1,
     sequence_parallel: int = 1,
+    pipeline: int = 1,
+    micro_batches: int | None = None,
+    pipeline_schedule: str = "1f1b",
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -420,6 +449,14 @@ def estimate(
       sequence_parallel: Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over
         it too (DeepSpeed's way), the activations divide by S, and with the transformer's
         shape its traffic is 8 all-to-alls of ``s b h / S`` a layer, ``(S-1)/S`` each.
+      pipeline: the pipeline stages P (``pipeline.stages``): each device holds ``Psi / P`` (its
+        stage's layers; the embedding and head are counted as spread too), ZeRO-sharded over
+        the ``N / (R T P)`` devices of its stage; with the transformer's shape a stage runs
+        ``L / P`` layers and keeps the activations of ``P`` micro-batches of them under 1F1B
+        (the first stage's, the most), ``M`` under GPipe, and its traffic is one micro-batch's
+        ``s b h`` activations forward and their gradient back, ``M`` times a step.
+      micro_batches: the micro-batches M a step (``gradient_accumulation_steps``); default 2P.
+      pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -463,10 +500,22 @@ def estimate(
         )
     tp = _positive(tensor_parallel, "tensor_parallel", "2", integer=True)
     sp = _positive(sequence_parallel, "sequence_parallel", "4", integer=True)
-    if n % (r * tp * sp):
+    pp = _positive(pipeline, "pipeline", "2", integer=True)
+    mb = 2 * pp if micro_batches is None else _positive(micro_batches, "micro_batches", "8",
+                                                        integer=True)  # fmt: skip
+    if pp > 1 and mb < pp:
+        raise ValueError(
+            f"micro_batches: {mb} is fewer than the {pp} pipeline stages, which need at least "
+            f"{pp} to fill; pass micro_batches of {pp} or more (e.g. {2 * pp})."
+        )
+    if pipeline_schedule not in ("1f1b", "gpipe"):
+        raise ValueError(
+            f"pipeline_schedule: {pipeline_schedule!r} is not allowed; it must be 1f1b or gpipe."
+        )
+    if n % (r * tp * sp * pp):
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
-            f"sequence_parallel={sp}; pass sizes whose product divides {n}."
+            f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
         )
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
@@ -490,18 +539,30 @@ def estimate(
                 f"activation_dtype: {activation_dtype!r} is not allowed; it must be one of "
                 f"{', '.join(_DTYPE_BYTES)}."
             )
+        if pp > 1 and shape["layers"] % pp:
+            raise ValueError(
+                f"pipeline: {pp} stages do not divide layers={shape['layers']}; pass a number "
+                f"of stages among the divisors of {shape['layers']}."
+            )
+        staged = {**shape, "layers": shape["layers"] // pp}
         act, act_ac = transformer_activations(
-            **shape, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
+            **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
         )
-    model_bytes = seq_bytes = 0.0
+        if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
+            held = mb if pipeline_schedule == "gpipe" else min(pp, mb)
+            per_layer = act / staged["layers"]
+            act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
+    model_bytes = seq_bytes = pipe_bytes = 0.0
     if shape is not None:
         sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / sp
         width = _DTYPE_BYTES[activation_dtype] * shape["layers"]
         model_bytes = 4 * 2 * (tp - 1) / tp * sbh * width
         seq_bytes = 8 * (sp - 1) / sp * sbh / tp * width
+        if pp > 1:  # each micro-batch forward to the next stage and its gradient back
+            pipe_bytes = 2 * mb * sbh * _DTYPE_BYTES[activation_dtype]
     # Each device holds Psi / T of the model; ZeRO shards it over its data (x seq) group.
-    psi_all, psi, ll = psi, psi / tp, ll / tp
-    shards = n // r // tp
+    psi_all, psi, ll = psi, psi / tp / pp, ll / tp
+    shards = n // r // tp // pp
     buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
@@ -531,12 +592,13 @@ def estimate(
             disk,
             model_bytes,
             seq_bytes,
+            pipe_bytes,
         )
         for spec, o, d, h, disk in rows
     )
     return Estimate(
         psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, r, tp, sp,
+        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule,
     )  # fmt: skip
 
 

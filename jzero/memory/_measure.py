@@ -371,7 +371,7 @@ def plan_report(
         + (f" per replica x {seen['replicas']} replicas" if seen["replicas"] > 1 else "")
         + (
             f" of ZeRO's axes in mesh {seen['mesh']}"
-            if any(a in seen["mesh"] for a in ("model", "seq"))
+            if any(a in seen["mesh"] for a in ("model", "seq", "pipe"))
             else ""
         )
         + f", micro batch {micro} x {accum} accumulation"
