@@ -13,6 +13,10 @@
 #                 stage 1 with AutoTP T=1 against T=2 (tensor_parallel.autotp_size, the global
 #                 batch the same): model state and temp per device, collective bytes by mesh
 #                 axis, ms/step. $OUT/gpu_tensor_parallel.json (skipped, and says so, on one GPU)
+#                 Then benchmarks/pipeline.py: the GPT at stage 1 with pipeline.stages 1 and 2
+#                 (GPipe and 1F1B, M = 4 micro-batches): bubble, model state and temp per
+#                 device, bytes between stages, ms/step. $OUT/gpu_pipeline.json. On one GPU
+#                 P = 1 only, and it says so.
 #   memory wall   benchmarks/gpu_step_time.py --name memory_wall: the GPT at stage 3 as a scan,
 #                 as a Python loop over layers, that loop with activation_checkpointing (policy
 #                 full) and with cpu_checkpointing, the scan with policy full: device peak and
@@ -38,7 +42,7 @@
 # machine with no package index it fails at once), the host offload section to 130 s, the
 # step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
 # a little under that, so they stop their variants and still print their tables), the step
-# time's T=1 vs T=2 row (several GPUs only) to 90 s, the comm section to 120 s (no variant
+# time's T=1 vs T=2 row (several GPUs only) to 90 s, its pipeline row to 60 s, the comm section to 120 s (no variant
 # starts in its last 40 s); each section
 # is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
@@ -129,6 +133,15 @@ for section in $sections; do
         echo "gpu_check: step time T=1 vs T=2 (tensor_parallel.autotp_size=2) skipped:" \
           "${gpus} GPU(s) visible, it needs at least 2"
       fi
+      pipes=1
+      if ((gpus >= 2)); then pipes=1,2; else
+        echo "gpu_check: pipeline P=2 (pipeline.stages=2) skipped: ${gpus} GPU(s) visible, it" \
+          "needs at least 2; P=1 only"
+      fi
+      run_section "step time pipeline P=${pipes}" "$(limit_for 60)" \
+        "$py" benchmarks/pipeline.py --pipeline "$pipes" --micro 4 --layers 24 --d-model 1024 \
+        --heads 16 --seq-len 512 --micro-batch 2 --steps 3 --warmup 1 \
+        ${OUT:+--json "$OUT/gpu_pipeline.json"} "$@"
       ;;
     memory_wall)
       limit=$(limit_for 110)

@@ -169,3 +169,25 @@ def test_sequence_parallel_benchmark_prints_temporaries_falling_by_about_s():
     (row,) = rows  # sequence length 64, one sequence per data group
     one, four, ratio = (float(c) for c in row[1:])
     assert four < one and ratio < 0.5  # a quarter of the tokens and heads' scores a device
+
+
+def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
+    proc = _smoke("pipeline")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rows = [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
+    assert [(r["P"], r["schedule"], r["mesh"]) for r in rows] == [
+        ("1", "-", "{data: 8}"),
+        ("2", "gpipe", "{pipe: 2, data: 4}"),
+        ("2", "1f1b", "{pipe: 2, data: 4}"),
+    ]
+    one, gpipe, f1b = rows
+    # (P-1)/(M+P-1) at M = 4, P = 2; none without a pipeline.
+    assert float(one["bubble"]) == 0 and float(gpipe["bubble"]) == float(f1b["bubble"]) == 0.2
+    # Half the layers a device: less model state (the optimizer state over 4 devices, not 8).
+    assert float(gpipe["model state MiB"]) == float(f1b["model state MiB"])
+    assert float(f1b["model state MiB"]) < float(one["model state MiB"])
+    # Activations move between the stages; 1F1B keeps P micro-batches of them, GPipe M.
+    assert float(one["pipe MiB"]) == 0 and float(gpipe["pipe MiB"]) == float(f1b["pipe MiB"]) > 0
+    assert float(f1b["temp MiB"]) < float(gpipe["temp MiB"])
+    assert all(float(r["ZeRO MiB"]) > 0 and float(r["ms/step"]) > 0 for r in rows)
