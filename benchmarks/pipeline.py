@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -41,10 +40,10 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from tensor_parallel import compiled_and_timed  # noqa: E402  (this folder's script)
 
 import jzero  # noqa: E402
 from jzero.distributed import make_schedule  # noqa: E402
-from jzero.hlo import collectives_by_axes  # noqa: E402
 from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
@@ -67,15 +66,7 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
     if bf16:
         config["bf16"] = {"enabled": True}
     engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
-    compiled = engine.lower(batch).compile()
-    by_axes = collectives_by_axes(compiled, engine.mesh)
-    for _ in range(warmup):
-        jax.block_until_ready(engine.train_step(batch)["loss"])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(engine.train_step(batch)["loss"])
-        times.append(time.perf_counter() - t)
+    compiled, by_axes, seconds = compiled_and_timed(engine, batch, steps, warmup)
     bubble = make_schedule(schedule, stages, micro).bubble if stages > 1 else 0.0
     return {
         "P": stages,
@@ -87,7 +78,7 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "pipe": axis_bytes(by_axes, ("pipe",), "collective-permute"),
         "zero": axis_bytes(by_axes, ("data",)),
-        "seconds": float(np.median(times)),
+        "seconds": seconds,
     }
 
 

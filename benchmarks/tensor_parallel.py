@@ -64,6 +64,21 @@ def axis_bytes(by_axes: dict, axes: tuple[str, ...]) -> int:
     return sum(s.bytes for s in by_axes.get(axes, {}).values())
 
 
+def compiled_and_timed(engine, batch, steps: int, warmup: int) -> tuple:
+    """The engine's compiled step, its collectives by mesh axes, and the median seconds of
+    ``steps`` timed steps after ``warmup`` untimed ones."""
+    compiled = engine.lower(batch).compile()
+    by_axes = collectives_by_axes(compiled, engine.mesh)
+    for _ in range(warmup):
+        jax.block_until_ready(engine.train_step(batch)["loss"])
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        jax.block_until_ready(engine.train_step(batch)["loss"])
+        times.append(time.perf_counter() - t)
+    return compiled, by_axes, float(np.median(times))
+
+
 def measure(
     params,
     loss,
@@ -88,15 +103,7 @@ def measure(
     if sp > 1:
         config["sequence_parallel_size"] = sp
     engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
-    compiled = engine.lower(batch).compile()
-    by_axes = collectives_by_axes(compiled, engine.mesh)
-    for _ in range(warmup):
-        jax.block_until_ready(engine.train_step(batch)["loss"])
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        jax.block_until_ready(engine.train_step(batch)["loss"])
-        times.append(time.perf_counter() - t)
+    compiled, by_axes, seconds = compiled_and_timed(engine, batch, steps, warmup)
     zero = engine.plan.zero_axes
     named = {zero, ("model",), ("seq",)}
     return {
@@ -110,7 +117,7 @@ def measure(
         "model": axis_bytes(by_axes, ("model",)),
         "seq": axis_bytes(by_axes, ("seq",)),
         "other": sum(axis_bytes(by_axes, a) for a in by_axes if a not in named),
-        "seconds": float(np.median(times)),
+        "seconds": seconds,
     }
 
 

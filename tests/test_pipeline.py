@@ -200,6 +200,10 @@ def test_a_pipelined_toy_trains_like_the_single_device_optax_loop(
     assert up.sharding.spec[0] == "pipe"
     assert engine.state.params["head"].sharding.spec[:1] != ("pipe",)
     assert f"pipeline: {stages} stages over 'pipe', schedule {schedule}" in engine.describe()
+    if (stage, stages, extra) == (3, 4, ""):  # evaluate runs the loss whole over the stages
+        held_out = batches(1, seed=7)[0]
+        expected = float(jax.jit(toy_loss)(ref_params, held_out))
+        assert float(engine.evaluate(held_out)) == pytest.approx(expected, rel=1e-9)
 
 
 def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():

@@ -15,8 +15,7 @@ Decisions:
   as ``"auto"``.
 * DeepSpeed's sections for features jzero does not have are accepted and listed in the
   no-effect warning, except where ignoring them would train something else than what was
-  asked: ``pipeline.stages`` > 1, ``expert_parallel``
-  with ``autoep_size`` > 1, an enabled ``compression_training``
+  asked: ``expert_parallel`` with ``autoep_size`` > 1, an enabled ``compression_training``
   technique, ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are
   errors (``jzero.config._validate``).
 """

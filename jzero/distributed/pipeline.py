@@ -250,8 +250,8 @@ def run(
       micro-batches on the last stage (zeros elsewhere).
     """
     p, k = schedule.stages, schedule.slots
-    stage = jax.lax.axis_index(axis)
-    first, last = stage == 0, stage == p - 1
+    position = jax.lax.axis_index(axis)  # this device's place along the pipeline
+    first, last = position == 0, position == p - 1
     mb0 = jax.tree.map(lambda x: x[0], micro_batches)
 
     def pull(params: list[jax.Array], mb: Any) -> Callable[..., Any]:
