@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from numerics import max_rel_error
+from numerics import max_rel_error, needs_float16
 
 import jzero
 from jzero.distributed import bubble_fraction, make_schedule
@@ -402,3 +402,26 @@ def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path):
     losses = [json.loads(x)["loss"] for x in lines]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert piped["model_state_bytes_per_device"] < whole["model_state_bytes_per_device"]
+
+
+@needs_float16
+def test_fp16_loss_scaling_seeds_the_pipeline_with_the_scale():
+    """fp16 with dynamic loss scaling (initial scale 2^8): the pipeline seeds each micro-batch's
+    backward pass with the scale and unscales after, so the first step's loss and gradient norm
+    are P = 1's. Bound: both runs compute each micro-batch's layers with the same fp16 ops,
+    only summing the micro-batches and stages in another order; 4 L roundings of fp16's unit
+    roundoff (2^-11) bound what reordering moves (8e-3). A seed without the scale would be off
+    by 2^8, a stage's gradients left out by its share of the norm."""
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+    toy = jax.tree.map(lambda x: x.astype(jnp.float32), make_toy())
+    first = batches(1)[0]
+    runs = []
+    for stages in (1, 2):
+        engine = jzero.initialize(toy, toy_loss, optax.adamw(LR), {**config(2, stages, 2), **fp16})
+        m = engine.train_step(first)
+        assert float(m["skipped"]) == 0 and float(m["loss_scale"]) == 2.0**8
+        runs.append((float(m["loss"]), float(m["grad_norm"])))
+    (loss1, norm1), (loss2, norm2) = runs
+    bound = 4 * L * 2.0**-11
+    assert loss2 == pytest.approx(loss1, rel=bound)
+    assert norm2 == pytest.approx(norm1, rel=bound)
