@@ -425,3 +425,12 @@ def test_fp16_loss_scaling_seeds_the_pipeline_with_the_scale():
     bound = 4 * L * 2.0**-11
     assert loss2 == pytest.approx(loss1, rel=bound)
     assert norm2 == pytest.approx(norm1, rel=bound)
+
+
+def test_jzero_plan_for_another_device_count_refuses_a_pipelined_mesh_with_the_fix():
+    with pytest.raises(ValueError, match=r"--devices 16.*mesh also has \{'pipe': 2\}.*drop "):
+        jzero.memory.plan_report(
+            "configs/zero2.yaml",
+            devices=16,
+            overrides=["pipeline.stages=2", "gradient_accumulation_steps=2"],
+        )

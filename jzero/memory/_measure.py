@@ -293,6 +293,13 @@ def plan_report(
     mesh, sizes, n = None, None, None
     if devices is not None:
         n = _positive(devices, "devices", str(local_n), integer=True)
+        others = {k: v for k, v in cfg.mesh_sizes().items() if k != "data" and v not in (1, -1)}
+        if others:
+            raise ValueError(
+                f"jzero plan --devices {n}: planning another device count is for a mesh of the "
+                f"data axis alone, but this config's mesh also has {others} (tensor, sequence "
+                "or pipeline parallelism); drop --devices to plan the config's own mesh."
+            )
         sizes = config_lib.resolve_batch_sizes(cfg, n)  # a clear error if n does not fit the batch
         mesh = make_mesh(min(n, local_n))
         if n > local_n:
