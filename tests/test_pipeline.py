@@ -314,6 +314,13 @@ def test_stages_that_do_not_divide_the_devices_are_a_clear_error():
         jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 3, 3))
 
 
+def test_a_users_mesh_without_the_pipe_axis_is_refused_with_the_fix():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match=r"pipeline.stages: 2 needs a mesh axis 'pipe' of 2 "
+                       r"devices, but the mesh is \{'data': 8\}.*give it pipe: 2"):  # fmt: skip
+        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 2, 2), mesh=mesh)
+
+
 def test_too_few_micro_batches_are_refused_when_the_config_is_read():
     with pytest.raises(ValueError, match=r"pipeline.stages: 4 needs at least 4 micro-batches"):
         jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 4, 2))

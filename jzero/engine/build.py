@@ -82,16 +82,22 @@ def _check_array_leaves(params: PyTree) -> None:
         )
 
 
+def _require_axis(key: str, size: int, axis: str, mesh: jax.sharding.Mesh) -> None:
+    """A parallelism of ``size`` > 1 set by config ``key`` needs mesh axis ``axis`` of that
+    size: a user's own ``mesh=`` without it is refused with the fix."""
+    if size > 1 and mesh.shape.get(axis, 1) != size:
+        raise ValueError(
+            f"{key}: {size} needs a mesh axis {axis!r} of {size} devices, but the mesh is "
+            f"{dict(mesh.shape)}; drop mesh= to let the config build it, or give it "
+            f"{axis}: {size}."
+        )
+
+
 def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """Under sequence parallelism (a ``seq`` axis of more than one device) ZeRO shards over
     ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; else ``data``."""
     size = cfg.sequence_parallel_size
-    if size > 1 and mesh.shape.get(SEQ_AXIS, 1) != size:
-        raise ValueError(
-            f"sequence_parallel_size: {size} needs a mesh axis {SEQ_AXIS!r} of {size} devices, "
-            f"but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build it, or "
-            f"give it {SEQ_AXIS}: {size}."
-        )
+    _require_axis("sequence_parallel_size", size, SEQ_AXIS, mesh)
     if mesh.shape.get(SEQ_AXIS, 1) <= 1:
         return {}
     return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
@@ -101,12 +107,7 @@ def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]
     """Pipeline parallelism (``pipeline.stages`` > 1): the ``pipe`` axis and the schedule; the
     leaves it splits are known once the loss is traced (the engine's ``fit_layout``)."""
     stages = cfg.pipeline_stages()
-    if stages > 1 and mesh.shape.get(PIPE_AXIS, 1) != stages:
-        raise ValueError(
-            f"pipeline.stages: {stages} needs a mesh axis {PIPE_AXIS!r} of {stages} devices, "
-            f"but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build it, or "
-            f"give it {PIPE_AXIS}: {stages}."
-        )
+    _require_axis("pipeline.stages", stages, PIPE_AXIS, mesh)
     if mesh.shape.get(PIPE_AXIS, 1) <= 1:
         return {}
     return {"pipe_axis": PIPE_AXIS, "pipe_schedule": cfg.pipeline_schedule()}
@@ -139,12 +140,7 @@ def _tensor_parallel(
     if size <= 1 and not tp_plan:
         return param_specs, None
     axis = tensor.MODEL_AXIS
-    if mesh.shape.get(axis, 1) != size and size > 1:
-        raise ValueError(
-            f"tensor_parallel.autotp_size: {size} needs a mesh axis {axis!r} of {size} "
-            f"devices, but the mesh is {dict(mesh.shape)}; drop mesh= to let the config build "
-            f"it, or give it {axis}: {size}."
-        )
+    _require_axis("tensor_parallel.autotp_size", size, axis, mesh)
     heads = (cfg.tensor_parallel or {}).get("num_heads", cfg.model.get("num_heads"))
     specs, choices = tensor.autotp_specs(
         abstract,

@@ -48,7 +48,7 @@ from jzero.replay.interpreter import _Replay
 from jzero.replay.param_gather import _Pending
 from jzero.replay.prefetch import kept_leaves, prefetch_anchors
 from jzero.replay.remat import RematPolicy, parse_policy
-from jzero.replay.trace import Partition, find_layers, inline_calls, layer_keys
+from jzero.replay.trace import PASS_THROUGH, Partition, find_layers, inline_calls, layer_keys
 
 __all__ = ["remat_scans", "gathered", "layer_dims", "replay"]
 
@@ -206,9 +206,6 @@ def gathered(
     return g
 
 
-_PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
-
-
 def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | None]:
     """Per leaf of ``params``, the stacked-layer dimension a ``scan`` in ``fn`` consumes.
 
@@ -237,7 +234,7 @@ def layer_dims(fn: Callable[..., Any], params: Any, *args: Any) -> list[int | No
             if not any(i is not None for i in ins):
                 continue
             name = eqn.primitive.name
-            if name in _PASS_THROUGH:
+            if name in PASS_THROUGH:
                 origin[eqn.outvars[0]] = ins[0]
             elif name in ("pjit", "jit", "closed_call"):
                 inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")

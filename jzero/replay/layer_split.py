@@ -35,11 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jzero.replay.trace import bind, inline_calls
+from jzero.replay.trace import PASS_THROUGH, bind, inline_calls
 
 __all__ = ["LayerSplit", "NoLayerScan", "split_at_layers", "stage_unit"]
-
-_PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
 
 
 class NoLayerScan(ValueError):
@@ -89,7 +87,7 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any) -> LayerSpl
     best, best_count = None, 0
     for n, eqn in enumerate(jaxpr.eqns):
         ins = [None if isinstance(v, jex_core.Literal) else origin.get(v) for v in eqn.invars]
-        if eqn.primitive.name in _PASS_THROUGH and ins[0] is not None:
+        if eqn.primitive.name in PASS_THROUGH and ins[0] is not None:
             origin[eqn.outvars[0]] = ins[0]
         elif eqn.primitive.name == "scan":
             first = eqn.params["num_consts"] + eqn.params["num_carry"]

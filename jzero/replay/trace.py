@@ -89,6 +89,10 @@ def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
 _CALLS = ("pjit", "jit", "closed_call")
 
+PASS_THROUGH = ("convert_element_type", "copy", "copy_p")
+"""Primitives a parameter passes through unchanged in identity (a dtype cast, a copy): what
+it feeds after one is still that parameter, for finding which leaves a scan consumes."""
+
 
 def inner_jaxpr(eqn: Any) -> Any:
     """The closed jaxpr a call eqn (``jit``, ``closed_call``) runs, or None."""

@@ -126,14 +126,21 @@ def _float_aux(aux: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
 
 
-def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) -> LossFn:
+def _local_loss(
+    plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None, stage_shapes: PyTree = None
+) -> LossFn:
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
-    and checkpoints each scan body by ``policy`` (:mod:`jzero.replay.remat`)."""
+    and checkpoints each scan body by ``policy`` (:mod:`jzero.replay.remat`).
+
+    ``stage_shapes``: one pipeline stage's compute params (its ``L / P`` layers), for the stage
+    unit run with ``pipe`` manual: there no other mesh axis splits a leaf, and activations are
+    not partitioned over the others (``pipe`` among them)."""
     if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
+        staged = stage_shapes is not None
         return gathered(
             loss_fn,
             plan.param_dims,
-            plan.compute_params,
+            stage_shapes if staged else plan.compute_params,
             plan.axis,
             grad_dtype=plan.precision.comm_dtype,
             policy=policy,
@@ -141,11 +148,11 @@ def _local_loss(plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None) 
             prefetch=_prefetch(plan),
             reuse_distance=plan.max_reuse_distance,
             max_live=plan.max_live_parameters,
-            partition=_partition(plan, policy),
+            partition=None if staged else _partition(plan, policy),
             bits=plan.quantized_weights,
             grad_bits=plan.quantized_gradients,
             overlap=plan.overlap_comm,
-            specs=plan.other_entries,
+            specs=None if staged else plan.other_entries,
         )
     return loss_fn
 
@@ -330,30 +337,13 @@ def _pipelined_grads(
         mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
         mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), mbs)
         _check_state_unchanged(full_loss, stage_shapes, extra, mb)
-        aux_tree = jax.tree.structure(jax.eval_shape(loss_only, stage_shapes, extra, mb)[1])
+        trees: dict[str, Any] = {}  # the aux's tree, read from the split traced in the region
 
         def region(params: PyTree, extra: PyTree, scale: jax.Array, mbs: PyTree) -> Any:
             # Traced here, with `pipe` manual, so the replayed equations see this mesh.
             split = split_at_layers(loss_only, stage_shapes, extra, mb)
-            unit = stage_unit(split)
-            if any(d is not None for d in plan.param_dims) or (
-                policy is not None and policy.active
-            ):
-                unit = gathered(
-                    unit,
-                    plan.param_dims,
-                    stage_shapes,
-                    plan.axis,
-                    grad_dtype=prec.comm_dtype,
-                    policy=policy,
-                    reshard=plan.reshard_after_forward,
-                    prefetch=_prefetch(plan),
-                    reuse_distance=plan.max_reuse_distance,
-                    max_live=plan.max_live_parameters,
-                    bits=plan.quantized_weights,
-                    grad_bits=plan.quantized_gradients,
-                    overlap=plan.overlap_comm,
-                )
+            unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
+            trees["aux"] = jax.tree_util.treedef_children(split.out_tree)[1]
 
             def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
                 return unit(treedef.unflatten(ps), c, first, last, extra, mb)
@@ -384,7 +374,7 @@ def _pipelined_grads(
             check_vma=False,
         )(params, extra, scale, mbs)
         loss = outs[0] / accum
-        aux = aux_tree.unflatten([a / accum for a in outs[1:]])
+        aux = trees["aux"].unflatten([a / accum for a in outs[1:]])
         return loss, aux, grads
 
     return pipelined
