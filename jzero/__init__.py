@@ -10,11 +10,14 @@ The public surface fits on one screen:
   (:data:`STAGES` of :class:`StageSpec`).
 * :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
   processes; DeepSpeed's name).
+* :mod:`moe` (:mod:`jzero.distributed.expert`): a mixture-of-experts layer for a user's model,
+  its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
 
 from jzero.config import Config as Config
 from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
+from jzero.distributed import expert as moe
 from jzero.distributed import init_distributed as init_distributed
 from jzero.distributed import make_mesh as make_mesh
 from jzero.distributed import sequence_chunk as sequence_chunk
@@ -46,6 +49,7 @@ __all__ = [
     "make_mesh",
     "make_plan",
     "make_train_step",
+    "moe",
     "Plan",
     "Precision",
     "sequence_chunk",

@@ -312,8 +312,16 @@ class Config:
     ``rowwise``, ``vocab``, ``replicate`` or a spec list for anything else; ``num_heads``
     (jzero's key; the built-in GPT's ``model.num_heads`` otherwise) is checked to divide by
     T. ``tp_size`` is read as ``autotp_size``. A user's own annotations win over the rules."""
-    expert_parallel: Mapping[str, Any] | None = _field(None, no_effect=_PARALLEL)
-    """DeepSpeed AutoEP. Accepted disabled or with ``autoep_size`` 1; more is an error."""
+    expert_parallel: Mapping[str, Any] | None = None
+    """DeepSpeed AutoEP: ``autoep_size: E_p`` (> 1) builds the mesh ``{data: N/E_p, expert:
+    E_p}``; each expert parameter rests split over ``expert`` on its experts dimension (each
+    device holds ``E / E_p`` experts; tokens reach them by one all-to-all and come back by
+    another, :mod:`jzero.distributed.expert`), ZeRO shards it further over ``data``, and every
+    other parameter over ``data`` x ``expert``, as DeepSpeed's expert data-parallel groups do.
+    Expert parameters are found by name (a path component ``experts``, or containing
+    ``expert``), or listed by jzero's ``expert_params`` (dotted-path globs); ``num_experts``
+    (jzero's key; ``model.num_experts`` otherwise) finds their experts dimension. ``enabled:
+    false`` turns it off."""
     sequence_parallel_size: int = _field(1, min=1)
     """DeepSpeed-Ulysses: ``S`` > 1 adds a ``seq`` mesh axis of S devices beside ``data``
     (``{data: N/(S*T), seq: S}``). Its devices share the batch's rows and each computes the
@@ -344,6 +352,7 @@ class Config:
             ("tensor_parallel.autotp_size", "model", self.autotp_size()),
             ("sequence_parallel_size", "seq", self.sequence_parallel_size),
             ("pipeline.stages", "pipe", self.pipeline_stages()),
+            ("expert_parallel.autoep_size", "expert", self.autoep_size()),
         ):
             if size <= 1:
                 continue
@@ -391,6 +400,24 @@ class Config:
     def pipeline_schedule(self) -> str:
         """``pipeline.schedule``: ``"1f1b"`` unless set."""
         return str((self.pipeline or {}).get("schedule", "1f1b"))
+
+    def autoep_size(self) -> int:
+        """``expert_parallel.autoep_size``; 1 when unset, 0 or ``enabled: false``."""
+        ep = self.expert_parallel or {}
+        if ep.get("enabled", True) is False:
+            return 1
+        size = ep.get("autoep_size")
+        return int(size) if size else 1
+
+    def expert_params(self) -> tuple[str, ...]:
+        """``expert_parallel.expert_params``: dotted-path globs of the expert leaves, or ()."""
+        names = (self.expert_parallel or {}).get("expert_params") or ()
+        return (names,) if isinstance(names, str) else tuple(names)
+
+    def num_experts(self) -> int | None:
+        """``expert_parallel.num_experts``, else ``model.num_experts``; ``None`` when unset."""
+        n = (self.expert_parallel or {}).get("num_experts", self.model.get("num_experts"))
+        return int(n) if n else None
 
     def tp_plan(self) -> dict[str, Any]:
         """``tensor_parallel.tp_plan``: dotted-path globs to layouts, in the order written."""

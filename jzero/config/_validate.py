@@ -462,23 +462,83 @@ def _tensor_parallel_errors(cfg: Config) -> list[str]:
     return errors
 
 
+_EP_KEYS = ("enabled", "autoep_size", "expert_params", "num_experts")
+
+
+def _expert_errors(cfg: Config) -> list[str]:
+    """The ``expert_parallel`` section: ``autoep_size`` a whole number that divides the
+    experts, the experts the model routes to, and no parallelism beside it jzero has not
+    composed with it yet."""
+    ep = cfg.expert_parallel
+    if ep is None:
+        return []
+    if not isinstance(ep, Mapping):
+        return [f"expert_parallel: {_show(ep)} must be a section, e.g. {{autoep_size: 4}}."]
+    errors = []
+    unknown = sorted(set(ep) - set(_EP_KEYS))
+    if unknown:
+        errors.append(
+            f"expert_parallel: unknown key(s) {unknown}; the keys are {sorted(_EP_KEYS)}."
+        )
+    size = ep.get("autoep_size", 1)
+    if size is None or size == 0:
+        size = 1
+    if isinstance(size, bool) or not _is_number(size) or size != int(size) or size < 1:
+        errors.append(
+            f"expert_parallel.autoep_size: {_show(size)} is not allowed; it must be a whole "
+            "number of devices to split the experts over (1: no expert parallelism)."
+        )
+        return errors
+    names = ep.get("expert_params")
+    if names is not None and not (isinstance(names, str) or all(isinstance(n, str) for n in names)):
+        errors.append(
+            f"expert_parallel.expert_params: {_show(names)} must be a list of dotted-path "
+            "globs, e.g. ['blocks.experts.*']."
+        )
+    experts = ep.get("num_experts", cfg.model.get("num_experts"))
+    k = cfg.model.get("experts_per_token")
+    if _is_number(experts) and _is_number(k) and experts and k > experts:
+        errors.append(
+            f"model.experts_per_token: {k} is more than the {experts} experts "
+            "(model.num_experts); each token goes to at most every expert. Set "
+            f"experts_per_token to at most {experts}."
+        )
+    size = int(size)
+    if size <= 1 or cfg.autoep_size() <= 1:
+        return errors
+    if _is_number(experts) and experts and experts % size:
+        errors.append(
+            f"expert_parallel.autoep_size: {size} does not divide the {experts} experts "
+            "(model.num_experts); each device of the expert axis holds an equal share. Use an "
+            f"autoep_size among the divisors of {experts} "
+            f"({', '.join(map(str, divisors(int(experts))))})."
+        )
+    zero = cfg.zero_optimization
+    others = {
+        "pipeline.stages > 1": cfg.pipeline_stages() > 1,
+        "tensor_parallel.autotp_size > 1": cfg.autotp_size() > 1 or bool(cfg.tp_plan()),
+        "sequence_parallel_size > 1": cfg.sequence_parallel_size > 1,
+        "offload_optimizer.device: nvme": zero.offload_optimizer.device == "nvme",
+        "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": zero.zero_hpz_partition_size > 1,
+        "zero_quantized_weights / zero_quantized_gradients (ZeRO++)": bool(
+            zero.zero_quantized_weights or zero.zero_quantized_gradients
+        ),
+    }
+    for what, on in others.items():
+        if on:
+            errors.append(
+                f"expert_parallel.autoep_size: {size} does not compose with {what} yet; set "
+                "autoep_size: 1, or turn that off."
+            )
+    return errors
+
+
 def _check_unsupported_parallelism(cfg: Config) -> None:
     """DeepSpeed features whose absence would train something else than what was asked."""
     errors = []
-
-    def over_one(value: Any) -> bool:
-        return _is_number(value) and value > 1
-
     errors += _pipeline_errors(cfg)
     errors += _tensor_parallel_errors(cfg)
-    ep = cfg.expert_parallel
-    ep_size = _size(ep, "autoep_size")
-    if isinstance(ep, Mapping) and ep.get("enabled") is True and over_one(ep_size):
-        errors.append(
-            f"expert_parallel.autoep_size: {_show(ep_size)} asks for expert parallelism, which "
-            "jzero does not have; set autoep_size: 1 or enabled: false (every expert is then "
-            "trained data parallel, sharded by ZeRO)."
-        )
+    errors += _expert_errors(cfg)
     sp = cfg.sequence_parallel_size
     heads, seq_len = cfg.model.get("num_heads"), cfg.model.get("seq_len")
     for what, n in (("attention heads (model.num_heads)", heads),

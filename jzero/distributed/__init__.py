@@ -2,7 +2,7 @@
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
 :mod:`jzero._util`); every other package may import it. One module per parallelism beside
-ZeRO's data axis (tensor, sequence and pipeline now; expert later), as in torchtitan's
+ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
 ``distributed/``.
 
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
@@ -16,12 +16,15 @@ ZeRO's data axis (tensor, sequence and pipeline now; expert later), as in torcht
   the ``seq`` axis by two all-to-alls.
 * :mod:`~jzero.distributed.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B) and the
   engine that runs one over the ``pipe`` axis.
+* :mod:`~jzero.distributed.expert`: mixture of experts, a top-k router and dispatch to experts
+  split over the ``expert`` axis by one all-to-all each way (``jzero.moe``).
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
   stopped together (``python -m jzero.distributed.launch``).
 """
 
+from jzero.distributed import expert as expert
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
 from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
@@ -37,6 +40,7 @@ from jzero.distributed.layout import ENV_REPLICAS as ENV_REPLICAS
 from jzero.distributed.layout import DistributedSpec as DistributedSpec
 from jzero.distributed.layout import resolve_spec as resolve_spec
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
+from jzero.distributed.mesh import EXPERT_AXIS as EXPERT_AXIS
 from jzero.distributed.mesh import PIPE_AXIS as PIPE_AXIS
 from jzero.distributed.mesh import REPLICA_AXIS as REPLICA_AXIS
 from jzero.distributed.mesh import SEQ_AXIS as SEQ_AXIS
@@ -84,6 +88,8 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "ENV_REPLICAS",
+    "expert",
+    "EXPERT_AXIS",
     "global_batch",
     "init_distributed",
     "is_main_process",

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["DATA_AXIS", "PIPE_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
+__all__ = ["DATA_AXIS", "EXPERT_AXIS", "PIPE_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
 
 logger = logging.getLogger("jzero")
 
@@ -44,6 +44,13 @@ SEQ_AXIS = "seq"
 """The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.distributed.sequence`):
 its devices share the batch's rows and split their tokens; ZeRO shards over it beside
 ``data``."""
+
+EXPERT_AXIS = "expert"
+"""The name of the expert-parallel axis (:mod:`jzero.distributed.expert`): the batch is split
+over it as over ``data``, each expert leaf rests split over it (each device holds ``E / E_p``
+experts, and tokens reach them by all-to-all), and ZeRO shards every other leaf over ``data``
+x ``expert``. It is the minor axis beside ``data``, so one expert group is neighbouring
+devices, as DeepSpeed's expert-parallel groups are consecutive ranks."""
 
 PIPE_AXIS = "pipe"
 """The name of the pipeline-parallel axis (:mod:`jzero.distributed.pipeline`): its devices hold
@@ -127,7 +134,7 @@ def make_mesh(
         )
     # replica outermost, then pipe, data, seq: data groups (and each data x seq ZeRO group)
     # are neighbours, and each seq group's devices too; a pipeline stage's data group too.
-    lead = [a for a in (REPLICA_AXIS, PIPE_AXIS, DATA_AXIS, SEQ_AXIS) if a in sizes]
+    lead = [a for a in (REPLICA_AXIS, PIPE_AXIS, DATA_AXIS, EXPERT_AXIS, SEQ_AXIS) if a in sizes]
     sizes = {**{a: sizes[a] for a in lead}, **{k: v for k, v in sizes.items() if k not in lead}}
     names = tuple(sizes)
     shape = tuple(sizes.values())

@@ -36,8 +36,8 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed, optim
-from jzero._util import abstract_tree, dotted
-from jzero.distributed import DATA_AXIS, PIPE_AXIS, SEQ_AXIS, make_mesh, tensor
+from jzero._util import abstract_tree, divisors, dotted
+from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS, expert, make_mesh, tensor
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
@@ -93,14 +93,46 @@ def _require_axis(key: str, size: int, axis: str, mesh: jax.sharding.Mesh) -> No
         )
 
 
-def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:
     """Under sequence parallelism (a ``seq`` axis of more than one device) ZeRO shards over
-    ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; else ``data``."""
+    ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; under expert
+    parallelism (an ``expert`` axis) over ``data`` x ``expert``, each expert leaf split over
+    ``expert`` on its experts dimension (DeepSpeed's expert and expert data-parallel groups);
+    else ``data``."""
     size = cfg.sequence_parallel_size
     _require_axis("sequence_parallel_size", size, SEQ_AXIS, mesh)
+    _require_axis("expert_parallel.autoep_size", cfg.autoep_size(), EXPERT_AXIS, mesh)
+    if mesh.shape.get(EXPERT_AXIS, 1) > 1:
+        return _experts(cfg, mesh, abstract)
     if mesh.shape.get(SEQ_AXIS, 1) <= 1:
         return {}
     return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
+
+
+def _experts(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:
+    """Expert parallelism's plan arguments: the expert leaves by name or by
+    ``expert_parallel.expert_params``; none found is an error naming the leaves."""
+    patterns = cfg.expert_params()
+    found = expert.expert_leaves(abstract, patterns)
+    if not any(found):
+        names = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+        shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+        how = (
+            f"no leaf matches expert_parallel.expert_params {list(patterns)}"
+            if patterns
+            else ("no leaf is named as an expert parameter (a path component 'experts')")
+        )
+        raise ValueError(
+            f"expert_parallel.autoep_size: {mesh.shape[EXPERT_AXIS]} but {how}; the leaves are "
+            f"{shown}. List the expert leaves in expert_parallel.expert_params (dotted-path "
+            "globs, e.g. ['*.experts.*']), or set autoep_size: 1."
+        )
+    return {
+        "axis": (DATA_AXIS, EXPERT_AXIS),
+        "expert_axis": EXPERT_AXIS,
+        "expert_leaves": found,
+        "num_experts": cfg.num_experts(),
+    }
 
 
 def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
@@ -165,6 +197,18 @@ def _tensor_parallel(
 def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
     """The config's mesh, with ``jzero launch --replicas R`` as its replica axis."""
     sizes = cfg.mesh_sizes()
+    devices = jax.device_count()
+    for key, size in (
+        ("expert_parallel.autoep_size", cfg.autoep_size()),
+        ("tensor_parallel.autotp_size", cfg.autotp_size()),
+        ("sequence_parallel_size", cfg.sequence_parallel_size),
+        ("pipeline.stages", cfg.pipeline_stages()),
+    ):
+        if size > 1 and devices % size:
+            raise ValueError(
+                f"{key}: {size} does not divide the {devices} devices, so they can't form "
+                f"equal groups of {size}; use one of {', '.join(map(str, divisors(devices)))}."
+            )
     replicas = distributed.launcher_replicas()
     if replicas is None:
         return sizes
@@ -266,7 +310,7 @@ def initialize(
         cfg,
         abstract,
         optimizer_given=optimizer is not None,
-        data_parallel_size=mesh.shape.get("data", 1) * mesh.shape.get("replica", 1),
+        data_parallel_size=math.prod(mesh.shape.get(a, 1) for a in ("data", "expert", "replica")),
     )
     param_specs, tp_rules = _tensor_parallel(cfg, mesh, abstract, param_specs)
     tx, schedule = _optimizer(cfg, optimizer)
@@ -294,7 +338,7 @@ def initialize(
         and cfg.zero_optimization.offload_optimizer.device != "nvme",
         **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
         tp_rules=tp_rules,
-        **_zero_axes(cfg, mesh),
+        **_zero_axes(cfg, mesh, abstract),
         **_pipeline(cfg, mesh),
     )
     plan = replan()

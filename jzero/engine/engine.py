@@ -211,7 +211,7 @@ class Engine:
         if self._layout_fitted:
             return
         self._layout_fitted = True
-        if not self.plan.stage.shard_params and not self.plan.pipe_axis:
+        if not (self.plan.stage.shard_params or self.plan.pipe_axis or self.plan.expert_axis):
             return
         from jzero.replay import layer_dims, split_at_layers
 

@@ -120,6 +120,15 @@ def is_contiguous(shape: Sequence[int], dim: int | None, layer_dims: Sequence[in
     return all(shape[d] == 1 or d in layer_dims for d in range(dim))
 
 
+def spec_axis_names(spec: Any) -> frozenset[str]:
+    """The mesh axis names a ``PartitionSpec`` (or its entries) uses."""
+    names: set[str] = set()
+    for entry in tuple(spec):
+        if entry is not None:
+            names.update((entry,) if isinstance(entry, str) else entry)
+    return frozenset(names)
+
+
 def axis_entry(axes: str | Sequence[str]) -> str | tuple[str, ...]:
     """One ``PartitionSpec`` entry for a dimension split over ``axes`` (major first)."""
     if isinstance(axes, str):
@@ -128,9 +137,14 @@ def axis_entry(axes: str | Sequence[str]) -> str | tuple[str, ...]:
 
 
 def _spec_with(base: P, ndim: int, dim: int | None, axis: str | Sequence[str]) -> P:
+    """``base`` with ``axis`` on ``dim``: ZeRO's axes there, less any the leaf's own spec uses
+    already (expert parallelism's ``expert`` on an expert leaf's experts dimension)."""
     entries = list(base) + [None] * (ndim - len(base))
     if dim is not None:
-        entries[dim] = axis_entry(axis)
+        own = spec_axis_names(base)
+        axes = (axis,) if isinstance(axis, str) else tuple(axis)
+        axes = tuple(a for a in axes if a not in own)
+        entries[dim] = axis_entry(axes) if axes else None
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

@@ -56,6 +56,7 @@ from jzero.plan.leaf_rule import (
     _spec_with,
     axis_entry,
     divisible_dim,
+    spec_axis_names,
 )
 from jzero.plan.memory_kinds import (
     _offloaded_leaves,
@@ -108,6 +109,9 @@ def make_plan(
     pipe_axis: str | None = None,
     pipe_leaves: Sequence[bool] | None = None,
     pipe_schedule: str = "1f1b",
+    expert_axis: str | None = None,
+    expert_leaves: Sequence[bool] | None = None,
+    num_experts: int | None = None,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -156,6 +160,14 @@ def make_plan(
         :func:`jzero.distributed.tensor.autotp_specs`), shown by :meth:`Plan.describe`.
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
         not split over it (its devices split their tokens instead, in the loss).
+      expert_axis: the expert-parallel axis (:mod:`jzero.distributed.expert`), one of
+        ``axis``'s: ZeRO shards the dense leaves over all of ``axis``, and each expert leaf
+        rests split over ``expert_axis`` on its experts dimension, ZeRO sharding it over the
+        other axes only (DeepSpeed's expert data-parallel group).
+      expert_leaves: per leaf, whether it holds experts (a leading experts dimension, after
+        the stacked-layer one where a scan consumes the leaf).
+      num_experts: the experts of each expert leaf, to find its experts dimension (the first
+        of that size that is not the stacked-layer one); ``None``: the first such dimension.
 
     Returns:
       The :class:`Plan`.
@@ -203,8 +215,24 @@ def make_plan(
                     f"{'data axis' if taken[0] == DATA_AXIS else 'axis'} {taken[0]!r} ZeRO "
                     f"shards over; jzero places it itself. Remove {taken[0]!r} from it."
                 )
+    traced = layer_dims is not None
+    layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
+    if len(layer_dims) != len(flat):
+        raise ValueError(
+            f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
+            "pass one stacked-layer dimension (or None) per leaf."
+        )
     if pipe_axis is not None and pipe_leaves is not None:
         bases = _on_pipe(flat, bases, pipe_leaves, pipe_axis, int(mesh.shape[pipe_axis]))
+    if expert_axis is not None and expert_axis not in zero_axes:
+        raise ValueError(
+            f"expert_axis {expert_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
+        )
+    if expert_axis is not None and expert_leaves is not None:
+        bases = _on_experts(
+            flat, bases, expert_leaves, expert_axis, int(mesh.shape[expert_axis]), num_experts,
+            layer_dims,
+        )  # fmt: skip
     _check_axes_used(mesh, (*zero_axes, *((pipe_axis,) if pipe_axis else ())), bases)
     replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
     if hpz and (replica is None or not spec.shard_params):
@@ -220,15 +248,13 @@ def make_plan(
     buckets = bool(overlap_comm) and not spec.shard_params
     state_axes = (*zero_axes, replica) if hpz else zero_axes
     n = math.prod(int(mesh.shape[a]) for a in state_axes)
-    traced = layer_dims is not None
-    layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
-    if len(layer_dims) != len(flat):
-        raise ValueError(
-            f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
-            "pass one stacked-layer dimension (or None) per leaf."
-        )
+
+    def shards(b: P) -> int:  # a leaf's ZeRO shard count: over the state axes its spec leaves
+        own = spec_axis_names(b)
+        return math.prod(int(mesh.shape[a]) for a in state_axes if a not in own)
+
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, n, spec, persistence_threshold, ld, padding)
+        _leaf_plan(_path_str(path), x, b, shards(b), spec, persistence_threshold, ld, padding)
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )
 
@@ -349,6 +375,7 @@ def make_plan(
         seq_axis=seq_axis,
         pipe_axis=pipe_axis,
         pipe_schedule=pipe_schedule,
+        expert_axis=expert_axis,
     )
 
 
@@ -383,6 +410,54 @@ def _on_pipe(
                 "remove that entry."
             )
         entries[0] = pipe_axis
+        out.append(P(*entries))
+    return tuple(out)
+
+
+def _on_experts(
+    flat: Sequence[tuple[Any, Any]],
+    bases: Sequence[P],
+    expert_leaves: Sequence[bool],
+    expert_axis: str,
+    size: int,
+    num_experts: int | None,
+    layer_dims: Sequence[int | None],
+) -> tuple[P, ...]:
+    """The bases with ``expert_axis`` on each expert leaf's experts dimension: the first of
+    ``num_experts`` elements (any size when ``None``) that is not its stacked-layer one."""
+    out = []
+    for (path, x), b, expert, ld in zip(flat, bases, expert_leaves, layer_dims, strict=True):
+        if not expert:
+            out.append(b)
+            continue
+        shape = tuple(x.shape)
+        entries = list(b) + [None] * (len(shape) - len(b))
+        dims = [
+            d
+            for d, m in enumerate(shape)
+            if d != ld and entries[d] is None and (num_experts is None or m == num_experts)
+        ]
+        if not dims:
+            raise ValueError(
+                f"expert_parallel: {_path_str(path)} (shape {shape}) is an expert parameter but "
+                + (
+                    f"has no free dimension of num_experts={num_experts} elements"
+                    if num_experts is not None
+                    else "has no free dimension"
+                )
+                + " to split over the expert axis; give expert leaves their experts dimension "
+                "first (after a stacked-layer one), or leave this leaf out of "
+                "expert_parallel.expert_params."
+            )
+        d = dims[0]
+        if shape[d] % size:
+            raise ValueError(
+                f"expert_parallel.autoep_size: {size} does not divide the {shape[d]} experts of "
+                f"{_path_str(path)} (dimension {d} of shape {shape}); each device of the expert "
+                f"axis holds an equal share of the experts. Use an autoep_size among the "
+                f"divisors of {shape[d]} ({', '.join(map(str, divisors(shape[d])))})."
+            )
+        entries[d] = expert_axis
         out.append(P(*entries))
     return tuple(out)
 

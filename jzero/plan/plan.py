@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.plan.leaf_rule import LeafPlan, _spec_with
+from jzero.plan.leaf_rule import LeafPlan, _spec_with, spec_axis_names
 from jzero.plan.memory_kinds import is_host
 from jzero.plan.precision import Precision, cast_floating
 from jzero.plan.stages import StageSpec
@@ -34,6 +34,23 @@ from jzero.plan.stages import StageSpec
 __all__ = ["Plan"]
 
 PyTree = Any
+
+
+def _keep(entry: Any, axes: set[str], inside: bool) -> Any:
+    """A spec entry with only its axes in ``axes`` (``inside``) or only those not in it."""
+    if entry is None:
+        return None
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(a for a in names if (a in axes) == inside)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _only(entry: Any, axes: set[str]) -> Any:
+    return _keep(entry, axes, True)
+
+
+def _drop(entry: Any, axes: set[str]) -> Any:
+    return _keep(entry, axes, False)
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,10 @@ class Plan:
         leaves the layer scan consumes are split over it on their stacked dimension (their
         base spec names it), every other leaf is whole on each stage.
       pipe_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+      expert_axis: the expert-parallel mesh axis (:mod:`jzero.distributed.expert`), one of
+        :attr:`zero_axes`, or ``None``: each expert leaf rests split over it on its experts
+        dimension (its base spec names it) and is sharded by ZeRO over the other axes only;
+        every other leaf is sharded over all of them.
       quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
         data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
         on the receiving device; 0: exact.
@@ -134,6 +155,7 @@ class Plan:
     seq_axis: str | None = None
     pipe_axis: str | None = None
     pipe_schedule: str = "1f1b"
+    expert_axis: str | None = None
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
     def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
@@ -202,6 +224,70 @@ class Plan:
         return tuple(
             bool(self.pipe_axis) and len(b) > 0 and b[0] == self.pipe_axis for b in self._bases()
         )
+
+    @property
+    def expert_size(self) -> int:
+        """The devices the experts are split over (1 without expert parallelism)."""
+        return int(self.mesh.shape[self.expert_axis]) if self.expert_axis else 1
+
+    @property
+    def experts(self) -> tuple[bool, ...]:
+        """Per leaf, whether it holds experts: its spec splits it over :attr:`expert_axis`."""
+        if not self.expert_axis:
+            return (False,) * len(self.leaves)
+        return tuple(self.expert_axis in spec_axis_names(b) for b in self._bases())
+
+    def leaf_axes(self, index: int, axes: Any = None) -> tuple[str, ...]:
+        """The axes of ``axes`` (default :attr:`zero_axes`) ZeRO shards leaf ``index`` over:
+        all of them but those its own spec uses (``expert`` on an expert leaf)."""
+        axes = self.zero_axes if axes is None else ((axes,) if isinstance(axes, str) else axes)
+        own = spec_axis_names(self._bases()[index])
+        return tuple(a for a in axes if a not in own)
+
+    def manual_spec(self, index: int, dim: int | None = None, axes: Any = None) -> P:
+        """Leaf ``index``'s spec on the step's manual axes (:attr:`batch_axes`), as the
+        step's ``shard_map`` takes it: its own entries on them (``expert``), and ZeRO's
+        ``axes`` (less those) on ``dim`` when given; the compiler's axes left out."""
+        manual = set(self.batch_axes)
+        base = P(*(_only(e, manual) for e in self._bases()[index]))
+        return _spec_with(base, len(self.leaves[index].shape), dim, axes or self.zero_axes)
+
+    def other_spec(self, index: int) -> P:
+        """Leaf ``index``'s own entries on the axes the step leaves to the compiler (a user's
+        or AutoTP's ``model``): what :func:`jzero.comm.manual.over_axes` makes manual."""
+        entries = list(self.other_entries[index])
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    def local_stored_shape(self, index: int) -> tuple[int, ...]:
+        """Leaf ``index``'s resting shape (padded, merged) as one device holds it inside the
+        step's ``shard_map`` before ZeRO shards it: its dimensions split over the manual axes
+        its own spec names (an expert leaf's experts) divided by their sizes."""
+        leaf, base = self.leaves[index], tuple(self._bases()[index])
+        shape = list(leaf.stored_shape())
+        if len(shape) != len(leaf.shape):  # merged leading dimensions: a leaf no axis splits
+            return tuple(shape)
+        manual = set(self.batch_axes)
+        for d, e in enumerate(base):
+            for a in spec_axis_names(P(_only(e, manual))):
+                shape[d] //= int(self.mesh.shape[a])
+        return tuple(shape)
+
+    @property
+    def local_compute_params(self) -> PyTree:
+        """:attr:`compute_params` as one device sees them inside the step's ``shard_map``
+        before ZeRO's gathers: split over the manual axes their own spec names (an expert
+        leaf holds ``E / E_p`` experts), whole otherwise."""
+        manual = set(self.batch_axes)
+        out = []
+        for x, b in zip(jax.tree.leaves(self.compute_params), self._bases(), strict=True):
+            shape = list(x.shape)
+            for d, e in enumerate(tuple(b)):
+                for a in spec_axis_names(P(_only(e, manual))):
+                    shape[d] //= int(self.mesh.shape[a])
+            out.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+        return jax.tree.structure(self.compute_params).unflatten(out)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -370,10 +456,12 @@ class Plan:
 
     @property
     def other_entries(self) -> tuple[tuple[Any, ...], ...]:
-        """Per leaf, its spec's entries on the mesh axes other than ZeRO's (a user's or AutoTP's
-        ``model``), one per dimension; all ``None`` for a leaf no other axis splits."""
+        """Per leaf, its spec's entries on the mesh axes the step leaves to the compiler (a
+        user's or AutoTP's ``model``; not ``expert``, which the step makes manual), one per
+        dimension; all ``None`` for a leaf no other axis splits."""
+        manual = set(self.batch_axes)
         return tuple(
-            tuple(b) + (None,) * (len(leaf.shape) - len(b))
+            tuple(_drop(e, manual) for e in b) + (None,) * (len(leaf.shape) - len(b))
             for leaf, b in zip(self.leaves, self._bases(), strict=True)
         )
 
@@ -434,6 +522,15 @@ class Plan:
                     if self.layers_traced
                     else "the layer scan's leaves are split when the loss is first traced"
                 )
+            )
+        if self.expert_axis:
+            experts = [leaf.path for leaf, e in zip(self.leaves, self.experts, strict=True) if e]
+            others = "x".join(a for a in self.zero_axes if a != self.expert_axis)
+            lines.append(
+                f"experts: {len(experts)} expert leaves split over {self.expert_axis!r} "
+                f"({self.expert_size} devices, each holding its share of the experts), ZeRO over "
+                f"{others or 'no other axis'} for them, over all of "
+                f"{'x'.join(self.zero_axes)} for the rest: " + ", ".join(experts)
             )
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -37,6 +37,7 @@ parameters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -99,6 +100,7 @@ def gathered(
     grad_bits: int = 0,
     overlap: bool = False,
     specs: Sequence[tuple] | None = None,
+    axes: Sequence[Any] | None = None,
 ) -> Callable[..., Any]:
     """Turns ``fn(params, *args)`` into ``g(shards, *args)`` that gathers parameters lazily.
 
@@ -139,6 +141,8 @@ def gathered(
       specs: per leaf, its entries (one per dimension) on the mesh's other axes (tensor
         parallelism's ``model``): its gathers run with those axes manual too
         (:func:`jzero.comm.manual.over_axes`); ``None``: no other axis.
+      axes: per leaf, the mesh axes its shards span where that is not ``axis_name`` (an
+        expert leaf's: ZeRO's axes besides ``expert``); ``None``: ``axis_name`` for all.
 
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
@@ -157,6 +161,16 @@ def gathered(
         leaves = jax.tree.leaves(local)
         n = jax.lax.axis_size(axis_name) if sharded else 1
 
+        def own_axes(i: int) -> dict[str, Any]:
+            if axes is None:
+                return {}
+            mine = tuple(axes[i]) if not isinstance(axes[i], str) else (axes[i],)
+            default = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+            if mine == default:
+                return {}
+            entry = mine[0] if len(mine) == 1 else mine
+            return {"axis": entry, "shards": math.prod(jax.lax.axis_size(a) for a in mine)}
+
         def pending(leaves: list[Any]) -> list[Any]:
             return [
                 x
@@ -169,6 +183,7 @@ def gathered(
                     grad_bits=grad_bits,
                     size=sizes[i],
                     spec=specs[i] if specs is not None else (),
+                    **own_axes(i),
                 )  # fmt: skip
                 for i, (x, d) in enumerate(zip(leaves, dims, strict=True))
             ]

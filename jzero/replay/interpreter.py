@@ -235,7 +235,8 @@ class _Replay:
             return x
         if self.record:  # the right shape, nothing gathered
             shape = list(x.shard.shape)
-            shape[x.dim] = x.size if x.size is not None else shape[x.dim] * self.shards
+            shards = x.shards or self.shards
+            shape[x.dim] = x.size if x.size is not None else shape[x.dim] * shards
             return jax.numpy.zeros(shape, x.dtype or x.shard.dtype)
         shard = x.shard if anchor is None else tied(x.shard, anchor)
         return x.gather(self.axis_name, self.grad_dtype, shard=shard)

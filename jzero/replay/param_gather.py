@@ -19,6 +19,8 @@ Decisions:
 * A leaf split over another mesh axis (tensor parallelism's ``model``) is gathered over ZeRO's
   axis with that axis manual too (:func:`jzero.comm.manual.over_axes`): each device gathers
   only its model-axis piece, never the whole weight.
+* An expert leaf (expert parallelism) is sharded by ZeRO over the axes besides ``expert``: its
+  pending gather carries those (``axis``) in place of the replay's.
 * A pending gather passes through dtype casts that do not widen it (so a bf16 copy is gathered
   in bf16, at half the bytes); a widening cast is recorded (``dtype``) and applied after the
   gather, so a bf16 parameter the model upcasts is still gathered in bf16.
@@ -49,6 +51,8 @@ class _Pending:
     grad_bits: int = 0  # ZeRO++ qgZ: the gradient's reduce-scatter likewise (0: exact)
     size: int | None = None  # the logical length of ``dim``: a padded gather is cut to it
     spec: tuple = ()  # the leaf's entries on the mesh's other axes (tensor parallelism), per dim
+    axis: Any = None  # the axes this leaf's shards span, where not the replay's (an expert leaf)
+    shards: int | None = None  # their size, where ``axis`` is set
 
     @property
     def key(self) -> tuple[int, str, str]:
@@ -56,12 +60,13 @@ class _Pending:
         return (self.index, str(self.shard.dtype), str(self.dtype))
 
     def numel(self, shards: int) -> int:
-        """Elements of the gathered value."""
-        return int(self.shard.size) * shards
+        """Elements of the gathered value (``shards``: the replay's axis size)."""
+        return int(self.shard.size) * (self.shards if self.shards is not None else shards)
 
     def gather(self, axis_name: str, grad_dtype: Any, shard: Any = None, dim: int | None = None):
         shard = self.shard if shard is None else shard
         d = self.dim if dim is None else dim
+        axis_name = axis_name if self.axis is None else self.axis
 
         def gather(s: Any) -> Any:
             return all_gather(s, axis_name, d, grad_dtype, bits=self.bits, grad_bits=self.grad_bits)

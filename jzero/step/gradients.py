@@ -49,6 +49,7 @@ Decisions:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ from jzero.replay import (
     split_at_layers,
     stage_unit,
 )
-from jzero.step.state import TrainState, _spec, _to_device
+from jzero.step.state import TrainState, _to_device
 
 PyTree = Any
 
@@ -140,7 +141,7 @@ def _local_loss(
         return gathered(
             loss_fn,
             plan.param_dims,
-            stage_shapes if staged else plan.compute_params,
+            stage_shapes if staged else plan.local_compute_params,
             plan.axis,
             grad_dtype=plan.precision.comm_dtype,
             policy=policy,
@@ -153,6 +154,7 @@ def _local_loss(
             grad_bits=plan.quantized_gradients,
             overlap=plan.overlap_comm,
             specs=None if staged else plan.other_entries,
+            axes=[plan.leaf_axes(i) for i in range(len(plan.leaves))],
         )
     return loss_fn
 
@@ -432,7 +434,7 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`)."""
     bits = plan.quantized_gradients
     leaves = jax.tree.leaves(grads)
-    todo, sent, dims = [], [], []
+    todo, sent, dims, groups = [], [], [], []
     for i, (g, leaf, grad_dim) in enumerate(
         zip(leaves, plan.leaves, plan.grad_dims(), strict=True)
     ):
@@ -440,30 +442,44 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
             continue
         scatter = grad_dim is not None and now_sharded
         todo.append(i)
+        groups.append(plan.leaf_axes(i))  # expert leaves: over the axes besides `expert`
         dims.append(grad_dim if scatter else None)
         if scatter:  # a leaf the shard count does not divide is scattered padded with zeros
-            g = pad_to(g, leaf.stored_shape())
+            g = pad_to(g, plan.local_stored_shape(i))
         sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
 
-    def scatter(x: jax.Array, dim: int) -> jax.Array:
-        if bits:
-            return quantized_psum_scatter(x, plan.axis, dim, bits)
-        return jax.lax.psum_scatter(x, plan.axis, scatter_dimension=dim, tiled=True)
+    def reduce_over(axes: tuple[str, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
+        """The reduction of leaves ZeRO shards over ``axes``: scattered over them, summed
+        over them and the replicas (an expert leaf's experts differ over ``expert``)."""
+        entry = axes[0] if len(axes) == 1 else axes
+        totals = tuple(a for a in plan.batch_axes if a not in plan.zero_axes or a in axes)
 
-    def total(x: jax.Array) -> jax.Array:
-        return jax.lax.psum(x, plan.batch_axes)
+        def scatter(x: jax.Array, dim: int) -> jax.Array:
+            if bits:
+                return quantized_psum_scatter(x, entry, dim, bits)
+            return jax.lax.psum_scatter(x, entry, scatter_dimension=dim, tiled=True)
 
-    # Leaves split over another axis too (tensor parallelism) are reduced piece by piece over
-    # it, with that axis manual (jzero.comm.manual): no weight-sized gather over `model`.
-    specs = [plan.leaf_spec(i) for i in todo]
+        def total(x: jax.Array) -> jax.Array:
+            return jax.lax.psum(x, totals)
 
-    def reduce(xs: list[jax.Array]) -> list[jax.Array]:
-        return reduce_buckets(xs, dims, plan.num_shards, plan.reduce_bucket_size, scatter, total)
+        shards = math.prod(int(plan.mesh.shape[a]) for a in axes)
+        return lambda xs, ds: reduce_buckets(
+            xs, ds, shards, plan.reduce_bucket_size, scatter, total
+        )
 
-    reduced = over_axes(reduce, (specs,), specs)(sent)
     out = list(leaves)
-    for i, r in zip(todo, reduced, strict=True):
-        out[i] = r.astype(leaves[i].dtype)
+    for axes in dict.fromkeys(groups):  # one reduction per set of axes, in leaf order
+        mine = [j for j, g in enumerate(groups) if g == axes]
+        # Leaves split over another axis too (tensor parallelism) are reduced piece by piece
+        # over it, with that axis manual (jzero.comm.manual): no weight-sized gather.
+        specs = [plan.other_spec(todo[j]) for j in mine]
+        run = reduce_over(axes)
+        ds = [dims[j] for j in mine]
+        reduced = over_axes(lambda xs, run=run, ds=ds: run(xs, ds), (specs,), specs)(
+            [sent[j] for j in mine]
+        )
+        for j, r in zip(mine, reduced, strict=True):
+            out[todo[j]] = r.astype(leaves[todo[j]].dtype)
     return jax.tree.structure(grads).unflatten(out)
 
 
@@ -487,7 +503,7 @@ def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
                 )
             return jax.lax.psum(c, plan.replica_axis)
 
-        spec = plan.leaf_spec(i)
+        spec = plan.other_spec(i)
         c = over_axes(reduce, (spec,), spec)(g.astype(plan.precision.communication(g.dtype)))
         out.append(c.astype(g.dtype))
     return jax.tree.structure(grads).unflatten(out)
@@ -499,13 +515,12 @@ def _sharded_grads(plan: Plan, local_grads: Callable[..., Any]) -> Callable[...,
     treedef = jax.tree.structure(plan.abstract_params)
 
     def specs(dims: list[int | None], axes: tuple[str, ...]) -> PyTree:
-        shapes = zip(plan.leaves, dims, strict=True)
-        return treedef.unflatten([_spec(axes, len(leaf.shape), d) for leaf, d in shapes])
+        return treedef.unflatten([plan.manual_spec(i, d, axes) for i, d in enumerate(dims)])
 
     return jax.shard_map(
         local_grads,
         mesh=plan.mesh,
-        in_specs=(specs(plan.param_dims, (plan.axis,)), P(), P(), plan.batch.spec),
+        in_specs=(specs(plan.param_dims, plan.zero_axes), P(), P(), plan.batch.spec),
         out_specs=(P(), P(), specs(plan.grad_dims(), plan.state_axes), P()),
         axis_names=set(plan.batch_axes),
         check_vma=False,

@@ -13,9 +13,8 @@ Decisions:
 * Offloaded leaves (a host memory kind in the plan) are brought into device memory inside the
   step (:func:`_to_device`), so XLA schedules the copies; the step's ``out_shardings`` send the
   results back.
-* One ``PartitionSpec`` helper (:func:`_spec`: one dimension over the given mesh axes) serves
-  both halves of the step's ``shard_map`` calls (:mod:`jzero.step.gradients`,
-  :mod:`jzero.step.update`).
+* The step's ``shard_map`` specs come from the plan (:meth:`jzero.plan.Plan.manual_spec`:
+  ZeRO's axes on the sharded dimension, and a leaf's own manual axes, ``expert``).
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jzero._util import is_creator
 from jzero.plan import (
     LossScaleState,
     Plan,
-    axis_entry,
     cast_floating,
     even_sharding,
     is_host,
@@ -262,16 +259,6 @@ def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
 
     jax.tree.leaves(opt_state, is_leaf=visit)
     return found[0] if found else None
-
-
-def _spec(mesh_axes: str | tuple[str, ...], ndim: int, dim: int | None) -> P:
-    if dim is None:
-        return P()
-    # Trailing dimensions are left out, so the spec fits a leaf resting with merged leading
-    # dimensions (fewer of them) too.
-    entries: list[Any] = [None] * (dim + 1)
-    entries[dim] = axis_entry(mesh_axes)
-    return P(*entries)
 
 
 def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:

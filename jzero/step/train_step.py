@@ -43,7 +43,6 @@ from jzero.replay import RematPolicy
 from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
 from jzero.step.state import (
     TrainState,
-    _spec,
     _to_device,
     find_learning_rate,
     state_shardings,
@@ -77,7 +76,7 @@ def make_eval_step(
     full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
     treedef = jax.tree.structure(plan.abstract_params)
     in_specs = treedef.unflatten(
-        [_spec(plan.axis, len(leaf.shape), leaf.param_dim) for leaf in plan.leaves]
+        [plan.manual_spec(i, leaf.param_dim) for i, leaf in enumerate(plan.leaves)]
     )
     local = _local_loss(plan, full_loss)
 

@@ -118,13 +118,14 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     state_axes = plan.state_axes
     # Per leaf, the axes its updated shard is gathered over: every state axis where the
     # parameter rests whole, the replica axis where hpZ keeps it sharded over data only.
+    # An expert leaf's shard spans the axes besides `expert` (plan.leaf_axes).
     gather_axes = [
         ()
         if leaf.state_dim is None
-        else state_axes
+        else plan.leaf_axes(i, state_axes)
         if leaf.param_dim is None
         else tuple(a for a in state_axes if a not in plan.zero_axes)
-        for leaf in leaves
+        for i, leaf in enumerate(leaves)
     ]
     if any(gather_axes):
         # A leaf split over another axis too (tensor parallelism) is gathered piece by piece
@@ -143,25 +144,30 @@ def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
 
         def gather(tree: PyTree) -> PyTree:
             xs = jax.tree.leaves(tree)
-            if plan.allgather_bucket_size is not None:  # stages 1-2: all over state_axes
+            # Stages 1-2 with buckets: the leaves gathered over every state axis go in buckets,
+            # the others (expert leaves) one by one.
+            bucketed = [
+                plan.allgather_bucket_size is not None and axes == state_axes
+                for axes in gather_axes
+            ]
+            if any(bucketed):
                 dims = [
-                    leaf.state_dim if axes else None
-                    for axes, leaf in zip(gather_axes, leaves, strict=True)
-                ]
-                xs = gather_buckets(
+                    leaf.state_dim if b else None
+                    for b, leaf in zip(bucketed, leaves, strict=True)
+                ]  # fmt: skip
+                xs = gather_buckets(  # a leaf with dim None passes through
                     xs,
                     dims,
                     plan.state_shards,
                     plan.allgather_bucket_size,
                     lambda x, d: jax.lax.all_gather(x, axis_entry(state_axes), axis=d, tiled=True),
                 )
-            else:
-                xs = [
-                    x
-                    if not axes
-                    else jax.lax.all_gather(x, axis_entry(axes), axis=leaf.state_dim, tiled=True)
-                    for x, axes, leaf in zip(xs, gather_axes, leaves, strict=True)
-                ]
+            xs = [
+                x
+                if not axes or b
+                else jax.lax.all_gather(x, axis_entry(axes), axis=leaf.state_dim, tiled=True)
+                for x, axes, leaf, b in zip(xs, gather_axes, leaves, bucketed, strict=True)
+            ]
             return treedef.unflatten(
                 [
                     unpad_to(x, shape) if axes and leaf.param_dim is None else x
