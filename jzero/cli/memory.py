@@ -48,7 +48,17 @@ activations, rebuilt in the backward pass. Embeddings and logits are not counted
 not shard activations, so every option carries the same term. The table then shows totals
 without and with AC, and the recommendation weighs the levers by cost: the lowest stage
 without AC, then AC (about one extra forward pass), then offload. Without the shape,
-activations are not counted (the --margin is left for them): use `jzero plan` to measure."""
+activations are not counted (the --margin is left for them): use `jzero plan` to measure.
+Mixture of experts, with --experts E, --expert-params Psi_e (the parameters of all experts,
+part of --params) and --expert-parallel E_p (expert_parallel.autoep_size; the mesh
+{data: N/E_p, expert: E_p}): the expert and dense parameters are counted apart, as DeepSpeed's
+expert data-parallel groups shard them. A device holds E/E_p experts (Psi_e/E_p parameters),
+whose states ZeRO shards only over the N/E_p devices of its group; the dense Psi - Psi_e is
+sharded over all N. Each formula above then holds for the dense part with Psi - Psi_e over N
+plus the expert part with Psi_e/E_p over N/E_p (stage 3: 16 Psi_e/N); the table shows both
+as columns (expert GB, dense GB). DeepSpeed's estimators have no expert term. Expert
+parallelism does not compose with --tensor-parallel, --sequence-parallel or --pipeline yet,
+and lists no nvme rows."""
 
 _PLAN_HELP = """\
 Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
@@ -68,6 +78,12 @@ and how much each option that does not fit is short."""
 def _estimate(args: argparse.Namespace) -> int:
     from jzero import memory
 
+    if args.experts is not None and args.expert_params is None:
+        raise ValueError(
+            f"--experts {args.experts} needs --expert-params, the parameters of all the experts "
+            "together (part of --params), e.g. --expert-params 6e9: they are sharded apart from "
+            "the dense parameters. Pass --expert-params, or leave out --experts."
+        )
     result = memory.estimate(
         args.params,
         args.devices,
@@ -89,6 +105,9 @@ def _estimate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         micro_batches=args.micro_batches,
         pipeline_schedule=args.pipeline_schedule,
+        experts=args.experts or 0,
+        expert_parallel=args.expert_parallel,
+        expert_params=args.expert_params or 0,
     )
     return _print_report(result, args.plot)
 
@@ -191,6 +210,25 @@ def add_commands(subparsers: Any) -> None:
         choices=["1f1b", "gpipe"],
         default="1f1b",
         help="1f1b (default): a stage keeps P micro-batches of activations; gpipe: all M",
+    )
+    est.add_argument(
+        "--experts",
+        metavar="E",
+        help="mixture of experts: the experts of each MoE layer (needs --expert-params; "
+        "default: no experts)",
+    )
+    est.add_argument(
+        "--expert-params",
+        metavar="COUNT",
+        help="parameters of all the experts together, part of --params, e.g. 6e9; sharded over "
+        "their expert data-parallel group of N/E_p devices, the rest over all N",
+    )
+    est.add_argument(
+        "--expert-parallel",
+        "--ep",
+        default=1,
+        help="expert axis E_p (expert_parallel.autoep_size): each device holds E/E_p experts, "
+        "their states ZeRO-sharded over N/E_p; divides N and E (default 1)",
     )
     est.add_argument(
         "--sub-group-size",

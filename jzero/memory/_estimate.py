@@ -41,15 +41,36 @@ Decisions:
   with replicas, only the gradient shards (:meth:`~jzero.plan.stages.StageSpec.replica_traffic`,
   ``2 Psi / D``; all of stage 0's all-reduce); without, on several nodes, all of the stage's
   traffic; on one node, none.
+* Experts (mixture of experts, ``experts`` E per MoE layer, ``expert_parallel`` E_p,
+  ``expert_params`` Psi_e of the ``params``, DeepSpeed-MoE's expert parallelism; jzero's
+  ``expert_parallel: {autoep_size: E_p}``, mesh ``{data: N/E_p, expert: E_p}``): the expert and
+  the dense parameters are counted apart, because ZeRO shards them over different groups. Each
+  expert parameter rests split over ``expert`` (a device holds E/E_p of the experts, Psi_e/E_p
+  parameters) and ZeRO shards it further only over ``data``, its N/E_p devices (DeepSpeed's
+  *expert data-parallel group*); the dense parameters Psi_d = Psi - Psi_e are ZeRO-sharded over
+  all N devices as without experts. So each stage's formula holds twice: for Psi_d over N, and
+  for Psi_e/E_p over N/E_p (stage 0 16 Psi_e/E_p, stage 1 4 Psi_e/E_p + 12 Psi_e/N, stage 2
+  2 Psi_e/E_p + 14 Psi_e/N, stage 3 16 Psi_e/N: E_p x N/E_p = N), offload and host memory
+  likewise (a node holds its devices' expert shards: at stage 3 16 Psi_e/nodes x 1.5). The
+  experts' states are the device categories named ``expert ...``; the largest layer gathered
+  at stage 3 is counted with the dense part. With E_p = 1 the experts are plain parameters
+  sharded over all N, and the totals are those of Psi without experts. DeepSpeed's own
+  estimators have no expert term (they count every parameter as dense, which overstates
+  stage 0-2's model states when E_p > 1). Expert parallelism does not compose with tensor,
+  sequence or pipeline parallelism or the NVMe tier in jzero yet (the config refuses them),
+  so the estimate refuses the first three and lists no NVMe rows with E_p > 1. The tokens'
+  all-to-alls and the MoE layers' dispatch buffers are not counted.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from jzero._util import divisors
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -76,6 +97,24 @@ BUFFER_FACTOR = 1.5
 Offload = Literal["none", "cpu"]
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
+_EXPERT = "expert "
+"""The prefix of an :class:`EstimateRow`'s device categories that hold the experts' model
+states (``expert params``, ``expert grads``, ``expert optimizer state``)."""
+_COUNT_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def _count(value: object, what: str, example: str) -> float:
+    """A positive parameter count: a number, or a string such as ``7.5e9``, ``7.5B``,
+    ``350M`` (suffixes K, M, B, T: powers of 1000, any case); else the error of
+    :func:`_positive`."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBtT])\s*", value)
+        if m:
+            try:
+                return _positive(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()], what, "")
+            except ValueError:
+                pass
+    return _positive(value, what, example)
 
 
 def _model_states(
@@ -159,8 +198,10 @@ class EstimateRow:
     Attributes:
       stage: the ZeRO stage.
       offload: ``"none"``, ``"optimizer"`` or ``"optimizer+params"``.
-      device: bytes per device by category.
-      host: bytes of host memory per node by category.
+      device: bytes per device by category; with experts, the experts' model states are the
+        categories named ``expert ...`` (summed by :attr:`expert_bytes`), the
+        others the dense parameters' and the gathered layer (:attr:`dense_bytes`).
+      host: bytes of host memory per node by category (experts and dense together).
       comm_psi: communication volume per step in units of Psi (elements).
       comm: the collectives behind ``comm_psi``.
       activations: activation bytes per device without recomputation (0: not counted).
@@ -186,6 +227,19 @@ class EstimateRow:
         """Model-state bytes per device (activations apart)."""
         return sum(self.device.values())
 
+    @property
+    def expert_bytes(self) -> float:
+        """Model-state bytes per device of the expert parameters (Psi_e/E_p, sharded over the
+        N/E_p devices of the expert data-parallel group); 0 without experts."""
+        return sum(v for k, v in self.device.items() if k.startswith(_EXPERT))
+
+    @property
+    def dense_bytes(self) -> float:
+        """Model-state bytes per device of the dense parameters (Psi_d sharded over N), with
+        the largest layer gathered at stage 3: :attr:`device_bytes` less
+        :attr:`expert_bytes`."""
+        return sum(v for k, v in self.device.items() if not k.startswith(_EXPERT))
+
     def total_bytes(self, checkpointing: bool = False) -> float:
         """Bytes per device: model states + activations, with or without checkpointing."""
         act = self.activations_checkpointed if checkpointing else self.activations
@@ -199,7 +253,10 @@ class EstimateRow:
 
 @dataclass(frozen=True)
 class Estimate:
-    """The result of :func:`estimate`; ``table()`` prints it, ``plot(path)`` draws it."""
+    """The result of :func:`estimate`; ``table()`` prints it, ``plot(path)`` draws it.
+
+    ``experts`` (E), ``expert_parallel`` (E_p) and ``expert_params`` (Psi_e, part of
+    ``params``) are 0, 1 and 0 without experts."""
 
     params: float
     devices: int
@@ -217,11 +274,20 @@ class Estimate:
     pipeline: int = 1
     micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
+    experts: int = 0
+    expert_parallel: int = 1
+    expert_params: float = 0
 
     @property
     def shards(self) -> int:
         """Devices each sharded state is split over: ``devices / (replicas x T x P)``."""
         return self.devices // self.replicas // self.tensor_parallel // self.pipeline
+
+    @property
+    def expert_shards(self) -> int:
+        """Devices each expert parameter's state is sharded over, its expert data-parallel
+        group: ``shards / E_p``."""
+        return self.shards // self.expert_parallel
 
     @property
     def counts_activations(self) -> bool:
@@ -250,7 +316,8 @@ class Estimate:
         nodes = self.devices // self.devices_per_node
         usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         act = self.counts_activations
-        header = ["stage", "offload", "device GB"]
+        moe = self.experts > 0
+        header = ["stage", "offload", "device GB"] + (["expert GB", "dense GB"] if moe else [])
         header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
         disk = any(r.disk for r in self.rows)
         header += ["host GB/node"] + (["disk GB/node"] if disk else []) + ["comm/step"]
@@ -263,6 +330,8 @@ class Estimate:
         rows = []
         for r in self.rows:
             cells = [str(r.stage), r.offload, f"{r.device_bytes / GB:.2f}"]
+            if moe:
+                cells += [f"{r.expert_bytes / GB:.2f}", f"{r.dense_bytes / GB:.2f}"]
             if act:
                 cells += [f"{r.activations / GB:.2f}", f"{r.activations_checkpointed / GB:.2f}"]
                 cells += [f"{r.total_bytes(False) / GB:.2f}", f"{r.total_bytes(True) / GB:.2f}"]
@@ -299,6 +368,13 @@ class Estimate:
                 f"bubble (P-1)/(M+P-1) = {(p - 1) / (m + p - 1):.3g}): each device holds "
                 f"Psi/P of the layers, ZeRO-sharded over its stage's {self.shards} devices"
             )
+        if moe:
+            e, ep = self.experts, self.expert_parallel
+            hybrid += (
+                f", experts: E = {e} per MoE layer, E_p = {ep} (each device holds {e // ep} of "
+                f"them), Psi_e = {self.expert_params:.4g} expert and Psi_d = "
+                f"{self.params - self.expert_params:.4g} dense parameters"
+            )
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
@@ -323,6 +399,19 @@ class Estimate:
                 else []
             ),
         ]
+        if moe:
+            ep, n_e = self.expert_parallel, self.expert_shards
+            nvme_note = "\n  No nvme rows: jzero's expert parallelism does not compose with it yet."
+            lines += [
+                "experts (DeepSpeed's expert data-parallel groups): expert GB is the experts' "
+                f"model states, Psi_e/E_p = {self.expert_params / ep:.4g} parameters a device "
+                f"ZeRO-sharded over its expert data-parallel group of N/E_p = {n_e} device(s):",
+                "  each formula above with Psi_e/E_p for Psi and N/E_p for N (stage 3: 16 Psi_e/N, "
+                "as E_p x N/E_p = N); dense GB is Psi_d's over N, and the gathered layer.",
+                "  comm/step counts Psi as the device's Psi_d + Psi_e/E_p (the experts' "
+                "collectives within their group); the tokens' all-to-alls are not counted."
+                + (nvme_note if ep > 1 and any(r.offload != "none" for r in self.rows) else ""),
+            ]
         if act:
             sh, k = self.shape or {}, _DTYPE_BYTES[self.activation_dtype] / 2
             lines += [
@@ -403,6 +492,9 @@ def estimate(
     pipeline: int = 1,
     micro_batches: int | None = None,
     pipeline_schedule: str = "1f1b",
+    experts: int = 0,
+    expert_parallel: int = 1,
+    expert_params: float | str = 0,
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -457,6 +549,22 @@ def estimate(
         ``s b h`` activations forward and their gradient back, ``M`` times a step.
       micro_batches: the micro-batches M a step (``gradient_accumulation_steps``); default 2P.
       pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+      experts: the experts E of each MoE layer; 0 (default): no mixture of experts.
+      expert_parallel: the expert axis E_p (``expert_parallel.autoep_size``; the mesh
+        ``{data: N/E_p, expert: E_p}``); it divides ``devices`` (per replica group) and
+        ``experts``. Does not compose with ``tensor_parallel``, ``sequence_parallel`` or
+        ``pipeline`` yet (as the config refuses them), and lists no NVMe rows.
+      expert_params: Psi_e, the parameters of all the experts of all MoE layers, part of
+        ``params`` (a count as ``params``, e.g. ``6e9`` or ``"6B"``); needed with ``experts``.
+        They are counted apart from the dense Psi_d = Psi - Psi_e, as DeepSpeed shards them:
+        a device holds E/E_p experts, Psi_e/E_p parameters, whose states ZeRO shards only
+        over the N/E_p devices of their expert data-parallel group (the ``data`` axis), while
+        the dense parameters are sharded over all N. Each stage's formula then holds for Psi_d
+        over N plus Psi_e/E_p over N/E_p: at stage 3 16 Psi/N as without experts, at stage 1
+        ``4 (Psi_d + Psi_e/E_p) + 12 Psi/N``. DeepSpeed's estimators have no such term.
+        Each row's :attr:`~EstimateRow.expert_bytes` and :attr:`~EstimateRow.dense_bytes`
+        split its model states, and the table shows them as columns. With E_p = 1 the
+        totals are those without experts.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -465,8 +573,11 @@ def estimate(
       >>> e = estimate(7.5e9, 64)
       >>> round(e.row(0).device_bytes / 1e9, 1), round(e.row(3).device_bytes / 1e9, 3)
       (120.0, 1.875)
+      >>> moe = estimate("1B", 8, experts=8, expert_parallel=4, expert_params="0.75B")
+      >>> [moe.row(1).expert_bytes / 1e9, moe.row(1).dense_bytes / 1e9]  # 4x0.1875 + 12x0.75/8
+      [1.875, 1.375]
     """
-    psi = _positive(params, "params", "7.5e9")
+    psi = _count(params, "params", "7.5e9")
     n = _positive(devices, "devices", "64", integer=True)
     if devices_per_node is None:
         per_node = math.gcd(n, 8)
@@ -517,6 +628,16 @@ def estimate(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
             f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
         )
+    n_experts, ep, psi_e = _check_experts(experts, expert_parallel, expert_params, psi, n, r)
+    if ep > 1:
+        for what, size in (("tensor_parallel", tp), ("sequence_parallel", sp), ("pipeline", pp)):
+            if size > 1:
+                raise ValueError(
+                    f"expert_parallel: {ep} does not compose with {what}={size} yet (jzero's "
+                    "config refuses autoep_size > 1 beside it); pass expert_parallel=1 (the "
+                    f"experts then count as dense parameters, sharded over all devices) or "
+                    f"{what}=1."
+                )
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
     given.update(layers=layers, heads=heads)
@@ -562,20 +683,35 @@ def estimate(
             pipe_bytes = 2 * mb * sbh * _DTYPE_BYTES[activation_dtype]
     # Each device holds Psi / T of the model; ZeRO shards it over its data (x seq) group.
     psi_all, psi, ll = psi, psi / tp / pp, ll / tp
+    pe = psi_e / tp / pp  # the experts' share of a device's Psi/(T P) (T = P = 1 when E_p > 1)
     shards = n // r // tp // pp
     buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
+
+    def states(spec: StageSpec, option: str) -> tuple[dict[str, float], dict[str, float]]:
+        """_model_states of the dense Psi - Psi_e over the shards and of the device's
+        Psi_e / E_p over the shards / E_p of its expert data-parallel group (the gathered
+        layer with the dense part); without experts, of Psi."""
+        if not pe:
+            return _model_states(spec, option, psi, shards, ll, buf, nodes, per_node)
+        device, host = _model_states(spec, option, psi - pe, shards, ll, buf, nodes, per_node)
+        e_device, e_host = _model_states(
+            spec, option, pe / ep, shards // ep, 0.0, buf, nodes / ep, per_node
+        )
+        device.update({_EXPERT + k: v for k, v in e_device.items()})
+        return device, {k: host.get(k, 0.0) + e_host.get(k, 0.0) for k in {**host, **e_host}}
+
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
         if offload == ("cpu" if option == "none" else "none"):  # the rows not asked for
             continue
         for spec in stages.STAGES.values():
             if option in spec.offloads:
-                device, host = _model_states(spec, option, psi, shards, ll, buf, nodes, per_node)
+                device, host = states(spec, option)
                 rows.append((spec, option, device, host, 0.0))
-    if offload != "none":  # the NVMe tier, last
+    if offload != "none" and ep == 1:  # the NVMe tier, last (not beside expert parallelism)
         for spec in stages.STAGES.values():
             if "optimizer" in spec.offloads:
-                device, _ = _model_states(spec, "optimizer", psi, shards, ll, buf, nodes, per_node)
+                device, _ = states(spec, "optimizer")
                 group = min(float(sub_group_size), psi / shards)
                 host = {"nvme buffers": 4 * group * 12 * buf * per_node}
                 rows.append((spec, "nvme", device, host, 2 * 12 * psi / nodes))
@@ -598,8 +734,71 @@ def estimate(
     )
     return Estimate(
         psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule,
+        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, n_experts, ep, psi_e,
     )  # fmt: skip
+
+
+def _check_experts(
+    experts: object, expert_parallel: object, expert_params: object, psi: float, n: int, r: int
+) -> tuple[int, int, float]:
+    """``(E, E_p, Psi_e)`` checked against each other, the parameter count Psi and the
+    ``n / r`` devices of a replica group; a clear error naming the value and the fix."""
+    try:
+        e = float(experts) if not isinstance(experts, bool) else math.nan
+    except (TypeError, ValueError):
+        e = math.nan
+    if not (math.isfinite(e) and e >= 0 and e == int(e)):
+        raise ValueError(
+            f"experts: {experts!r} is not allowed; it must be the whole number of experts of "
+            "each MoE layer, e.g. 8, or 0 (no mixture of experts)."
+        )
+    e = int(e)
+    ep = _positive(expert_parallel, "expert_parallel", "4", integer=True)
+    try:
+        none = not isinstance(expert_params, bool) and float(expert_params) == 0
+    except (TypeError, ValueError):
+        none = False
+    psi_e = 0.0 if none else _count(expert_params, "expert_params", "6e9")
+    if psi_e > psi:
+        raise ValueError(
+            f"expert_params: {psi_e:.4g} is more than params={psi:.4g}; the experts' parameters "
+            f"are part of params (the whole model's count). Pass an expert_params of at most "
+            f"{psi:.4g}, or a params that includes the experts."
+        )
+    if e and not psi_e:
+        raise ValueError(
+            f"experts: {e} needs expert_params, the parameters of all {e} experts of every MoE "
+            "layer together (part of params), e.g. expert_params=6e9; they are sharded apart "
+            "from the dense parameters."
+        )
+    if psi_e and not e:
+        raise ValueError(
+            f"expert_params: {psi_e:.4g} needs experts, the number of experts of each MoE "
+            "layer, e.g. experts=8; pass experts, or expert_params=0 (no mixture of experts)."
+        )
+    if ep > 1 and not e:
+        raise ValueError(
+            f"expert_parallel: {ep} splits experts over devices, but experts is 0; pass "
+            "experts (the experts of each MoE layer, e.g. 8) and expert_params (their "
+            "parameters, part of params), or expert_parallel=1."
+        )
+    group = n // r
+    where = f"devices={n}" if r == 1 else f"the {group} devices of each of the {r} replica groups"
+    if group % ep:
+        raise ValueError(
+            f"expert_parallel: {ep} does not divide {where}; the mesh is {{data: N/E_p, expert: "
+            f"E_p}}. Pass an expert_parallel among the divisors of {group} "
+            f"({', '.join(map(str, divisors(group)))})."
+        )
+    if e % ep:
+        common = [d for d in divisors(e) if group % d == 0]
+        raise ValueError(
+            f"expert_parallel: {ep} does not divide the {e} experts; each device of the expert "
+            f"axis holds an equal share of them. Pass an expert_parallel among the divisors of "
+            f"{e} ({', '.join(map(str, divisors(e)))}); of them, {', '.join(map(str, common))} "
+            f"also divide {group}."
+        )
+    return e, ep, psi_e
 
 
 def _cross_host(spec: StageSpec, replicas: int, shards: int, nodes: int) -> float:
