@@ -28,7 +28,9 @@ Decisions:
 * Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` (a fresh run truncates
   it, a resumed one appends) and the end writes ``summary.json``; both are strict JSON (NaN
   and infinities are ``null``) and written by process 0 only, which alone logs and shows the
-  progress bar.
+  progress bar. A line holds every metric the step returns: with ``model.num_experts`` set,
+  ``moe_aux_loss`` and ``moe_dropped_fraction`` too, which the ``steps_per_print`` log line
+  shows beside the loss (that loss, and the eval loss, include the load-balancing term).
 * JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
   ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
   a restarted run loads its programs instead of compiling them; the summary counts both.
@@ -392,8 +394,19 @@ def _train(
             bar.update(1)
             if cfg.steps_per_print and step % cfg.steps_per_print == 0:
                 lr = f", lr {record['lr']:.3g}" if "lr" in record else ""
+                moe = (  # an MoE model's load-balancing loss (in the loss) and capacity drops
+                    f", moe aux {record['moe_aux_loss']:.4f}, dropped "
+                    f"{100 * record.get('moe_dropped_fraction', 0.0):.1f}%"
+                    if "moe_aux_loss" in record
+                    else ""
+                )
                 logger.info(
-                    "step %d: loss %.4f, grad norm %.3f%s", step, loss, record["grad_norm"], lr
+                    "step %d: loss %.4f, grad norm %.3f%s%s",
+                    step,
+                    loss,
+                    record["grad_norm"],
+                    lr,
+                    moe,
                 )
             if limit and streak >= limit:
                 stopped = (

@@ -44,8 +44,9 @@ def experts_fn(p):
     return run
 
 
-def make_loss(capacity_factor=4.0, min_capacity=4, layer=moe.moe_layer, **extra):
-    """The toy's loss: embedding, one MoE layer on the residual stream, a linear head."""
+def make_loss(capacity_factor=4.0, min_capacity=4, layer=moe.moe_layer, aux_coef=0.01, **extra):
+    """The toy's loss: embedding, one MoE layer on the residual stream, a linear head, plus
+    ``aux_coef`` times the load-balancing loss."""
     route = dict(experts_per_token=K, capacity_factor=capacity_factor, min_capacity=min_capacity)
 
     def loss(p, batch):
@@ -53,7 +54,7 @@ def make_loss(capacity_factor=4.0, min_capacity=4, layer=moe.moe_layer, **extra)
         logits = h @ p["router"]["w"] + p["router"]["b"]
         y, stats = layer(logits, experts_fn(p["experts"]), h, **route, **extra)
         err = (h + y) @ p["head"] - batch["y"]
-        total = jnp.mean(err**2) + 0.01 * stats.aux_loss
+        total = jnp.mean(err**2) + aux_coef * stats.aux_loss
         return total, {
             "moe_aux_loss": stats.aux_loss,
             "moe_dropped_fraction": stats.dropped_fraction,

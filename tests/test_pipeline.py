@@ -310,7 +310,9 @@ def test_a_python_loop_over_layers_is_refused_with_what_to_change():
 
 
 def test_stages_that_do_not_divide_the_devices_are_a_clear_error():
-    with pytest.raises(ValueError, match=r"8 devices can't be split.*not divisible by 3"):
+    with pytest.raises(
+        ValueError, match=r"pipeline.stages: 3 does not divide the 8 devices.*1, 2, 4, 8"
+    ):
         jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 3, 3))
 
 

@@ -35,6 +35,35 @@ Decisions:
   output) use 0.02 / sqrt(2 * num_layers); biases and LayerNorm offsets are zero and LayerNorm
   scales are one.
 * No dropout: the model is deterministic, so forward passes need no RNG.
+* Mixture of experts (``num_experts`` > 0): every ``moe_every``-th block's MLP is a top-k
+  routed MoE (:func:`jzero.moe.moe_layer`: token choice, capacity, Switch's load-balancing
+  loss; under ``expert_parallel`` the step's all-to-alls carry the tokens to the devices
+  holding their experts). The layers stay **one** top-level scan, over *units*: with
+  ``moe_every = 1`` a unit is one MoE block, with ``moe_every = k > 1`` it is ``k - 1`` dense
+  blocks then one MoE block (layers ``k-1, 2k-1, ...`` are the MoE ones), and the scan runs
+  ``num_layers / k`` units. A unit's leaves (``blocks.*``, all with leading dim ``L / k``):
+
+  - ``ln1_*``, ``attn_*``, ``ln2_*``: the MoE block's attention and norms, as a dense block's;
+  - ``router`` ``[L/k, D, E]`` (no bias): the router's logits, accumulated in float32; its
+    name holds no ``expert`` so expert parallelism never splits it (every device scores all
+    ``E`` experts);
+  - ``experts.w_fc`` ``[L/k, E, D, F]``, ``experts.b_fc`` ``[L/k, E, F]``,
+    ``experts.w_proj`` ``[L/k, E, F, D]``, ``experts.b_proj`` ``[L/k, E, D]``: the experts'
+    GELU MLPs, the experts dimension right after the scanned one, which is where expert
+    parallelism finds and splits it (the path component ``experts`` names them). The names
+    match no tensor-parallel rule, so AutoTP leaves the experts whole on each device;
+  - ``dense.*`` (``moe_every > 1`` only): the unit's ``k - 1`` dense blocks, every leaf of a
+    dense block stacked ``[L/k, k-1, ...]``; the scan body runs them by index, so the scan
+    still consumes dim 0 and nothing else touches the stored leaf before it.
+
+  Keeping one scan (not a scan of dense blocks beside one of MoE blocks) is what ZeRO stage 3's
+  layer-by-layer gather and its stacked-layer detection read. The expert MLPs are initialised
+  as the dense MLP (std 0.02; the output projection 0.02 / sqrt(2 * num_layers)), the router
+  with std 0.02. The loss then returns ``(loss, {"moe_aux_loss", "moe_dropped_fraction"})``:
+  the load-balancing losses summed over the MoE layers (the loss includes
+  ``moe_aux_loss_coef`` times it) and the dropped fraction of token choices averaged over
+  them; jzero's step reports both as metrics. With ``num_experts = 0`` (the default) none of
+  this exists: the tree, the numbers and the compiled program are the dense model's.
 * Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size``) is built in: where
   jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
   inputs and targets, the position table from this device's first position, and attention
@@ -54,6 +83,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jzero.distributed.expert import MoEStats, moe_layer
 from jzero.distributed.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
 
 __all__ = ["GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
@@ -62,6 +92,11 @@ PyTree = Any
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _INIT_STD = 0.02
 _LN_EPS = 1e-5
+_MIN_CAPACITY = 4  # the fewest slots an expert has on a device, however few its tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -84,12 +119,24 @@ class GPTConfig:
     """Compute dtype. Parameters are always stored in float32 and cast to this at use
     (``float64``, under ``jax_enable_x64``, with float64 parameters, is for numerical tests:
     every operation then runs in float64, the statistics included)."""
+    num_experts: int = 0
+    """Experts of each MoE MLP; 0 (the default) is the dense model, else at least 2."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k); at most ``num_experts``."""
+    capacity_factor: float = 1.25
+    """Slots per expert as a multiple of its even share of a device's token choices; a choice
+    past them is dropped (the token's residual stream carries it)."""
+    moe_every: int = 1
+    """An MoE MLP in every ``moe_every``-th block (the others dense); divides ``num_layers``."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (summed over the MoE layers) in the loss."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        self._check_moe()
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"GPTConfig.d_model={self.d_model} is not divisible by num_heads="
@@ -99,6 +146,59 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.dtype={self.dtype!r} is not supported. It must be one of {_DTYPES}."
             )
+
+    def _check_moe(self) -> None:
+        """The MoE fields: each error names the value, what is allowed and the fix."""
+        e, k = self.num_experts, self.experts_per_token
+        if not _is_int(e) or e < 0 or e == 1:
+            raise ValueError(
+                f"GPTConfig.num_experts={e!r} is not allowed: use 0 for the dense model or an "
+                "integer >= 2 for a mixture of experts (one expert is the dense MLP)."
+            )
+        for name in ("experts_per_token", "moe_every"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("capacity_factor", "moe_aux_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"GPTConfig.{name} must be a number, got {value!r}.")
+            object.__setattr__(self, name, float(value))  # YAML may give 2 for 2.0
+        if not self.capacity_factor > 0:
+            raise ValueError(
+                f"GPTConfig.capacity_factor={self.capacity_factor} must be > 0 (1.0 gives each "
+                "expert its even share of the token choices; 1.25 is the usual)."
+            )
+        if not self.moe_aux_loss_coef >= 0:
+            raise ValueError(
+                f"GPTConfig.moe_aux_loss_coef={self.moe_aux_loss_coef} must be >= 0 (0 turns "
+                "the load-balancing loss off; 0.01 is the usual)."
+            )
+        if e == 0:
+            return
+        if k > e:
+            raise ValueError(
+                f"GPTConfig.experts_per_token={k} exceeds num_experts={e}: a token is routed to "
+                f"k distinct experts. Use experts_per_token <= {e} or raise num_experts."
+            )
+        if self.num_layers % self.moe_every:
+            fits = [m for m in range(1, self.num_layers + 1) if self.num_layers % m == 0]
+            raise ValueError(
+                f"GPTConfig.num_layers={self.num_layers} is not divisible by moe_every="
+                f"{self.moe_every}: the layers run as num_layers / moe_every units of "
+                f"moe_every - 1 dense blocks and one MoE block. Use moe_every among {fits}, or "
+                f"num_layers a multiple of {self.moe_every}."
+            )
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model has MoE blocks (``num_experts`` > 0)."""
+        return self.num_experts > 0
+
+    @property
+    def num_units(self) -> int:
+        """The scan's length: ``num_layers``, or ``num_layers / moe_every`` units with MoE."""
+        return self.num_layers // self.moe_every if self.moe else self.num_layers
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> GPTConfig:
@@ -147,11 +247,8 @@ def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
-def _init_block(key: jax.Array, cfg: GPTConfig) -> dict[str, jax.Array]:
-    """One layer's parameters (no layer dim); ``init_params`` vmaps this over the layers."""
-    d, f = cfg.d_model, cfg.d_ff
-    resid_std = _INIT_STD / math.sqrt(2 * cfg.num_layers)
-    k_qkv, k_out, k_in, k_mlp_out = jax.random.split(key, 4)
+def _init_attention(k_qkv: jax.Array, k_out: jax.Array, d: int, resid_std: float) -> dict:
+    """A block's norms and attention (no layer dim), dense and MoE blocks alike."""
     return {
         "ln1_scale": jnp.ones((d,), jnp.float32),
         "ln1_bias": jnp.zeros((d,), jnp.float32),
@@ -161,10 +258,51 @@ def _init_block(key: jax.Array, cfg: GPTConfig) -> dict[str, jax.Array]:
         "attn_out_bias": jnp.zeros((d,), jnp.float32),
         "ln2_scale": jnp.ones((d,), jnp.float32),
         "ln2_bias": jnp.zeros((d,), jnp.float32),
+    }
+
+
+def _init_block(key: jax.Array, cfg: GPTConfig) -> dict[str, jax.Array]:
+    """One layer's parameters (no layer dim); ``init_params`` vmaps this over the layers."""
+    d, f = cfg.d_model, cfg.d_ff
+    resid_std = _INIT_STD / math.sqrt(2 * cfg.num_layers)
+    k_qkv, k_out, k_in, k_mlp_out = jax.random.split(key, 4)
+    return {
+        **_init_attention(k_qkv, k_out, d, resid_std),
         "mlp_in": _normal(k_in, (d, f), _INIT_STD),
         "mlp_in_bias": jnp.zeros((f,), jnp.float32),
         "mlp_out": _normal(k_mlp_out, (f, d), resid_std),
         "mlp_out_bias": jnp.zeros((d,), jnp.float32),
+    }
+
+
+def _init_moe_block(key: jax.Array, cfg: GPTConfig) -> dict[str, Any]:
+    """One MoE block's parameters (no layer dim): a dense block's attention and norms, the
+    router, and ``experts`` (each leaf with the experts dimension first)."""
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.num_experts
+    resid_std = _INIT_STD / math.sqrt(2 * cfg.num_layers)
+    k_qkv, k_out, k_router, k_fc, k_proj = jax.random.split(key, 5)
+    return {
+        **_init_attention(k_qkv, k_out, d, resid_std),
+        "router": _normal(k_router, (d, e), _INIT_STD),
+        "experts": {
+            "w_fc": _normal(k_fc, (e, d, f), _INIT_STD),
+            "b_fc": jnp.zeros((e, f), jnp.float32),
+            "w_proj": _normal(k_proj, (e, f, d), resid_std),
+            "b_proj": jnp.zeros((e, d), jnp.float32),
+        },
+    }
+
+
+def _init_unit(key: jax.Array, cfg: GPTConfig) -> dict[str, Any]:
+    """One scan unit of an MoE model (no unit dim): the MoE block, and with ``moe_every = k >
+    1`` its ``k - 1`` dense blocks under ``dense``, stacked on a leading dim of ``k - 1``."""
+    if cfg.moe_every == 1:
+        return _init_moe_block(key, cfg)
+    k_dense, k_moe = jax.random.split(key)
+    dense_keys = jax.random.split(k_dense, cfg.moe_every - 1)
+    return {
+        **_init_moe_block(k_moe, cfg),
+        "dense": jax.vmap(lambda k: _init_block(k, cfg))(dense_keys),
     }
 
 
@@ -218,6 +356,53 @@ def _block(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.Arra
     return x + h @ p["mlp_out"] + p["mlp_out_bias"]
 
 
+def _experts_mlp(p: Mapping[str, jax.Array], slots: jax.Array) -> jax.Array:
+    """Expert ``i``'s GELU MLP on row ``i`` of ``slots`` ``[E_local, N, D]``; ``p`` holds the
+    experts the loss sees (all ``E``, or under expert parallelism this device's ``E / E_p``)."""
+    h = jnp.einsum("end,edf->enf", slots, p["w_fc"]) + p["b_fc"][:, None, :]
+    h = jax.nn.gelu(h)
+    return jnp.einsum("enf,efd->end", h, p["w_proj"]) + p["b_proj"][:, None, :]
+
+
+def _moe_block(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, MoEStats]:
+    """A pre-LayerNorm block whose MLP is the routed experts; ``p`` in the compute dtype.
+
+    The router's logits are accumulated in float32 (or wider): the top-k choice and the
+    load-balancing loss read probabilities that low-precision logits would round together."""
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg.num_heads)
+    h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+    logits = jnp.einsum("btd,de->bte", h, p["router"], preferred_element_type=_wide(h.dtype))
+    y, stats = moe_layer(
+        logits,
+        lambda slots: _experts_mlp(p["experts"], slots),
+        h,
+        experts_per_token=cfg.experts_per_token,
+        capacity_factor=cfg.capacity_factor,
+        min_capacity=_MIN_CAPACITY,
+    )
+    return x + y.astype(x.dtype), stats
+
+
+def _unit(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, MoEStats]:
+    """One scan unit of an MoE model: its ``moe_every - 1`` dense blocks, then its MoE block.
+
+    The dense blocks are indexed out of the unit's ``[k-1, ...]`` leaves in a Python loop (no
+    inner scan): ``k`` is small, and the outer scan stays the only one over stored weights."""
+    dense = p.get("dense")
+    for j in range(cfg.moe_every - 1):
+        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg.num_heads)
+    return _moe_block(p, x, cfg)
+
+
+def _moe_aux(stats: MoEStats) -> dict[str, jax.Array]:
+    """The per-unit stats (stacked on dim 0 by the scan) as the loss's aux: the load-balancing
+    losses summed over the MoE layers, the dropped fractions averaged."""
+    return {
+        "moe_aux_loss": jnp.sum(stats.aux_loss),
+        "moe_dropped_fraction": jnp.mean(stats.dropped_fraction),
+    }
+
+
 def _embed(
     tokens_table: jax.Array, positions: jax.Array, tokens: jax.Array, cfg: GPTConfig
 ) -> jax.Array:
@@ -246,11 +431,29 @@ def _head(ln_f: Mapping[str, jax.Array], tokens_table: jax.Array, x: jax.Array) 
 
 def _next_token_loss(logits_fn: Callable[[jax.Array], jax.Array], tokens: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats; ``tokens`` is int [B, T + 1]."""
+    loss, _ = _next_token_loss_and_aux(lambda inputs: (logits_fn(inputs), {}), tokens)
+    return loss
+
+
+def _next_token_loss_and_aux(
+    forward: Callable[[jax.Array], tuple[jax.Array, dict]], tokens: jax.Array
+) -> tuple[jax.Array, dict]:
+    """:func:`_next_token_loss` of a ``forward`` that returns ``(logits, aux)``; the aux too."""
     # Under sequence parallelism each device takes its own T/S positions of both.
     inputs, targets = sequence_chunk(tokens[:, :-1]), sequence_chunk(tokens[:, 1:])
-    log_probs = jax.nn.log_softmax(logits_fn(inputs), axis=-1)
+    logits, aux = forward(inputs)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
-    return -picked.mean()
+    return -picked.mean(), aux
+
+
+def _moe_loss(
+    forward: Callable[[jax.Array], tuple[jax.Array, dict]], tokens: jax.Array, cfg: GPTConfig
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """An MoE model's ``(loss, aux)``: the cross-entropy plus ``moe_aux_loss_coef`` times the
+    load-balancing loss, and the aux of :func:`_moe_aux`."""
+    ce, aux = _next_token_loss_and_aux(forward, tokens)
+    return ce + cfg.moe_aux_loss_coef * aux["moe_aux_loss"].astype(ce.dtype), aux
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,16 +469,18 @@ def init_params(key: jax.Array, cfg: GPTConfig) -> dict:
 
     Returns:
         ``{"embed": {"tokens": [V, D], "positions": [T, D]}, "blocks": {name: [L, ...]},
-        "ln_f": {"scale": [D], "bias": [D]}}``.
+        "ln_f": {"scale": [D], "bias": [D]}}``; with MoE, ``blocks`` holds ``L / moe_every``
+        units (see the module's docstring for their leaves).
     """
     k_tok, k_pos, k_blocks = jax.random.split(key, 3)
-    layer_keys = jax.random.split(k_blocks, cfg.num_layers)
+    layer_keys = jax.random.split(k_blocks, cfg.num_units)  # layers, or MoE units
+    init_layer = _init_unit if cfg.moe else _init_block
     return {
         "embed": {
             "tokens": _normal(k_tok, (cfg.vocab_size, cfg.d_model), _INIT_STD),
             "positions": _normal(k_pos, (cfg.seq_len, cfg.d_model), _INIT_STD),
         },
-        "blocks": jax.vmap(lambda k: _init_block(k, cfg))(layer_keys),
+        "blocks": jax.vmap(lambda k: init_layer(k, cfg))(layer_keys),
         "ln_f": {
             "scale": jnp.ones((cfg.d_model,), jnp.float32),
             "bias": jnp.zeros((cfg.d_model,), jnp.float32),
@@ -283,29 +488,45 @@ def init_params(key: jax.Array, cfg: GPTConfig) -> dict:
     }
 
 
-def apply(params: dict, tokens: jax.Array, cfg: GPTConfig) -> jax.Array:
+def apply(params: dict, tokens: jax.Array, cfg: GPTConfig, *, return_aux: bool = False) -> Any:
     """Runs the functional GPT.
 
     Args:
         params: parameters from :func:`init_params` (or the same tree, e.g. trained).
         tokens: int token ids [B, T] with T <= ``cfg.seq_len``.
         cfg: the model config.
+        return_aux: also return the MoE layers' stats (``{}`` for a dense model).
 
     Returns:
-        float32 logits [B, T, vocab_size].
+        float32 logits [B, T, vocab_size]; with ``return_aux``, ``(logits, aux)``, the aux as
+        :func:`loss_fn` returns it.
     """
+    logits, aux = _forward(params, tokens, cfg)
+    return (logits, aux) if return_aux else logits
+
+
+def _forward(params: dict, tokens: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, dict]:
     x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
     # The only op between the stored stacked weights and the scan: the cast (ZeRO-3 gathers there).
     blocks = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params["blocks"])
+    aux: dict = {}
+    if cfg.moe:
 
-    def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
-        return _block(layer, carry, cfg.num_heads), None
+        def moe_body(carry: jax.Array, unit: dict) -> tuple[jax.Array, MoEStats]:
+            return _unit(unit, carry, cfg)
 
-    x, _ = jax.lax.scan(body, x, blocks)
-    return _head(params["ln_f"], params["embed"]["tokens"], x)
+        x, stats = jax.lax.scan(moe_body, x, blocks)
+        aux = _moe_aux(stats)
+    else:
+
+        def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
+            return _block(layer, carry, cfg.num_heads), None
+
+        x, _ = jax.lax.scan(body, x, blocks)
+    return _head(params["ln_f"], params["embed"]["tokens"], x), aux
 
 
-def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> jax.Array:
+def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> Any:
     """Next-token cross-entropy of the functional GPT, in nats per token (per byte).
 
     Args:
@@ -314,8 +535,12 @@ def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> jax
         cfg: the model config.
 
     Returns:
-        The scalar mean loss (float32).
+        The scalar mean loss (float32). With MoE, ``(loss, aux)``: the loss plus
+        ``moe_aux_loss_coef * aux["moe_aux_loss"]``, and ``aux`` ``{"moe_aux_loss": summed
+        over the MoE layers, "moe_dropped_fraction": averaged over them}``.
     """
+    if cfg.moe:
+        return _moe_loss(lambda x: _forward(params, x, cfg), batch["tokens"], cfg)
     return _next_token_loss(lambda x: apply(params, x, cfg), batch["tokens"])
 
 
@@ -327,16 +552,31 @@ def unstack_blocks(params: dict) -> dict:
     return {**params, "blocks": [jax.tree.map(lambda w, i=i: w[i], blocks) for i in range(layers)]}
 
 
-def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> jax.Array:
+def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> Any:
     """:func:`loss_fn` written as a Python loop over layers (``params["blocks"]`` a list, from
-    :func:`unstack_blocks`), as most Flax models are: the same numbers, no ``scan``."""
+    :func:`unstack_blocks`), as most Flax models are: the same numbers, no ``scan``. With MoE
+    the list holds the units and the result is ``(loss, aux)``, as :func:`loss_fn`'s."""
+
+    def cast(tree: Any) -> Any:
+        return jax.tree.map(lambda w: w.astype(cfg.compute_dtype), tree)
 
     def logits(tokens: jax.Array) -> jax.Array:
         x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
         for layer in params["blocks"]:
-            x = _block(jax.tree.map(lambda w: w.astype(cfg.compute_dtype), layer), x, cfg.num_heads)
+            x = _block(cast(layer), x, cfg.num_heads)
         return _head(params["ln_f"], params["embed"]["tokens"], x)
 
+    def forward(tokens: jax.Array) -> tuple[jax.Array, dict]:
+        x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
+        stats = []
+        for unit in params["blocks"]:
+            x, unit_stats = _unit(cast(unit), x, cfg)
+            stats.append(unit_stats)
+        stacked = MoEStats(*(jnp.stack(s) for s in zip(*stats, strict=True)))
+        return _head(params["ln_f"], params["embed"]["tokens"], x), _moe_aux(stacked)
+
+    if cfg.moe:
+        return _moe_loss(forward, batch["tokens"], cfg)
     return _next_token_loss(logits, batch["tokens"])
 
 
@@ -345,14 +585,22 @@ def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfi
 
 
 class _Params(nnx.Module):
-    """A flat bag of ``nnx.Param`` leaves, named like the functional form's dict."""
+    """A bag of ``nnx.Param`` leaves, named like the functional form's dict; a nested mapping
+    (an MoE unit's ``experts`` and ``dense``) becomes a nested bag, so the module's pure dict
+    has the functional tree's paths (``blocks.experts.w_fc``)."""
 
-    def __init__(self, arrays: Mapping[str, jax.Array]):
+    def __init__(self, arrays: Mapping[str, Any]):
         for name, value in arrays.items():
-            setattr(self, name, nnx.Param(value))
+            setattr(self, name, _Params(value) if isinstance(value, Mapping) else nnx.Param(value))
 
-    def arrays(self) -> dict[str, jax.Array]:
-        return {name: var[...] for name, var in vars(self).items() if isinstance(var, nnx.Param)}
+    def arrays(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, var in vars(self).items():
+            if isinstance(var, nnx.Param):
+                out[name] = var[...]
+            elif isinstance(var, _Params):
+                out[name] = var.arrays()
+        return out
 
 
 class _Block(_Params):
@@ -364,6 +612,17 @@ class _Block(_Params):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _block(self.arrays(), x, self.num_heads)
+
+
+class _Unit(_Params):
+    """One scan unit of an MoE GPT (stacked over units by ``nnx.vmap`` in :class:`GPT`)."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        super().__init__(_init_unit(rngs.params(), cfg))
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        return _unit(self.arrays(), x, self.cfg)
 
 
 class GPT(nnx.Module):
@@ -389,10 +648,12 @@ class GPT(nnx.Module):
             }
         )
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        layer = _Unit if cfg.moe else _Block
+
+        @nnx.split_rngs(splits=cfg.num_units)
         @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs: nnx.Rngs) -> _Block:
-            return _Block(cfg, rngs=rngs)
+        def make_blocks(rngs: nnx.Rngs) -> _Block | _Unit:
+            return layer(cfg, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
         self.ln_f = _Params(
@@ -404,6 +665,8 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Returns float32 logits [B, T, vocab_size] for int tokens [B, T]."""
+        if self.cfg.moe:
+            return self.forward(tokens)[0]
         cfg = self.cfg
         table = self.embed.tokens[...]
         x = _embed(table, self.embed.positions[...], tokens, cfg)
@@ -417,7 +680,28 @@ class GPT(nnx.Module):
 
         return _head(self.ln_f.arrays(), table, run(x, blocks))
 
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``(logits, aux)`` for int tokens [B, T]: the aux is the MoE layers' stats as
+        :func:`loss_fn` returns them (``{}`` for a dense model)."""
+        cfg = self.cfg
+        if not cfg.moe:
+            return self(tokens), {}
+        table = self.embed.tokens[...]
+        x = _embed(table, self.embed.positions[...], tokens, cfg)
+        graphdef, state = nnx.split(self.blocks)
+        units = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
 
-def nnx_loss_fn(model: GPT, batch: Mapping[str, jax.Array]) -> jax.Array:
-    """Next-token cross-entropy of the NNX GPT, in nats per token; see :func:`loss_fn`."""
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def run(carry: jax.Array, unit: _Unit) -> tuple[jax.Array, MoEStats]:
+            return unit(carry)
+
+        x, stats = run(x, units)
+        return _head(self.ln_f.arrays(), table, x), _moe_aux(stats)
+
+
+def nnx_loss_fn(model: GPT, batch: Mapping[str, jax.Array]) -> Any:
+    """Next-token cross-entropy of the NNX GPT, in nats per token; with MoE ``(loss, aux)``.
+    See :func:`loss_fn`."""
+    if model.cfg.moe:
+        return _moe_loss(model.forward, batch["tokens"], model.cfg)
     return _next_token_loss(model, batch["tokens"])
