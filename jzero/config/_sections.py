@@ -365,8 +365,12 @@ class BF16Config:
     """DeepSpeed: apply gradients as they arrive. No effect."""
     bf16_master_weights_and_grads: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: keep master weights in bf16. No effect."""
-    bf16_optimizer_states: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: keep optimizer states in bf16. No effect."""
+    bf16_optimizer_states: bool = False
+    """Keep the optimizer state (Adam's moments) in bfloat16 between steps, updated in float32
+    (:func:`jzero.optim.low_precision_state`), for the config's optimizer or one passed in code:
+    it halves the optimizer state per device. Needs ``enabled: true``. DeepSpeed also requires
+    ``bf16_master_weights_and_grads`` and ZeRO stage 1-3; jzero keeps fp32 master weights and
+    allows any stage."""
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,16 @@ def _check_config(cfg: Config, noted: list) -> None:
             "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
             "steps with inf/NaN gradients)."
         )
+    if (
+        cfg.bf16.bf16_optimizer_states
+        and not cfg.bf16.enabled
+        and "bf16.enabled" not in cfg.auto  # "auto": checked once resolved (jzero.initialize)
+    ):
+        raise ConfigError(
+            "bf16.bf16_optimizer_states needs bf16.enabled: true (it keeps the optimizer state "
+            "of bf16 mixed precision in bfloat16); set bf16.enabled: true, or remove "
+            "bf16_optimizer_states."
+        )
     check_zero(cfg, noted)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:

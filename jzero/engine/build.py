@@ -55,14 +55,25 @@ def _is_abstract(tree: PyTree) -> bool:
 def _optimizer(
     cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
 ) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
-    if optimizer is not None:  # the config's sections were dropped (config.resolve_auto)
-        return optimizer, None
-    if cfg.optimizer is None:
-        raise ValueError(
-            "No optimizer: pass optimizer=<an optax transformation> to jzero.initialize, or add "
-            "an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
+    """The optimizer and its schedule (none for one passed in code); its state kept in bfloat16
+    under ``bf16.bf16_optimizer_states``, whichever optimizer it is, as DeepSpeed does."""
+    if cfg.bf16.bf16_optimizer_states and not cfg.bf16.enabled:  # bf16.enabled was "auto"
+        raise config_lib.ConfigError(
+            'bf16.bf16_optimizer_states needs bf16.enabled: true, but bf16.enabled: "auto" '
+            "resolved to false (the params are not all bfloat16); set bf16.enabled: true, or "
+            "remove bf16_optimizer_states."
         )
-    return optim.build_optimizer(cfg), optim.build_schedule(cfg)
+    schedule = None
+    if optimizer is None:  # else the config's sections were dropped (config.resolve_auto)
+        if cfg.optimizer is None:
+            raise ValueError(
+                "No optimizer: pass optimizer=<an optax transformation> to jzero.initialize, or "
+                "add an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
+            )
+        optimizer, schedule = optim.build_optimizer(cfg), optim.build_schedule(cfg)
+    if cfg.bf16.bf16_optimizer_states:
+        optimizer = optim.low_precision_state(optimizer)
+    return optimizer, schedule
 
 
 def _check_array_leaves(params: PyTree) -> None:
