@@ -58,7 +58,12 @@ sharded over all N. Each formula above then holds for the dense part with Psi - 
 plus the expert part with Psi_e/E_p over N/E_p (stage 3: 16 Psi_e/N); the table shows both
 as columns (expert GB, dense GB). DeepSpeed's estimators have no expert term. Expert
 parallelism does not compose with --tensor-parallel, --sequence-parallel or --pipeline yet,
-and lists no nvme rows."""
+and lists no nvme rows.
+16-bit optimizer state, with --optimizer-dtype bf16 (bf16.bf16_optimizer_states: true): Adam's
+moments rest in bfloat16 (2 bytes each), the master weights stay fp32, so K = 4 + 2 + 2 = 8
+instead of 12: stage 0 12 Psi, stage 1 4 Psi + 8 Psi/N, stage 2 2 Psi + 10 Psi/N, stage 3
+12 Psi/N; the offloaded host rows' 16 and 18 (4 + K and 6 + K) become 12 and 14, max(4 N, 16)
+becomes max(4 N, 12), and the nvme rows count 8 bytes of masters and moments."""
 
 _PLAN_HELP = """\
 Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
@@ -108,6 +113,7 @@ def _estimate(args: argparse.Namespace) -> int:
         experts=args.experts or 0,
         expert_parallel=args.expert_parallel,
         expert_params=args.expert_params or 0,
+        optimizer_dtype=args.optimizer_dtype,
     )
     return _print_report(result, args.plot)
 
@@ -229,6 +235,14 @@ def add_commands(subparsers: Any) -> None:
         default=1,
         help="expert axis E_p (expert_parallel.autoep_size): each device holds E/E_p experts, "
         "their states ZeRO-sharded over N/E_p; divides N and E (default 1)",
+    )
+    est.add_argument(
+        "--optimizer-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dtype of the optimizer state at rest: fp32 (default, K = 12 bytes a parameter) or "
+        "bf16, as the config's bf16.bf16_optimizer_states: true (bf16 moments, fp32 masters, "
+        "K = 8)",
     )
     est.add_argument(
         "--sub-group-size",

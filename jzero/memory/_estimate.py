@@ -60,6 +60,15 @@ Decisions:
   sequence or pipeline parallelism or the NVMe tier in jzero yet (the config refuses them),
   so the estimate refuses the first three and lists no NVMe rows with E_p > 1. The tokens'
   all-to-alls and the MoE layers' dispatch buffers are not counted.
+* 16-bit optimizer state (``optimizer_dtype="bf16"``, jzero's ``bf16: {enabled: true,
+  bf16_optimizer_states: true}``, :mod:`jzero.optim.low_precision`): Adam's two moments rest
+  in bfloat16 (2 bytes each instead of 4) while the master weights stay fp32, so K = 4 + 2 + 2
+  = 8 instead of 12. K replaces 12 wherever the optimizer state is counted: every stage's
+  device formula (stage 0 12 Psi, stage 1 4 Psi + 8 Psi/N, stage 2 2 Psi + 10 Psi/N, stage 3
+  12 Psi/N), the offloaded host rows (DeepSpeed's 16 = fp32 gradients 4 + K, 18 = 16-bit
+  params 2 + 4 + K, ``max(4 N, 16)`` = ``max(4 N, 4 + K)``: 12, 14, ``max(4 N, 12)``) and the
+  NVMe tier's buffers and disk (K bytes of masters and moments). The params, the gradients,
+  the fp32 model the host holds while loading and the activations are unchanged.
 """
 
 from __future__ import annotations
@@ -96,6 +105,11 @@ __all__ = [
 BUFFER_FACTOR = 1.5
 Offload = Literal["none", "cpu"]
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_OPTIMIZER_DTYPES = {"fp32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+"""The accepted ``optimizer_dtype`` values and the name each stands for."""
+_OPTIMIZER_K = {"fp32": 12, "bf16": 8}
+"""K, the optimizer state's bytes per parameter: the fp32 master (4) and Adam's two moments
+(4 + 4 in fp32, 2 + 2 in bf16 with ``bf16.bf16_optimizer_states``)."""
 _SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
 _EXPERT = "expert "
 """The prefix of an :class:`EstimateRow`'s device categories that hold the experts' model
@@ -126,23 +140,27 @@ def _model_states(
     buf: float,
     nodes: int,
     per_node: int,
+    k: int = 12,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(device, host) bytes of one stage's row with one offload option, from its flags: the
     ZeRO paper's model states without offload (:meth:`StageSpec.model_state_bytes`), and
     DeepSpeed's estimators with it (``estimate_zero2_model_states_mem_needs`` where the
     parameters are whole, ``estimate_zero3_...`` where they are sharded). Sharded parameters
-    add the largest layer gathered at once (4 bytes: its 16-bit params and grads)."""
+    add the largest layer gathered at once (4 bytes: its 16-bit params and grads). ``k`` is
+    the optimizer state's bytes per parameter, K (12; 8 with bf16 moments): the estimators'
+    16 and 18 host bytes are 4 + K and 6 + K (fp32 gradients 4, 16-bit params 2)."""
     gathered = {"gathered layer": 4 * ll} if spec.shard_params else {}
     if option == "none":
         # Loading, the host holds the fp32 model (at stage 3 only the largest layer at once).
         loading = 4 * (ll if spec.shard_params else psi) * per_node * buf
-        return {**spec.model_state_bytes(psi, n), **gathered}, {"loading": loading}
+        return {**spec.model_state_bytes(psi, n, k), **gathered}, {"loading": loading}
     if option == "optimizer":
-        params = {"params": spec.model_state_bytes(psi, n)["params"]}
+        params = {"params": spec.model_state_bytes(psi, n, k)["params"]}
         if spec.shard_params:
-            return {**params, **gathered}, {"grads and optimizer state": 16 * psi / nodes * buf}
-        return params, {"grads and optimizer state": psi * max(4 * n, 16) * buf}
-    return gathered, {"params, grads and optimizer state": 18 * psi / nodes * buf}
+            host = (4 + k) * psi / nodes * buf
+            return {**params, **gathered}, {"grads and optimizer state": host}
+        return params, {"grads and optimizer state": psi * max(4 * n, 4 + k) * buf}
+    return gathered, {"params, grads and optimizer state": (6 + k) * psi / nodes * buf}
 
 
 def transformer_activations(
@@ -256,7 +274,8 @@ class Estimate:
     """The result of :func:`estimate`; ``table()`` prints it, ``plot(path)`` draws it.
 
     ``experts`` (E), ``expert_parallel`` (E_p) and ``expert_params`` (Psi_e, part of
-    ``params``) are 0, 1 and 0 without experts."""
+    ``params``) are 0, 1 and 0 without experts; ``optimizer_dtype`` is ``"fp32"`` (K = 12)
+    or ``"bf16"`` (K = 8, :attr:`optimizer_bytes`)."""
 
     params: float
     devices: int
@@ -277,6 +296,13 @@ class Estimate:
     experts: int = 0
     expert_parallel: int = 1
     expert_params: float = 0
+    optimizer_dtype: str = "fp32"
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """K, the optimizer state's bytes per parameter: 12 (fp32 master and moments), 8 with
+        ``optimizer_dtype="bf16"`` (fp32 master, bf16 moments)."""
+        return _OPTIMIZER_K[self.optimizer_dtype]
 
     @property
     def shards(self) -> int:
@@ -317,6 +343,7 @@ class Estimate:
         usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         act = self.counts_activations
         moe = self.experts > 0
+        k = self.optimizer_bytes
         header = ["stage", "offload", "device GB"] + (["expert GB", "dense GB"] if moe else [])
         header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
         disk = any(r.disk for r in self.rows)
@@ -380,20 +407,27 @@ class Estimate:
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
             "GB = 10^9 bytes",
             *_render(header, rows, (1, len(header) - 1)),
-            f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}",
+            (
+                f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}"
+                if k == 12
+                else f"device: ZeRO paper, mixed-precision Adam with 16-bit optimizer state (K = "
+                f"{k}: fp32 master 4 + bf16 moments 2 + 2, bf16.bf16_optimizer_states): "
+                f"{formula_text(k)}"
+            ),
             f"  (+ 4 bytes x the largest layer's {self.largest_layer_params:.4g} parameters "
             "at stage 3, gathered at once).",
             "offload and host: DeepSpeed's estimators, additional_buffer_factor "
             f"{self.additional_buffer_factor:g}, host memory per node: offload at stages 1-2 "
-            "2 Psi / Psi x max(4 N, 16) x 1.5;",
-            "  stage 3 optimizer offload 2 Psi/N + 4 LL / 16 Psi/nodes x 1.5; stage 3 optimizer "
-            "+ params 4 LL / 18 Psi/nodes x 1.5; no offload: 4 Psi x devices per node x 1.5",
+            f"2 Psi / Psi x max(4 N, {4 + k}) x 1.5;",
+            f"  stage 3 optimizer offload 2 Psi/N + 4 LL / {4 + k} Psi/nodes x 1.5; stage 3 "
+            f"optimizer + params 4 LL / {6 + k} Psi/nodes x 1.5; no offload: 4 Psi x devices "
+            "per node x 1.5",
             "  while loading (stage 3: the largest layer only)."
             + ("" if act else " Activations are not counted."),
             *(
                 [
                     "nvme: device as offloaded optimizer; host 4 buffers of one sub-group a "
-                    "device (min(sub_group_size, Psi/N) x 12 B x 1.5); disk 2 x 12 Psi/nodes."
+                    f"device (min(sub_group_size, Psi/N) x {k} B x 1.5); disk 2 x {k} Psi/nodes."
                 ]
                 if disk
                 else []
@@ -406,7 +440,8 @@ class Estimate:
                 "experts (DeepSpeed's expert data-parallel groups): expert GB is the experts' "
                 f"model states, Psi_e/E_p = {self.expert_params / ep:.4g} parameters a device "
                 f"ZeRO-sharded over its expert data-parallel group of N/E_p = {n_e} device(s):",
-                "  each formula above with Psi_e/E_p for Psi and N/E_p for N (stage 3: 16 Psi_e/N, "
+                "  each formula above with Psi_e/E_p for Psi and N/E_p for N (stage 3: "
+                f"{4 + k} Psi_e/N, "
                 "as E_p x N/E_p = N); dense GB is Psi_d's over N, and the gathered layer.",
                 "  comm/step counts Psi as the device's Psi_d + Psi_e/E_p (the experts' "
                 "collectives within their group); the tokens' all-to-alls are not counted."
@@ -495,6 +530,7 @@ def estimate(
     experts: int = 0,
     expert_parallel: int = 1,
     expert_params: float | str = 0,
+    optimizer_dtype: str = "fp32",
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -565,6 +601,12 @@ def estimate(
         Each row's :attr:`~EstimateRow.expert_bytes` and :attr:`~EstimateRow.dense_bytes`
         split its model states, and the table shows them as columns. With E_p = 1 the
         totals are those without experts.
+      optimizer_dtype: the optimizer state's dtype at rest: ``"fp32"`` (default: the ZeRO
+        paper's K = 12, fp32 master 4 + moments 4 + 4) or ``"bf16"`` (alias ``"bfloat16"``;
+        jzero's ``bf16: {enabled: true, bf16_optimizer_states: true}``: Adam's moments in
+        bfloat16, the masters fp32, K = 4 + 2 + 2 = 8). K is the optimizer-state part of every
+        stage's formula (stage 1 ``4 Psi + K Psi/N``), of the offloaded host rows and of the
+        NVMe tier; nothing else changes.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -576,6 +618,8 @@ def estimate(
       >>> moe = estimate("1B", 8, experts=8, expert_parallel=4, expert_params="0.75B")
       >>> [moe.row(1).expert_bytes / 1e9, moe.row(1).dense_bytes / 1e9]  # 4x0.1875 + 12x0.75/8
       [1.875, 1.375]
+      >>> estimate(1e9, 8, optimizer_dtype="bf16").row(1).device_bytes / 1e9  # 4 + 8/8
+      5.0
     """
     psi = _count(params, "params", "7.5e9")
     n = _positive(devices, "devices", "64", integer=True)
@@ -628,6 +672,14 @@ def estimate(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
             f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
         )
+    if optimizer_dtype not in _OPTIMIZER_DTYPES:
+        raise ValueError(
+            f"optimizer_dtype: {optimizer_dtype!r} is not allowed; it must be one of "
+            f"{', '.join(map(repr, _OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, K = 12 bytes "
+            "of optimizer state a parameter) or 'bf16' for bf16.bf16_optimizer_states (K = 8)."
+        )
+    opt_dtype = _OPTIMIZER_DTYPES[optimizer_dtype]
+    k = _OPTIMIZER_K[opt_dtype]
     n_experts, ep, psi_e = _check_experts(experts, expert_parallel, expert_params, psi, n, r)
     if ep > 1:
         for what, size in (("tensor_parallel", tp), ("sequence_parallel", sp), ("pipeline", pp)):
@@ -692,10 +744,10 @@ def estimate(
         Psi_e / E_p over the shards / E_p of its expert data-parallel group (the gathered
         layer with the dense part); without experts, of Psi."""
         if not pe:
-            return _model_states(spec, option, psi, shards, ll, buf, nodes, per_node)
-        device, host = _model_states(spec, option, psi - pe, shards, ll, buf, nodes, per_node)
+            return _model_states(spec, option, psi, shards, ll, buf, nodes, per_node, k)
+        device, host = _model_states(spec, option, psi - pe, shards, ll, buf, nodes, per_node, k)
         e_device, e_host = _model_states(
-            spec, option, pe / ep, shards // ep, 0.0, buf, nodes / ep, per_node
+            spec, option, pe / ep, shards // ep, 0.0, buf, nodes / ep, per_node, k
         )
         device.update({_EXPERT + k: v for k, v in e_device.items()})
         return device, {k: host.get(k, 0.0) + e_host.get(k, 0.0) for k in {**host, **e_host}}
@@ -713,8 +765,8 @@ def estimate(
             if "optimizer" in spec.offloads:
                 device, _ = states(spec, "optimizer")
                 group = min(float(sub_group_size), psi / shards)
-                host = {"nvme buffers": 4 * group * 12 * buf * per_node}
-                rows.append((spec, "nvme", device, host, 2 * 12 * psi / nodes))
+                host = {"nvme buffers": 4 * group * k * buf * per_node}
+                rows.append((spec, "nvme", device, host, 2 * k * psi / nodes))
     out = tuple(
         EstimateRow(
             spec.stage,
@@ -734,7 +786,7 @@ def estimate(
     )
     return Estimate(
         psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, n_experts, ep, psi_e,
+        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, n_experts, ep, psi_e, opt_dtype,
     )  # fmt: skip
 
 
