@@ -264,29 +264,31 @@ class Plan:
         """Leaf ``index``'s resting shape (padded, merged) as one device holds it inside the
         step's ``shard_map`` before ZeRO shards it: its dimensions split over the manual axes
         its own spec names (an expert leaf's experts) divided by their sizes."""
-        leaf, base = self.leaves[index], tuple(self._bases()[index])
-        shape = list(leaf.stored_shape())
+        leaf = self.leaves[index]
+        shape = leaf.stored_shape()
         if len(shape) != len(leaf.shape):  # merged leading dimensions: a leaf no axis splits
             return tuple(shape)
+        return self._local_shape(index, shape)
+
+    def _local_shape(self, index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """``shape`` of leaf ``index`` with each dimension its spec splits over a manual axis
+        (:attr:`batch_axes`) divided by that axis's size: one device's piece in the step."""
         manual = set(self.batch_axes)
-        for d, e in enumerate(base):
+        out = list(shape)
+        for d, e in enumerate(tuple(self._bases()[index])):
             for a in spec_axis_names(P(_only(e, manual))):
-                shape[d] //= int(self.mesh.shape[a])
-        return tuple(shape)
+                out[d] //= int(self.mesh.shape[a])
+        return tuple(out)
 
     @property
     def local_compute_params(self) -> PyTree:
         """:attr:`compute_params` as one device sees them inside the step's ``shard_map``
         before ZeRO's gathers: split over the manual axes their own spec names (an expert
         leaf holds ``E / E_p`` experts), whole otherwise."""
-        manual = set(self.batch_axes)
-        out = []
-        for x, b in zip(jax.tree.leaves(self.compute_params), self._bases(), strict=True):
-            shape = list(x.shape)
-            for d, e in enumerate(tuple(b)):
-                for a in spec_axis_names(P(_only(e, manual))):
-                    shape[d] //= int(self.mesh.shape[a])
-            out.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+        out = [
+            jax.ShapeDtypeStruct(self._local_shape(i, tuple(x.shape)), x.dtype)
+            for i, x in enumerate(jax.tree.leaves(self.compute_params))
+        ]
         return jax.tree.structure(self.compute_params).unflatten(out)
 
     @property
