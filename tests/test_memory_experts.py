@@ -10,6 +10,7 @@ paper's formula (2 bytes params, 2 bytes grads, 12 bytes optimizer state per par
 import argparse
 
 import pytest
+from test_memory import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
@@ -17,13 +18,6 @@ from jzero.cli import memory as cli_memory
 PSI, PSI_E, N, E = 1_000_000_000, 750_000_000, 8, 8
 PSI_D = PSI - PSI_E
 GB = 10**9
-
-
-def run_cli(argv):
-    parser = argparse.ArgumentParser(prog="jzero")
-    cli_memory.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def states(stage, psi, n):

@@ -10,6 +10,7 @@ shards it.
 import argparse
 
 import pytest
+from test_memory import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
@@ -17,13 +18,6 @@ from jzero.cli import memory as cli_memory
 PSI, N = 1_000_000_000, 8
 PSI_E, E, EP = 750_000_000, 8, 4
 GB = 10**9
-
-
-def run_cli(argv):
-    parser = argparse.ArgumentParser(prog="jzero")
-    cli_memory.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 def states(stage, psi, n, k):
