@@ -339,6 +339,15 @@ class Config:
     """Not a key: the dotted keys written as "auto", in the order read. ``resolve_auto``
     (called by ``jzero.initialize``) resolves them and empties this."""
 
+    def parallel_sizes(self) -> tuple[tuple[str, str, int], ...]:
+        """``(config key, mesh axis, size)`` of each parallelism beside ZeRO's data axis."""
+        return (
+            ("tensor_parallel.autotp_size", "model", self.autotp_size()),
+            ("sequence_parallel_size", "seq", self.sequence_parallel_size),
+            ("pipeline.stages", "pipe", self.pipeline_stages()),
+            ("expert_parallel.autoep_size", "expert", self.autoep_size()),
+        )
+
     def mesh_sizes(self) -> dict[str, int]:
         """The mesh to build, as :func:`jzero.make_mesh` takes it: the ``mesh`` section, with a
         shard group from ``zero_optimization.mics_shard_size`` or ``zero_hpz_partition_size``
@@ -348,12 +357,7 @@ class Config:
           ConfigError: when the shard group contradicts the ``mesh`` section.
         """
         sizes = self.mesh.sizes()
-        for key, axis, size in (
-            ("tensor_parallel.autotp_size", "model", self.autotp_size()),
-            ("sequence_parallel_size", "seq", self.sequence_parallel_size),
-            ("pipeline.stages", "pipe", self.pipeline_stages()),
-            ("expert_parallel.autoep_size", "expert", self.autoep_size()),
-        ):
+        for key, axis, size in self.parallel_sizes():
             if size <= 1:
                 continue
             if sizes.get(axis, -1) not in (-1, size):

@@ -209,12 +209,7 @@ def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
     """The config's mesh, with ``jzero launch --replicas R`` as its replica axis."""
     sizes = cfg.mesh_sizes()
     devices = jax.device_count()
-    for key, size in (
-        ("expert_parallel.autoep_size", cfg.autoep_size()),
-        ("tensor_parallel.autotp_size", cfg.autotp_size()),
-        ("sequence_parallel_size", cfg.sequence_parallel_size),
-        ("pipeline.stages", cfg.pipeline_stages()),
-    ):
+    for key, _, size in cfg.parallel_sizes():
         if size > 1 and devices % size:
             raise ValueError(
                 f"{key}: {size} does not divide the {devices} devices, so they can't form "
