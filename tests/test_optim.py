@@ -395,7 +395,7 @@ def error_of(raw):
         (
             {"optimizer": {"type": "OneBitAdam"}},
             "optimizer.type: 'OneBitAdam' is not a supported optimizer; it must be one of Adam, "
-            "AdamW, Lamb, SGD, Adagrad, Lion (case-insensitive).",
+            "AdamW, Lamb, SGD, Adagrad, Lion, Muon (case-insensitive).",
         ),
         (
             {"optimizer": {"type": "AdamW", "params": {"beta": [0.9, 0.99]}}},

@@ -77,11 +77,21 @@ OPTIMIZER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
         "betas": ("betas", (0.9, 0.999)),
         "weight_decay": ("float", 0.0),
     },
+    "muon": {  # DeepSpeed's Muon (its MuonWithAuxAdam), optax.contrib.muon's update
+        "lr": ("float", 0.02),  # the matrices' rate (DeepSpeed's muon_lr)
+        "momentum": ("float", 0.95),
+        "weight_decay": ("float", 0.0),  # both groups, as DeepSpeed's param groups share it
+        "adam_lr": ("float?", None),  # None: lr
+        "betas": ("betas", (0.9, 0.999)),  # AdamW's, for the leaves Muon leaves out
+        "eps": ("float", 1e-8),
+        "ns_steps": ("int", 5),
+        "nesterov": ("bool", True),
+    },
 }
 """Supported optimizers (lower-case names): parameter -> (kind, DeepSpeed/PyTorch default)."""
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD"}
-_OPTIMIZER_NAMES |= {"adagrad": "Adagrad", "lion": "Lion"}
+_OPTIMIZER_NAMES |= {"adagrad": "Adagrad", "lion": "Lion", "muon": "Muon"}
 _OPTIMIZER_NO_EFFECT = ("set_grad_none", "foreach", "fused", "capturable", "differentiable")
 
 _WARMUP = {
@@ -134,6 +144,7 @@ SCHEDULER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
 # Parameters that torch.optim (or DeepSpeed's schedules) refuse below 0.
 _OPTIMIZER_NONNEGATIVE = (
     "lr",
+    "adam_lr",
     "eps",
     "weight_decay",
     "momentum",
@@ -274,7 +285,7 @@ def resolve_optimizer(
                 raise _refuse_auto(sub)
             continue
         params[key] = _check_param(spec[key][0], value, sub)
-        if key in _OPTIMIZER_NONNEGATIVE:
+        if key in _OPTIMIZER_NONNEGATIVE and value is not None:
             _check_nonnegative(value, sub, "torch.optim refuses a negative value too")
         elif key == "betas":
             _check_betas(params[key], sub)
@@ -284,6 +295,12 @@ def resolve_optimizer(
             "it too); set it to false or remove it."
         )
     resolved = {k: params.get(k, default) for k, (_, default) in spec.items()}
+    if name == "muon" and not (resolved["momentum"] < 1 and resolved["ns_steps"] >= 1):
+        bad = "momentum" if resolved["momentum"] >= 1 else "ns_steps"
+        raise ConfigError(
+            f"{path}.params.{bad}: {_show(resolved[bad])} is not allowed; Muon needs momentum "
+            "in [0, 1) and ns_steps >= 1 (e.g. momentum: 0.95, ns_steps: 5)."
+        )
     if (
         name == "sgd"
         and resolved["nesterov"]

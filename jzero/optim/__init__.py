@@ -5,7 +5,9 @@ functions of the update count), :mod:`~jzero.optim.transforms` (the update rules
 DeepSpeed's / PyTorch's form), :mod:`~jzero.optim.builder` (a config's ``optimizer`` and
 ``scheduler`` sections to one optax transformation) and :mod:`~jzero.optim.low_precision`
 (``low_precision_state``: any optimizer's state kept in bfloat16, DeepSpeed's
-``bf16.bf16_optimizer_states``).
+``bf16.bf16_optimizer_states``) and :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
+that are no matrix, each matrix orthogonalised whole on the device that owns it inside jzero's
+step; ``optimizer: {type: Muon}``).
 
 Decisions:
 
@@ -35,6 +37,7 @@ Decisions:
 
 from jzero.optim.builder import build_optimizer as build_optimizer
 from jzero.optim.low_precision import low_precision_state as low_precision_state
+from jzero.optim.muon import muon as muon
 from jzero.optim.schedules import build_schedule as build_schedule
 from jzero.optim.schedules import current_lr as current_lr
 from jzero.optim.transforms import TorchAdagradState as TorchAdagradState
@@ -45,4 +48,4 @@ from jzero.optim.transforms import scale_by_fused_lion as scale_by_fused_lion
 from jzero.optim.transforms import scale_by_torch_adagrad as scale_by_torch_adagrad
 from jzero.optim.transforms import scale_by_torch_sgd as scale_by_torch_sgd
 
-__all__ = ["build_optimizer", "build_schedule", "current_lr", "low_precision_state"]
+__all__ = ["build_optimizer", "build_schedule", "current_lr", "low_precision_state", "muon"]

@@ -12,6 +12,10 @@ Decisions:
   so DeepSpeed (and jzero) leave their momentum alone.
 * ``Adam`` with ``adam_w_mode: false`` adds L2 decay to the gradient before the direction, like
   ``torch.optim.Adam``; every other optimizer decays decoupled, as DeepSpeed's fused kernels do.
+* ``Muon`` is :func:`jzero.optim.muon.muon` (AdamW for the leaves that are no matrix):
+  ``lr`` is the matrices' rate and ``adam_lr`` AdamW's, both following the schedule (AdamW's
+  scaled by ``adam_lr / lr``); ``momentum`` is Muon's beta, ``betas`` AdamW's, ``weight_decay``
+  decays both groups, as DeepSpeed's param groups share it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from jzero.config import Config, JzeroConfigWarning, resolve_optimizer, resolve_scheduler
+from jzero.optim.muon import muon as muon_tx
 from jzero.optim.schedules import _one_cycle_momentum, _optimizer_lr, build_schedule
 from jzero.optim.transforms import (
     scale_by_fused_adam,
@@ -72,6 +77,25 @@ def _factory(name: str, p: dict[str, Any]) -> Callable[..., optax.GradientTransf
             return optax.chain(core, *_decay(wd), optax.scale_by_learning_rate(learning_rate))
 
         return lion
+    if name == "muon":
+
+        def muon(learning_rate: Any) -> optax.GradientTransformation:
+            # AdamW's rate follows the same schedule, scaled by adam_lr / lr.
+            ratio = 1.0 if p["adam_lr"] is None or not p["lr"] else p["adam_lr"] / p["lr"]
+            return muon_tx(
+                learning_rate,
+                adam_learning_rate=learning_rate * ratio,
+                ns_steps=p["ns_steps"],
+                beta=p["momentum"],
+                eps=p["eps"],
+                weight_decay=wd,
+                adam_weight_decay=wd,
+                nesterov=p["nesterov"],
+                adam_b1=p["betas"][0],
+                adam_b2=p["betas"][1],
+            )
+
+        return muon
     if name == "sgd":
 
         def sgd(learning_rate: Any) -> optax.GradientTransformation:

@@ -38,6 +38,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import compiler_options
+from jzero.optim.muon import update_layout
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
 from jzero.replay import RematPolicy
 from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
@@ -201,7 +202,9 @@ def make_train_step(
         else:
             master, opt_state = _update_inputs(plan, state, params)
             grads = to_logical(grads, plan.abstract_params, on_device(plan.grads))
-            updates, new_opt_state = optimizer.update(grads, opt_state, master)
+            # Muon orthogonalises each matrix whole where the update layout deals it out.
+            with update_layout(on_device(plan.update_layout)):
+                updates, new_opt_state = optimizer.update(grads, opt_state, master)
             new_master = optax.apply_updates(master, updates)
             if prec.skips:  # a skipped step leaves every bit of the state as it was
                 new_master, new_opt_state, extra = _keep_old_when_nonfinite(
