@@ -162,3 +162,20 @@ def test_muon_is_leafwise_over_whole_leaves():
 def test_bad_muon_parameters_say_what_is_allowed(params, message):
     with pytest.raises(ConfigError, match=message):
         build_optimizer(load_config({"optimizer": {"type": "Muon", "params": params}}))
+
+
+def test_a_stack_of_fewer_layers_than_devices_is_gathered_once_per_leaf():
+    """Two layers on 8 devices rest tiled (a quarter of a layer's matrix a device, jzero.plan's
+    merged leading dimensions), so no device holds a whole matrix: each stacked leaf is gathered
+    (GSPMD's all-gather and a few permutes), still with no all-reduce and nothing in a loop."""
+    params = toy.make_params(num_layers=2, d=16)
+    cfg = config(1, optimizer=None)
+    counts, programs = {}, {}
+    for name, tx in (("muon", jzero.optim.muon(LR)), ("adamw", optax.adamw(LR))):
+        e = jzero.initialize(params, toy.loss_fn, optimizer=tx, config=cfg)
+        programs[name] = e.lower(toy.make_batches(1, BATCH)[0]).compile()
+        counts[name] = {k: v.count for k, v in collectives(programs[name]).items() if v.count}
+    extra = {k: counts["muon"].get(k, 0) - counts["adamw"].get(k, 0) for k in counts["muon"]}
+    assert extra.get("all-reduce", 0) == 0, counts
+    assert 0 < sum(extra.values()) <= 3 * 2, counts  # two matrices: blocks.w and odd
+    assert not loop_collectives(programs["muon"])  # the toy's stage-1 step has no loop collective

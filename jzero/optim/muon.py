@@ -24,6 +24,13 @@ Decisions:
   the results back to the leaves' shards. The exchange moves the momentum once in and the
   update once out: ``2 x (n-1)/n`` of the orthogonalised leaves' float32 bytes per step, in
   place of a collective per iteration.
+* **Where the matrices rest whole, in place.** A stacked leaf split only over its layer (or
+  expert) axis, as ZeRO lays out a scan's stack whose layers the devices divide, holds whole
+  matrices on each device already: they are orthogonalised there, with no collective at all
+  (a layer count the devices do not divide is padded with zero matrices first). A stack of
+  fewer layers than devices rests tiled (each device a piece of one layer's matrix,
+  :mod:`jzero.plan`'s merged leading dimensions); gathering it is an all-gather of the leaf
+  and a few permutes (GSPMD's way between those tilings), still none in the iterations.
 * **Zero padding is free of NaNs.** A zero matrix is scaled by ``1 / (0 + eps)`` and stays zero.
 * **Outside jzero's step** (a plain ``jax.jit`` on one device, the leafwise check, the streamed
   update of ``sub_group_size``) there is no layout: each leaf is orthogonalised where it is.
@@ -182,6 +189,9 @@ def _orthogonalize(
     out: list[jax.Array | None] = [None] * len(leaves)
     groups: dict[tuple, list[tuple[int, jax.Array, bool]]] = {}
     for i, (path, x, dims) in enumerate(leaves):
+        if path in layout and _batch_sharded(layout[path], dims, tuple(x.shape)):
+            out[i] = _in_place(x, dims, layout[path], ns)  # whole matrices on each device
+            continue
         if path in layout and _divides(layout[path], x.shape):
             # Pinned where it rests, so the exchange below starts from the finished momentum
             # (else GSPMD moves each operand of its last sum on its own).
@@ -215,6 +225,47 @@ def _orthogonalize(
                 y = jax.lax.with_sharding_constraint(y, layout[path])
             out[i] = y
     return out  # type: ignore[return-value]
+
+
+def _batch_sharded(
+    sharding: NamedSharding, dims: MuonDimensionNumbers, shape: tuple[int, ...]
+) -> bool:
+    """Whether ``sharding`` splits only batch axes of the leaf (each device holds whole
+    matrices: a scanned stack of layers sharded over its layer axis)."""
+    batch, _, _ = _axes(dims, len(shape))
+    split = [d for d, entry in enumerate(sharding.spec) if entry]
+    return bool(split) and all(d in batch for d in split)
+
+
+def _in_place(
+    x: jax.Array,
+    dims: MuonDimensionNumbers,
+    sharding: NamedSharding,
+    ns: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """The matrices of a leaf split over its batch axes, orthogonalised where they rest: no
+    collective. A batch axis the devices do not divide is padded with zero matrices to a
+    multiple of them first, so each device holds whole matrices (the padding is cut after)."""
+    sizes = sharding.mesh.shape
+    pad = [(0, 0)] * x.ndim
+    for d, entry in enumerate(sharding.spec):
+        axes = (entry,) if isinstance(entry, str) else entry or ()
+        pad[d] = (0, -x.shape[d] % math.prod(sizes[a] for a in axes))
+    padded = jax.lax.with_sharding_constraint(jnp.pad(x, pad), sharding)
+    batch, red, out = _axes(dims, x.ndim)
+    order = batch + red + out
+    lead = tuple(padded.shape[a] for a in batch)
+    fan_in = math.prod(x.shape[a] for a in red)
+    fan_out = math.prod(x.shape[a] for a in out)
+    m = padded.transpose(order).reshape(*lead, fan_in, fan_out)
+    wide = fan_in <= fan_out
+    one = ns if wide else (lambda a: ns(a.T).T)
+    for _ in batch:  # one vmap per batch axis: no sharded axes are merged
+        one = jax.vmap(one)
+    y = one(m).reshape(tuple(padded.shape[a] for a in order))
+    y = y.transpose(tuple(order.index(a) for a in range(x.ndim)))
+    y = jax.lax.with_sharding_constraint(y, sharding)
+    return y[tuple(slice(0, n) for n in x.shape)]
 
 
 def _divides(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:

@@ -1,6 +1,6 @@
 """The pure jitted step: TrainState, gradients, update, streamed update, make_train_step.
 
-Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm` and
+Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm`,
 :mod:`jzero.groups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
 
 * :mod:`~jzero.step.state`: :class:`TrainState`, its shardings, the state before step 1.
