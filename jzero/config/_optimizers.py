@@ -9,6 +9,9 @@ Decisions:
   with its value or default, so the optax side never guesses a default.
 * PyTorch implementation switches (``fused``, ``foreach`` ...) are accepted and listed in the
   no-effect warning; ``amsgrad`` and a ``last_batch_iteration`` other than -1 are refused.
+* ``state_bits`` (Adam/AdamW, jzero's own key) is 32 (float32 moments) or 8 (int8/uint8
+  blockwise codes, :mod:`jzero.optim.quantized`); 16-bit moments are
+  ``bf16.bf16_optimizer_states``, which the message for 16 names.
 * ``"auto"`` (Hugging Face's templates) means "from the optax optimizer passed to
   ``jzero.initialize``": loading accepts it (``auto_ok``), and ``jzero.config.resolve_auto``
   either drops the section (an optimizer was passed) or refuses it, naming each such key.
@@ -43,6 +46,7 @@ _ADAM = {
     "adam_w_mode": ("bool", True),
     "torch_adam": ("bool", False),
     "amsgrad": ("bool", False),
+    "state_bits": ("int", 32),  # jzero's: 8 keeps the moments as 8-bit codes (optim.quantized)
 }
 OPTIMIZER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
     "adam": _ADAM,  # DeepSpeed FusedAdam: AdamW unless adam_w_mode is false
@@ -218,6 +222,23 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
     raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be {allowed}.")
 
 
+def _check_state_bits(value: Any, path: str) -> int:
+    """Adam's ``state_bits``: 32 (float32 moments) or 8 (int8/uint8 codes, optim.quantized)."""
+    if _is_number(value) and float(value) in (8.0, 32.0):
+        return int(value)
+    if _is_number(value) and float(value) == 16.0:
+        fix = (
+            "For 16-bit moments remove state_bits and set bf16: {enabled: true, "
+            "bf16_optimizer_states: true}."
+        )
+    else:
+        fix = "Set state_bits: 8 or 32, or remove it."
+    raise ConfigError(
+        f"{path}: {_show(value)} is not allowed; it must be 32 (float32 moments, the default) "
+        f"or 8 (8-bit blockwise codes, about a quarter of the bytes). {fix}"
+    )
+
+
 def auto_keys(section: OptimizerConfig | SchedulerConfig | None, path: str) -> list[str]:
     """The dotted paths of the section's parameters written as ``"auto"``."""
     if section is None:
@@ -283,6 +304,9 @@ def resolve_optimizer(
         if value == "auto":
             if not auto_ok:
                 raise _refuse_auto(sub)
+            continue
+        if key == "state_bits":
+            params[key] = _check_state_bits(value, sub)
             continue
         params[key] = _check_param(spec[key][0], value, sub)
         if key in _OPTIMIZER_NONNEGATIVE and value is not None:

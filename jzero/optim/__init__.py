@@ -1,13 +1,14 @@
 """DeepSpeed optimizer and LR-schedule names, mapped onto optax.
 
-The package has four parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
+The package has six parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
 functions of the update count), :mod:`~jzero.optim.transforms` (the update rules optax lacks in
 DeepSpeed's / PyTorch's form), :mod:`~jzero.optim.builder` (a config's ``optimizer`` and
-``scheduler`` sections to one optax transformation) and :mod:`~jzero.optim.low_precision`
+``scheduler`` sections to one optax transformation), :mod:`~jzero.optim.low_precision`
 (``low_precision_state``: any optimizer's state kept in bfloat16, DeepSpeed's
-``bf16.bf16_optimizer_states``) and :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
+``bf16.bf16_optimizer_states``), :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
 that are no matrix, each matrix orthogonalised whole on the device that owns it inside jzero's
-step; ``optimizer: {type: Muon}``).
+step; ``optimizer: {type: Muon}``) and :mod:`~jzero.optim.quantized` (``quantized_adam_state``:
+Adam's moments as 8-bit blockwise codes, ``optimizer.params.state_bits: 8``).
 
 Decisions:
 
@@ -38,6 +39,7 @@ Decisions:
 from jzero.optim.builder import build_optimizer as build_optimizer
 from jzero.optim.low_precision import low_precision_state as low_precision_state
 from jzero.optim.muon import muon as muon
+from jzero.optim.quantized import quantized_adam_state as quantized_adam_state
 from jzero.optim.schedules import build_schedule as build_schedule
 from jzero.optim.schedules import current_lr as current_lr
 from jzero.optim.transforms import TorchAdagradState as TorchAdagradState
@@ -48,4 +50,11 @@ from jzero.optim.transforms import scale_by_fused_lion as scale_by_fused_lion
 from jzero.optim.transforms import scale_by_torch_adagrad as scale_by_torch_adagrad
 from jzero.optim.transforms import scale_by_torch_sgd as scale_by_torch_sgd
 
-__all__ = ["build_optimizer", "build_schedule", "current_lr", "low_precision_state", "muon"]
+__all__ = [
+    "build_optimizer",
+    "build_schedule",
+    "current_lr",
+    "low_precision_state",
+    "muon",
+    "quantized_adam_state",
+]

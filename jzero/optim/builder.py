@@ -10,6 +10,9 @@ Decisions:
   optimizers with betas (Adam, AdamW, Lamb, Lion): beta1 moves between ``cycle_max_mom`` and
   ``cycle_min_mom`` and beta2 is set to 0.99, as DeepSpeed does. SGD and Adagrad have no betas,
   so DeepSpeed (and jzero) leave their momentum alone.
+* ``state_bits: 8`` (Adam/AdamW) wraps the Adam direction alone in
+  :func:`jzero.optim.quantized.quantized_adam_state`, so only its two moments are 8-bit codes;
+  with ``bf16.bf16_optimizer_states`` it is refused (two narrowings of the same moments).
 * ``Adam`` with ``adam_w_mode: false`` adds L2 decay to the gradient before the direction, like
   ``torch.optim.Adam``; every other optimizer decays decoupled, as DeepSpeed's fused kernels do.
 * ``Muon`` is :func:`jzero.optim.muon.muon` (AdamW for the leaves that are no matrix):
@@ -27,8 +30,15 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from jzero.config import Config, JzeroConfigWarning, resolve_optimizer, resolve_scheduler
+from jzero.config import (
+    Config,
+    ConfigError,
+    JzeroConfigWarning,
+    resolve_optimizer,
+    resolve_scheduler,
+)
 from jzero.optim.muon import muon as muon_tx
+from jzero.optim.quantized import quantized_adam_state
 from jzero.optim.schedules import _one_cycle_momentum, _optimizer_lr, build_schedule
 from jzero.optim.transforms import (
     scale_by_fused_adam,
@@ -56,6 +66,8 @@ def _factory(name: str, p: dict[str, Any]) -> Callable[..., optax.GradientTransf
 
         def adam(learning_rate: Any, b1: Any, b2: Any) -> optax.GradientTransformation:
             core = scale_by_fused_adam(b1, b2, p["eps"], p["bias_correction"])
+            if p["state_bits"] == 8:  # the moments rest as 8-bit codes (optim.quantized)
+                core = quantized_adam_state(core)
             parts = [core, *_decay(wd)] if decoupled else [*_decay(wd), core]
             return optax.chain(*parts, optax.scale_by_learning_rate(learning_rate))
 
@@ -140,6 +152,12 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
     if cfg.optimizer is None:
         _optimizer_lr(cfg)  # raises the "no optimizer section" error
     name, p = resolve_optimizer(cfg.optimizer)
+    if p.get("state_bits") == 8 and cfg.bf16.bf16_optimizer_states:
+        raise ConfigError(
+            "optimizer.params.state_bits: 8 and bf16.bf16_optimizer_states: true both narrow "
+            "Adam's moments; choose one: remove bf16_optimizer_states (8-bit codes are the "
+            "smaller state) or remove state_bits (bfloat16 moments)."
+        )
     hyper: dict[str, Any] = {"learning_rate": build_schedule(cfg)}
     if name in _WITH_BETAS:
         hyper["b1"], hyper["b2"] = p["betas"]
