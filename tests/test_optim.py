@@ -401,7 +401,7 @@ def error_of(raw):
             {"optimizer": {"type": "AdamW", "params": {"beta": [0.9, 0.99]}}},
             "optimizer.params.beta is not a parameter of AdamW (did you mean 'betas'?); the "
             "allowed parameters are lr, betas, eps, weight_decay, bias_correction, adam_w_mode, "
-            "torch_adam, amsgrad.",
+            "torch_adam, amsgrad, state_bits.",
         ),
         (
             {"optimizer": {"type": "SGD", "params": {"max_grad_norm": 1.0}}},
