@@ -31,6 +31,10 @@ Decisions:
   progress bar. A line holds every metric the step returns: with ``model.num_experts`` set,
   ``moe_aux_loss`` and ``moe_dropped_fraction`` too, which the ``steps_per_print`` log line
   shows beside the loss (that loss, and the eval loss, include the load-balancing term).
+* Where the device's peak FLOP/s is known (:mod:`jzero.profiler`'s table, or
+  ``flops_profiler.peak_flops``), each line carries ``mfu`` (the model's FLOPs of a step over
+  what the devices could do in its time), the progress bar shows it, and the summary holds the
+  mean after the first step; on CPU there is no peak and no MFU.
 * JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
   ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
   a restarted run loads its programs instead of compiling them; the summary counts both.
@@ -52,12 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
 from jzero import config as config_lib
 from jzero import data as data_lib
-from jzero import distributed, memory
+from jzero import distributed, memory, profiler
 from jzero.config import Config, load_config
 from jzero.engine import Engine, initialize
 from jzero.models import gpt
@@ -352,6 +358,14 @@ def _train(
         disable=not progress or not main_process,
         dynamic_ncols=True,
     )
+    # MFU where the device's peak is known (jzero.profiler): the model's FLOPs of a step over
+    # what the devices could do in the step's time.
+    peak_flops = profiler.peak_flops(engine.mesh.devices.flat[0], cfg.flops_profiler.peak_flops)
+    step_flops = None
+    if peak_flops is not None:
+        shape = (engine.train_batch_size, model_cfg.seq_len + 1)
+        step_flops = engine.model_flops({"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)})
+    mfus: list[float] = []
     t_start = time.perf_counter()
     t_last, done, loss = t_start, first_step - 1, float("nan")
     interrupted, stopped = False, None
@@ -366,6 +380,12 @@ def _train(
             record.update(
                 step=step, time=now - t_start, tokens_per_s=tokens_per_step / (now - t_last)
             )
+            if step_flops is not None:
+                record["mfu"] = profiler.mfu(
+                    step_flops, now - t_last, engine.mesh.devices.size, peak_flops
+                )
+                if step > first_step:  # the first step's time holds its compilation
+                    mfus.append(record["mfu"])
             t_last, done = now, step
             bad = record.get("nonfinite", 0.0) > 0
             streak = streak + 1 if bad else 0
@@ -388,6 +408,8 @@ def _train(
                 "tok_s": f"{record['tokens_per_s']:,.0f}",
                 "peak": _format_bytes(peak()),
             }
+            if "mfu" in record:
+                postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
             if skipped:  # skipped steps are never silent
                 postfix["skipped"] = skipped
             bar.set_postfix(postfix, refresh=False)
@@ -450,6 +472,7 @@ def _train(
         "model_state_bytes_per_device": state_bytes,
         "host_state_bytes_per_device": host_bytes,
         "peak_bytes_per_device": peak(),
+        "mfu": float(np.mean(mfus)) if mfus else None,  # None: the device's peak is unknown
         "metrics": str(log_dir / "metrics.jsonl"),
     }
     return _json_safe(summary)  # as written (by run, with the compilations): NaN is None

@@ -171,7 +171,7 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
     cfg, (message,) = load_quietly(raw)
     listed = [line.split(":")[0].removeprefix("  - ") for line in message.splitlines()[1:-1]]
     used = {"train_micro_batch_size_per_gpu", "gradient_allreduce_op", "bf16", "optimizer",
-            "tensor_parallel", "pipeline", "expert_parallel"}  # fmt: skip
+            "tensor_parallel", "pipeline", "expert_parallel", "flops_profiler"}  # fmt: skip
     inner = {"checkpoint.tag_validation", "checkpoint.writer", "optimizer.legacy_fusion"}
     assert set(listed) == (set(raw) - used - {"checkpoint"}) | inner
     assert cfg.bf16.check_grad_overflow is True

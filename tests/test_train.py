@@ -38,6 +38,7 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     monkeypatch.setattr(Engine, "train_step", train_step)
     handler = signal.getsignal(signal.SIGTERM)
     overrides = [*TINY, f"train.log_dir={log_dir}", f"checkpoint.directory={ckpt}"]
+    overrides.append("flops_profiler={peak_flops: 1.0e12}")  # a peak: MFU on every line
     summary = train.run("configs/zero2.yaml", overrides=overrides, steps=50, progress=False)
 
     assert summary["steps"] == 2 and summary["interrupted"] is True
@@ -51,6 +52,7 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["loss"] == pytest.approx(summary["final_loss"])
+    assert all(0 < r["mfu"] < 1 for r in records) and summary["mfu"] == records[-1]["mfu"]
     assert list_steps(ckpt) == [2]  # the interrupted run's state, saved at the step it ended
     assert signal.getsignal(signal.SIGTERM) is handler  # run's handler is gone again
 

@@ -38,6 +38,7 @@ from jzero.config._sections import (
     ActivationCheckpointingConfig,
     BF16Config,
     DataTypesConfig,
+    FlopsProfilerConfig,
     FP16Config,
     ZeroConfig,
 )
@@ -248,8 +249,9 @@ class Config:
     """DeepSpeed: elastic training. No effect."""
     aio: Mapping[str, Any] | None = _field(None, no_effect=_NVME_ONLY)
     """DeepSpeed: asynchronous NVMe I/O. No effect."""
-    flops_profiler: Mapping[str, Any] | None = _field(None, no_effect="profile with jax.profiler")
-    """DeepSpeed: FLOPs profiler. No effect."""
+    flops_profiler: FlopsProfilerConfig = _field(factory=FlopsProfilerConfig)
+    """DeepSpeed's FLOPs profiler: the compiled step's FLOPs, bytes, time and MFU at one step,
+    and the model's FLOPs per module (:mod:`jzero.profiler`)."""
     comms_logger: Mapping[str, Any] | None = _field(None, no_effect="collectives are read from HLO")
     """DeepSpeed: communication logger. No effect."""
     autotuning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)

@@ -37,6 +37,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "BF16Config",
     "DataTypesConfig",
+    "FlopsProfilerConfig",
     "FP16Config",
     "OffloadConfig",
     "ZeroConfig",
@@ -461,3 +462,34 @@ class ActivationCheckpointingConfig:
     """DeepSpeed: synchronise at checkpoint boundaries. No effect."""
     profile: bool = _field(False, no_effect=_TORCH_ONLY)
     """DeepSpeed: time the checkpoint functions. No effect."""
+
+
+@dataclass(frozen=True)
+class FlopsProfilerConfig:
+    """``flops_profiler``: at ``profile_step``, the compiled step's FLOPs and bytes (XLA's
+    ``cost_analysis``), its time, achieved FLOP/s and MFU, and the model's FLOPs per module
+    (:mod:`jzero.profiler`), printed (or written to ``output_file``) as DeepSpeed's profiler
+    does; ``jzero train`` also reports MFU on every progress line where the peak is known."""
+
+    enabled: bool = False
+    """Profile one step."""
+    profile_step: int = _field(1, min=1)
+    """The step (1-based) to profile. Its program is compiled before the step is timed (the
+    step then runs that executable), so even step 1's time is the step's, not the
+    compilation's."""
+    module_depth: int = -1
+    """Group the per-module table by this many leading parameter-path components (``-1``: the
+    whole path, one row per parameter leaf)."""
+    top_modules: int = 1
+    """Rows of the per-module table, most FLOPs first (``-1``: all)."""
+    detailed: bool = True
+    """Print the per-module table."""
+    output_file: str | None = None
+    """Write the profile to this file instead of the log."""
+    recompute_fwd_factor: float = _field(0.0, min=0.0, max=1.0)
+    """Forward passes activation checkpointing repeats, as a fraction of one (0 to 1): the
+    model FLOPs are (3 + factor) x the forward matmuls."""
+    peak_flops: float | None = _field(None, min=0.0)
+    """jzero's own: the device's peak FLOP/s for MFU, where the built-in table
+    (:data:`jzero.profiler.PEAK_FLOPS`, dense bf16) does not know the device or you compute in
+    another precision. Also read by ``jzero train`` for its MFU column."""

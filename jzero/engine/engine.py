@@ -91,6 +91,8 @@ class Engine:
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
         self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
         self._nvme: Any = None  # the NVMe step (jzero.nvme.step.NvmeStep), from the first step
+        self.flops_profile: Any = None
+        """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
 
     def _full_state(self) -> TrainState:
         """The state with everything in memory: under the NVMe tier, the optimizer state (and
@@ -308,12 +310,84 @@ class Engine:
         """
         self._check_batch(batch)
         batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
-        self.state, metrics = self._step_fn(batch)(self.state, batch)
+        fp = self.config.flops_profiler
+        if fp.enabled and self.iteration + 1 == fp.profile_step:
+            metrics = self._profiled_step(batch)
+        else:
+            self.state, metrics = self._step_fn(batch)(self.state, batch)
         self.iteration += 1
         self._unchanged_since = None
         interval = self.config.checkpoint.save_interval_steps
         if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
             self.save()
+        return metrics
+
+    def step_cost(self, batch: PyTree) -> Any:
+        """XLA's cost of the compiled step for this batch's shapes (a
+        :class:`jzero.profiler.StepCost`: FLOPs and bytes per device), from the executable the
+        step runs (compiled once: the step's own call reuses it)."""
+        from jzero import profiler
+
+        return profiler.step_cost(self.lower(batch).compile(), self.mesh.devices.size)
+
+    def _traceable_loss(self, batch: PyTree) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The loss as ``loss(params, extra, batch)`` and the shapes of ``(extra, batch)``."""
+        shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+        args = (jax.tree.map(shape, self.state.extra), jax.tree.map(shape, batch))
+        loss = self.loss_fn if self.takes_extra else (lambda p, _, b: self.loss_fn(p, b))
+        return loss, args
+
+    def model_flops(self, batch: PyTree) -> float:
+        """The model's FLOPs of one step on a global batch of ``batch``'s shapes (arrays or
+        ``jax.ShapeDtypeStruct``): 3x the loss's forward matmuls, plus the forward passes
+        ``flops_profiler.recompute_fwd_factor`` says activation checkpointing repeats. What MFU
+        is computed from (:mod:`jzero.profiler`); traced, never run."""
+        from jzero import profiler
+
+        loss, args = self._traceable_loss(batch)
+        forward = sum(profiler.module_flops(loss, self.plan.abstract_params, *args).values())
+        return (3.0 + self.config.flops_profiler.recompute_fwd_factor) * forward
+
+    def _profiled_step(self, batch: PyTree) -> dict[str, jax.Array]:
+        """One step under ``flops_profiler``: compiled first (so its time is the step's, not the
+        compilation's), timed to its result, then profiled (:mod:`jzero.profiler`)."""
+        import time
+
+        from jzero import profiler
+
+        fp = self.config.flops_profiler
+        step = self._step_fn(batch)
+        if not hasattr(step, "lower"):  # the NVMe tier runs several programs a step
+            logger.warning("jzero: flops_profiler does not profile the NVMe tier's step.")
+            self.state, metrics = step(self.state, batch)
+            return metrics
+        compiled = step.lower(self.state, batch).compile()
+        start = time.perf_counter()
+        self.state, metrics = step(self.state, batch)
+        jax.block_until_ready(metrics)
+        seconds = time.perf_counter() - start
+        loss, args = self._traceable_loss(batch)
+        result = profiler.profile(
+            loss,
+            self.plan.abstract_params,
+            args,
+            compiled,
+            seconds,
+            step=self.iteration + 1,
+            devices=self.mesh.devices.size,
+            device=self.mesh.devices.flat[0],
+            depth=fp.module_depth,
+            peak=fp.peak_flops,
+            recompute_fwd_factor=fp.recompute_fwd_factor,
+        )
+        self.flops_profile = result
+        text = result.format(fp.top_modules, fp.detailed)
+        if jax.process_index() == 0:
+            if fp.output_file:
+                with open(fp.output_file, "w") as f:
+                    f.write(text + "\n")
+            else:
+                logger.info("\n%s", text)
         return metrics
 
     def evaluate(self, batch: PyTree) -> jax.Array:
