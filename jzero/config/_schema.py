@@ -170,6 +170,11 @@ class Config:
     gradient_clipping: float = _field(1.0, min=0.0, auto=1.0)
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0, which
     "auto" gives too)."""
+    device_memory: int | None = _field(None, size=True)
+    """jzero's own: the memory of one device for ``zero_optimization.stage: auto``, bytes or
+    with units (``12GB``, ``80GiB``), as ``jzero plan --device-memory`` takes it. Without it
+    ``stage: auto`` uses the accelerator's ``bytes_limit`` less 10% (on CPU it is required).
+    Loads as bytes."""
     steps_per_print: int | None = _field(10, min=1)
     """Log every this many steps; None never."""
     seed: int = 0

@@ -157,9 +157,14 @@ class OffloadConfig:
 class ZeroConfig:
     """``zero_optimization``: what is sharded over the data axis, and where it lives."""
 
-    stage: StageNumber = 0
+    stage: StageNumber = _field(0, auto=3)
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
-    allowed values are the rows of :data:`jzero.plan.stages.STAGES`)."""
+    allowed values are the rows of :data:`jzero.plan.stages.STAGES`). ``"auto"``: at the first
+    batch, the cheapest that fits the device memory (the top-level ``device_memory``, or the
+    accelerator's own less 10%), measured from each candidate's compiled step: stages 0-3, then
+    with activation checkpointing (under ``activation_checkpointing: {policy: auto}``), then
+    with the optimizer state in host memory (:mod:`jzero.engine.auto_stage`). Until then the
+    state rests as at stage 3, the least per device."""
     stage3_param_persistence_threshold: int = _field(100_000, min=0, auto=100_000)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5).
     "auto" is the default, 1e5 (Hugging Face would write 10 x hidden size)."""
@@ -425,9 +430,10 @@ class ActivationCheckpointingConfig:
     found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.replay.remat`).
     """
 
-    policy: str | None = None
-    """jzero's own: what each layer keeps for the backward pass. ``none`` (everything, no
-    remat), ``full`` (only the layer's input; the rest is recomputed:
+    policy: str | None = _field(None, auto=None)
+    """jzero's own: what each layer keeps for the backward pass. ``auto`` (with
+    ``zero_optimization.stage: auto``): none, unless no stage fits without ``full``. ``none``
+    (everything, no remat), ``full`` (only the layer's input; the rest is recomputed:
     ``jax.checkpoint_policies.nothing_saveable``), ``dots`` (matmul outputs:
     ``dots_saveable``), ``dots_no_batch`` (matmul outputs without batch dims:
     ``dots_with_no_batch_dims_saveable``, stage 3's default), ``names:a,b`` (the values the

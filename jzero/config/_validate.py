@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from jzero._util import divisors
+from jzero._util import divisors, read_size
 from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
@@ -73,6 +74,14 @@ def _coerce(
     value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list, autos: list
 ) -> Any:
     """Checks ``value`` against the type hint ``tp``; returns the normalised value."""
+    if meta.get("size") and value is not None:  # bytes, or a string with a unit: 12GB
+        size = None if isinstance(value, bool) else read_size(value)
+        if size is None or not math.isfinite(size) or size < 1:
+            raise ConfigError(
+                f"{path}: {_show(value)} is not a memory size; write a positive number of bytes "
+                "with an optional unit (B, KB, MB, GB, TB or KiB, MiB, GiB, TiB), e.g. 12GB."
+            )
+        return int(size)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

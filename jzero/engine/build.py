@@ -312,6 +312,7 @@ def initialize(
             "jzero: the config sets no batch size (train_batch_size, "
             "train_micro_batch_size_per_gpu); the first batch given to train_step sets them."
         )
+    auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
     cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
         cfg,
         abstract,
@@ -320,33 +321,39 @@ def initialize(
     )
     param_specs, tp_rules = _tensor_parallel(cfg, mesh, abstract, param_specs)
     tx, schedule = _optimizer(cfg, optimizer)
-    opt_kind, param_kind = memory_kinds_from_config(cfg.zero_optimization, mesh.devices.flat)
-    replan = functools.partial(
-        make_plan,
-        abstract,
-        tx,
-        mesh,
-        cfg.zero_optimization.stage,
-        persistence_threshold=cfg.zero_optimization.stage3_param_persistence_threshold,
-        param_specs=param_specs,
-        precision=precision.from_config(cfg),
-        offload_optimizer=opt_kind,
-        offload_params=param_kind,
-        offload_ratio=cfg.zero_optimization.offload_optimizer.ratio,
-        reshard_after_forward=cfg.zero_optimization.reshard_after_forward,
-        prefetch_bucket_size=cfg.zero_optimization.stage3_prefetch_bucket_size or 0,
-        max_reuse_distance=cfg.zero_optimization.stage3_max_reuse_distance,
-        max_live_parameters=cfg.zero_optimization.stage3_max_live_parameters,
-        hpz=cfg.zero_optimization.zero_hpz_partition_size > 1,
-        # The NVMe tier's files hold shards as they are split evenly: there a leaf the shard
-        # count does not divide stays whole (the former rule), elsewhere it rests padded.
-        padding=cfg.zero_optimization.pad_shards
-        and cfg.zero_optimization.offload_optimizer.device != "nvme",
-        **cfg.zero_optimization.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
-        tp_rules=tp_rules,
-        **_zero_axes(cfg, mesh, abstract),
-        **_pipeline(cfg, mesh),
-    )
+
+    def planner(c: config_lib.Config) -> Callable[..., Plan]:
+        """``make_plan`` with config ``c``'s ZeRO settings (``stage: auto`` tries several)."""
+        zero = c.zero_optimization
+        opt_kind, param_kind = memory_kinds_from_config(zero, mesh.devices.flat)
+        return functools.partial(
+            make_plan,
+            abstract,
+            tx,
+            mesh,
+            zero.stage,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+            param_specs=param_specs,
+            precision=precision.from_config(c),
+            offload_optimizer=opt_kind,
+            offload_params=param_kind,
+            offload_ratio=zero.offload_optimizer.ratio,
+            reshard_after_forward=zero.reshard_after_forward,
+            prefetch_bucket_size=zero.stage3_prefetch_bucket_size or 0,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+            max_live_parameters=zero.stage3_max_live_parameters,
+            hpz=zero.zero_hpz_partition_size > 1,
+            # The NVMe tier's files hold shards as they are split evenly: there a leaf the shard
+            # count does not divide stays whole (the former rule), elsewhere it rests padded.
+            padding=zero.pad_shards and zero.offload_optimizer.device != "nvme",
+            **zero.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
+            tp_rules=tp_rules,
+            **_zero_axes(c, mesh, abstract),
+            **_pipeline(c, mesh),
+        )
+
+    auto = _auto_stage(cfg, auto_keys, mesh, planner)
+    replan = planner(cfg)
     plan = replan()
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
@@ -430,6 +437,37 @@ def initialize(
         to_model=None if adapted is None else adapted.to_model,
         replan=replan,
         nvme=nvme,
+        auto_stage=auto,
+    )
+
+
+def _auto_stage(
+    cfg: config_lib.Config,
+    auto_keys: tuple[str, ...],
+    mesh: jax.sharding.Mesh,
+    planner: Callable[[config_lib.Config], Callable[..., Plan]],
+) -> Any:
+    """What ``zero_optimization.stage: auto`` chooses from (:mod:`jzero.engine.auto_stage`), or
+    None for a config with a stage. Its budget is checked now: a clear error before anything is
+    built on a device that reports no memory and no ``device_memory``."""
+    if "zero_optimization.stage" not in auto_keys:
+        return None
+    from jzero.engine import auto_stage
+
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer.device == "nvme" or zero.offload_param.device != "none":
+        raise config_lib.ConfigError(
+            "zero_optimization.stage: auto chooses among stages 0-3, activation checkpointing "
+            "and optimizer offload to host memory, but this config also offloads "
+            f"{'to NVMe' if zero.offload_optimizer.device == 'nvme' else 'the parameters'}; "
+            "set the stage (e.g. stage: 3) for that, or remove the offload."
+        )
+    return auto_stage.AutoStage(
+        budget=auto_stage.budget(cfg, mesh.devices.flat[0]),
+        candidates=auto_stage.candidates(
+            "activation_checkpointing.policy" in auto_keys, zero.offload_optimizer.device == "cpu"
+        ),
+        planner=planner,
     )
 
 

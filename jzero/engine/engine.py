@@ -66,6 +66,7 @@ class Engine:
         to_model: Callable[[PyTree, PyTree], Any] | None = None,
         replan: Callable[..., Plan] | None = None,
         nvme: Any = None,
+        auto_stage: Any = None,
     ):
         self.config = config
         self.plan = plan
@@ -91,6 +92,7 @@ class Engine:
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
         self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
         self._nvme: Any = None  # the NVMe step (jzero.nvme.step.NvmeStep), from the first step
+        self._auto_stage = auto_stage  # stage "auto": chosen at the first batch (auto_stage.py)
         self.flops_profile: Any = None
         """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
 
@@ -215,20 +217,7 @@ class Engine:
         self._layout_fitted = True
         if not (self.plan.stage.shard_params or self.plan.pipe_axis or self.plan.expert_axis):
             return
-        from jzero.replay import layer_dims, split_at_layers
-
-        rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
-        if rows is None:
-            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.data_parallel_size)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
-        )
-        args = (self.state.extra, micro) if self.takes_extra else (micro,)
-        dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
-        piped = {}
-        if self.plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
-            split = split_at_layers(self.loss_fn, self.plan.compute_params, *args)
-            piped = {"pipe_leaves": split.scanned}
+        dims, piped = self._layers(batch)
         new = self._replan(layer_dims=dims, **piped)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
 
@@ -264,24 +253,75 @@ class Engine:
             ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
         )
 
+    def _layers(self, batch: PyTree) -> tuple[Any, dict[str, Any]]:
+        """The stacked-layer dimensions the loss's scans consume (traced on a micro-batch of
+        ``batch``'s shapes), and under pipelining the leaves its layer scan splits."""
+        from jzero.replay import layer_dims, split_at_layers
+
+        rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
+        if rows is None:
+            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.data_parallel_size)
+        micro = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
+        )
+        args = (self.state.extra, micro) if self.takes_extra else (micro,)
+        dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
+        piped = {}
+        if self.plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
+            split = split_at_layers(self.loss_fn, self.plan.compute_params, *args)
+            piped = {"pipe_leaves": split.scanned}
+        return dims, piped
+
+    def _choose_stage(self, batch: PyTree) -> None:
+        """``zero_optimization.stage: auto``: each candidate's step compiled for this batch,
+        the first that fits kept as the step, the state moved to its layout once."""
+        from jzero.engine import auto_stage
+        from jzero.step import stored_state
+
+        auto, self._auto_stage = self._auto_stage, None
+        dims, piped = self._layers(batch)
+        logical = logical_state(self.plan, self.state)
+
+        def measure(c: auto_stage.Candidate) -> tuple[int, Any]:
+            cfg = c.config(self.config)
+            plan = auto.planner(cfg)(layer_dims=dims, **piped)
+            step = self._make_step(plan, cfg)
+            shapes = auto_stage.abstract_state(stored_state(plan, logical), state_shardings(plan))
+            compiled = step.lower(shapes, batch).compile()
+            host = sum(plan.host_state_bytes(self.accumulation_steps or 1).values())
+            return auto_stage.peak_bytes(compiled, host), (cfg, plan, step)
+
+        chosen, need, (cfg, plan, step), rejected = auto.choose(measure)
+        logger.info(auto.describe(chosen, need, rejected))
+        self.state = relayout(self.state, self.plan, plan)
+        self.plan, self.config, self._step, self._eval = plan, cfg, step, None
+        self._replan = auto.planner(cfg)
+        self._layout_fitted = True
+
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
+        if self._auto_stage is not None:
+            self._choose_stage(batch)
         self.fit_layout(batch)
         if self._step is None and self._disk is not None:
             self._step = self._nvme = self._nvme_step()
         if self._step is None:  # whether the loss returns aux is read when the step traces
-            self._step = make_train_step(
-                self.plan,
-                self.loss_fn,
-                self.optimizer,
-                accumulation_steps=self.accumulation_steps,
-                gradient_clipping=self.config.gradient_clipping,
-                takes_extra=self.takes_extra,
-                learning_rate=self.learning_rate,
-                remat_policy=remat.from_config(self.config),
-                sub_group_size=self.config.zero_optimization.sub_group_size,
-                offload_compute=self.config.zero_optimization.offload_optimizer.compute,
-            )
+            self._step = self._make_step(self.plan, self.config)
         return self._step
+
+    def _make_step(self, plan: Plan, cfg: config_lib.Config) -> Callable[..., Any]:
+        """The jitted train step of ``plan`` under ``cfg``'s step settings."""
+        return make_train_step(
+            plan,
+            self.loss_fn,
+            self.optimizer,
+            accumulation_steps=self.accumulation_steps,
+            gradient_clipping=cfg.gradient_clipping,
+            takes_extra=self.takes_extra,
+            learning_rate=self.learning_rate,
+            remat_policy=remat.from_config(cfg),
+            sub_group_size=cfg.zero_optimization.sub_group_size,
+            offload_compute=cfg.zero_optimization.offload_optimizer.compute,
+        )
 
     def _nvme_step(self) -> Any:
         """The step of the NVMe tier (:mod:`jzero.nvme.step`)."""
