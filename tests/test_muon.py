@@ -19,6 +19,7 @@ from jzero.groups import check_leafwise
 from jzero.hlo import collectives, loop_collectives
 from jzero.optim import build_optimizer
 from jzero.optim.muon import default_dimension_numbers
+from jzero.step import streamed_groups
 
 BATCH, STEPS = 16, 3
 # Rates that float32 holds exactly: the config's learning rate is an injected float32
@@ -179,3 +180,24 @@ def test_a_stack_of_fewer_layers_than_devices_is_gathered_once_per_leaf():
     assert extra.get("all-reduce", 0) == 0, counts
     assert 0 < sum(extra.values()) <= 3 * 2, counts  # two matrices: blocks.w and odd
     assert not loop_collectives(programs["muon"])  # the toy's stage-1 step has no loop collective
+
+
+def test_muon_streamed_in_groups_smaller_than_its_matrices_keeps_each_leaf_whole():
+    """DeepSpeed's sub_group_size splits a flat buffer, which would cut a matrix; jzero's groups
+    are whole leaves (a leaf larger than sub_group_size is a group of its own), so Muon streamed
+    from host memory in groups of 100 elements (each stacked matrix leaf is 2048) is still
+    optax's update."""
+    cfg = config(2)
+    cfg["zero_optimization"] |= {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 100}
+    with jax.enable_x64(True):
+        engine = jzero.initialize(make_params(), toy.loss_fn, config=cfg)
+        assert engine.plan.host_state_bytes()["opt_state"] > 0
+        groups = streamed_groups(engine.plan, 100, engine.optimizer)  # the step's own groups
+        assert groups is not None and len(groups) >= 2
+        batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
+        losses = [float(engine.train_step(b)["loss"]) for b in batches]
+        final = jax.device_get(engine.params)
+    want_losses, want = optax_reference()
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    for got, ref in zip(jax.tree.leaves(final), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-10)
