@@ -213,3 +213,30 @@ def test_moe_benchmark_prints_expert_bytes_falling_with_ep_and_the_all_to_alls()
     # and far below a wrong expert (the loss then differs in the first step by ~1e-1).
     assert abs(float(one["loss"]) - float(two["loss"])) < 1e-3
     assert "dense twin" in proc.stdout and all(float(r["ms/step"]) > 0 for r in rows)
+
+
+def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic():
+    proc = _smoke("optimizers")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    rows = {r["optimizer"]: r for r in (dict(zip(cells[0], c, strict=True)) for c in cells[2:])}
+    assert list(rows) == [
+        "AdamW fp32 state",
+        "AdamW bf16 state",
+        "AdamW 8-bit state",
+        "Muon + AdamW",
+    ]
+    state = {k: float(r["opt-state MiB"]) for k, r in rows.items()}
+    fp32 = state["AdamW fp32 state"]
+    # bf16 moments are half of fp32's, int8/uint8 codes with their scales under 0.3x, and
+    # Muon keeps one moment for its matrices (AdamW's two for the rest).
+    assert state["AdamW bf16 state"] < 0.6 * fp32
+    assert state["AdamW 8-bit state"] <= 0.3 * fp32
+    assert state["Muon + AdamW"] < 0.75 * fp32
+    # Muon's exchange is the only traffic AdamW's step lacks; AdamW moves no all-to-all.
+    assert float(rows["AdamW fp32 state"]["all-to-all MiB"]) == 0
+    assert float(rows["Muon + AdamW"]["collectives MiB"]) > float(
+        rows["AdamW fp32 state"]["collectives MiB"]
+    )
+    assert "Muon adds" in proc.stdout and "Psi beside ZeRO's 2 Psi" in proc.stdout
+    assert all(float(r["ms/step"]) > 0 and float(r["eval loss"]) > 0 for r in rows.values())
