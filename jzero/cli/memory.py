@@ -63,7 +63,12 @@ and lists no nvme rows.
 moments rest in bfloat16 (2 bytes each), the master weights stay fp32, so K = 4 + 2 + 2 = 8
 instead of 12: stage 0 12 Psi, stage 1 4 Psi + 8 Psi/N, stage 2 2 Psi + 10 Psi/N, stage 3
 12 Psi/N; the offloaded host rows' 16 and 18 (4 + K and 6 + K) become 12 and 14, max(4 N, 16)
-becomes max(4 N, 12), and the nvme rows count 8 bytes of masters and moments."""
+becomes max(4 N, 12), and the nvme rows count 8 bytes of masters and moments.
+bf16 master weights, with --master-dtype bf16 (bf16.bf16_master_weights_and_grads: true): the
+bf16 params are the masters, no fp32 copy, so K drops by 4: K = 8 with fp32 moments, K = 4
+with --optimizer-dtype bf16 too (stage 0 8 Psi, stage 1 4 Psi + 4 Psi/N, stage 2 2 Psi +
+6 Psi/N, stage 3 8 Psi/N), in the offloaded host rows as well; no nvme rows (jzero refuses the
+NVMe tier with bf16 masters)."""
 
 _PLAN_HELP = """\
 Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
@@ -114,6 +119,7 @@ def _estimate(args: argparse.Namespace) -> int:
         expert_parallel=args.expert_parallel,
         expert_params=args.expert_params or 0,
         optimizer_dtype=args.optimizer_dtype,
+        master_dtype=args.master_dtype,
     )
     return _print_report(result, args.plot)
 
@@ -243,6 +249,14 @@ def add_commands(subparsers: Any) -> None:
         help="dtype of the optimizer state at rest: fp32 (default, K = 12 bytes a parameter) or "
         "bf16, as the config's bf16.bf16_optimizer_states: true (bf16 moments, fp32 masters, "
         "K = 8)",
+    )
+    est.add_argument(
+        "--master-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dtype of the master weights: fp32 (default, a 4-byte copy counted in K) or bf16, "
+        "as the config's bf16.bf16_master_weights_and_grads: true (the bf16 params are the "
+        "masters: K drops by 4, to 8, or 4 with --optimizer-dtype bf16)",
     )
     est.add_argument(
         "--sub-group-size",

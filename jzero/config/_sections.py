@@ -369,14 +369,29 @@ class BF16Config:
     """jzero's older key: true also skips steps with inf/NaN gradients (see above)."""
     immediate_grad_update: bool = _field(True, no_effect=_TORCH_ONLY)
     """DeepSpeed: apply gradients as they arrive. No effect."""
-    bf16_master_weights_and_grads: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: keep master weights in bf16. No effect."""
+    bf16_master_weights_and_grads: bool = False
+    """No float32 master copy: the bfloat16 params are the master weights and their gradients
+    are bfloat16 (reduced in bfloat16, in their shards), as in DeepSpeed 0.19. Each update runs
+    in float32 (:func:`jzero.optim.float32_update`: gradients and masters upcast, the
+    optimizer's moments float32 unless ``bf16_optimizer_states``) and the new master is rounded
+    to bfloat16 in its shard (``stochastic_rounding`` picks how). Saves the 4 bytes a parameter
+    of the copy: with ``bf16_optimizer_states`` a parameter rests in 2 + 4 bytes instead of
+    2 + 4 + 8. Micro-batch gradients are still summed in float32 unless
+    ``data_types.grad_accum_dtype: bf16``. Needs ``enabled: true``; any ZeRO stage (DeepSpeed
+    asks for 1-3), not the NVMe tier."""
     bf16_optimizer_states: bool = False
     """Keep the optimizer state (Adam's moments) in bfloat16 between steps, updated in float32
     (:func:`jzero.optim.low_precision_state`), for the config's optimizer or one passed in code:
     it halves the optimizer state per device. Needs ``enabled: true``. DeepSpeed also requires
-    ``bf16_master_weights_and_grads`` and ZeRO stage 1-3; jzero keeps fp32 master weights and
-    allows any stage."""
+    ``bf16_master_weights_and_grads`` and ZeRO stage 1-3; jzero allows either alone (fp32
+    master weights without it) and any stage."""
+    stochastic_rounding: bool = False
+    """jzero: with ``bf16_master_weights_and_grads``, round each new bfloat16 master up or down
+    at random with probability proportional to its distance (unbiased, so updates below half a
+    bfloat16 ulp are kept on average), instead of to nearest (the default, DeepSpeed's). The
+    random bits come from the step count and the leaf's index: a run, and a restored run, are
+    reproducible. Not with a streamed offloaded update (``sub_group_size``, ``compute:
+    host``)."""
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,7 @@ def _check_config(cfg: Config, noted: list) -> None:
             "of bf16 mixed precision in bfloat16); set bf16.enabled: true, or remove "
             "bf16_optimizer_states."
         )
+    _check_master_weights(cfg)
     check_zero(cfg, noted)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:
@@ -654,3 +655,35 @@ def build_config(
     cfg = _resolve_activation_checkpointing(cfg, raw)
     _check_config(cfg, noted)
     return cfg, noted, renamed
+
+
+def _check_master_weights(cfg: Any) -> None:
+    """``bf16.bf16_master_weights_and_grads`` and ``bf16.stochastic_rounding``: what they need."""
+    bf16 = cfg.bf16
+    if bf16.stochastic_rounding and not bf16.bf16_master_weights_and_grads:
+        raise ConfigError(
+            "bf16.stochastic_rounding rounds the bfloat16 master weights of "
+            "bf16.bf16_master_weights_and_grads, which is off; set "
+            "bf16_master_weights_and_grads: true, or remove stochastic_rounding."
+        )
+    if not bf16.bf16_master_weights_and_grads:
+        return
+    if cfg.fp16.enabled:
+        raise ConfigError(
+            "bf16.bf16_master_weights_and_grads with fp16.enabled: true is not supported: fp16 "
+            "runs keep fp32 master weights (fp16 masters would need the loss scale inside the "
+            "update). Use bf16: {enabled: true, bf16_master_weights_and_grads: true} without "
+            "fp16, or remove bf16_master_weights_and_grads."
+        )
+    if not bf16.enabled and "bf16.enabled" not in cfg.auto:  # "auto": checked once resolved
+        raise ConfigError(
+            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true (the bfloat16 params "
+            "are then the master weights); set bf16.enabled: true, or remove "
+            "bf16_master_weights_and_grads."
+        )
+    if cfg.zero_optimization.offload_optimizer.device == "nvme":
+        raise ConfigError(
+            "bf16.bf16_master_weights_and_grads does not compose with "
+            "zero_optimization.offload_optimizer.device: nvme yet (its files hold fp32 "
+            "masters); offload to cpu, or remove bf16_master_weights_and_grads."
+        )

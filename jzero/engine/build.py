@@ -56,12 +56,20 @@ def _optimizer(
     cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
 ) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
     """The optimizer and its schedule (none for one passed in code); its state kept in bfloat16
-    under ``bf16.bf16_optimizer_states``, whichever optimizer it is, as DeepSpeed does."""
+    under ``bf16.bf16_optimizer_states``, whichever optimizer it is, as DeepSpeed does, and run
+    in float32 on the bfloat16 params under ``bf16.bf16_master_weights_and_grads``
+    (:func:`jzero.optim.float32_update`)."""
     if cfg.bf16.bf16_optimizer_states and not cfg.bf16.enabled:  # bf16.enabled was "auto"
         raise config_lib.ConfigError(
             'bf16.bf16_optimizer_states needs bf16.enabled: true, but bf16.enabled: "auto" '
             "resolved to false (the params are not all bfloat16); set bf16.enabled: true, or "
             "remove bf16_optimizer_states."
+        )
+    if cfg.bf16.bf16_master_weights_and_grads and not cfg.bf16.enabled:
+        raise config_lib.ConfigError(
+            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true, but bf16.enabled: "
+            '"auto" resolved to false (the params are not all bfloat16); set bf16.enabled: '
+            "true, or remove bf16_master_weights_and_grads."
         )
     schedule = None
     if optimizer is None:  # else the config's sections were dropped (config.resolve_auto)
@@ -73,6 +81,8 @@ def _optimizer(
         optimizer, schedule = optim.build_optimizer(cfg), optim.build_schedule(cfg)
     if cfg.bf16.bf16_optimizer_states:
         optimizer = optim.low_precision_state(optimizer)
+    if cfg.bf16.bf16_master_weights_and_grads:  # bf16 params are the masters: update in fp32
+        optimizer = optim.float32_update(optimizer)
     return optimizer, schedule
 
 

@@ -69,6 +69,13 @@ Decisions:
   params 2 + 4 + K, ``max(4 N, 16)`` = ``max(4 N, 4 + K)``: 12, 14, ``max(4 N, 12)``) and the
   NVMe tier's buffers and disk (K bytes of masters and moments). The params, the gradients,
   the fp32 model the host holds while loading and the activations are unchanged.
+* 16-bit master weights (``master_dtype="bf16"``, jzero's ``bf16: {enabled: true,
+  bf16_master_weights_and_grads: true}``, :mod:`jzero.optim.master16`): the bfloat16 params
+  are the masters, so the fp32 copy's 4 bytes leave K: K = 8 (fp32 moments) or, with
+  ``optimizer_dtype="bf16"`` as well, K = 4, DeepSpeed 0.19's 2 + 2 + 4 = 8 bytes a parameter
+  at stage 0 (stage 1 4 Psi + 4 Psi/N, stage 2 2 Psi + 6 Psi/N, stage 3 8 Psi/N). The
+  offloaded host rows take the same K; there are no NVMe rows (jzero's config refuses the
+  NVMe tier with bf16 masters); the params and gradients are unchanged (16-bit already).
 """
 
 from __future__ import annotations
@@ -110,6 +117,9 @@ _OPTIMIZER_DTYPES = {"fp32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 _OPTIMIZER_K = {"fp32": 12, "bf16": 8}
 """K, the optimizer state's bytes per parameter: the fp32 master (4) and Adam's two moments
 (4 + 4 in fp32, 2 + 2 in bf16 with ``bf16.bf16_optimizer_states``)."""
+_MASTER_BYTES = {"fp32": 4, "bf16": 0}
+"""The master weights' part of K: the fp32 copy (4), or none when the bf16 params are the
+masters (``bf16.bf16_master_weights_and_grads``; their 2 bytes are the params')."""
 _SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
 _EXPERT = "expert "
 """The prefix of an :class:`EstimateRow`'s device categories that hold the experts' model
@@ -275,7 +285,8 @@ class Estimate:
 
     ``experts`` (E), ``expert_parallel`` (E_p) and ``expert_params`` (Psi_e, part of
     ``params``) are 0, 1 and 0 without experts; ``optimizer_dtype`` is ``"fp32"`` (K = 12)
-    or ``"bf16"`` (K = 8, :attr:`optimizer_bytes`)."""
+    or ``"bf16"`` (K = 8, :attr:`optimizer_bytes`); ``master_dtype`` ``"bf16"`` takes the
+    fp32 master's 4 bytes out of K (8 or 4)."""
 
     params: float
     devices: int
@@ -297,12 +308,14 @@ class Estimate:
     expert_parallel: int = 1
     expert_params: float = 0
     optimizer_dtype: str = "fp32"
+    master_dtype: str = "fp32"
 
     @property
     def optimizer_bytes(self) -> int:
         """K, the optimizer state's bytes per parameter: 12 (fp32 master and moments), 8 with
-        ``optimizer_dtype="bf16"`` (fp32 master, bf16 moments)."""
-        return _OPTIMIZER_K[self.optimizer_dtype]
+        ``optimizer_dtype="bf16"`` (fp32 master, bf16 moments); 4 fewer with
+        ``master_dtype="bf16"`` (no fp32 master: 8, or 4 with bf16 moments)."""
+        return _OPTIMIZER_K[self.optimizer_dtype] - 4 + _MASTER_BYTES[self.master_dtype]
 
     @property
     def shards(self) -> int:
@@ -344,6 +357,7 @@ class Estimate:
         act = self.counts_activations
         moe = self.experts > 0
         k = self.optimizer_bytes
+        moments = "bf16 moments 2 + 2" if self.optimizer_dtype == "bf16" else "fp32 moments 4 + 4"
         header = ["stage", "offload", "device GB"] + (["expert GB", "dense GB"] if moe else [])
         header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
         disk = any(r.disk for r in self.rows)
@@ -413,6 +427,9 @@ class Estimate:
                 else f"device: ZeRO paper, mixed-precision Adam with 16-bit optimizer state (K = "
                 f"{k}: fp32 master 4 + bf16 moments 2 + 2, bf16.bf16_optimizer_states): "
                 f"{formula_text(k)}"
+                if self.master_dtype == "fp32"
+                else f"device: ZeRO paper's Adam with bf16 master weights (K = {k}: no fp32 "
+                f"master, {moments}, bf16.bf16_master_weights_and_grads): {formula_text(k)}"
             ),
             f"  (+ 4 bytes x the largest layer's {self.largest_layer_params:.4g} parameters "
             "at stage 3, gathered at once).",
@@ -430,6 +447,11 @@ class Estimate:
                     f"device (min(sub_group_size, Psi/N) x {k} B x 1.5); disk 2 x {k} Psi/nodes."
                 ]
                 if disk
+                else []
+            ),
+            *(
+                ["No nvme rows: jzero's bf16 master weights do not compose with the NVMe tier yet."]
+                if self.master_dtype == "bf16" and any(r.offload != "none" for r in self.rows)
                 else []
             ),
         ]
@@ -531,6 +553,7 @@ def estimate(
     expert_parallel: int = 1,
     expert_params: float | str = 0,
     optimizer_dtype: str = "fp32",
+    master_dtype: str = "fp32",
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -607,6 +630,9 @@ def estimate(
         bfloat16, the masters fp32, K = 4 + 2 + 2 = 8). K is the optimizer-state part of every
         stage's formula (stage 1 ``4 Psi + K Psi/N``), of the offloaded host rows and of the
         NVMe tier; nothing else changes.
+      master_dtype: the master weights' dtype: ``"fp32"`` (default: a 4-byte copy in K) or
+        ``"bf16"`` (alias ``"bfloat16"``; ``bf16.bf16_master_weights_and_grads``: the bf16
+        params are the masters, K drops by 4, to 8, or to 4 with ``optimizer_dtype="bf16"``).
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
@@ -620,6 +646,8 @@ def estimate(
       [1.875, 1.375]
       >>> estimate(1e9, 8, optimizer_dtype="bf16").row(1).device_bytes / 1e9  # 4 + 8/8
       5.0
+      >>> estimate(1e9, 8, optimizer_dtype="bf16", master_dtype="bf16").row(0).device_bytes / 1e9
+      8.0
     """
     psi = _count(params, "params", "7.5e9")
     n = _positive(devices, "devices", "64", integer=True)
@@ -679,7 +707,15 @@ def estimate(
             "of optimizer state a parameter) or 'bf16' for bf16.bf16_optimizer_states (K = 8)."
         )
     opt_dtype = _OPTIMIZER_DTYPES[optimizer_dtype]
-    k = _OPTIMIZER_K[opt_dtype]
+    if master_dtype not in _OPTIMIZER_DTYPES:
+        raise ValueError(
+            f"master_dtype: {master_dtype!r} is not allowed; it must be one of "
+            f"{', '.join(map(repr, _OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, a 4-byte fp32 "
+            "master copy in K) or 'bf16' for bf16.bf16_master_weights_and_grads (no copy: K "
+            "drops by 4)."
+        )
+    master = _OPTIMIZER_DTYPES[master_dtype]
+    k = _OPTIMIZER_K[opt_dtype] - 4 + _MASTER_BYTES[master]
     n_experts, ep, psi_e = _check_experts(experts, expert_parallel, expert_params, psi, n, r)
     if ep > 1:
         for what, size in (("tensor_parallel", tp), ("sequence_parallel", sp), ("pipeline", pp)):
@@ -760,7 +796,9 @@ def estimate(
             if option in spec.offloads:
                 device, host = states(spec, option)
                 rows.append((spec, option, device, host, 0.0))
-    if offload != "none" and ep == 1:  # the NVMe tier, last (not beside expert parallelism)
+    # The NVMe tier, last (not beside expert parallelism, nor with bf16 masters: jzero's config
+    # refuses both).
+    if offload != "none" and ep == 1 and master == "fp32":
         for spec in stages.STAGES.values():
             if "optimizer" in spec.offloads:
                 device, _ = states(spec, "optimizer")
@@ -787,6 +825,7 @@ def estimate(
     return Estimate(
         psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
         activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, n_experts, ep, psi_e, opt_dtype,
+        master,
     )  # fmt: skip
 
 

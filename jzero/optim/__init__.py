@@ -1,11 +1,13 @@
 """DeepSpeed optimizer and LR-schedule names, mapped onto optax.
 
-The package has six parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
+The package has seven parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
 functions of the update count), :mod:`~jzero.optim.transforms` (the update rules optax lacks in
 DeepSpeed's / PyTorch's form), :mod:`~jzero.optim.builder` (a config's ``optimizer`` and
 ``scheduler`` sections to one optax transformation), :mod:`~jzero.optim.low_precision`
 (``low_precision_state``: any optimizer's state kept in bfloat16, DeepSpeed's
-``bf16.bf16_optimizer_states``), :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
+``bf16.bf16_optimizer_states``), :mod:`~jzero.optim.master16` (``float32_update`` and
+``stochastic_round``: bfloat16 params that are their own master weights, DeepSpeed's
+``bf16.bf16_master_weights_and_grads``), :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
 that are no matrix, each matrix orthogonalised whole on the device that owns it inside jzero's
 step; ``optimizer: {type: Muon}``) and :mod:`~jzero.optim.quantized` (``quantized_adam_state``:
 Adam's moments as 8-bit blockwise codes, ``optimizer.params.state_bits: 8``).
@@ -38,6 +40,8 @@ Decisions:
 
 from jzero.optim.builder import build_optimizer as build_optimizer
 from jzero.optim.low_precision import low_precision_state as low_precision_state
+from jzero.optim.master16 import float32_update as float32_update
+from jzero.optim.master16 import stochastic_round as stochastic_round
 from jzero.optim.muon import muon as muon
 from jzero.optim.quantized import quantized_adam_state as quantized_adam_state
 from jzero.optim.schedules import build_schedule as build_schedule
@@ -54,7 +58,9 @@ __all__ = [
     "build_optimizer",
     "build_schedule",
     "current_lr",
+    "float32_update",
     "low_precision_state",
     "muon",
     "quantized_adam_state",
+    "stochastic_round",
 ]

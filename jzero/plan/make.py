@@ -127,7 +127,9 @@ def make_plan(
         (DeepSpeed's ``stage3_param_persistence_threshold``).
       param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
       precision: the run's dtypes; under mixed precision the float32 master weights get the
-        optimizer state's layout.
+        optimizer state's layout. With 16-bit masters (``precision.master_dtype``) the floating
+        params are planned in that dtype, with no master copy; pass the optimizer wrapped in
+        :func:`jzero.optim.float32_update` so its state and update are float32.
       offload_optimizer: a host memory kind (``"pinned_host"``) for the optimizer state and the
         master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
       offload_ratio: the fraction of the optimizer-state bytes offloaded (DeepSpeed's
@@ -194,6 +196,8 @@ def make_plan(
     )
     if precision.mixed:  # the master weights are float32 whatever the user's params were
         abstract_params = cast_floating(abstract_params, jnp.float32)
+    elif precision.low_precision_masters:  # the params are the masters, in their 16-bit dtype
+        abstract_params = cast_floating(abstract_params, precision.master_dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
     if param_specs is None:
         bases = tuple(P() for _ in flat)

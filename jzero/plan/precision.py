@@ -9,6 +9,19 @@ Decisions:
   plus 8 of moments, sharded from stage 1 on, next to 2 bytes of 16-bit parameters (sharded at
   stage 3) and 2 bytes of 16-bit gradients (sharded from stage 2). The 16-bit copy is always
   the rounding of the masters, so a skipped step leaves both bit-identical.
+* ``bf16.bf16_master_weights_and_grads`` (:attr:`Precision.master_dtype` bfloat16): no float32
+  copy. The bfloat16 parameters *are* the master weights (``TrainState.master`` is empty, and
+  :attr:`Precision.mixed` is false), their gradients are bfloat16 and are reduced in bfloat16
+  in their shards, as DeepSpeed 0.19 does. The update itself runs in float32: the optimizer
+  (wrapped by :func:`jzero.optim.float32_update`) sees the shard of the gradients and of the
+  masters upcast, keeps its moments in float32 (bfloat16 with ``bf16_optimizer_states``), and
+  the new master is rounded to bfloat16 in the update layout, to nearest or, with
+  ``bf16.stochastic_rounding``, stochastically (:func:`jzero.optim.stochastic_round`), then
+  gathered as parameters always are. Micro-batch gradients are still summed in float32
+  (``grad_accum_dtype`` unset; ``bf16`` gives DeepSpeed's bfloat16 accumulator), and the
+  gradient norm is taken in float32. Bytes per parameter at rest: 2 (params = masters) + 8
+  (fp32 moments) or 4 (bf16 moments), against 2 + 4 + 8 with fp32 masters. Any ZeRO stage,
+  0 included (DeepSpeed asks for 1-3; jzero's update is the same at stage 0). fp16 is refused.
 * ``communication_data_type`` is the dtype of every gradient reduction (all-reduce at stage 0,
   reduce-scatter from stage 1; at stage 3 the transpose of the parameter gather). Under mixed
   precision it is also the dtype of the stage 1-2 parameter all-gather (fp32 gathers the masters
@@ -66,13 +79,20 @@ class Precision:
         uses each parameter's own dtype with no master copy (full precision).
       comm_dtype: the dtype gradients are reduced in; ``None`` is the gradient's own dtype.
       accum_dtype: the dtype of the micro-batch gradient accumulator; ``None`` is float32 under
-        mixed precision and the parameter dtype otherwise.
+        mixed precision or 16-bit masters and the parameter dtype otherwise.
       loss_scale: a static loss scale (> 0), or 0 for DeepSpeed's dynamic loss scaling.
       scaled: whether the loss is scaled at all (fp16).
       initial_scale_power / loss_scale_window / hysteresis / consecutive_hysteresis /
         min_loss_scale: DeepSpeed's dynamic loss-scaling parameters.
       skip_nonfinite: skip updates whose gradients are not finite, at any precision (fp16
         skips them whether or not this is set).
+      master_dtype: ``None`` (float32 masters under mixed precision, else the params
+        themselves), or a 16-bit float (bfloat16, ``bf16.bf16_master_weights_and_grads``):
+        the params rest in it and are the masters, with no float32 copy
+        (:attr:`low_precision_masters`); ``compute_dtype`` is then ``None``.
+      stochastic_rounding: with ``master_dtype``, round each new master to it stochastically
+        (``bf16.stochastic_rounding``; :func:`jzero.optim.stochastic_round`), with a key from
+        the step count and the leaf's index; else to nearest.
     """
 
     compute_dtype: Any = None
@@ -86,6 +106,19 @@ class Precision:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     skip_nonfinite: bool = False
+    master_dtype: Any = None
+    stochastic_rounding: bool = False
+
+    @property
+    def low_precision_masters(self) -> bool:
+        """Whether the 16-bit params are the master weights (no float32 copy)."""
+        return self.master_dtype is not None
+
+    @property
+    def sixteen_bit(self) -> bool:
+        """Whether the step computes in 16 bits (mixed precision or 16-bit masters): its loss
+        is then reported in float32."""
+        return self.mixed or self.low_precision_masters
 
     @property
     def mixed(self) -> bool:
@@ -113,7 +146,7 @@ class Precision:
         """The accumulator dtype for a parameter of ``param_dtype``."""
         if self.accum_dtype is not None:
             return self.accum_dtype
-        return jnp.float32 if self.mixed else param_dtype
+        return jnp.float32 if self.sixteen_bit else param_dtype
 
     def communication(self, grad_dtype: Any) -> Any:
         """The dtype a gradient of ``grad_dtype`` is reduced in."""
@@ -140,11 +173,21 @@ def from_config(cfg: Any) -> Precision:
             "bf16.enabled and fp16.enabled are both true; a run computes in one precision. "
             "Set one of them to false."
         )
+    masters16 = bool(getattr(cfg.bf16, "bf16_master_weights_and_grads", False))
+    if masters16 and not bf16:
+        raise ValueError(
+            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true"
+            + (" (fp16 keeps fp32 masters; fp16 master weights are not supported)" if fp16 else "")
+            + "; set bf16.enabled: true, or remove bf16_master_weights_and_grads."
+        )
     compute = jnp.bfloat16 if bf16 else jnp.float16 if fp16 else None
+    master = jnp.bfloat16 if masters16 else None
     comm = cfg.communication_data_type
     accum = cfg.data_types.grad_accum_dtype
     return Precision(
-        compute_dtype=compute,
+        compute_dtype=None if masters16 else compute,
+        master_dtype=master,
+        stochastic_rounding=masters16 and bool(getattr(cfg.bf16, "stochastic_rounding", False)),
         comm_dtype=_DTYPES[comm] if comm else compute,
         accum_dtype=_DTYPES[accum] if accum else None,
         scaled=fp16,

@@ -209,7 +209,10 @@ def _gradient_part(
         grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
         if prec.scaled:  # the loss was multiplied by the scale; the gradients come back down
             grads = jax.tree.map(lambda g: g / ls.scale, grads)
-        grad_norm = optax.tree.norm(grads)
+        if prec.low_precision_masters:  # bf16 gradients: their norm is summed in float32
+            grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        else:
+            grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
         grads = _clip(grads, grad_norm, gradient_clipping)
         return params, grads, grad_norm, finite, loss, aux, extra
@@ -252,7 +255,7 @@ def _local_grads(
     def scaled(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
         """The loss to differentiate (times the loss scale under fp16), and what to report."""
         loss, (aux, extra) = local(params, extra, batch)
-        if not prec.mixed:
+        if not prec.sixteen_bit:
             return loss, (loss, aux, extra)
         loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
         return (loss * scale if prec.scaled else loss), (loss, aux, extra)
@@ -332,7 +335,7 @@ def _pipelined_grads(
 
     def loss_only(params: PyTree, extra: PyTree, mb: PyTree) -> Any:
         loss, (aux, _) = full_loss(params, extra, mb)
-        loss = jnp.asarray(loss, jnp.float32) if prec.mixed else loss
+        loss = jnp.asarray(loss, jnp.float32) if prec.sixteen_bit else loss
         return loss, _float_aux(aux)
 
     def pipelined(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:

@@ -50,6 +50,7 @@ from jzero.step.state import (
 )
 from jzero.step.streaming import streamed_groups, streamed_update
 from jzero.step.update import (
+    _apply_updates,
     _keep_old_when_nonfinite,
     _params_at_rest,
     _update_inputs,
@@ -83,7 +84,7 @@ def make_eval_step(
 
     def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
         value = local(params, extra, batch)[0]
-        if plan.precision.mixed:
+        if plan.precision.sixteen_bit:
             value = value.astype(jnp.float32)
         return jax.lax.pmean(value, plan.batch_axes)
 
@@ -182,6 +183,13 @@ def make_train_step(
             "state through device memory) or 'host' (update it where it rests)."
         )
     groups = streamed_groups(plan, sub_group_size, optimizer, on_host)
+    if groups is not None and prec.stochastic_rounding:
+        raise ValueError(
+            "bf16.stochastic_rounding rounds the update of the whole state at once; the "
+            "offloaded update streams it in groups (sub_group_size, offload_optimizer.compute: "
+            "host), which round to nearest. Remove stochastic_rounding, or sub_group_size and "
+            "compute: host."
+        )
 
     def step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         params, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
@@ -205,7 +213,7 @@ def make_train_step(
             # Muon orthogonalises each matrix whole where the update layout deals it out.
             with update_layout(on_device(plan.update_layout)):
                 updates, new_opt_state = optimizer.update(grads, opt_state, master)
-            new_master = optax.apply_updates(master, updates)
+            new_master = _apply_updates(plan, master, updates, state.step)
             if prec.skips:  # a skipped step leaves every bit of the state as it was
                 new_master, new_opt_state, extra = _keep_old_when_nonfinite(
                     finite, (new_master, new_opt_state, extra), (master, opt_state, state.extra)

@@ -7,7 +7,10 @@ Decisions:
   like LAMB) computes what it would on one device, while each device only does the arithmetic
   for its own shard.
 * It updates the float32 master weights under mixed precision; otherwise the params
-  themselves, cut to the update layout with no communication (:func:`_update_inputs`).
+  themselves, cut to the update layout with no communication (:func:`_update_inputs`). With
+  16-bit masters (``bf16.bf16_master_weights_and_grads``) those params are bfloat16: the
+  optimizer runs in float32 (:func:`jzero.optim.float32_update`) and the new shard is rounded
+  to bfloat16 there, to nearest or stochastically (:func:`_apply_updates`).
 * A skipped step (non-finite gradients under skipping) keeps every bit of the masters and the
   optimizer state, and the floating model state (BatchNorm statistics may hold the same NaN);
   integer model state (RNG counters) advances as usual (:func:`_keep_old_when_nonfinite`).
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jzero.comm import gather_buckets, spec_axes
+from jzero.optim.master16 import apply_rounded
 from jzero.plan import (
     Plan,
     axis_entry,
@@ -69,6 +73,16 @@ def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTre
         on_device(plan.opt_state),
     )
     return master, opt_state
+
+
+def _apply_updates(plan: Plan, master: PyTree, updates: PyTree, step: jax.Array) -> PyTree:
+    """The new masters: ``optax.apply_updates`` (16-bit masters: the sum in float32 rounded to
+    nearest), or with 16-bit masters and ``stochastic_rounding`` rounded stochastically with
+    keys from the update count ``step`` and each leaf's index
+    (:func:`jzero.optim.master16.apply_rounded`)."""
+    prec = plan.precision
+    sr = prec.low_precision_masters and prec.stochastic_rounding
+    return apply_rounded(master, updates, step if sr else None)
 
 
 def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
