@@ -68,6 +68,18 @@ def optax_reference():
         return losses, jax.device_get(final)
 
 
+def assert_trains_like_optax(engine):
+    """STEPS float64 steps of ``engine`` give the single-device optax loop's losses and params."""
+    with jax.enable_x64(True):
+        batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
+        losses = [float(engine.train_step(b)["loss"]) for b in batches]
+        final = jax.device_get(engine.params)
+    want_losses, want = optax_reference()
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
+    for got, ref in zip(jax.tree.leaves(final), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-10)
+
+
 def step_collectives(cfg, optimizer=None):
     """Per kind, the executions of collectives in the compiled step (float64, as run below)."""
     with jax.enable_x64(True):
@@ -107,14 +119,7 @@ def test_muon_equals_optax_and_orthogonalises_each_matrix_once(case):
     # None of them is inside a loop: the Newton-Schulz iterations run on local matrices.
     assert not [c for c in loop_collectives(compiled) if c.kind == "all-to-all"]
 
-    with jax.enable_x64(True):
-        batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
-        losses = [float(engine.train_step(b)["loss"]) for b in batches]
-        final = jax.device_get(engine.params)
-    want_losses, want = optax_reference()
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
-    for got, ref in zip(jax.tree.leaves(final), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-10)
+    assert_trains_like_optax(engine)
 
 
 def test_gspmd_alone_pays_collectives_in_every_iteration():
@@ -194,10 +199,4 @@ def test_muon_streamed_in_groups_smaller_than_its_matrices_keeps_each_leaf_whole
         assert engine.plan.host_state_bytes()["opt_state"] > 0
         groups = streamed_groups(engine.plan, 100, engine.optimizer)  # the step's own groups
         assert groups is not None and len(groups) >= 2
-        batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
-        losses = [float(engine.train_step(b)["loss"]) for b in batches]
-        final = jax.device_get(engine.params)
-    want_losses, want = optax_reference()
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
-    for got, ref in zip(jax.tree.leaves(final), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-10)
+        assert_trains_like_optax(engine)

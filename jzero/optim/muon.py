@@ -246,11 +246,9 @@ def _in_place(
     """The matrices of a leaf split over its batch axes, orthogonalised where they rest: no
     collective. A batch axis the devices do not divide is padded with zero matrices to a
     multiple of them first, so each device holds whole matrices (the padding is cut after)."""
-    sizes = sharding.mesh.shape
     pad = [(0, 0)] * x.ndim
-    for d, entry in enumerate(sharding.spec):
-        axes = (entry,) if isinstance(entry, str) else entry or ()
-        pad[d] = (0, -x.shape[d] % math.prod(sizes[a] for a in axes))
+    for d, count in enumerate(_split_counts(sharding)):
+        pad[d] = (0, -x.shape[d] % count)
     padded = jax.lax.with_sharding_constraint(jnp.pad(x, pad), sharding)
     batch, red, out = _axes(dims, x.ndim)
     order = batch + red + out
@@ -268,23 +266,25 @@ def _in_place(
     return y[tuple(slice(0, n) for n in x.shape)]
 
 
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one partition-spec entry splits a dimension over (``None``: none)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _split_counts(sharding: NamedSharding) -> list[int]:
+    """For each dimension the spec names, how many devices split it (1: none)."""
+    sizes = sharding.mesh.shape
+    return [math.prod(sizes[a] for a in _entry_axes(e)) for e in sharding.spec]
+
+
 def _divides(sharding: NamedSharding, shape: tuple[int, ...]) -> bool:
     """Whether ``sharding`` splits every dimension of ``shape`` evenly."""
-    sizes = sharding.mesh.shape
-    for d, entry in enumerate(sharding.spec):
-        axes = (entry,) if isinstance(entry, str) else entry or ()
-        if shape[d] % math.prod(sizes[a] for a in axes):
-            return False
-    return True
+    return all(shape[d] % n == 0 for d, n in enumerate(_split_counts(sharding)))
 
 
 def _spec_axes(spec: P) -> tuple[str, ...]:
     """The mesh axes a partition spec splits over, in order."""
-    axes: list[str] = []
-    for entry in spec:
-        for a in (entry,) if isinstance(entry, str) else entry or ():
-            axes.append(a)
-    return tuple(axes)
+    return tuple(a for entry in spec for a in _entry_axes(entry))
 
 
 def scale_by_muon(
