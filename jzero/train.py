@@ -35,6 +35,9 @@ Decisions:
   ``flops_profiler.peak_flops``), each line carries ``mfu`` (the model's FLOPs of a step over
   what the devices could do in its time), the progress bar shows it, and the summary holds the
   mean after the first step; on CPU there is no peak and no MFU.
+* The config's monitors (``tensorboard``, ``csv_monitor``, ``wandb``; :mod:`jzero.monitor`)
+  get every step's metrics from the engine, with tokens/s, and the eval losses; with an empty
+  ``output_path`` they write into ``train.log_dir``.
 * JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
   ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
   a restarted run loads its programs instead of compiling them; the summary counts both.
@@ -63,7 +66,7 @@ from tqdm import tqdm
 
 from jzero import config as config_lib
 from jzero import data as data_lib
-from jzero import distributed, memory, profiler
+from jzero import distributed, memory, monitor, profiler
 from jzero.config import Config, load_config
 from jzero.engine import Engine, initialize
 from jzero.models import gpt
@@ -319,6 +322,8 @@ def _train(
     first_step = engine.iteration + 1
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    engine.monitor_dir = str(log_dir)  # monitors without an output_path write beside metrics
+    engine.tokens_per_sample = model_cfg.seq_len
     peak = _peak_bytes(engine, batches)  # on CPU compiles the step: the plan is final after
     by_category = engine.plan.model_state_bytes()
     on_disk = 0
@@ -342,7 +347,10 @@ def _train(
     )
 
     def evaluate() -> float:
-        return float(sum(float(engine.evaluate(b)) for b in eval_set) / len(eval_set))
+        loss = float(sum(float(engine.evaluate(b)) for b in eval_set) / len(eval_set))
+        samples = engine.iteration * engine.train_batch_size  # the monitors' x-axis
+        engine.monitor.write_events([(monitor.tag("eval_loss"), loss, samples)])
+        return loss
 
     first_eval = evaluate() if cfg.train.eval_interval else None
     if first_eval is not None:
@@ -452,7 +460,7 @@ def _train(
     if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C and SIGTERM too
         if engine.save():
             logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
-        engine.close()
+    engine.close()  # the checkpoint saves in flight, and the monitors, flushed
     ran = done - (first_step - 1)
     summary = {
         "steps": done,

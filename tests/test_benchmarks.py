@@ -240,3 +240,26 @@ def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic():
     )
     assert "Muon adds" in proc.stdout and "Psi beside ZeRO's 2 Psi" in proc.stdout
     assert all(float(r["ms/step"]) > 0 and float(r["eval loss"]) > 0 for r in rows.values())
+
+
+def test_training_curves_benchmark_draws_the_monitors_series(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    plot = tmp_path / "curves.png"
+    script = str(ROOT / "benchmarks" / "training_curves.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    # The table is the CSV monitor's series: every step's loss and MFU (6 steps of 16 samples),
+    # the eval losses at 0 and every 3 steps.
+    assert [r[0] for r in rows] == ["0", "16", "32", "48", "64", "80", "96"]
+    assert [bool(r[2]) for r in rows] == [True, False, False, True, False, False, True]
+    assert all(r[1] and float(r[3]) > 0 for r in rows[1:])
+    assert "measured f32 matmul rate" in proc.stdout
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

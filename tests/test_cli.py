@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jzero import cli
 from jzero.checkpoint import latest_step, list_steps
@@ -33,17 +35,37 @@ TINY = [
 ]
 
 
+def _monitored(job, name):
+    """The ``(samples, value)`` rows of the CSV monitor's ``Train/Samples/<name>`` file."""
+    rows = (job / f"Train_Samples_{name}.csv").read_text().splitlines()
+    assert rows[0] == f"step,{name}"
+    return [(int(r.split(",")[0]), float(r.split(",")[1])) for r in rows[1:]]
+
+
 def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     args = ["train", "configs/zero2.yaml", "--quiet", *TINY]
     args += ["--set", f"train.log_dir={log_dir}", "--set", f"checkpoint.directory={ckpt}"]
+    # DeepSpeed's monitors, without an output_path: they write into train.log_dir.
+    args += ["--set", "csv_monitor.enabled=true", "--set", "tensorboard.enabled=true"]
     assert cli.main([*args, "--steps", "6"]) == 0
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert {"loss", "grad_norm", "lr", "tokens_per_s"} <= set(records[0])
     assert "eval_loss" in records[2] and "eval_loss" in records[5]
+    batch = 16  # train_micro_batch_size_per_gpu 2 on 8 devices; the monitors' step is samples
+    job = log_dir / "DeepSpeedJobName"
+    assert _monitored(job, "train_loss") == [(batch * r["step"], r["loss"]) for r in records]
     summary = json.loads((log_dir / "summary.json").read_text())
+    evals = [(0, summary["first_eval_loss"])]
+    evals += [(batch * r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert _monitored(job, "eval_loss") == evals
+    assert len(_monitored(job, "tokens_per_s")) == 6
+    events = EventAccumulator(str(job))
+    events.Reload()
+    series = [(e.step, e.value) for e in events.Scalars("Train/Samples/train_loss")]
+    assert series == [(s, float(np.float32(v))) for s, v in _monitored(job, "train_loss")]
     assert summary["steps"] == 6 and summary["stage"] == 3 and summary["devices"] == 8
     assert summary["eval_loss"] < summary["first_eval_loss"]
     assert summary["resumed_from"] is None
@@ -56,6 +78,8 @@ def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7, 8]
     summary = json.loads((log_dir / "summary.json").read_text())
     assert summary["resumed_from"] == 6 and summary["steps"] == 8
+    # The resumed run appended its rows to the monitor's CSV files.
+    assert _monitored(job, "train_loss") == [(batch * r["step"], r["loss"]) for r in records]
     capsys.readouterr()
     assert cli.main(["checkpoint", "inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
@@ -69,6 +93,7 @@ def test_train_runs_end_to_end_checkpoints_and_resumes(tmp_path, capsys):
     assert cli.main([*args, "--steps", "1", "--overwrite"]) == 0
     first = json.loads((log_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1
+    assert _monitored(job, "train_loss") == [(batch, first["loss"])]  # a fresh run's files
     assert json.loads((log_dir / "summary.json").read_text())["resumed_from"] is None
     assert list_steps(ckpt) == [1] and latest_step(ckpt) == 1
 

@@ -139,8 +139,13 @@ def test_device_none_means_no_offload_and_ds_chat_sections_are_no_effect():
     assert (zero.offload_param.device, zero.offload_optimizer.device) == ("none", "none")
     assert cfg.auto == ()
     (message,) = messages
-    for key in ("hybrid_engine", "tensorboard", "zero_optimization.memory_efficient_linear"):
+    for key in ("hybrid_engine", "zero_optimization.memory_efficient_linear"):
         assert f"  - {key}: " in message
+    # Its tensorboard section is DeepSpeed's monitor, which jzero runs.
+    assert "tensorboard" not in message
+    tb = cfg.tensorboard
+    assert tb.enabled and tb.job_name == "step3_actor_tensorboard"
+    assert tb.output_path == "step3_tensorboard/ds_tensorboard_logs/"
 
 
 def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
@@ -171,7 +176,8 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
     cfg, (message,) = load_quietly(raw)
     listed = [line.split(":")[0].removeprefix("  - ") for line in message.splitlines()[1:-1]]
     used = {"train_micro_batch_size_per_gpu", "gradient_allreduce_op", "bf16", "optimizer",
-            "tensor_parallel", "pipeline", "expert_parallel", "flops_profiler"}  # fmt: skip
+            "tensor_parallel", "pipeline", "expert_parallel", "flops_profiler", "csv_monitor",
+            "wandb"}  # fmt: skip
     inner = {"checkpoint.tag_validation", "checkpoint.writer", "optimizer.legacy_fusion"}
     assert set(listed) == (set(raw) - used - {"checkpoint"}) | inner
     assert cfg.bf16.check_grad_overflow is True
@@ -392,7 +398,12 @@ def test_hf_offload_template_with_bf16_params_trains_two_steps(caplog):
     "name",
     [pytest.param("ds_chat_hybrid.json", marks=needs_float16), "deprecated_aliases.json"],
 )  # DeepSpeed-Chat's config trains in fp16
-def test_configs_train_two_steps_from_the_path(name):
+def test_configs_train_two_steps_from_the_path(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # DeepSpeed-Chat's tensorboard output_path is relative
     with pytest.warns(JzeroConfigWarning):
         engine = train_two_steps(str(FIXTURES / name))
     assert engine.train_batch_size == 8
+    engine.close()
+    if engine.config.tensorboard.enabled:  # its monitor ran: one event file where it says
+        job = tmp_path / "step3_tensorboard" / "ds_tensorboard_logs" / "step3_actor_tensorboard"
+        assert len(list(job.glob("events.out.tfevents.*"))) == 1

@@ -36,6 +36,8 @@ def _sigterm_when(tmp_path, ready, why):
     train = ["jzero", "train", "configs/zero2.yaml", "--steps", "100000", "--quiet", *TINY]
     train += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=0"]
     train += ["--set", f"checkpoint.directory={ckpt}", "--set", "train_micro_batch_size_per_gpu=1"]
+    # Monitors with an empty output_path write into train.log_dir, from process 0 only.
+    train += ["--set", "csv_monitor.enabled=true", "--set", "tensorboard.enabled=true"]
     cmd = [
         sys.executable,
         "-m",
@@ -77,6 +79,12 @@ def _sigterm_when(tmp_path, ready, why):
     state = ckpt / str(summary["steps"]) / "state"
     assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
     assert out.count("interrupted: ") == 1  # only process 0 reports
+    # Only process 0 wrote to the monitors: one row per step, one TensorBoard event file.
+    job = log_dir / "DeepSpeedJobName"
+    rows = (job / "Train_Samples_train_loss.csv").read_text().splitlines()
+    samples = 8  # train_micro_batch_size_per_gpu 1 on 2 x 4 devices
+    assert [int(r.split(",")[0]) for r in rows[1:]] == [samples * r["step"] for r in records]
+    assert rows[0] == "step,train_loss" and len(list(job.glob("events.out.tfevents.*"))) == 1
     return summary
 
 

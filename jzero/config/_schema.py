@@ -37,9 +37,12 @@ from jzero.config._sections import (
     _XLA_COLLECTIVES,
     ActivationCheckpointingConfig,
     BF16Config,
+    CsvMonitorConfig,
     DataTypesConfig,
     FlopsProfilerConfig,
     FP16Config,
+    TensorBoardConfig,
+    WandbConfig,
     ZeroConfig,
 )
 
@@ -261,15 +264,17 @@ class Config:
     """DeepSpeed: communication logger. No effect."""
     autotuning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: autotuner. No effect."""
-    tensorboard: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
-    """DeepSpeed monitor. No effect."""
-    wandb: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
-    """DeepSpeed monitor. No effect."""
-    csv_monitor: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
-    """DeepSpeed monitor. No effect."""
+    tensorboard: TensorBoardConfig = _field(factory=TensorBoardConfig)
+    """DeepSpeed's TensorBoard monitor: the step's metrics as event files (:mod:`jzero.monitor`)."""
+    wandb: WandbConfig = _field(factory=WandbConfig)
+    """DeepSpeed's Weights & Biases monitor (the ``jzero[wandb]`` extra)."""
+    csv_monitor: CsvMonitorConfig = _field(factory=CsvMonitorConfig)
+    """DeepSpeed's CSV monitor: one CSV file per metric."""
     comet: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
-    """DeepSpeed monitor. No effect."""
-    timers: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
+    """DeepSpeed's Comet monitor. No effect."""
+    timers: Mapping[str, Any] | None = _field(
+        None, no_effect="the monitors and metrics.jsonl carry samples/s and tokens/s every step"
+    )
     """DeepSpeed: throughput timers. No effect."""
     log_level: str = _field("info", no_effect="jzero logs through Python's logging module")
     """DeepSpeed: its logger's level. No effect (set the level of the ``jzero`` logger)."""

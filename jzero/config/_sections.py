@@ -39,7 +39,10 @@ __all__ = [
     "DataTypesConfig",
     "FlopsProfilerConfig",
     "FP16Config",
+    "CsvMonitorConfig",
     "OffloadConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
     "ZeroConfig",
 ]
 
@@ -53,7 +56,7 @@ _XLA_GATHER = (
 _TORCH_ONLY = "it configures a PyTorch-specific mechanism with no JAX counterpart"
 _NVME_ONLY = "it tunes DeepSpeed's NVMe engine; jzero's NVMe tier sizes its own I/O"
 _NOT_IMPLEMENTED = "the DeepSpeed feature it configures is not implemented in jzero"
-_MONITOR = "jzero logs metrics to train.log_dir instead of DeepSpeed's monitors"
+_MONITOR = "jzero's monitors are tensorboard, csv_monitor and wandb"
 _CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
 _COMM = "jzero applies it at some stages only"  # to_dict's marker; the warning says why
 
@@ -514,3 +517,52 @@ class FlopsProfilerConfig:
     """jzero's own: the device's peak FLOP/s for MFU, where the built-in table
     (:data:`jzero.profiler.PEAK_FLOPS`, dense bf16) does not know the device or you compute in
     another precision. Also read by ``jzero train`` for its MFU column."""
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """``tensorboard``: DeepSpeed's TensorBoard monitor. Event files (written with
+    ``tensorboardX``; TensorFlow is not needed) in ``<output_path>/<job_name>``, one scalar
+    series per tag (:mod:`jzero.monitor`), by process 0 only."""
+
+    enabled: bool = False
+    """Write event files."""
+    output_path: str = _field("", path=True)
+    """Where the job's directory is made. Empty (DeepSpeed's default): ``jzero train``'s
+    ``train.log_dir``, or the working directory for an engine in your own loop."""
+    job_name: str = "DeepSpeedJobName"
+    """The directory made inside ``output_path`` for this job."""
+
+
+@dataclass(frozen=True)
+class CsvMonitorConfig:
+    """``csv_monitor``: DeepSpeed's CSV monitor. One CSV file per tag in
+    ``<output_path>/<job_name>``, named after the tag with ``/`` as ``_``
+    (``Train_Samples_train_loss.csv``), with a ``step,<last part of the tag>`` header and a row
+    per logged step, by process 0 only. A run that starts at step 0 writes the files anew; a
+    resumed one appends to them."""
+
+    enabled: bool = False
+    """Write CSV files."""
+    output_path: str = _field("", path=True)
+    """Where the job's directory is made. Empty (DeepSpeed's default): ``jzero train``'s
+    ``train.log_dir``, or the working directory for an engine in your own loop."""
+    job_name: str = "DeepSpeedJobName"
+    """The directory made inside ``output_path`` for this job."""
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """``wandb``: DeepSpeed's Weights & Biases monitor, through the ``wandb`` package (the
+    optional extra ``pip install 'jzero[wandb]'``), by process 0 only. ``WANDB_MODE=offline``
+    and the other ``WANDB_*`` variables work as usual; the run's files go to ``WANDB_DIR``, else
+    ``jzero train``'s ``train.log_dir``, else the working directory."""
+
+    enabled: bool = False
+    """Log to a wandb run."""
+    project: str = "deepspeed"
+    """The wandb project."""
+    group: str | None = None
+    """The wandb group, to group runs."""
+    team: str | None = None
+    """The wandb team (its ``entity``)."""

@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from jzero import config as config_lib
-from jzero import distributed, optim
+from jzero import distributed, monitor, optim
 from jzero._util import abstract_tree, divisors, dotted
 from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS, expert, make_mesh, tensor
 from jzero.engine.engine import Engine
@@ -283,6 +283,7 @@ def initialize(
       The :class:`Engine`.
     """
     cfg = config_lib.load_config(config)
+    monitor.check_available(cfg)  # a missing wandb extra is named before anything is built
     distributed.ensure_initialized(cfg.distributed)  # before any JAX call
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")

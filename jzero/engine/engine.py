@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,14 @@ class Engine:
         self._auto_stage = auto_stage  # stage "auto": chosen at the first batch (auto_stage.py)
         self.flops_profile: Any = None
         """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
+        self.monitor_dir: str | None = None
+        """Where a monitor with an empty ``output_path`` writes (``jzero train`` sets its
+        ``train.log_dir``); ``None``: the working directory. Read when the monitors open."""
+        self.tokens_per_sample: int | None = None
+        """Tokens in one sample, for the monitors' ``tokens_per_s`` (``jzero train`` sets the
+        sequence length); ``None`` leaves it out."""
+        self._monitors: Any = None  # jzero.monitor.Monitors, opened at first use
+        self._train_log: Any = None  # jzero.monitor.TrainLog, from the first monitored step
 
     def _full_state(self) -> TrainState:
         """The state with everything in memory: under the NVMe tier, the optimizer state (and
@@ -348,6 +357,7 @@ class Engine:
           gradients held inf/NaN), ``skipped`` (1 when the update was skipped), ``lr`` when
           jzero knows it, ``loss_scale`` under bf16/fp16, and any aux values.
         """
+        started = time.perf_counter()  # a monitored step is timed from here
         self._check_batch(batch)
         batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
         fp = self.config.flops_profiler
@@ -357,10 +367,67 @@ class Engine:
             self.state, metrics = self._step_fn(batch)(self.state, batch)
         self.iteration += 1
         self._unchanged_since = None
+        if self.monitor.enabled:
+            self._log_step(metrics, batch, started)
         interval = self.config.checkpoint.save_interval_steps
         if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
             self.save()
         return metrics
+
+    @property
+    def monitor(self) -> Any:
+        """The config's monitors (a :class:`jzero.monitor.Monitors`): ``tensorboard``,
+        ``csv_monitor`` and ``wandb``, on process 0 (none elsewhere). ``train_step`` writes
+        every step's metrics to them; ``engine.monitor.write_events([(tag, value, samples)])``
+        adds your own, as with DeepSpeed's ``engine.monitor``. Opened at first use: a run from
+        step 0 starts its CSV files anew, a restored one appends."""
+        if self._monitors is None:
+            from jzero import monitor
+
+            self._monitors = monitor.open_monitors(
+                self.config,
+                process_index=jax.process_index(),
+                default_dir=self.monitor_dir,
+                fresh=self.iteration == 0,
+            )
+            if self._monitors.enabled:  # closed (flushed, the wandb run finished) at exit
+                _OPEN_ENGINES.add(self)
+        return self._monitors
+
+    def _log_step(self, metrics: dict[str, jax.Array], batch: PyTree, started: float) -> None:
+        """Writes this step's events (:class:`jzero.monitor.TrainLog`), set up at the first."""
+        if self._train_log is None:
+            from jzero import monitor, profiler
+
+            device = self.mesh.devices.flat[0]
+            peak = profiler.peak_flops(device, self.config.flops_profiler.peak_flops)
+            self._train_log = monitor.TrainLog(
+                self.monitor,
+                samples_per_step=self.train_batch_size,
+                tokens_per_sample=self.tokens_per_sample,
+                model_flops=self.model_flops(batch) if peak is not None else None,
+                peak_flops=peak,
+                devices=self.mesh.devices.size,
+                peak_bytes=self._peak_bytes(batch),
+            )
+        self._train_log.log(metrics, self.iteration, started)
+
+    def _peak_bytes(self, batch: PyTree) -> Callable[[], int | None]:
+        """The peak memory per device: the allocator's figure on an accelerator; on CPU, which
+        keeps none, the compiled step's peak (``stage: auto``'s measure, of the executable the
+        step runs: not compiled again); ``None`` under the NVMe tier, whose step is several
+        programs."""
+        device = self.mesh.devices.flat[0]
+        if device.memory_stats() is not None:
+            return lambda: device.memory_stats().get("peak_bytes_in_use")
+        step = self._step_fn(batch)
+        if not hasattr(step, "lower"):
+            return lambda: None
+        from jzero.engine import auto_stage
+
+        host = sum(self.plan.host_state_bytes(self.accumulation_steps or 1).values())
+        peak = auto_stage.peak_bytes(step.lower(self.state, batch).compile(), host)
+        return lambda: peak
 
     def step_cost(self, batch: PyTree) -> Any:
         """XLA's cost of the compiled step for this batch's shapes (a
@@ -391,8 +458,6 @@ class Engine:
     def _profiled_step(self, batch: PyTree) -> dict[str, jax.Array]:
         """One step under ``flops_profiler``: compiled first (so its time is the step's, not the
         compilation's), timed to its result, then profiled (:mod:`jzero.profiler`)."""
-        import time
-
         from jzero import profiler
 
         fp = self.config.flops_profiler
@@ -608,6 +673,9 @@ class Engine:
         if self._ckpt is not None:
             self._ckpt.close()
             self._ckpt = None
+        if self._monitors is not None:  # flushed; a later step opens them again
+            self._monitors.close()
+            self._monitors = self._train_log = None
         if self._disk is not None:
             try:  # the state outlives its files
                 self.state = self._disk.materialize(self.state)
