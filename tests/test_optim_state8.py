@@ -11,7 +11,7 @@ import pytest
 import toy
 
 import jzero
-from jzero import data
+from jzero import data, hlo
 from jzero.config import ConfigError, load_config, resolve_optimizer
 from jzero.models import gpt
 from jzero.optim import quantized_adam_state
@@ -234,6 +234,30 @@ def test_8bit_state_trains_the_gpt_like_the_fp32_state():
     print(f"GPT opt_state B/device: fp32 state {opt_bytes[32]}, 8-bit {opt_bytes[8]}")
     print(f"GPT mean loss of steps 46-50: fp32 state {losses[32]:.4f}, 8-bit {losses[8]:.4f}")
     assert abs(losses[8] - losses[32]) <= 0.02 * losses[32]
+
+
+def test_8bit_state_adds_no_collective_unordered_against_the_stage3_layer_loops():
+    """Two layers over 8 devices are split unevenly, and the qkv rows (3 x 128 = 384) are a block
+    and a half, so decoding that leaf's state reshards it; those collectives wait for the
+    backward pass like the fp32 step's. Unordered beside the layer loops' gathers, XLA:CPU ran
+    them in different orders on different devices and the demo's GPT aborted at stage 3 (a
+    rendezvous timeout)."""
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=128, d_ff=128, num_heads=2)
+    batch = {"tokens": jax.ShapeDtypeStruct((16, cfg.seq_len + 1), jnp.int32)}
+    unordered, resharded = {}, {}
+    for bits in (32, 8):
+        config = {
+            "train_batch_size": 16,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "state_bits": bits}},
+        }
+        params = gpt.init_params(jax.random.key(0), cfg)
+        with jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), config=config) as e:
+            text = e.lower(batch).compile().as_text()
+        unordered[bits] = sorted(c.kind for c in hlo.unordered_collectives(text))
+        resharded[bits] = hlo.collectives(text)["collective-permute"].count
+    assert resharded[8] and not resharded[32]  # the 8-bit decode does reshard here ...
+    assert unordered[8] == unordered[32]  # ... and adds nothing unordered against the loops
 
 
 def bits_of(tree):

@@ -24,6 +24,12 @@ layers), whether it reads a matmul of the same iteration and whether a matmul of
 iteration reads it: a gather fetched one layer ahead does neither, a gather at its own layer
 feeds the layer's matmuls. This is how stage 3's ``overlap_comm`` is checked on CPU, where
 nothing runs asynchronously.
+
+``unordered_collectives(compiled)`` lists the collectives of the entry computation that
+neither wait for nor feed a ``while`` loop holding collectives: XLA may run them at any time
+during that loop. XLA:CPU then runs them in different orders on different devices, which can
+leave devices waiting in different collectives until its rendezvous timeout aborts the step;
+jzero's steps keep this list empty.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "async_collectives",
     "layout_copies",
     "loop_collectives",
+    "unordered_collectives",
 ]
 
 
@@ -317,4 +324,76 @@ def _body_collectives(body: str, lines: list[str], holds_matmul: Any) -> list[Lo
             found.append(
                 LoopCollective(base, name, body, reaches(name, operands), reaches(name, users))
             )
+    return found
+
+
+@dataclass(frozen=True)
+class UnorderedCollective:
+    """A collective of the entry computation with no dependence either way on ``loop``."""
+
+    kind: str
+    name: str
+    loop: str
+
+
+def unordered_collectives(compiled: Any) -> list[UnorderedCollective]:
+    """Every collective of the entry computation that neither waits for nor feeds a ``while``
+    of the entry whose body (or a computation it calls) holds a collective.
+
+    Dependences are data operands and control predecessors, followed through the entry
+    computation.
+
+    Args:
+      compiled: a ``jax.stages.Compiled`` or its ``as_text()``.
+
+    Returns:
+      One :class:`UnorderedCollective` per (collective, loop) pair without an order.
+    """
+    comps, entry = _computations(_text(compiled))
+    if entry is None:
+        return []
+
+    def holds_collective(name: str, depth: int = 0) -> bool:
+        for line in comps.get(name, []):
+            m = _INSTR.match(line)
+            if m and m.group(2).removesuffix("-start") in KINDS:
+                return True
+            for callee in re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line):
+                if depth < 8 and holds_collective(callee, depth + 1):
+                    return True
+        return False
+
+    ops: dict[str, str] = {}
+    preds: dict[str, list[str]] = {}
+    loops: list[str] = []
+    for line in comps.get(entry, []):
+        n, m = _NAME.match(line), _INSTR.match(line)
+        if not (n and m):
+            continue
+        name, op = n.group(1), m.group(2)
+        ops[name] = op
+        control = re.search(r"control-predecessors=\{([^}]*)\}", line)
+        preds[name] = _operands(m.group(3)) + (
+            re.findall(r"%([\w.\-]+)", control.group(1)) if control else []
+        )
+        body = re.search(r"\bbody=%?([\w.\-]+)", line)
+        if op == "while" and body and holds_collective(body.group(1)):
+            loops.append(name)
+
+    ancestors: dict[str, set[str]] = {}
+    for name in ops:  # the text lists every instruction after its operands
+        seen: set[str] = set()
+        for p in preds[name]:
+            if p in ops:
+                seen.add(p)
+                seen |= ancestors.get(p, set())
+        ancestors[name] = seen
+    found = []
+    for name, op in ops.items():
+        base = op.removesuffix("-start")
+        if base not in KINDS or op.endswith("-done"):
+            continue
+        for loop in loops:
+            if loop not in ancestors[name] and name not in ancestors[loop]:
+                found.append(UnorderedCollective(base, name, loop))
     return found

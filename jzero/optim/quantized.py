@@ -51,6 +51,14 @@ Decisions:
   ``b2 = 0.999`` a step while its block's absmax holds stays at its level (a step is 9%), so a
   moment that stopped receiving gradients decays more slowly relative to its block than in
   fp32; it errs on the small-update side.
+* **Decoded after the gradients.** Decoding reads only the state, so XLA may run it, and the
+  resharding GSPMD adds where a leaf's logical shape is split unevenly (a stack of 4 layers
+  over 8 devices), at any time in the step, beside the stage-3 layer loops' gathers. XLA:CPU
+  runs independent collectives in any order on each device, so devices met in different
+  collectives and the step aborted (a rendezvous timeout on the demo's GPT at stage 3). The
+  update therefore adds to every decoded level and scale an exact zero computed from the first
+  element of every gradient: each decode waits for the whole backward pass, and
+  ``jzero.hlo.unordered_collectives`` of the step is empty (``tests/test_optim_state8.py``).
 * **Computed wide.** The inner update sees float32 moments and returns float32 updates; only
   the stored moments are quantised. The step count and any other state (an injected learning
   rate, decay state) stay as the inner transformation made them.
@@ -140,9 +148,14 @@ def quantize(x: jax.Array, signed: bool, block_size: int = 256) -> tuple[jax.Arr
     return codes.reshape(shape), scale.reshape(_scale_shape(shape, block_size))
 
 
-def dequantize(codes: jax.Array, scale: jax.Array, block_size: int = 256) -> jax.Array:
+def dequantize(
+    codes: jax.Array, scale: jax.Array, block_size: int = 256, zero: jax.Array | None = None
+) -> jax.Array:
     """The float32 values of ``codes`` (int8: ``mu``'s signed code; uint8: ``nu``'s) under
-    their block ``scale``: ``sign * scale * 2**((|k| - K) / 8)``, zero for code 0."""
+    their block ``scale``: ``sign * scale * 2**((|k| - K) / 8)``, zero for code 0.
+
+    ``zero``: an exact float32 zero added to the levels and the scale, so the decoding runs
+    only once it is computed (see the module's decisions)."""
     signed = codes.dtype == jnp.int8
     top = MU_TOP if signed else NU_TOP
     shape = tuple(codes.shape)
@@ -154,6 +167,8 @@ def dequantize(codes: jax.Array, scale: jax.Array, block_size: int = 256) -> jax
     level = jnp.where(mag > 0, level, 0.0)
     if signed:
         level = jnp.where(k < 0, -level, level)
+    if zero is not None:
+        level, scale = level + zero, scale + zero
     blocked = _blocks(level.reshape(shape or (1,)), block_size)
     values = blocked * scale.reshape(blocked.shape[:-1])[..., None]
     return values.reshape(*blocked.shape[:-2], -1)[..., : (shape or (1,))[-1]].reshape(shape)
@@ -173,6 +188,16 @@ def _is_adam(x: Any) -> bool:
 
 def _is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedAdamState)
+
+
+def _zero_after(updates: Any) -> jax.Array | None:
+    """An exact float32 zero computed from the first element of every gradient leaf: what the
+    decoding waits for (see the module's decisions); ``None`` without gradient elements."""
+    firsts = [jnp.ravel(g)[0] for g in jax.tree.leaves(updates) if jnp.size(g)]
+    if not firsts:
+        return None
+    # isnan(..) is 0 or 1, never NaN, and XLA does not fold a float times 0.0 away.
+    return sum(jnp.isnan(g).astype(jnp.float32) for g in firsts) * jnp.float32(0.0)
 
 
 def quantized_adam_state(
@@ -223,11 +248,11 @@ def quantized_adam_state(
             nu = _map_pair(lambda x: quantize(x, False, block_size), s.nu)
         return QuantizedAdamState(s.count, mu[0], mu[1], nu[0], nu[1])
 
-    def decode(s: Any) -> Any:
+    def decode(s: Any, zero: jax.Array | None) -> Any:
         if not _is_quantized(s):
             return s
-        mu = jax.tree.map(lambda c, k: dequantize(c, k, block_size), s.mu_codes, s.mu_scale)
-        nu = jax.tree.map(lambda c, k: dequantize(c, k, block_size), s.nu_codes, s.nu_scale)
+        mu = jax.tree.map(lambda c, k: dequantize(c, k, block_size, zero), s.mu_codes, s.mu_scale)
+        nu = jax.tree.map(lambda c, k: dequantize(c, k, block_size, zero), s.nu_codes, s.nu_scale)
         return optax.ScaleByAdamState(count=s.count, mu=mu, nu=nu)
 
     def init(params: Any) -> Any:
@@ -241,7 +266,8 @@ def quantized_adam_state(
         return jax.tree.map(lambda s: encode(s, True), state, is_leaf=_is_adam)
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
-        wide = jax.tree.map(decode, state, is_leaf=_is_quantized)
+        zero = _zero_after(updates)
+        wide = jax.tree.map(lambda s: decode(s, zero), state, is_leaf=_is_quantized)
         if isinstance(tx, optax.GradientTransformationExtraArgs):
             updates, new_state = tx.update(updates, wide, params, **extra)
         else:
