@@ -122,10 +122,14 @@ def test_muon_equals_optax_and_orthogonalises_each_matrix_once(case):
     assert_trains_like_optax(engine)
 
 
-def test_gspmd_alone_pays_collectives_in_every_iteration():
+def test_gspmd_alone_pays_collectives_in_every_iteration(caplog):
     """The contrast the design answers: optax's Muon on the same sharded step (stage 3) needs
-    all-reduces and all-gathers per Newton-Schulz iteration, jzero's none beyond AdamW's."""
-    counts, _, _ = step_collectives(config(3, optimizer=None), optax.contrib.muon(LR))
+    all-reduces and all-gathers per Newton-Schulz iteration, jzero's none beyond AdamW's; passing
+    it says so, naming jzero's."""
+    with caplog.at_level("WARNING", logger="jzero"):
+        counts, _, _ = step_collectives(config(3, optimizer=None), optax.contrib.muon(LR))
+    notes = [r.getMessage() for r in caplog.records if "optax.contrib.muon" in r.getMessage()]
+    assert len(notes) == 1 and "jzero.optim.muon(...) takes the same arguments" in notes[0]
     adamw, _, _ = step_collectives(config(3, optimizer={"type": "AdamW", "params": {"lr": LR}}))
     # Five iterations on two matrices: more than one extra all-reduce per iteration.
     assert counts["all-reduce"] - adamw.get("all-reduce", 0) >= 5

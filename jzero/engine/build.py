@@ -238,6 +238,24 @@ def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
     return sizes
 
 
+def _note_optax_muon(plan: Any, tx: Any) -> None:
+    """Logs, for an ``optax.contrib.muon`` passed in code at a stage that shards its state, that
+    it runs collectives in every Newton-Schulz iteration and ``jzero.optim.muon`` does not."""
+    contrib = getattr(optax, "contrib", None)
+    kind = getattr(contrib, "MuonState", None)
+    if kind is None or not plan.stage.shard_opt_state:
+        return
+    nodes = jax.tree.leaves(plan.abstract_opt_state, is_leaf=lambda x: isinstance(x, kind))
+    if any(isinstance(x, kind) for x in nodes):
+        logger.warning(
+            "jzero: optax.contrib.muon updates the sharded matrices where they rest, so under "
+            "ZeRO stage %d every Newton-Schulz iteration runs collectives; "
+            "jzero.optim.muon(...) takes the same arguments and orthogonalises each matrix "
+            "once, whole (one exchange in and one out).",
+            plan.stage.stage,
+        )
+
+
 def initialize(
     params: PyTree | None = None,
     loss_fn: Callable[..., Any] | None = None,
@@ -368,6 +386,7 @@ def initialize(
     plan = replan()
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
+    _note_optax_muon(plan, tx)
     from jzero.step import streamed_groups
 
     zero = cfg.zero_optimization
