@@ -238,7 +238,7 @@ def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
     return sizes
 
 
-def _note_optax_muon(plan: Any, tx: Any) -> None:
+def _note_optax_muon(plan: Any) -> None:
     """Logs, for an ``optax.contrib.muon`` passed in code at a stage that shards its state, that
     it runs collectives in every Newton-Schulz iteration and ``jzero.optim.muon`` does not."""
     contrib = getattr(optax, "contrib", None)
@@ -386,7 +386,7 @@ def initialize(
     plan = replan()
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
-    _note_optax_muon(plan, tx)
+    _note_optax_muon(plan)
     from jzero.step import streamed_groups
 
     zero = cfg.zero_optimization
