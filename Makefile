@@ -18,14 +18,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check jzero tests examples benchmarks
 	$(VENV)/bin/ruff format --check jzero tests examples benchmarks
-	$(PY) -m pytest -q -n 2 --dist loadfile  # two workers, each test file on one of them
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15  # two workers, each file on one; the slowest 15 last
 
 # The numerics-heavy tests again with XLA:CPU held to another instruction set: a float32 bound
-# fitted to one machine's rounding fails here at once (CI runs this after `make test`).
+# fitted to one machine's rounding fails here at once (CI runs this after `make test`). At the code
+# generator's full optimisation level, where `make test` runs at its cheaper one (tests/conftest.py).
 ISA ?= AVX2
-NUMERICS_TESTS := tests/test_parity.py tests/test_core.py tests/test_precision.py tests/test_stage3_any_model.py
+NUMERICS_TESTS := tests/step/test_parity.py tests/step/test_core.py tests/plan/test_precision.py \
+	tests/step/test_stage3_any_model.py
 test-isa: $(STAMP)
-	XLA_FLAGS=--xla_cpu_max_isa=$(ISA) $(PY) -m pytest -q -n 2 --dist loadfile $(NUMERICS_TESTS)
+	JZERO_TEST_FULL_OPT=1 XLA_FLAGS=--xla_cpu_max_isa=$(ISA) $(PY) -m pytest -q -n 2 --dist loadfile $(NUMERICS_TESTS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format jzero tests examples benchmarks

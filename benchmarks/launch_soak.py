@@ -1,7 +1,7 @@
 """The preemption test, many times in a row, under load: does a SIGTERM ever lose the final
 checkpoint?
 
-Runs ``tests/test_launch_train.py`` (SIGTERM to ``jzero launch`` running ``jzero train`` in 2
+Runs ``tests/distributed/test_launch_train.py`` (SIGTERM to ``jzero launch`` running ``jzero train`` in 2
 processes; both must stop after the same step, write their shards of the final checkpoint and
 ``summary.json``, and the launcher must exit 143) ``--runs`` times. With ``--load`` the stages
 benchmark runs beside it the whole time (XLA compiles and 8-device steps on every core), the
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
             t0 = time.perf_counter()
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-            cmd += ["--basetemp", str(run_dir), "tests/test_launch_train.py"]
+            cmd += ["--basetemp", str(run_dir), "tests/distributed/test_launch_train.py"]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
             (run_dir / "pytest.log").parent.mkdir(parents=True, exist_ok=True)
             (run_dir / "pytest.log").write_text(proc.stdout + proc.stderr)

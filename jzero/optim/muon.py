@@ -4,7 +4,7 @@ Muon (Momentum Orthogonalized by Newton-Schulz) replaces the update of a hidden 
 an approximately orthogonal matrix: the Nesterov momentum of its gradient pushed through a few
 quintic Newton-Schulz iterations. Every other leaf (embeddings, the output head, biases and
 norm gains) is updated by AdamW, as Muon's users do. The update rule is
-``optax.contrib.muon``'s, to the last bit in float64 (``tests/test_muon.py``).
+``optax.contrib.muon``'s, to the last bit in float64 (``tests/optim/test_muon.py``).
 
 Decisions:
 

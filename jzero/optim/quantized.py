@@ -58,7 +58,7 @@ Decisions:
   collectives and the step aborted (a rendezvous timeout on the demo's GPT at stage 3). The
   update therefore adds to every decoded level and scale an exact zero computed from the first
   element of every gradient: each decode waits for the whole backward pass, and
-  ``jzero.hlo.unordered_collectives`` of the step is empty (``tests/test_optim_state8.py``).
+  ``jzero.hlo.unordered_collectives`` of the step is empty (``tests/optim/test_optim_state8.py``).
 * **Computed wide.** The inner update sees float32 moments and returns float32 updates; only
   the stored moments are quantised. The step count and any other state (an injected learning
   rate, decay state) stay as the inner transformation made them.

@@ -1,0 +1,442 @@
+"""Pipeline parallelism (``pipeline.stages``) composed with ZeRO stages 1-3, on the model as
+written: a scanned toy and the built-in GPT.
+
+In float64 (each test enables x64) a pipelined run equals the single-device optax loop at
+1e-10 (losses, norms) and 1e-9 (parameters): the pipeline only moves where each micro-batch's
+layers run, so any defect (a stage's layers skipped, a micro-batch twice, a gradient not summed
+over stages) is far above float64 rounding. The compiled step's collectives are read by the
+mesh axes their device groups span, and 1F1B's activation memory against GPipe's from
+``memory_analysis()``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from numerics import max_rel_error, needs_float16
+
+import jzero
+from jzero.distributed import bubble_fraction, make_schedule
+from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE
+from jzero.hlo import collectives_by_axes, source_target_pairs
+from jzero.models import gpt
+from jzero.replay import NoLayerScan
+
+V, D, F, L, T = 32, 16, 32, 4, 8
+BATCH = 16
+CLIP = 0.5
+LR = 1e-2
+
+
+pytestmark = pytest.mark.usefixtures("x64")  # conftest's float64
+
+
+# -- the schedules -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (3, 7)])
+def test_a_schedule_runs_every_pass_once_after_its_input_and_keeps_the_micro_batches_it_says(
+    kind, p, m
+):
+    s = make_schedule(kind, p, m)
+    when = {}
+    for t in range(s.num_slots):
+        for stage in range(p):
+            if s.op[t, stage] != IDLE:
+                key = (stage, int(s.op[t, stage]), int(s.micro[t, stage]))
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * p * m  # every stage: each micro-batch's forward and backward
+    for (stage, op, i), t in when.items():
+        if op == FORWARD and stage > 0:
+            assert when[(stage - 1, FORWARD, i)] < t
+        if op == BACKWARD:
+            assert when[(stage, FORWARD, i)] < t
+            if stage < p - 1:
+                assert when[(stage + 1, BACKWARD, i)] < t
+    assert s.num_slots == 2 * (m + p - 1)
+    assert s.bubble == pytest.approx(bubble_fraction(p, m)) == pytest.approx((p - 1) / (m + p - 1))
+    # Micro-batches in flight on a stage (forward done, backward not): M under GPipe, P under 1F1B.
+    in_flight = max(
+        sum(when[(st, FORWARD, i)] <= t < when[(st, BACKWARD, i)] for i in range(m))
+        for st in range(p)
+        for t in range(s.num_slots)
+    )
+    assert in_flight == (m if kind == "gpipe" else p)
+    assert s.slots == in_flight
+
+
+def test_fewer_micro_batches_than_stages_and_an_unknown_schedule_are_clear_errors():
+    with pytest.raises(
+        ValueError, match=r"pipeline.stages: 4 needs at least 4 micro-batches.*is 2"
+    ):
+        make_schedule("1f1b", 4, 2)
+    with pytest.raises(ValueError, match=r"'zb' is not a schedule jzero has; use one of 1f1b"):
+        make_schedule("zb", 2, 2)
+
+
+# -- a scanned toy through the engine --------------------------------------------------------------
+
+
+def make_toy(seed=0, layers=L):
+    ks = iter(jax.random.split(jax.random.key(seed), 8))
+
+    def normal(shape, std=0.2):
+        return std * jax.random.normal(next(ks), shape, jnp.float64)
+
+    return {
+        "embed": normal((V, D)),
+        "layers": {
+            "norm": 1.0 + normal((layers, D), 0.05),
+            "up": normal((layers, D, F)),
+            "down": normal((layers, F, D)),
+        },
+        "head": normal((D, V)),
+    }
+
+
+def toy_loss(p, batch):
+    """Next-token cross-entropy of a residual MLP stack under one lax.scan."""
+    tokens = batch["tokens"]
+    x = jnp.take(p["embed"], tokens[:, :-1], axis=0)
+
+    def layer(x, lp):
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * lp["norm"]
+        return x + jnp.tanh(h @ lp["up"]) @ lp["down"], None
+
+    x, _ = jax.lax.scan(layer, x, p["layers"])
+    logp = jax.nn.log_softmax(x @ p["head"], -1)
+    return -jnp.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+
+
+def batches(n=3, seed=1, vocab=V, length=T):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, vocab, (BATCH, length + 1), dtype=np.int32)}
+            for _ in range(n)]  # fmt: skip
+
+
+def optax_loop(loss, params, data):
+    """The single-device optax loop with DeepSpeed's clipping: losses, grad norms, params."""
+    tx = optax.adamw(LR)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        norm = optax.global_norm(grads)
+        grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / (norm + 1e-6)), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, norm
+
+    opt_state, losses, norms = tx.init(params), [], []
+    for b in data:
+        params, opt_state, value, norm = step(params, opt_state, b)
+        losses.append(float(value))
+        norms.append(float(norm))
+    return losses, norms, jax.device_get(params)
+
+
+@functools.cache
+def toy_reference():
+    return optax_loop(toy_loss, make_toy(), batches())
+
+
+def config(stage, stages, micro, schedule="1f1b", **extra):
+    return {
+        "train_batch_size": BATCH,
+        "gradient_accumulation_steps": micro,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "pipeline": {"stages": stages, "schedule": schedule},
+        **extra,
+    }
+
+
+EXTRA = {
+    "": {},
+    "remat": {"activation_checkpointing": {"policy": "full"}},
+    "offload": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                      "offload_optimizer": {"device": "cpu"}}},
+}  # fmt: skip
+
+
+@functools.cache
+def trained(stage, stages, micro, schedule, extra=""):
+    cfg = {**config(stage, stages, micro, schedule), **EXTRA[extra]}
+    engine = jzero.initialize(make_toy(), toy_loss, optax.adamw(LR), cfg)
+    metrics = [engine.train_step(b) for b in batches()]
+    return engine, [float(m["loss"]) for m in metrics], [float(m["grad_norm"]) for m in metrics]
+
+
+@pytest.mark.parametrize(
+    "stage, stages, micro, schedule, extra",
+    [(1, 2, 2, "1f1b", ""), (2, 2, 4, "gpipe", ""), (3, 2, 4, "1f1b", ""),
+     (3, 4, 4, "gpipe", ""), (2, 4, 8, "1f1b", ""), (3, 2, 2, "1f1b", "remat"),
+     (3, 2, 2, "gpipe", "offload")],
+)  # fmt: skip
+def test_a_pipelined_toy_trains_like_the_single_device_optax_loop(
+    stage, stages, micro, schedule, extra
+):
+    """Also under activation checkpointing (each stage's layer scan rematerialised) and with
+    the optimizer state in host memory."""
+    engine, losses, norms = trained(stage, stages, micro, schedule, extra)
+    assert dict(engine.mesh.shape) == {"pipe": stages, "data": 8 // stages}
+    ref_losses, ref_norms, ref_params = toy_reference()
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-10, atol=0)
+    assert max_rel_error(jax.device_get(engine.params), ref_params) < 1e-9
+    # A stacked leaf rests as 1/P of the layers on each device (times ZeRO's shard at stage 3);
+    # the embedding and head are whole on every stage.
+    data = 8 // stages
+    up = engine.state.params["layers"]["up"]
+    expected = (L // stages, D // data, F) if stage == 3 else (L // stages, D, F)
+    assert {s.data.shape for s in up.addressable_shards} == {expected}
+    assert up.sharding.spec[0] == "pipe"
+    assert engine.state.params["head"].sharding.spec[:1] != ("pipe",)
+    assert f"pipeline: {stages} stages over 'pipe', schedule {schedule}" in engine.describe()
+    if (stage, stages, extra) == (3, 4, ""):  # evaluate runs the loss whole over the stages
+        held_out = batches(1, seed=7)[0]
+        expected = float(jax.jit(toy_loss)(ref_params, held_out))
+        assert float(engine.evaluate(held_out)) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
+    engine, *_ = trained(3, 2, 4, "1f1b")
+    compiled = engine.lower(batches()[0]).compile()
+    by_axes = collectives_by_axes(compiled, engine.mesh)
+    permutes = {axes: s["collective-permute"] for axes, s in by_axes.items()
+                if s["collective-permute"].count}  # fmt: skip
+    assert list(permutes) == [("pipe",)]
+    # Each permute moves one micro-batch's activations (the layer scan's carry): rows per
+    # device per micro-batch x tokens x width, in float64; from stage s to s + 1 or back.
+    rows = BATCH // 4 // 4  # data-parallel 4, 4 micro-batches
+    carry = rows * T * D * 8
+    text = compiled.as_text()
+    lines = [ln for ln in text.splitlines() if " collective-permute(" in ln
+             or " collective-permute-start(" in ln]  # fmt: skip
+    assert lines
+    for line in lines:
+        assert f"f64[{rows},{T},{D}]" in line.split("collective-permute")[0], line
+        for src, dst in source_target_pairs(line):
+            assert abs(src - dst) == 4  # the same data position on the neighbouring stage
+    # 2 permutes a slot (forward and backward), 2 (M + P - 1) slots.
+    assert permutes[("pipe",)].count == 2 * 2 * (4 + 2 - 1)
+    assert permutes[("pipe",)].bytes == permutes[("pipe",)].count * carry
+    # ZeRO's gathers and reduce-scatters stay within each stage's data group.
+    for axes, stats in by_axes.items():
+        if stats["all-gather"].count or stats["reduce-scatter"].count:
+            assert axes == ("data",), axes
+
+
+ROWS = 2  # rows of one micro-batch on each device
+
+
+@functools.cache
+def temp_bytes(schedule, micro):
+    """The compiled step's temporaries at P = 2 (data-parallel 4), ROWS rows a micro-batch."""
+    rows = 4 * ROWS * micro
+    engine = jzero.initialize(
+        make_toy(), toy_loss, optax.sgd(LR), config(1, 2, micro, schedule, train_batch_size=rows)
+    )
+    batch = {"tokens": np.zeros((rows, T + 1), np.int32)}
+    return engine.lower(batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_keeps_p_micro_batches_of_activations_where_gpipe_keeps_m():
+    """P = 2, micro-batches of the same size, M = 4P = 8 against M = 2P = 4: GPipe's
+    temporaries grow by one micro-batch's saved activations per micro-batch, 1F1B's do not
+    grow, and at M = 8 1F1B holds M - P = 6 micro-batches' fewer than GPipe."""
+    per_micro = (temp_bytes("gpipe", 8) - temp_bytes("gpipe", 4)) / 4
+    # A micro-batch's saved activations: at least its 2 layers' inputs.
+    assert per_micro >= 2 * ROWS * T * D * 8
+    # 1F1B: two slots of saved activations at M = 4 and at M = 8.
+    assert abs(temp_bytes("1f1b", 8) - temp_bytes("1f1b", 4)) < per_micro / 4
+    saved = temp_bytes("gpipe", 8) - temp_bytes("1f1b", 8)
+    assert saved == pytest.approx((8 - 2) * per_micro, rel=0.1)
+
+
+def test_a_checkpoint_saved_at_two_stages_stage_3_restores_at_one_stage_stage_1(tmp_path):
+    ckpt = {"checkpoint": {"directory": str(tmp_path / "ckpt")}}
+    data = batches()
+    piped = jzero.initialize(make_toy(), toy_loss, optax.adamw(LR), {**config(3, 2, 4), **ckpt})
+    piped.train_step(data[0])
+    piped.save()
+    piped.wait_until_finished()
+    expected = float(piped.train_step(data[1])["loss"])
+    piped.close()  # one writer per checkpoint directory
+    four = jzero.make_mesh({"data": 4}, devices=jax.devices()[:4])
+    whole = jzero.initialize(
+        make_toy(), toy_loss, optax.adamw(LR), {**config(1, 1, 1), **ckpt}, mesh=four
+    )
+    whole.restore()
+    assert float(whole.train_step(data[1])["loss"]) == pytest.approx(expected, rel=1e-10, abs=0)
+    # ... and back onto four stages.
+    whole.save(2)
+    whole.wait_until_finished()
+    expected = float(whole.train_step(data[2])["loss"])
+    whole.close()
+    four_stages = jzero.initialize(
+        make_toy(), toy_loss, optax.adamw(LR), {**config(2, 4, 4), **ckpt}
+    )
+    four_stages.restore(2)
+    got = float(four_stages.train_step(data[2])["loss"])
+    assert got == pytest.approx(expected, rel=1e-10, abs=0)
+
+
+def test_layers_the_stages_do_not_divide_are_a_clear_error():
+    engine = jzero.initialize(make_toy(layers=6), toy_loss, optax.sgd(LR), config(1, 4, 4))
+    with pytest.raises(ValueError, match=r"pipeline.stages: 4 does not divide the 6 layers of "
+                       r"layers.down.*divisors of 6 \(1, 2, 3, 6\)"):  # fmt: skip
+        engine.train_step(batches(1)[0])
+
+
+def test_a_python_loop_over_layers_is_refused_with_what_to_change():
+    def loop_loss(p, batch):
+        x = jnp.take(p["embed"], batch["tokens"][:, :-1], axis=0)
+        for i in range(L):
+            x = x + jnp.tanh(x @ p["layers"]["up"][i]) @ p["layers"]["down"][i]
+        logp = jax.nn.log_softmax(x @ p["head"], -1)
+        return -jnp.take_along_axis(logp, batch["tokens"][:, 1:, None], -1).mean()
+
+    engine = jzero.initialize(make_toy(), loop_loss, optax.sgd(LR), config(1, 2, 2))
+    with pytest.raises(NoLayerScan, match=r"layers stacked under one lax.scan.*Python loop"):
+        engine.train_step(batches(1)[0])
+
+
+def test_stages_that_do_not_divide_the_devices_are_a_clear_error():
+    with pytest.raises(
+        ValueError, match=r"pipeline.stages: 3 does not divide the 8 devices.*1, 2, 4, 8"
+    ):
+        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 3, 3))
+
+
+def test_a_users_mesh_without_the_pipe_axis_is_refused_with_the_fix():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match=r"pipeline.stages: 2 needs a mesh axis 'pipe' of 2 "
+                       r"devices, but the mesh is \{'data': 8\}.*give it pipe: 2"):  # fmt: skip
+        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 2, 2), mesh=mesh)
+
+
+def test_too_few_micro_batches_are_refused_when_the_config_is_read():
+    with pytest.raises(ValueError, match=r"pipeline.stages: 4 needs at least 4 micro-batches"):
+        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 4, 2))
+
+
+# -- the built-in GPT ------------------------------------------------------------------------------
+
+GPT = gpt.GPTConfig(
+    vocab_size=64, seq_len=16, num_layers=4, num_heads=4, d_model=32, d_ff=64, dtype="float64"
+)
+
+
+def gpt_params():
+    return jax.tree.map(lambda x: x.astype(np.float64), gpt.init_params(jax.random.key(0), GPT))
+
+
+def gpt_loss(p, b):
+    return gpt.loss_fn(p, b, GPT)
+
+
+@functools.cache
+def gpt_reference():
+    return optax_loop(gpt_loss, gpt_params(), batches(vocab=64, length=GPT.seq_len))
+
+
+@pytest.mark.parametrize("stage, stages, micro", [(3, 2, 2), (1, 4, 8)])
+def test_the_built_in_gpt_pipelined_trains_like_the_single_device_optax_loop(stage, stages, micro):
+    engine = jzero.initialize(gpt_params(), gpt_loss, optax.adamw(LR), config(stage, stages, micro))
+    metrics = [engine.train_step(b) for b in batches(vocab=64, length=GPT.seq_len)]
+    ref_losses, ref_norms, ref_params = gpt_reference()
+    np.testing.assert_allclose([float(m["loss"]) for m in metrics], ref_losses, rtol=1e-10)
+    np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-10)
+    assert max_rel_error(jax.device_get(engine.params), ref_params) < 1e-9
+    assert sum(engine.plan.pipelined) == sum(1 for x in jax.tree.leaves(gpt_params()["blocks"]))
+
+
+def test_the_estimate_splits_the_model_state_over_stages_and_keeps_p_or_m_micro_batches():
+    shape = {"seq_len": 2048, "micro_batch": 1, "hidden": 4096, "layers": 32, "heads": 32}
+    whole = jzero.memory.estimate(7e9, 64, **shape)
+    piped = jzero.memory.estimate(7e9, 64, pipeline=4, micro_batches=16, **shape)
+    gpipe = jzero.memory.estimate(
+        7e9, 64, pipeline=4, micro_batches=16, pipeline_schedule="gpipe", **shape
+    )
+    assert piped.row(0).device_bytes == pytest.approx(16 * 7e9 / 4)  # Psi / P a stage
+    assert piped.row(3).device_bytes == pytest.approx(16 * 7e9 / 64)  # over all N devices
+    # 1F1B: P micro-batches of L / P layers, the activations of one micro-batch of L layers;
+    # GPipe: M of them.
+    assert piped.row(0).activations == pytest.approx(whole.row(0).activations)
+    assert gpipe.row(0).activations == pytest.approx(16 / 4 * piped.row(0).activations)
+    # Each micro-batch's s b h activations forward, their gradient back (bf16).
+    assert piped.row(0).pipe_axis_bytes == 2 * 16 * 2048 * 4096 * 2
+    assert "pipeline P = 4 stages (1f1b, M = 16 micro-batches, bubble" in piped.table()
+    with pytest.raises(ValueError, match=r"micro_batches: 2 is fewer than the 4 pipeline"):
+        jzero.memory.estimate(7e9, 64, pipeline=4, micro_batches=2)
+
+
+def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path):
+    """`jzero train --set pipeline.stages=2` on 8 devices: the mesh {pipe: 2, data: 4}, the
+    loss falls, and each device holds less model state than on {data: 8} at stage 1 (half the
+    layers, the optimizer state sharded over 4 instead of 8)."""
+    import json
+
+    from jzero import train
+
+    tiny = [
+        "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 64}",
+        "data={source: stdlib, max_bytes: 200000}",
+        "train.eval_interval=0",
+        "zero_optimization.stage=1",
+    ]
+    piped = train.run(
+        "configs/zero2.yaml",
+        overrides=[*tiny, "pipeline.stages=2", "gradient_accumulation_steps=2",
+                   "train_micro_batch_size_per_gpu=2", f"train.log_dir={tmp_path / 'p'}"],
+        steps=8,
+        progress=False,
+    )  # fmt: skip
+    whole = train.run(
+        "configs/zero2.yaml",
+        overrides=[*tiny, "train_micro_batch_size_per_gpu=2", f"train.log_dir={tmp_path / 'w'}"],
+        steps=1,
+        progress=False,
+    )
+    assert piped["mesh"] == {"pipe": 2, "data": 4} and whole["mesh"] == {"data": 8}
+    lines = (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(x)["loss"] for x in lines]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert piped["model_state_bytes_per_device"] < whole["model_state_bytes_per_device"]
+
+
+@needs_float16
+def test_fp16_loss_scaling_seeds_the_pipeline_with_the_scale():
+    """fp16 with dynamic loss scaling (initial scale 2^8): the pipeline seeds each micro-batch's
+    backward pass with the scale and unscales after, so the first step's loss and gradient norm
+    are P = 1's. Bound: both runs compute each micro-batch's layers with the same fp16 ops,
+    only summing the micro-batches and stages in another order; 4 L roundings of fp16's unit
+    roundoff (2^-11) bound what reordering moves (8e-3). A seed without the scale would be off
+    by 2^8, a stage's gradients left out by its share of the norm."""
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+    toy = jax.tree.map(lambda x: x.astype(jnp.float32), make_toy())
+    first = batches(1)[0]
+    runs = []
+    for stages in (1, 2):
+        engine = jzero.initialize(toy, toy_loss, optax.adamw(LR), {**config(2, stages, 2), **fp16})
+        m = engine.train_step(first)
+        assert float(m["skipped"]) == 0 and float(m["loss_scale"]) == 2.0**8
+        runs.append((float(m["loss"]), float(m["grad_norm"])))
+    (loss1, norm1), (loss2, norm2) = runs
+    bound = 4 * L * 2.0**-11
+    assert loss2 == pytest.approx(loss1, rel=bound)
+    assert norm2 == pytest.approx(norm1, rel=bound)
+
+
+def test_jzero_plan_for_another_device_count_refuses_a_pipelined_mesh_with_the_fix():
+    with pytest.raises(ValueError, match=r"--devices 16.*mesh also has \{'pipe': 2\}.*drop "):
+        jzero.memory.plan_report(
+            "configs/zero2.yaml",
+            devices=16,
+            overrides=["pipeline.stages=2", "gradient_accumulation_steps=2"],
+        )

@@ -1,0 +1,63 @@
+"""Child of tests/nvme/test_nvme_params.py: one process of a ``jzero launch`` run with the optimizer
+state and the parameters on NVMe (stage 3, bf16), each process writing its own shards.
+
+Trains the toy model 4 steps on this process's rows and prints, from process 0, the losses and
+how many files each process's store holds under the shared ``nvme_path`` (after every process
+finished its steps).
+
+Usage: dist_nvme.py NVME_DIR
+"""
+
+import json
+import os
+import sys
+
+import optax
+from jax.experimental import multihost_utils
+
+sys.path.insert(0, os.path.dirname(__file__))
+import toy  # noqa: E402
+from dist_train import train_local  # noqa: E402
+
+import jzero  # noqa: E402
+from jzero import distributed  # noqa: E402
+
+GLOBAL_BATCH = 16
+STEPS = 4
+
+
+def config(nvme_dir: str | None) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if nvme_dir:
+        zero["sub_group_size"] = 3000
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+        zero["offload_param"] = {"device": "nvme"}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
+
+
+def train(nvme_dir: str) -> tuple[list[float], dict[str, int]]:
+    """This process's rows of every batch, 4 steps; the losses."""
+    engine = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(nvme_dir))
+    losses = train_local(engine, STEPS, GLOBAL_BATCH)
+    multihost_utils.sync_global_devices("jzero-test: steps done")
+    stores = sorted(d for d in os.listdir(nvme_dir) if d.startswith("jzero-nvme-"))
+    files = {d: len(os.listdir(os.path.join(nvme_dir, d))) for d in stores}
+    multihost_utils.sync_global_devices("jzero-test: files counted")
+    engine.close()
+    return losses, files
+
+
+def main(nvme_dir: str) -> None:
+    distributed.init_distributed()
+    losses, files = train(nvme_dir)
+    if distributed.is_main_process():
+        print(json.dumps({"losses": losses, "files": files}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,104 @@
+"""Child of tests/distributed/test_distributed.py: one process of a ``jzero launch`` run (or the
+1-process
+reference when started alone).
+
+Trains the toy model 10 steps at each stage 1, 2, 3 in float64, passing only this process's rows
+of every global batch, and prints one JSON line per stage from process 0: the losses and grad
+norms, the process and device counts, the rows each process passes, and the error a whole
+global batch gives. In float64 because the point is that the processes compute what one process
+computes: float32 would differ by the reduction order of gloo against one all-reduce.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(__file__))
+import toy  # noqa: E402
+
+import jzero  # noqa: E402
+from jzero import distributed  # noqa: E402
+
+GLOBAL_BATCH = 16
+STEPS = 10
+STAGES = (1, 2, 3)
+
+
+def config(stage: int) -> dict:
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+
+
+def train_local_metrics(
+    engine, steps: int, global_batch: int, dtype=np.float32
+) -> tuple[list[float], list[float]]:
+    """``steps`` steps of the toy batches, each process passing only its rows: (losses, grad
+    norms)."""
+    rows = distributed.local_batch_size(global_batch)
+    lo = jax.process_index() * rows
+    losses, norms = [], []
+    for batch in toy.make_batches(steps, global_batch, dtype=dtype):
+        local = {k: v[lo : lo + rows] for k, v in batch.items()}
+        metrics = engine.train_step(local)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    return losses, norms
+
+
+def train_local(engine, steps: int, global_batch: int, dtype=np.float32) -> list[float]:
+    """``steps`` steps of the toy batches, each process passing only its rows; the losses."""
+    return train_local_metrics(engine, steps, global_batch, dtype)[0]
+
+
+def first_grad_norm() -> float:
+    """What every run's first grad_norm must be (:func:`toy.first_grad_norm`)."""
+    return toy.first_grad_norm(GLOBAL_BATCH)
+
+
+def train(stage: int) -> dict:
+    """Trains one stage on this process's rows in float64; returns the record process 0
+    prints."""
+    with jax.enable_x64(True):
+        params = toy.make_params(dtype=np.float64)
+        engine = jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), config(stage))
+        losses, norms = train_local_metrics(engine, STEPS, GLOBAL_BATCH, np.float64)
+        rows = distributed.local_batch_size(GLOBAL_BATCH)
+        batch = toy.make_batches(STEPS, GLOBAL_BATCH, dtype=np.float64)[-1]  # a whole batch
+        try:  # every process checks its batch before any collective, so all raise together
+            whole = {k: v[:1] for k, v in batch.items()}
+            engine.train_step(batch if rows != GLOBAL_BATCH else whole)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        dtype = str(engine.params["embed"].dtype)
+    return {
+        "stage": stage,
+        "losses": losses,
+        "norms": norms,
+        "dtype": dtype,
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_rows": rows,
+        "error": error,
+    }
+
+
+def main() -> None:
+    jax.config.update("jax_enable_x64", True)
+    distributed.init_distributed()  # the runtime first, as a user script does
+    for stage in STAGES:
+        record = train(stage)
+        if distributed.is_main_process():
+            print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
