@@ -21,13 +21,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15  # two workers, each file on one; the slowest 15 last
 
 # The numerics-heavy tests again with XLA:CPU held to another instruction set: a float32 bound
-# fitted to one machine's rounding fails here at once (CI runs this after `make test`). At the code
-# generator's full optimisation level, where `make test` runs at its cheaper one (tests/conftest.py).
+# fitted to one machine's rounding fails here at once (CI runs this after `make test`).
 ISA ?= AVX2
 NUMERICS_TESTS := tests/step/test_parity.py tests/step/test_core.py tests/plan/test_precision.py \
 	tests/step/test_stage3_any_model.py
 test-isa: $(STAMP)
-	JZERO_TEST_FULL_OPT=1 XLA_FLAGS=--xla_cpu_max_isa=$(ISA) $(PY) -m pytest -q -n 2 --dist loadfile $(NUMERICS_TESTS)
+	XLA_FLAGS=--xla_cpu_max_isa=$(ISA) $(PY) -m pytest -q -n 2 --dist loadfile $(NUMERICS_TESTS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format jzero tests examples benchmarks

@@ -19,11 +19,13 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -153,6 +155,29 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
     return [list(range(num_devices))]
 
 
+@contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    """JAX's persistent compilation cache off for the compilations inside.
+
+    The cache's key leaves out the dump options, so with the cache on (``jzero train`` turns it
+    on) a program compiled before would be loaded from disk and dump nothing. JAX decides once
+    whether the cache is used, at its next compilation: the decision is reset on the way in and
+    on the way out."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache:
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
 def program_text(lowered: Any) -> str:
     """The HLO of a lowered step after SPMD partitioning, with the collectives' own dtypes.
 
@@ -168,7 +193,7 @@ def program_text(lowered: Any) -> str:
     Returns:
       HLO text for :func:`collectives`.
     """
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _persistent_cache_off():
         compiled = lowered.compile(
             compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
         )

@@ -24,7 +24,7 @@ LOSS_RTOL = 1e-10
 
 def device_env(devices: int = 8, **extra: str) -> dict[str, str]:
     """A copy of this process's environment for a child with ``devices`` virtual CPU devices:
-    XLA_FLAGS keeps its other flags (the run's code-generation level, an ISA limit) and the
+    XLA_FLAGS keeps its other flags (an ISA limit) and the
     compilation cache the run shares (conftest)."""
     count = "--xla_force_host_platform_device_count"
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
