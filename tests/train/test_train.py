@@ -2,12 +2,14 @@
 returned, written and printed alike, and a SIGTERM stops it after the step with a checkpoint."""
 
 import json
+import logging
 import math
 import os
 import signal
 import threading
 
 import pytest
+from cli_runs import shared_compile_cache
 
 from jzero import train
 from jzero.checkpoint import list_steps
@@ -18,12 +20,14 @@ TINY = [
     "data={source: stdlib, max_bytes: 200000}",
     "train_micro_batch_size_per_gpu=2",
     "train.eval_interval=0",  # no eval step: one compiled train step
+    *shared_compile_cache(),  # the run-wide cache: tests/cli's runs compile the same step
 ]
 
 
-def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkeypatch):
+def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkeypatch, caplog):
     """SIGTERM (what SLURM sends before a kill) during step 2: the run ends after step 2,
-    saves it, and reports the signal the CLI turns into exit status 143."""
+    saves it, and reports the signal the CLI turns into exit status 143. (A second SIGTERM,
+    and Ctrl-C, through the CLI's process: tests/cli/test_cli.py.)"""
     assert threading.current_thread() is threading.main_thread()  # run installs the handler
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     step = Engine.train_step
@@ -38,13 +42,19 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     monkeypatch.setattr(Engine, "train_step", train_step)
     handler = signal.getsignal(signal.SIGTERM)
     overrides = [*TINY, f"train.log_dir={log_dir}", f"checkpoint.directory={ckpt}"]
+    # Stage 3 as tests/cli/test_cli.py trains it: the same compiled step.
+    overrides += ["zero_optimization.stage=3"]
+    overrides += ["zero_optimization.stage3_param_persistence_threshold=0"]
     overrides.append("flops_profiler={peak_flops: 1.0e12}")  # a peak: MFU on every line
-    summary = train.run("configs/zero2.yaml", overrides=overrides, steps=50, progress=False)
+    with caplog.at_level(logging.WARNING, logger="jzero"):
+        summary = train.run("configs/zero2.yaml", overrides=overrides, steps=50, progress=False)
+    # A single SIGTERM is never reported as a second.
+    assert "received again" not in caplog.text
 
     assert summary["steps"] == 2 and summary["interrupted"] is True
     assert summary["signal"] == "SIGTERM" and summary["stopped"] is None
     assert train.exit_code(summary) == 128 + signal.SIGTERM
-    assert summary["stage"] == 2 and summary["devices"] == 8 and summary["resumed_from"] is None
+    assert summary["stage"] == 3 and summary["devices"] == 8 and summary["resumed_from"] is None
     assert summary["first_eval_loss"] is None  # eval_interval 0
     # What the CLI writes and prints (`interrupted: ` + this JSON) is what run returned.
     assert json.loads((log_dir / "summary.json").read_text()) == summary
@@ -78,14 +88,17 @@ def test_run_with_the_state_and_parameters_on_nvme_resumes_from_its_checkpoint(t
         f"zero_optimization.offload_optimizer={{device: nvme, nvme_path: {nvme}}}",
         "zero_optimization.offload_param={device: nvme}",
         "zero_optimization.sub_group_size=20000",
+        # Every parameter sharded, none kept whole on each device (persistent): all take the
+        # tier's path, and the checkpoint saves shards (no per-device slices to compile).
+        "zero_optimization.stage3_param_persistence_threshold=0",
     ]
     caplog.set_level("INFO", logger="jzero")
-    first = train.run("configs/zero3.yaml", overrides=overrides, steps=2, progress=False)
-    assert first["steps"] == 2 and list_steps(tmp_path / "ckpt") == [2]
-    again = train.run("configs/zero3.yaml", overrides=overrides, steps=4, progress=False)
-    assert again["resumed_from"] == 2 and list_steps(tmp_path / "ckpt")[-1] == 4
-    assert again["steps"] == 4 and math.isfinite(again["final_loss"])
+    first = train.run("configs/zero3.yaml", overrides=overrides, steps=1, progress=False)
+    assert first["steps"] == 1 and list_steps(tmp_path / "ckpt") == [1]
+    again = train.run("configs/zero3.yaml", overrides=overrides, steps=2, progress=False)
+    assert again["resumed_from"] == 1 and list_steps(tmp_path / "ckpt")[-1] == 2
+    assert again["steps"] == 2 and math.isfinite(again["final_loss"])
     # The start-up line counts what is in files apart from device memory.
-    line = next(r.getMessage() for r in caplog.records if "training 2 steps" in r.getMessage())
+    line = next(r.getMessage() for r in caplog.records if "training 1 steps" in r.getMessage())
     assert "on NVMe" in line, line
     assert not os.listdir(nvme)
