@@ -1,10 +1,15 @@
 """Flax NNX and Linen models train through the same engine as plain pytrees.
 
 In float64 (each test enables x64, the models are given float64 parameters and compute in
-float64): the NNX or Linen path and the pytree path compute the same thing, so their losses and
-grad norms agree at 1e-10, and the first grad norm is the plain ``jax.grad``'s (clipping hides a
-gradient's scale from the losses). Linen creates BatchNorm's running statistics in float32
-whatever the parameters' dtype; where they are float32, their bound is that one rounding.
+float64): the NNX GPT trains like the single-device optax loop on its weights, and the Linen path
+computes what the pytree path does, so their losses and grad norms agree at 1e-10, and the first
+grad norm is the plain ``jax.grad``'s (clipping hides a gradient's scale from the losses).
+The BatchNorm tests run with the parameters replicated (stage 1) and split (stage 3): what is
+Flax's own here, the module's state taken apart and put back, differs only there; ZeRO's stages
+themselves are the pytree path's, checked stage by stage in tests/step/. The GPT runs at stage 3,
+where its scanned layers are also gathered one at a time. Linen creates BatchNorm's running
+statistics in float32 whatever the parameters' dtype; where they are float32, their bound is that
+one rounding.
 """
 
 import jax
@@ -48,7 +53,18 @@ def _reference_norm(grad_fn, *args):
     return float(optax.global_norm(grad_fn(*args)))
 
 
-_gpt_grad = jax.jit(jax.grad(lambda p, b: gpt.loss_fn(p, b, TINY)))
+_ADAMW = optax.adamw(1e-3)
+
+
+@jax.jit
+def _gpt_reference_step(params, opt_state, batch):
+    """The single-device optax loop's step: ``jax.grad``, DeepSpeed's clipping at 1.0 (the
+    engine's), AdamW. Returns the new params and state, the loss and the gradients' norm."""
+    loss, grads = jax.value_and_grad(lambda p: gpt.loss_fn(p, batch, TINY))(params)
+    norm = optax.global_norm(grads)
+    grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), grads)
+    updates, opt_state = _ADAMW.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, norm
 
 
 def _cfg(stage):
@@ -59,34 +75,27 @@ def _cfg(stage):
     }
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_nnx_gpt_matches_the_pytree_path(stage):
+def test_nnx_gpt_trains_like_the_single_device_optax_loop():
     tokens = np.random.default_rng(0).integers(0, 256, (2, 16, TINY.seq_len + 1), np.int32)
     batches = [{"tokens": t} for t in tokens]
     nnx_engine = jzero.initialize(
         model=lambda: _float64(gpt.GPT(TINY, rngs=nnx.Rngs(0))),
         loss_fn=gpt.nnx_loss_fn,
-        optimizer=optax.adamw(1e-3),
-        config=_cfg(stage),
+        optimizer=_ADAMW,
+        config=_cfg(3),
     )
-    # The same weights through the plain pytree path.
+    # The same weights through the functional GPT's single-device loop.
     params = jax.tree.map(np.asarray, nnx_engine.params)
-    tree_engine = jzero.initialize(
-        params, lambda p, b: gpt.loss_fn(p, b, TINY), optax.adamw(1e-3), _cfg(stage)
-    )
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(np.float64)}
-    first = _reference_norm(_gpt_grad, params, batches[0])
-    for i, b in enumerate(batches):
-        a, c = _metrics(nnx_engine, b), _metrics(tree_engine, b)
-        _close(a, c)
-        if i == 0:
-            _close(c[1], first)
+    opt_state = _ADAMW.init(params)
+    for b in batches:
+        params, opt_state, loss, norm = _gpt_reference_step(params, opt_state, b)
+        _close(_metrics(nnx_engine, b), (float(loss), float(norm)))
     model = nnx_engine.model
     assert isinstance(model, gpt.GPT)
-    if stage == 3:
-        w = nnx_engine.params["blocks"]["mlp_in"]
-        # Beside the layer dimension the scan consumes: each layer is gathered on its own.
-        assert w.sharding.spec == jax.sharding.PartitionSpec(None, "data")
+    w = nnx_engine.params["blocks"]["mlp_in"]
+    # Beside the layer dimension the scan consumes: each layer is gathered on its own.
+    assert w.sharding.spec == jax.sharding.PartitionSpec(None, "data")
 
 
 class BNNet(nnx.Module):
@@ -123,7 +132,7 @@ def _assert_running_mean(mean, expected):
     np.testing.assert_allclose(mean, expected, rtol=rtol, atol=0)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_nnx_batchnorm_statistics_update_over_the_global_batch(stage):
     batch = _bn_batch()
 
@@ -177,7 +186,7 @@ def _linen_grad(params, state, batch):
     return jax.tree.map(lambda g: g.mean(0), grads)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_linen_with_batch_stats_matches_the_pytree_path(stage):
     batch = _bn_batch()
     model, loss = LINEN_BN, _linen_loss
