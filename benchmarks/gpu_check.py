@@ -16,7 +16,8 @@ Decisions:
   a temporary ``nvme_path``, read ahead and written behind) runs in its own Python process,
   because a device's ``peak_bytes_in_use`` only ever grows within a process: one process per
   variant gives each its own peak. The parent gathers their JSON, prints one table and writes it to
-  ``$OUT/gpu_check.json`` when ``OUT`` is set.
+  ``$OUT/gpu_check.json`` when ``OUT`` is set. ``--variants`` runs some of them (``none``, the
+  base of the ratios, among them).
 * Device memory is read three ways: the live allocator (``memory_stats()``: ``bytes_in_use``
   after the timed steps and ``peak_bytes_in_use``), the compiled step's ``memory_analysis()``
   (device and host argument, output and temp bytes) and jzero's plan (``model_state_bytes`` /
@@ -79,9 +80,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--variant-timeout", type=float, default=170.0, help="seconds per variant process"
     )
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated among {', '.join(VARIANTS)}, none among them (default all)",
+    )
     ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # child process
     ap.add_argument("--result", help=argparse.SUPPRESS)  # child process: where its JSON goes
     args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    if "none" not in names or not set(names) <= set(VARIANTS):
+        ap.error(f"--variants: comma-separated among {', '.join(VARIANTS)}, none among them")
+    args.variants = [v for v in VARIANTS if v in names]
     fill_sizes(args)
     if args.steps is None:
         args.steps = 2 if args.smoke else 5
@@ -251,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SMOKE_XLA_FLAGS}".strip()
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in VARIANTS:
+        for variant in args.variants:
             result = Path(tmp) / f"{variant}.json"
             proc = subprocess.run(
                 child_argv(__file__, args, variant, result),

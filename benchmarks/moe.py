@@ -3,7 +3,8 @@ and communication per device, step time, and the loss after training, for E_p in
 ZeRO stages 1 and 3, against the dense GPT with the same active parameters.
 
 Run: ``python benchmarks/moe.py`` (8 virtual CPU devices are set up when no accelerator is
-present; ``--smoke`` for a tiny GPT, E_p in 1 and 2, stage 1, a few steps). E_p = 1 is plain
+present; ``--smoke`` for a tiny GPT, E_p in 1 and 2, stage 1, unless ``--ep`` or ``--stages``
+say otherwise, a few steps). E_p = 1 is plain
 ZeRO on ``{data: N}`` with every expert on every device; E_p > 1 builds ``{data: N/E_p,
 expert: E_p}``: each device holds ``E / E_p`` experts of every MoE layer, ZeRO shards them over
 ``data`` only and every dense leaf over ``data`` x ``expert``, and tokens reach their experts'
@@ -123,16 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16, help="global batch (rows)")
-    ap.add_argument("--ep", default="1,2,4,8", help="comma-separated autoep_size values")
-    ap.add_argument("--stages", default="1,3", help="comma-separated ZeRO stages")
+    ap.add_argument("--ep", help="comma-separated autoep_size values (default 1,2,4,8, smoke 1,2)")
+    ap.add_argument("--stages", help="comma-separated ZeRO stages (default 1,3, smoke 1)")
     ap.add_argument("--train", type=int, default=30, help="training steps per cell")
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step time")
     ap.add_argument("--smoke", action="store_true", help="tiny GPT, E_p in 1,2, stage 1")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the sizes; --ep and --stages where given win
         args.layers, args.d_model, args.heads, args.d_ff, args.experts = 2, 32, 2, 32, 4
-        args.seq_len, args.batch, args.ep, args.stages = 16, 8, "1,2", "1"
+        args.seq_len, args.batch = 16, 8
         args.train, args.warmup = 3, 1
+    args.ep = args.ep or ("1,2" if args.smoke else "1,2,4,8")
+    args.stages = args.stages or ("1" if args.smoke else "1,3")
     eps = [int(e) for e in args.ep.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
     shape = dict(

@@ -7,8 +7,8 @@ weights under ``--bf16``, in ``pinned_host``), the same with ``sub_group_size`` 
 the parameters (the update streamed one group at a time), the same with ``compute: host`` (each
 group updated where it rests in host memory, ``optimizer+host``), and with ``device: nvme`` (the
 state in files under a temporary ``nvme_path``); at stage 3 also with ``offload_param`` on top,
-in host memory (``optimizer+param``) and on NVMe (``nvme+param``).
-Figures per device:
+in host memory (``optimizer+param``) and on NVMe (``nvme+param``); ``--stages`` and
+``--offload`` (``none`` among them) pick some. Figures per device:
 
 * plan device / plan host: :meth:`jzero.plan.Plan.model_state_bytes` and
   :meth:`~jzero.plan.Plan.host_state_bytes` (params, grads, masters, optimizer state);
@@ -180,7 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 masters offloaded too")
     ap.add_argument("--stages", default="1,2,3", help="stages to measure (default 1,2,3)")
+    ap.add_argument(
+        "--offload",
+        default=",".join(dict.fromkeys(v for _, v in VARIANTS)),
+        help="offload variants to measure, comma-separated (default all)",
+    )
     args = ap.parse_args(argv)
+    if "none" not in args.offload.split(","):
+        ap.error("--offload needs none: the step-time ratios are against it")
 
     cfg = gpt.GPTConfig(
         vocab_size=256,
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [
             measure(stage, variant, params, loss, batch, args, nvme_dir)
             for stage, variant in VARIANTS
-            if str(stage) in args.stages.split(",")
+            if str(stage) in args.stages.split(",") and variant in args.offload.split(",")
         ]
 
     print("\nPer-device memory (MiB): the plan's split, then the compiled step's memory_analysis()")

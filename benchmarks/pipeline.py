@@ -3,7 +3,8 @@ GPipe and 1F1B schedules, step time, the bubble, per-device model state and temp
 the bytes moved between stages.
 
 Run: ``python benchmarks/pipeline.py`` (8 virtual CPU devices are set up when no accelerator is
-present; ``--smoke`` for a tiny GPT, P in 1 and 2, one timed step). P = 1 is plain ZeRO on
+present; ``--smoke`` for a tiny GPT, P in 1 and 2 unless ``--pipeline`` says otherwise, one
+timed step). P = 1 is plain ZeRO on
 ``{data: N}``; P > 1 builds ``{pipe: P, data: N/P}``, splits the GPT's layer scan into P stages
 of consecutive layers, and ZeRO shards each stage's state over its ``data`` group.
 
@@ -96,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="rows per device per micro-batch at P = 1: sets --batch to this x devices x M",
     )
-    ap.add_argument("--pipeline", default="1,2,4", help="comma-separated pipeline.stages values")
+    ap.add_argument(
+        "--pipeline", help="comma-separated pipeline.stages values (default 1,2,4, smoke 1,2)"
+    )
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--stage", type=int, default=1, help="the ZeRO stage")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 compute, fp32 master weights")
@@ -105,11 +108,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny GPT, P in 1,2, 1 step")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the sizes; --pipeline where given wins
         args.layers, args.d_model, args.heads = 2, 32, 4
         args.seq_len, args.vocab, args.batch, args.micro = 16, 64, 32, 4
         args.micro_batch = None
-        args.pipeline, args.steps, args.warmup = "1,2", 1, 0
+        args.steps, args.warmup = 1, 0
+    if args.pipeline is None:
+        args.pipeline = "1,2" if args.smoke else "1,2,4"
     if args.micro_batch is not None:
         args.batch = args.micro_batch * jax.device_count() * args.micro
     sizes = [int(p) for p in args.pipeline.split(",")]

@@ -1,7 +1,8 @@
 """ZeRO stages 0-3 on a GPT-like scanned model: memory, communication and step time per stage.
 
 Run: ``python benchmarks/stages.py`` (8 virtual CPU devices are set up when no accelerator is
-present). Every figure comes from the compiled program or from live arrays:
+present; ``--stages`` and ``--hosts-stages`` pick the stages, all four by default). Every figure
+comes from the compiled program or from live arrays:
 
 * params / opt state: bytes of the live arrays resident on device 0 (``addressable_shards``);
 * grads: the gradient accumulator per device from the plan (it is a temporary of the step);
@@ -89,13 +90,15 @@ def interleaved_medians(runs: dict, steps: int, repeats: int) -> dict:
     return {name: float(np.median(ts)) for name, ts in times.items()}
 
 
-def step_times(params, loss, batch, n: int, steps: int, repeats: int) -> tuple[dict, dict]:
-    """Interleaved step times of plain data parallelism and stages 0-3 on the first ``n``
+def step_times(
+    params, loss, batch, n: int, steps: int, repeats: int, stages=(0, 1, 2, 3)
+) -> tuple[dict, dict]:
+    """Interleaved step times of plain data parallelism and ``stages`` on the first ``n``
     devices, and each stage's layout copies (count, bytes)."""
     mesh = jzero.make_mesh(n, devices=jax.devices()[:n])
     tbs = batch["tokens"].shape[0]
     runs, copies = {}, {}
-    for stage in range(4):
+    for stage in stages:
         config = {
             "train_batch_size": tbs,
             "gradient_clipping": 1.0,
@@ -124,7 +127,9 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--hosts-stages", default="0,1,2,3", help="stages of the across-hosts table (default all)"
     )
+    ap.add_argument("--stages", default="0,1,2,3", help="stages of the other tables (default all)")
     args = ap.parse_args(argv)
+    stages = [int(s) for s in args.stages.split(",") if s]
 
     cfg = gpt.GPTConfig(
         vocab_size=256,
@@ -154,7 +159,7 @@ def main(argv=None) -> None:
         3: (16 / n, "3 Psi (2 AG + RS)"),
     }
     rows = []
-    for stage in range(4):
+    for stage in stages:
         config = {
             "train_batch_size": tbs,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -218,14 +223,14 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"{r[0]:>5}  {r[12]:5d}  {r[13]:6.2f}")
     if n % 2 == 0 and n > 2:
-        stages = [int(s) for s in args.hosts_stages.split(",") if s]
-        across_hosts(params, loss, batch, tbs, psi, n, stages)
+        hosts_stages = [int(s) for s in args.hosts_stages.split(",") if s]
+        across_hosts(params, loss, batch, tbs, psi, n, hosts_stages)
     for count in [int(c) for c in args.devices.split(",") if c]:
         if count > n:
             print(f"\n(skipping {count} devices: this machine has {n})")
             continue
         sub = {"tokens": batch["tokens"][: args.micro_batch * count]}
-        times, copies = step_times(params, loss, sub, count, args.steps, args.repeats)
+        times, copies = step_times(params, loss, sub, count, args.steps, args.repeats, stages)
         floor, remat_floor = times["plain"], times["plain+remat"]
         print(
             f"\nStep time on {count} devices, global batch {args.micro_batch * count}: median of "
@@ -239,7 +244,7 @@ def main(argv=None) -> None:
             f"{'plain+remat':<12}  {remat_floor * 1e3:7.1f}  {remat_floor / floor:11.2f}"
             f"  {1.0:17.2f}"
         )
-        for stage in range(4):
+        for stage in stages:
             t = times[stage]
             print(
                 f"{'stage ' + str(stage):<12}  {t * 1e3:7.1f}  {t / floor:11.2f}  "
@@ -248,7 +253,7 @@ def main(argv=None) -> None:
         print("(targets: stages 0-2 <= 1.05 x plain DP; stage 3 <= 1.25 x plain DP+remat)")
     sys.stdout.flush()
     if not args.no_bf16:
-        mixed_precision(params, loss, batch, tbs, psi_elems, n)
+        mixed_precision(params, loss, batch, tbs, psi_elems, n, stages)
 
 
 def across_hosts(params, loss, batch, tbs, psi, n, stages=(0, 1, 2, 3)) -> None:
@@ -290,11 +295,11 @@ def across_hosts(params, loss, batch, tbs, psi, n, stages=(0, 1, 2, 3)) -> None:
     )
 
 
-def mixed_precision(params, loss, batch, tbs, psi_elems, n) -> None:
+def mixed_precision(params, loss, batch, tbs, psi_elems, n, stages=(0, 1, 2, 3)) -> None:
     """Per-device bytes under bf16 against K = 12, and collective bytes by communication dtype."""
     k12 = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}
     mem_rows, comm_rows = [], []
-    for stage in range(4):
+    for stage in stages:
         by_comm = {}
         for comm in ("bf16", "fp32"):
             config = {

@@ -3,7 +3,8 @@ the built-in GPT: memory and communication per device, and step time, for T in 1
 1, 2, 4 at ZeRO stages 1 and 3.
 
 Run: ``python benchmarks/tensor_parallel.py`` (8 virtual CPU devices are set up when no
-accelerator is present; ``--smoke`` for a tiny GPT, T in 1 and 2, stage 1, one timed step).
+accelerator is present; ``--smoke`` for a tiny GPT, T in 1 and 2 and S = 2, stage 1, one timed
+step, unless ``--tp``, ``--sp`` or ``--stages`` say otherwise).
 T = 1 is plain ZeRO on ``{data: N}``; T > 1 builds the mesh ``{data: N/T, model: T}`` and splits
 every parameter over ``model`` Megatron-style (column-parallel q/k/v and MLP-in, row-parallel
 attention-out and MLP-out, the embedding by vocabulary rows), ZeRO sharding over ``data``.
@@ -135,19 +136,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--bf16", action="store_true", help="bfloat16 compute, fp32 master weights")
     ap.add_argument("--json", help="also write the rows to this JSON file")
-    ap.add_argument("--tp", default="1,2,4", help="comma-separated autotp_size values")
+    ap.add_argument("--tp", help="comma-separated autotp_size values (default 1,2,4, smoke 1,2)")
     ap.add_argument(
-        "--sp", default="2,4", help="comma-separated sequence_parallel_size values run at T = 1"
+        "--sp",
+        help="comma-separated sequence_parallel_size values run at T = 1 (default 2,4, smoke 2)",
     )
-    ap.add_argument("--stages", default="1,3", help="comma-separated ZeRO stages")
+    ap.add_argument("--stages", help="comma-separated ZeRO stages (default 1,3, smoke 1)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per cell")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny GPT, T in 1,2, stage 1, 1 step")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the sizes; --tp, --sp and --stages where given win
         args.layers, args.d_model, args.heads, args.d_ff = 2, 32, 4, 64
         args.seq_len, args.vocab, args.batch, args.micro_batch = 16, 64, 8, None
-        args.tp, args.sp, args.stages, args.steps, args.warmup = "1,2", "2", "1", 1, 1
+        args.steps, args.warmup = 1, 1
+    defaults = ("1,2", "2", "1") if args.smoke else ("1,2,4", "2,4", "1,3")
+    for key, default in zip(("tp", "sp", "stages"), defaults, strict=True):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     if args.d_ff is None:
         args.d_ff = 4 * args.d_model
     n = jax.device_count()

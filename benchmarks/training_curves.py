@@ -6,7 +6,8 @@ steps on 8 virtual CPU devices when no accelerator is present) with ``csv_monito
 ``docs/demo_curves.png``): the train and eval loss, and MFU, against the samples trained (the
 monitors' x-axis, as DeepSpeed's). ``--from DIR`` draws an earlier run's monitor directory
 (``<output_path>/<job_name>``, e.g. ``runs/zero2/DeepSpeedJobName``) without training.
-``--smoke``: a tiny GPT for a few steps (the test's run).
+``--smoke``: a tiny GPT for a few steps, the CPU's matmul rate measured on smaller matrices (the
+test's run).
 
 MFU needs the device's peak FLOP/s. An accelerator's comes from jzero's table; a CPU has none,
 so this script measures one: the rate of a float32 batched matmul with every device computing
@@ -144,7 +145,7 @@ def main() -> int:
         note = "MFU as the run logged it"
     else:
         if peak is None:
-            peak = measured_peak()
+            peak = measured_peak(256 if args.smoke else 1024)
             note = (
                 f"MFU against this CPU's measured f32 matmul rate, {peak / 1e9:.1f} GFLOP/s/device"
             )

@@ -125,8 +125,10 @@ def float64_run(ckpt_root, stage):
 # Resuming runs the same compiled step on the same values, so it is bit for bit the run that
 # never stopped, at any precision; in float64, so that the first gradient norm can be checked
 # against the optax gradient at 1e-10 (a gradient scaled by a constant, which clipping would
-# hide from the losses, fails that).
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# hide from the losses, fails that). Stage 1 restores whole parameters beside sharded optimizer
+# state (stage 2's state is laid out the same, stage 0's is all whole leaves), stage 3 only
+# sharded leaves.
+@pytest.mark.parametrize("stage", [1, 3])
 def test_resume_is_bit_identical(stage, ckpt_root):
     directory, step_fn, losses, norms, final, _ = float64_run(ckpt_root, stage)
     assert norms[0] == pytest.approx(first_grad_norm(), rel=1e-10, abs=0)

@@ -10,32 +10,11 @@ import time
 
 import numpy as np
 import pytest
-from cli_runs import shared_compile_cache
+from cli_runs import TINY
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jzero import cli
 from jzero.checkpoint import latest_step, list_steps
-
-TINY = [
-    "--set",
-    "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 64}",
-    "--set",
-    "data={source: stdlib, max_bytes: 200000}",
-    "--set",
-    "train_micro_batch_size_per_gpu=2",
-    "--set",
-    "train.eval_interval=3",
-    "--set",
-    "train.eval_batches=1",
-    "--set",
-    "steps_per_print=2",
-    "--set",
-    "zero_optimization.stage=3",
-    "--set",
-    "zero_optimization.stage3_param_persistence_threshold=0",
-    # The run-wide compile cache: these runs, the children's and tests/train's share programs.
-    *(arg for override in shared_compile_cache() for arg in ("--set", override)),
-]
 
 
 def _monitored(job, name):

@@ -6,7 +6,6 @@ wait bounded by a timeout, and every group killed when the test ends, however it
 """
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -14,11 +13,13 @@ import subprocess
 import sys
 import time
 
+import dist_peer
+import dist_session
 import dist_train
 import jax
 import numpy as np
 import pytest
-from procs import LOSS_RTOL, Children, child_env, gone, launcher
+from procs import LOSS_RTOL, child_env, device_env, gone, launcher
 from repo import ROOT, SUPPORT
 
 from jzero import data, distributed
@@ -28,24 +29,18 @@ from jzero.distributed import launch
 # -- 2 processes x 4 devices against 1 process x 8 devices ---------------------------------------
 @pytest.fixture(scope="module")
 def runs():
-    """(the 2 x 4 run's output lines, the 1 x 8 records per stage), computed side by side."""
+    """(the 2 x 4 run's records and process 1's lines, the 1 x 8 records per stage)."""
     assert jax.device_count() == 8 and jax.process_count() == 1
-    c = Children()
-    try:
-        cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
-        p = c.start([*cmd, str(SUPPORT / "dist_train.py")], child_env())
-        reference = {stage: dist_train.train(stage) for stage in dist_train.STAGES}
-        assert c.finish(p, timeout=400) == 0, "".join(p.out + p.err)
-        return p.out, reference
-    finally:
-        c.kill_all()
+    session = dist_session.run()  # the two-process run the suite's two-process tests share
+    records = [session["records"][f"flat{stage}"] for stage in dist_train.STAGES]
+    reference = {stage: dist_train.reference(stage) for stage in dist_train.STAGES}
+    return (records, session["p1_lines"]), reference
 
 
 def test_two_processes_train_like_one_process_on_eight_devices(runs):
-    two_process_run, one_process_run = runs
+    (records, p1_lines), one_process_run = runs
     first = dist_train.first_grad_norm()
-    records = [json.loads(line[5:]) for line in two_process_run if line.startswith("[p0] {")]
-    assert not [line for line in two_process_run if line.startswith("[p1] {")]  # p0 reports
+    assert not [line for line in p1_lines if line.startswith("[p1] {")]  # p0 reports
     assert [r["stage"] for r in records] == list(dist_train.STAGES)
     for r in records:
         ref = one_process_run[r["stage"]]
@@ -61,8 +56,7 @@ def test_two_processes_train_like_one_process_on_eight_devices(runs):
 
 
 def test_a_whole_global_batch_on_two_processes_names_both_sizes(runs):
-    two_process_run, one_process_run = runs
-    records = [json.loads(line[5:]) for line in two_process_run if line.startswith("[p0] {")]
+    (records, _), one_process_run = runs
     for r in records:
         assert "has leading dim 16" in r["error"]
         assert "each of the 2 processes passes its 8 rows" in r["error"]
@@ -72,9 +66,11 @@ def test_a_whole_global_batch_on_two_processes_names_both_sizes(runs):
 
 
 # -- a dying process ------------------------------------------------------------------------------
-def test_killing_one_process_ends_the_other_within_60_seconds(children):
+def test_killing_one_process_ends_the_other_within_its_heartbeat_bound(children):
+    """dist_peer.py starts the runtime with a heartbeat timeout of HEARTBEAT s (the default is
+    30 s: test_layout_from_config_env_and_cluster): process 0 must end within a few of them."""
     port = launch.free_port()
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": device_env(4)["XLA_FLAGS"]}
     procs = [
         children.start(
             [sys.executable, str(SUPPORT / "dist_peer.py")],
@@ -85,7 +81,7 @@ def test_killing_one_process_ends_the_other_within_60_seconds(children):
     children.wait_for_line(procs[0], r"^step 2 sum 8\.0", timeout=180)
     children.wait_for_line(procs[1], r"^process 1 waiting", timeout=60)
     os.kill(procs[1].pid, signal.SIGKILL)
-    code = children.finish(procs[0], timeout=60)
+    code = children.finish(procs[0], timeout=3 * dist_peer.HEARTBEAT)
     assert code != 0
     err = "".join(procs[0].err)
     assert "another task died" in err or "Connection closed by peer" in err, err
@@ -200,6 +196,8 @@ def test_layout_from_config_env_and_cluster():
     spec = distributed.resolve_spec({"process_id": 3, "heartbeat_timeout": 5}, env)
     assert (spec.process_id, spec.source, spec.heartbeat_timeout) == (3, "config", 5)
     assert distributed.resolve_spec(None, {}).multi_process is False
+    # A dead process ends the others within this bound (dist_peer.py tests a shorter one).
+    assert distributed.resolve_spec(None, env).heartbeat_timeout == 30
     assert distributed.resolve_spec({"num_processes": 1}, {}).source == "single"
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0"}
     assert distributed.resolve_spec(None, {**slurm, "SLURM_NTASKS": "2"}).source == "cluster"

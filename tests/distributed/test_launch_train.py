@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from test_cli import TINY
+from cli_runs import TINY  # noqa: E402
 
 from jzero.checkpoint import latest_step, list_steps
 

@@ -1,13 +1,9 @@
-"""Child of tests/distributed/test_distributed_checkpoint.py: one process of a ``jzero launch`` run
-that
-either trains steps 1-5 and saves a checkpoint, or restores one and trains steps 6-10.
-
-Usage: ``dist_ckpt.py save|resume DIRECTORY``; process 0 prints the losses and grad norms as
-one JSON line. In float64 (see dist_train.py): the resumed run must compute what one process
-computes.
+"""The checkpoint tasks of tests/support/dist_session.py: one process of a two-process ``jzero
+launch`` run that either trains steps 1-2 and saves a checkpoint (``save``), or restores one and
+trains steps 3-4 (``resume``); the record: the losses and grad norms. In float64 (see
+dist_train.py): the resumed run must compute what one process computes.
 """
 
-import json
 import os
 import sys
 
@@ -23,7 +19,7 @@ import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
 
 STAGE = 2
-SAVED_AT = 5
+SAVED_AT = 2
 
 
 def make_engine(directory: str) -> jzero.Engine:
@@ -45,10 +41,7 @@ def train(engine: jzero.Engine, batches: list) -> tuple[list[float], list[float]
     return [float(m["loss"]) for m in metrics], [float(m["grad_norm"]) for m in metrics]
 
 
-def main() -> None:
-    mode, directory = sys.argv[1], sys.argv[2]
-    jax.config.update("jax_enable_x64", True)
-    distributed.init_distributed()
+def run(mode: str, directory: str) -> dict:
     with make_engine(directory) as engine:
         if mode == "save":
             losses, norms = train(engine, batches()[:SAVED_AT])
@@ -56,10 +49,4 @@ def main() -> None:
         else:
             engine.restore()
             losses, norms = train(engine, batches()[SAVED_AT:])
-    if distributed.is_main_process():
-        record = {"losses": losses, "norms": norms, "processes": jax.process_count()}
-        print(json.dumps(record), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return {"losses": losses, "norms": norms, "processes": jax.process_count()}

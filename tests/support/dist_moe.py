@@ -1,12 +1,10 @@
-"""Child of tests/distributed/test_moe.py: one process of a two-process ``jzero launch`` run of the
-MoE
-toy (:mod:`moe_toy`) at ``expert_parallel.autoep_size: 4``, stage 3, with a router that sends
-every token to the first device's experts of each expert group (the other devices' experts get
-none). Each process passes its own rows; process 0 prints one JSON line: the losses and dropped
-fractions of 5 steps, the mesh, and which process holds each device. In float64, so that the
-losses match the one-device reference far below any real error."""
+"""The MoE task of tests/support/dist_session.py: one process of a two-process ``jzero launch`` run
+of the MoE toy (:mod:`moe_toy`) at ``expert_parallel.autoep_size: 4``, stage 3, with a router
+that sends every token to the first device's experts of each expert group (the other devices'
+experts get none). Each process passes its own rows; the record: the losses and dropped
+fractions of 3 steps, the mesh, and which process holds each device. In float64 (the child
+enables it), so that the losses match the one-device reference far below any real error."""
 
-import json
 import os
 import sys
 
@@ -20,13 +18,11 @@ import moe_toy  # noqa: E402
 import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
 
-STEPS = 5
+STEPS = 3
 SEED = 3
 
 
-def main() -> None:
-    jax.config.update("jax_enable_x64", True)
-    distributed.init_distributed()
+def train() -> dict:
     params = moe_toy.make_params(bias=moe_toy.bias_first_device_only())
     loss = moe_toy.make_loss(1.0, 2)
     engine = jzero.initialize(params, loss, optax.sgd(moe_toy.LR), moe_toy.config(3, 4))
@@ -37,16 +33,10 @@ def main() -> None:
         metrics = engine.train_step({k: np.asarray(v[lo : lo + rows]) for k, v in batch.items()})
         losses.append(float(metrics["loss"]))
         dropped.append(float(metrics["moe_dropped_fraction"]))
-    record = {
+    return {
         "losses": losses,
         "dropped": dropped,
         "mesh": dict(engine.mesh.shape),
         "processes": [[d.process_index for d in row] for row in engine.mesh.devices.tolist()],
         "process_count": jax.process_count(),
     }
-    if distributed.is_main_process():
-        print(json.dumps(record), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,8 @@
 """Child of tests/distributed/test_distributed.py: a cheap collective loop on several processes.
 
 Every step sums one number per device over all processes and prints ``step <i> sum <s>``.
-Process 1 prints ``process 1 waiting`` at step 3 and then waits to be killed.
+Process 1 prints ``process 1 waiting`` at step 3 and then waits to be killed. The runtime's
+heartbeat timeout is HEARTBEAT s (default 30): the test waits for process 0's end a few of them.
 """
 
 import os
@@ -12,9 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jzero import distributed  # noqa: E402
 
+HEARTBEAT = 8  # seconds
+
 
 def main() -> None:
-    distributed.init_distributed()
+    distributed.init_distributed({"heartbeat_timeout": HEARTBEAT})
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1,15 +1,16 @@
-"""Child of tests/distributed/test_distributed.py: one process of a ``jzero launch`` run (or the
-1-process
-reference when started alone).
+"""The flat-mesh task of tests/support/dist_session.py (one process of a two-process ``jzero
+launch`` run) and its one-process reference in tests/distributed/test_distributed.py.
 
-Trains the toy model 10 steps at each stage 1, 2, 3 in float64, passing only this process's rows
-of every global batch, and prints one JSON line per stage from process 0: the losses and grad
-norms, the process and device counts, the rows each process passes, and the error a whole
-global batch gives. In float64 because the point is that the processes compute what one process
-computes: float32 would differ by the reduction order of gloo against one all-reduce.
+Trains the toy model 4 steps (2 micro-batches each) at stages 2 and 3 in float64, passing only
+this process's rows of every global batch: the losses and grad norms, the process and device
+counts, the rows each process passes, and the error a whole global batch gives. Stage 2
+reduce-scatters every micro-batch across the processes, stage 3 gathers the parameters across
+them too (stage 1's reduction is stage 2's collective once per step). In float64 because the
+point is that the processes compute what one process computes: float32 would differ by the
+reduction order of gloo against one all-reduce.
 """
 
-import json
+import functools
 import os
 import sys
 
@@ -24,8 +25,8 @@ import jzero  # noqa: E402
 from jzero import distributed  # noqa: E402
 
 GLOBAL_BATCH = 16
-STEPS = 10
-STAGES = (1, 2, 3)
+STEPS = 4
+STAGES = (2, 3)
 
 
 def config(stage: int) -> dict:
@@ -91,14 +92,7 @@ def train(stage: int) -> dict:
     }
 
 
-def main() -> None:
-    jax.config.update("jax_enable_x64", True)
-    distributed.init_distributed()  # the runtime first, as a user script does
-    for stage in STAGES:
-        record = train(stage)
-        if distributed.is_main_process():
-            print(json.dumps(record), flush=True)
-
-
-if __name__ == "__main__":
-    main()
+@functools.cache
+def reference(stage: int) -> dict:
+    """:func:`train` in this one process (the reference the two processes must equal)."""
+    return train(stage)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 import toy
+from procs import device_env
 from repo import ROOT, SUPPORT
 
 import jzero
@@ -42,8 +43,7 @@ def make_engine(stage=3, extra=None, params=None, **kw):
 
 
 def child_env(num_devices):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={num_devices}"
+    env = device_env(num_devices)  # the run's XLA flags and compile cache
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(SUPPORT), env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -290,20 +290,16 @@ def test_each_shard_reads_only_its_own_bytes(tmp_path, monkeypatch):
     assert len(reads) == 8 + 8 * 4 + c_reads
 
 
-def _launch_two(mode, directory):
-    from procs import run_two
-
-    return run_two("dist_weights.py", mode, str(directory), timeout=300)
-
-
-def test_two_processes_export_each_its_own_files_and_import_their_own_shards(tmp_path):
+def test_two_processes_export_each_its_own_files_and_import_their_own_shards():
     """Stage 3 on two processes of 4 devices: each process writes the files it owns (process 0
     the index), and the export equals the parameters; an export written here loads on two
-    processes straight into their shards, bit-identically."""
-    import dist_weights
+    processes straight into their shards, bit-identically. Both are tasks of the suite's shared
+    two-process run (dist_session.py), which wrote weights_one here before the launch."""
+    import dist_session
 
-    out = tmp_path / "two"
-    assert _launch_two("export", out) == {"processes": 2}
+    session = dist_session.run()
+    out = session["dir"] / "weights_two"
+    assert session["records"]["weights_export"] == {"processes": 2}
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) >= 2 and all((out / f).is_file() for f in files)
@@ -312,8 +308,6 @@ def test_two_processes_export_each_its_own_files_and_import_their_own_shards(tmp
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
-    # The reverse: written by one process, read by two.
-    one = tmp_path / "one"
-    engine = make_engine(params=toy.make_params(seed=7), extra=dict(dist_weights.CONFIG))
-    engine.save_16bit_model(one, max_shard_size=dist_weights.SHARD_SIZE)
-    assert _launch_two("import", one) == {"processes": 2, "equal": True, "laid_out": True}
+    # The reverse: written by one process (dist_weights.export_here), read by two.
+    imported = session["records"]["weights_import"]
+    assert imported == {"processes": 2, "equal": True, "laid_out": True}
