@@ -120,6 +120,7 @@ def test_all_gather_is_the_dequantized_shards(bits, dim, dtype):
 
     shards = jnp.split(x, N, axis=dim)
 
+    @jax.jit  # one program for the 8 shards, not each operation of it
     def round_trip(s):
         q, sc = quantize(s, bits)
         return dequantize(q, sc, s.shape, s.dtype, bits)
@@ -171,9 +172,10 @@ def test_psum_scatter_close_to_exact(bits):
 
     # Each device's chunk i is off by half its block scale per element: sum them over devices.
     bound = np.zeros_like(exact)
+    scales = jax.jit(lambda c: quantize(c, bits)[1])
     for d in range(N):
         for i, c in enumerate(np.split(np.asarray(g[d]), N, axis=dim)):
-            _, sc = quantize(jnp.asarray(c), bits)
+            sc = scales(jnp.asarray(c))
             bound[i] += element_scales(sc, c.size).reshape(c.shape) / 2
     err = np.abs(got - exact)
     # And float32's rounding (F32 above) of each contribution and of their sum.

@@ -2,7 +2,7 @@
 (qgZ) from the config, on the built-in GPT at stage 3.
 
 Bytes are read from the compiled step (after SPMD partitioning; float32, so the CPU compiler's
-widening of 16-bit collectives does not enter); the 50-step losses must stay within 2% of the
+widening of 16-bit collectives does not enter); the 30-step losses must stay within 2% of the
 exact run's while the loss really falls. Options that do not apply are listed in the no-effect
 warning or refused by ``make_plan``. ``benchmarks/comm.py`` runs as a smoke test.
 """
@@ -24,7 +24,7 @@ from jzero.plan import make_plan
 # int8 rounds each gathered weight (qwZ) or each device's gradient contribution (qgZ) to within
 # half its block's scale, absmax / 254: 0.4% of the block's largest element, far above float32
 # rounding (so the bound holds on any CPU). Through the GPT's 4 matmul layers on the path to the
-# loss, and the 50 steps' updates that follow them (Adam, normalised), the final loss moves by a
+# loss, and the 30 steps' updates that follow them (Adam, normalised), the final loss moves by a
 # few such fractions: 2%. A broken quantizer (a wrong scale, a lost block, a sign) moves the
 # weights by whole scales and the loss by far more, or stops it falling.
 QUANT_REL = 0.02

@@ -117,11 +117,6 @@ def test_a_python_loop_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
     assert_matches(train(engine, data), expected)
 
 
-def test_float64_losses_match_to_1e_10():
-    engine = jzero.initialize(loop_params(), loop_loss, optax.sgd(0.1), CFG)
-    assert_matches(train(engine, batches(2, np.float64)), loop_sgd_reference())
-
-
 class LinenLoop(linen.Module):
     param_dtype: jnp.dtype = jnp.float32
 
@@ -146,7 +141,7 @@ class NNXLoop(nnx.Module):
 
 def test_a_linen_loop_of_submodules_holds_one_layer_at_a_time_and_trains_exactly():
     module = LinenLoop(param_dtype=jnp.float64)
-    variables = module.init(jax.random.key(0), jnp.zeros((2, D), jnp.float64))
+    variables = jax.jit(module.init)(jax.random.key(0), jnp.zeros((2, D), jnp.float64))
 
     def loss(p, b):
         return jnp.mean(module.apply({"params": p}, b["x"]) ** 2)
@@ -176,25 +171,6 @@ def test_an_nnx_list_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
     data = batches(dtype=np.float64)
     expected = reference(ref_loss, start, optax.adam(1e-3), data)
     assert_matches(train(engine, data), expected)
-
-
-@pytest.mark.parametrize("tx", [optax.sgd(0.5), optax.adam(1e-2)], ids=["sgd", "adam"])
-def test_a_tied_embedding_matches_the_single_device_loop(tx):
-    rng = np.random.default_rng(2)
-    params = {
-        "embed": (rng.normal(size=(64, 32)) * 0.3).astype(np.float64),
-        "w": (rng.normal(size=(32, 32)) / np.sqrt(32)).astype(np.float64),
-    }
-
-    def loss(p, b):
-        h = jnp.tanh(p["embed"][b["tokens"][:, :-1]] @ p["w"])
-        logits = h @ p["embed"].T  # the same matrix again: gathered at both uses
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, b["tokens"][:, 1:, None], -1))
-
-    data = [{"tokens": rng.integers(0, 64, (B, 9)).astype(np.int32)} for _ in range(3)]
-    engine = jzero.initialize(params, loss, tx, CFG)
-    assert_matches(train(engine, data), reference(loss, params, tx, data))
 
 
 def test_max_live_parameters_below_the_largest_layer_is_a_clear_error():
@@ -277,7 +253,9 @@ def zero3(**keys):
 def test_max_reuse_distance_keeps_what_is_reused_within_it():
     """DeepSpeed's ``stage3_max_reuse_distance``: a parameter whose next use (a later forward
     use, then its backward use) comes within that many elements of other gathered parameters
-    is gathered once and kept; ``stage3_max_live_parameters`` caps what is kept."""
+    is gathered once and kept; ``stage3_max_live_parameters`` caps what is kept. The default
+    run is also the test that a tied embedding (gathered at both uses) trains like the optax
+    loop."""
     unit = E * E * ITEM  # bytes of one gathered leaf (the embedding is V x E = E x E too)
     out = {}
     for name, keys in {
