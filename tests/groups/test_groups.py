@@ -2,6 +2,8 @@
 each state leaf, bit-identity of grouped and one-call updates (op by op, under jit, on sharded
 inputs), and the leafwise check."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,10 +47,11 @@ SINGLES = [[i] for i in range(len(SIZES))]
 
 
 def tree(seed, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), len(SHAPES))
+    """Normal values of SHAPES, drawn on the host (no program to compile per shape)."""
+    rng = np.random.default_rng(seed)
     return {
-        name: jax.random.normal(k, shape, dtype)
-        for k, (name, shape) in zip(keys, SHAPES.items(), strict=True)
+        name: jnp.asarray(rng.normal(size=shape).astype(np.float32).astype(dtype))
+        for name, shape in SHAPES.items()
     }
 
 
@@ -78,23 +81,41 @@ def assert_rounding_close(a, b):
     np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=0, atol=atol)
 
 
-def run_both(opt, groups, steps=3, dtype=jnp.float32, jit=False, **kw):
-    """Steps the one-call and the grouped update side by side from the same start; returns
-    whether every step's results had the same bits."""
+@functools.cache
+def compiled(name):
+    """One instance of the optimizer ``name`` and its one-call update under ``jit``, shared by
+    the tests (the same program is compiled once per dtype)."""
+    opt = OPTIMIZERS[name]()
+    return opt, jax.jit(lambda g, s, p: one_call(opt, g, s, p))
+
+
+def run_both(name, groupings, steps=3, dtype=jnp.float32, jit=False, rounding=(), **kw):
+    """Steps the one-call update and the grouped update over each of ``groupings`` side by side
+    from the same start (each step from the one-call results) and asserts the same bits, or for
+    the groupings in ``rounding`` equality up to the update's rounding."""
+    opt, one = compiled(name)
     params = tree(0, dtype)
     state = opt.init(params)
     owner = G.param_leaf_owner(opt, params, state)
-    one = lambda g, s, p: one_call(opt, g, s, p)  # noqa: E731
-    grouped = lambda g, s, p: G.grouped_update(opt, g, s, p, groups, owner, **kw)  # noqa: E731
+    if not jit:
+        one = lambda g, s, p: one_call(opt, g, s, p)  # noqa: E731
+    updates = [
+        (lambda g, s, p, groups=groups: G.grouped_update(opt, g, s, p, groups, owner, **kw))
+        for groups in groupings
+    ]
     if jit:
-        one, grouped = jax.jit(one), jax.jit(grouped)
-    ok = True
+        updates = [jax.jit(u) for u in updates]
     for step in range(steps):
         grads = tree(100 + step, dtype)
         want = one(grads, state, params)
-        ok &= same_bits(want, grouped(grads, state, params))
+        for groups, grouped in zip(groupings, updates, strict=True):
+            got = grouped(grads, state, params)
+            if any(groups is r for r in rounding):
+                for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+                    assert_rounding_close(a, b)
+            else:
+                assert same_bits(want, got), (name, groups, step)
         params, state = want
-    return ok
 
 
 # --- leaf_groups ---------------------------------------------------------------------------
@@ -165,21 +186,21 @@ def test_owner_adamw_maps_moments_to_params_and_count_to_none():
 def test_owner_inject_hyperparams_masked_and_factored():
     params = tree(0)
     opt = optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1)
-    state = opt.init(params)
+    state = jax.eval_shape(opt.init, params)  # owners come from shapes
     owner = G.param_leaf_owner(opt, params, state)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     for path, o in zip(paths, owner, strict=True):
         assert (o is None) == (".mu" not in path and ".nu" not in path), path
     # Masked-out entries (MaskedNode) are no leaves and get no entry.
     masked = optax.masked(optax.adam(1e-3), NDIM_MASK)
-    state = masked.init(params)
+    state = jax.eval_shape(masked.init, params)
     owner = G.param_leaf_owner(masked, params, state)
     assert len(owner) == len(jax.tree.leaves(state))
     ndims = [len(SHAPES[name]) for name in sorted(SHAPES)]  # dict leaves: sorted keys
     assert {o for o in owner if o is not None} == {i for i, d in enumerate(ndims) if d > 1}
     # Factored moments have other shapes but still belong to their parameter.
     fact = optax.adafactor(1e-3, min_dim_size_to_factor=32)
-    state = fact.init(params)
+    state = jax.eval_shape(fact.init, params)
     owner = G.param_leaf_owner(fact, params, state)
     leaves = jax.tree.leaves(state)
     shapes = [np.shape(x) for x in jax.tree.leaves(params)]
@@ -191,46 +212,49 @@ def test_owner_inject_hyperparams_masked_and_factored():
 # --- bit-identity ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# Op by op (no jit) the grouped update runs the one-call update's primitives on the same arrays:
+# what can break is its bookkeeping (owners, shared state, placeholders), which one-leaf groups
+# stress most. Compiled (below), MULTI's bits are checked for every optimizer and one-leaf
+# groups' bits for those without a scalar division; op by op remains for the Adam family's
+# one-leaf groups, which compiled differ by rounding: the mask by rank, a group holding only a
+# masked-out leaf (adamw_mask) and the per-leaf norms of placeholders (lamb) here,
+# inject_hyperparams' shared state (adamw_schedule) in test_sequential_barriers_keep_the_bits.
+# Each eager primitive is one compilation per shape, so only these run op by op.
+@pytest.mark.parametrize("name", ["adamw_mask", "lamb"])
 def test_grouped_update_same_bits_op_by_op(name):
-    for groups in (MULTI, MIXED):
-        assert run_both(OPTIMIZERS[name](), groups), (name, groups)
+    run_both(name, [MIXED])
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_grouped_update_same_bits_under_jit(name):
-    assert run_both(OPTIMIZERS[name](), MULTI, jit=True)
+# adam is adamw_schedule's chain without the decay and the injected rate: not repeated.
+ADAM_FAMILY = {"adamw_schedule", "adamw_mask", "lamb"}
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "lion", "adagrad", "adafactor"])
-def test_single_leaf_groups_same_bits_under_jit(name):
-    assert run_both(OPTIMIZERS[name](), SINGLES, jit=True)
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adam"}))
+def test_grouped_update_under_jit_same_bits_and_one_leaf_groups_differ_by_rounding_only(name):
+    """Groups of two or more leaves: the one-call bits. One-leaf groups: the same bits without a
+    scalar division; with one (Adam's bias correction) XLA:CPU rewrites x / s into x * (1 / s)
+    when s has a single consumer, so a one-leaf program rounds a few elements differently (see
+    jzero/groups/update.py), within 2 units in the last place."""
+    rounding = [SINGLES] if name in ADAM_FAMILY else []
+    run_both(name, [MULTI, SINGLES], jit=True, rounding=rounding)
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw_schedule", "lamb"])
-def test_single_leaf_groups_under_jit_differ_by_rounding_only(name):
-    """XLA:CPU rewrites x / s into x * (1 / s) when the scalar s (Adam's bias correction) has
-    one consumer, so a one-leaf program rounds a few elements differently (see groups.py)."""
-    opt = OPTIMIZERS[name]()
-    params = tree(0)
-    state = opt.init(params)
-    grads = tree(7)
-    want = jax.jit(lambda g, s, p: one_call(opt, g, s, p))(grads, state, params)
-    got = jax.jit(lambda g, s, p: G.grouped_update(opt, g, s, p, SINGLES))(grads, state, params)
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        assert_rounding_close(a, b)
-
-
-@pytest.mark.parametrize("name", ["adamw_schedule", "sgd_momentum", "lion", "adam"])
-def test_grouped_update_same_bits_bf16(name):
-    assert run_both(OPTIMIZERS[name](), MIXED, dtype=jnp.bfloat16)
-    assert run_both(OPTIMIZERS[name](), MULTI, dtype=jnp.bfloat16, jit=True)
+# bfloat16 leaves, placeholders and state, compiled (op by op the bookkeeping is the float32
+# one above): the Adam family in groups of two or more; Lion (elementwise, like SGD) in MIXED's
+# one-leaf groups and its group of four.
+@pytest.mark.parametrize(
+    ("name", "groups"),
+    [("adamw_schedule", MULTI), ("lion", MIXED)],
+    ids=["adamw_schedule-multi", "lion-mixed"],
+)
+def test_grouped_update_same_bits_bf16(name, groups):
+    run_both(name, [groups], dtype=jnp.bfloat16, jit=True)
 
 
 def test_sequential_barriers_keep_the_bits():
-    opt = OPTIMIZERS["adamw_schedule"]()
-    assert run_both(opt, MULTI, jit=True, sequential=True)
-    assert run_both(opt, MIXED, sequential=True)
+    opt, _ = compiled("adamw_schedule")
+    run_both("adamw_schedule", [MULTI], jit=True, sequential=True)
+    run_both("adamw_schedule", [MIXED], sequential=True)
     params, state, grads = tree(0), opt.init(tree(0)), tree(1)
     text = jax.jit(lambda g, s, p: G.grouped_update(opt, g, s, p, MULTI, sequential=True)).lower(
         grads, state, params
@@ -267,7 +291,7 @@ def test_grouped_update_sharded_under_jit():
 def test_update_group_streams_with_abstract_leaves():
     """The NVMe pattern: one jit per group whose inputs are only the group's arrays; the other
     leaves are ShapeDtypeStructs closed over (never read)."""
-    opt = OPTIMIZERS["adamw_schedule"]()
+    opt, one = compiled("adamw_schedule")
     params = tree(0)
     state = opt.init(params)
     grads = tree(1)
@@ -312,7 +336,7 @@ def test_update_group_streams_with_abstract_leaves():
         if index == 0:
             for k, v in zip(shared, out.shared, strict=True):
                 new_s[k] = v
-    want = jax.jit(lambda g, s, p: one_call(opt, g, s, p))(grads, state, params)
+    want = one(grads, state, params)
     got = (p_def.unflatten(new_p), s_def.unflatten(new_s))
     # MIXED has one-leaf groups: equal up to XLA's rounding of the bias correction.
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
@@ -339,20 +363,26 @@ def test_grouped_update_rejects_bad_groups():
 # --- the leafwise check ----------------------------------------------------------------------
 
 
+# The value comparison (each leaf its own group, under jit) runs for the first three. For the
+# others its outcome is pinned more tightly above: adafactor's one-leaf groups give the same
+# bits, adamw_schedule's and lamb's are within 2 units in the last place (the check allows 8),
+# in test_grouped_update_under_jit_same_bits_and_one_leaf_groups_differ_by_rounding_only; here
+# their data flow and trace are checked.
 @pytest.mark.parametrize(
-    "opt",
+    ("opt", "values"),
     [
-        optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1),
-        optax.masked(optax.adam(1e-3), NDIM_MASK),
-        optax.lamb(1e-3),
-        optax.adafactor(1e-3, min_dim_size_to_factor=32),
-        optax.chain(optax.clip(1.0), optax.sgd(1e-2, momentum=0.9)),
-        optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(),
+        (optax.masked(optax.adam(1e-3), NDIM_MASK), True),
+        (optax.chain(optax.clip(1.0), optax.sgd(1e-2, momentum=0.9)), True),
+        (optax.MultiSteps(optax.adam(1e-3), 2).gradient_transformation(), True),
+        (optax.inject_hyperparams(optax.adamw)(learning_rate=SCHEDULE, weight_decay=0.1), False),
+        (optax.lamb(1e-3), False),
+        (optax.adafactor(1e-3, min_dim_size_to_factor=32), False),
     ],
-    ids=["adamw_schedule", "masked_adam", "lamb", "adafactor", "clip_leaf", "multisteps"],
+    ids=["masked_adam", "clip_leaf", "multisteps", "adamw_schedule", "lamb", "adafactor"],
 )
-def test_check_leafwise_accepts_leafwise_optimizers(opt):
-    assert G.check_leafwise(opt, tree(0)) is True
+def test_check_leafwise_accepts_leafwise_optimizers(opt, values):
+    limit = (1 << 22) if values else 0
+    assert G.check_leafwise(opt, tree(0), max_elements=limit) is values
 
 
 @pytest.mark.parametrize(

@@ -88,10 +88,12 @@ def step_collectives(cfg, optimizer=None):
         return {k: v.count for k, v in collectives(compiled).items() if v.count}, compiled, e
 
 
+# Muon's update reads the optimizer state's layout, which stages 1-3 share on one mesh; what the
+# stage changes is whether the params rest sharded (gathered for the step). So: the config's
+# Muon at stage 1 (params whole, 8-way data), and jzero.optim.muon in code at stage 3 (params
+# sharded) over replica x data (the matrices dealt over 4 devices, not 8).
 CASES = {
     "stage1": (1, None, False),
-    "stage2": (2, None, False),
-    "stage3": (3, None, False),
     "replica2-data4-stage3-in-code": (3, {"replica": 2, "data": 4}, True),
 }
 
@@ -159,10 +161,10 @@ def test_the_default_leaves_embeddings_heads_biases_and_norms_to_adamw():
 
 def test_muon_is_leafwise_over_whole_leaves():
     """Grouped updates (sub_group_size, NVMe) never split a leaf, and Muon's update of a leaf
-    reads only that leaf: the leafwise check passes it, bit for bit."""
+    reads only that leaf: the leafwise check passes it (the config's Muon: jzero.optim.muon
+    under the injected learning rate), its data flow and its values."""
     params = toy.make_params(num_layers=2, d=16)
-    check_leafwise(jzero.optim.muon(LR, adam_learning_rate=ADAM_LR), params)
-    check_leafwise(build_optimizer(load_config({"optimizer": MUON})), params)
+    assert check_leafwise(build_optimizer(load_config({"optimizer": MUON})), params) is True
 
 
 @pytest.mark.parametrize(
