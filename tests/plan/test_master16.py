@@ -215,7 +215,9 @@ def per_param(opt_state, psi):
     return total, device0
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+# Stage 1 rests like stage 2 (moments sharded, params whole) and its gradients like stage 0's
+# (whole): its plan bytes are test_precision.py::test_per_device_bytes_equal_the_k12_formulas.
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bytes_at_rest_are_6_plus_2_of_gradients_against_14(stage):
     psi = sum(x.size for x in jax.tree.leaves(divisible_params()))
     batch = mlp_batches(1)[0]
@@ -367,7 +369,7 @@ def test_bf16_masters_train_the_gpt_like_fp32_masters():
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, d_ff=128, num_heads=2)
     tokens = data.load_tokens("stdlib", max_bytes=64 * 1024) % 64
     it = data.BatchIterator(tokens, 16, cfg.seq_len, seed=0)
-    batches = [it.next() for _ in range(50)]
+    batches = [it.next() for _ in range(25)]
     runs = {
         "fp32 masters": {"bf16": {"enabled": True}},
         "bf16 masters": bf16(),
@@ -388,11 +390,12 @@ def test_bf16_masters_train_the_gpt_like_fp32_masters():
         losses[name] = float(np.mean(out[-5:]))
         assert out[-1] < out[0] - 0.5, out  # it trains
     # A bf16 master rounds each update to 2^-9 of the weight: AdamW's steps of ~lr = 3e-3 on
-    # weights of ~0.02-1 are mostly above half that ulp, so the 50-step loss follows the fp32
-    # masters' closely (within the issue's 2%); stochastic rounding keeps the smaller steps in
-    # expectation, at the price of noise of the same size.
+    # weights of ~0.02-1 are mostly above half that ulp, so the 25-step loss follows the fp32
+    # masters' closely (within the issue's 2%; measured 0.5% at 25 steps and at 50, the loss
+    # down by 0.95 by then); stochastic rounding keeps the smaller steps in expectation, at the
+    # price of noise of the same size.
     for name, loss in losses.items():
-        print(f"GPT mean loss of steps 46-50, {name}: {loss:.4f}")
+        print(f"GPT mean loss of steps 21-25, {name}: {loss:.4f}")
     ref = losses["fp32 masters"]
     assert abs(losses["bf16 masters"] - ref) <= 0.02 * ref
     assert abs(losses["bf16 masters + stochastic rounding"] - ref) <= 0.02 * ref

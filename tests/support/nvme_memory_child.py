@@ -15,10 +15,11 @@ state) at stage 3, two leaves to a group. Three marks:
 * init: the high-water RSS during ``jzero.initialize`` less the RSS before it (the parameters'
   shards and, where it lives in memory, the optimizer state);
 
-* held: the RSS after 5 steps less the RSS before ``jzero.initialize`` (what the run keeps:
+* held: the RSS after 3 steps less the RSS before ``jzero.initialize`` (what the run keeps:
   parameters, compiled programs, and the optimizer state where it lives in memory);
-* growth: the high-water RSS over steps 3-5 less the RSS after step 2 (what a step adds while
-  it runs, compiled programs and the first write of the state already done).
+* growth: the high-water RSS over step 3 less the RSS after step 2 (what a step adds while
+  it runs, compiled programs and the first write of the state already done; every later step
+  runs the same programs on the same sizes).
 """
 
 import ctypes
@@ -75,8 +76,7 @@ def main(mode: str, nvme_dir: str) -> None:
         jax.block_until_ready(engine.train_step(batch))
     after2 = trimmed_rss()
     Path("/proc/self/clear_refs").write_text("5")  # high-water mark := current RSS
-    for _ in range(3):
-        jax.block_until_ready(engine.train_step(batch))
+    jax.block_until_ready(engine.train_step(batch))
     peak = rss("VmHWM")
     held = trimmed_rss() - start
     record = {

@@ -8,6 +8,7 @@ import sys
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plan"))  # test_padding
 
 jax.config.update("jax_enable_x64", True)
 
