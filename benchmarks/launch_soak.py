@@ -4,10 +4,10 @@ checkpoint?
 Runs ``tests/distributed/test_launch_train.py`` (SIGTERM to ``jzero launch`` running ``jzero
 train`` in 2 processes; both must stop after the same step, write their shards of the final
 checkpoint and ``summary.json``, and the launcher must exit 143) ``--runs`` times. With
-``--load`` the stages benchmark runs beside it the whole time (XLA compiles and 8-device steps on every core), the
-condition under which CI once lost the final checkpoint. Each run's output is kept under
-``--keep`` (the test keeps every child's lines in ``launch.err`` there). Prints one row a run
-and the count; exits 1 if any run failed.
+``--load`` the stages benchmark runs beside it the whole time (XLA compiles and 8-device steps
+on every core), the condition under which CI once lost the final checkpoint. Each run's output
+is kept under ``--keep`` (the test keeps every child's lines in ``launch.err`` there). Prints
+one row a run and the count; exits 1 if any run failed.
 
     python benchmarks/launch_soak.py --runs 20 --load
 """
