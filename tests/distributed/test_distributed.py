@@ -1,5 +1,6 @@
-"""jzero on several processes: the same training as one process, a bounded end when a process
-dies, ``jzero launch``'s output and clean-up, and the error for starting too late.
+"""jzero on several processes: a bounded end when a process dies, ``jzero launch``'s output and
+clean-up, and the error for starting too late (training on two processes like one:
+test_two_processes.py).
 
 Multi-process runs are child processes (tests/dist_*.py), each in its own process group, every
 wait bounded by a timeout, and every group killed when the test ends, however it ends.
@@ -14,55 +15,14 @@ import sys
 import time
 
 import dist_peer
-import dist_session
-import dist_train
 import jax
 import numpy as np
 import pytest
-from procs import LOSS_RTOL, child_env, device_env, gone, launcher
+from procs import child_env, device_env, gone, launcher
 from repo import ROOT, SUPPORT
 
 from jzero import data, distributed
 from jzero.distributed import launch
-
-
-# -- 2 processes x 4 devices against 1 process x 8 devices ---------------------------------------
-@pytest.fixture(scope="module")
-def runs():
-    """(the 2 x 4 run's records and process 1's lines, the 1 x 8 records per stage)."""
-    assert jax.device_count() == 8 and jax.process_count() == 1
-    session = dist_session.run()  # the two-process run the suite's two-process tests share
-    records = [session["records"][f"flat{stage}"] for stage in dist_train.STAGES]
-    reference = {stage: dist_train.reference(stage) for stage in dist_train.STAGES}
-    return (records, session["p1_lines"]), reference
-
-
-def test_two_processes_train_like_one_process_on_eight_devices(runs):
-    (records, p1_lines), one_process_run = runs
-    first = dist_train.first_grad_norm()
-    assert not [line for line in p1_lines if line.startswith("[p1] {")]  # p0 reports
-    assert [r["stage"] for r in records] == list(dist_train.STAGES)
-    for r in records:
-        ref = one_process_run[r["stage"]]
-        assert (r["process_count"], r["device_count"], r["local_rows"]) == (2, 8, 8)
-        assert (ref["process_count"], ref["device_count"], ref["local_rows"]) == (1, 8, 16)
-        assert r["dtype"] == ref["dtype"] == "float64"
-        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=LOSS_RTOL, atol=0)
-        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=LOSS_RTOL, atol=0)
-        # Clipping (0.5) hides a gradient's scale from the losses: the first grad norm is the
-        # optax gradient's.
-        assert ref["norms"][0] == pytest.approx(first, rel=LOSS_RTOL, abs=0)
-        assert len(set(ref["losses"])) == len(ref["losses"])  # it trains
-
-
-def test_a_whole_global_batch_on_two_processes_names_both_sizes(runs):
-    (records, _), one_process_run = runs
-    for r in records:
-        assert "has leading dim 16" in r["error"]
-        assert "each of the 2 processes passes its 8 rows" in r["error"]
-        assert "global train_batch_size 16" in r["error"]
-        one = one_process_run[r["stage"]]["error"]  # one process: the global batch is expected
-        assert "has leading dim 1 but train_batch_size is 16" in one
 
 
 # -- a dying process ------------------------------------------------------------------------------

@@ -292,29 +292,6 @@ def test_checkpoint_moves_between_hybrid_and_flat_meshes(tmp_path, x64):
     assert abs(sizes["hybrid"] - sizes["flat"]) < state_bytes / 2
 
 
-def test_two_processes_one_replica_each():
-    import dist_hybrid
-    import dist_session
-
-    assert jax.device_count() == 8
-    records = dist_session.run()["records"]  # the suite's shared two-process run
-    record_lines = [records[f"hybrid_{name}"] for name in dist_hybrid.RUNS]
-    for r in record_lines:
-        ref = dist_hybrid.train(r["run"])
-        assert r["process_count"] == 2 and r["mesh"] == HYBRID
-        assert r["processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]  # a replica per process
-        assert r["dtype"] == ref["dtype"] == "float64"
-        # float64 (dist_hybrid.py): two processes compute what one process computes.
-        np.testing.assert_allclose(r["losses"], ref["losses"], rtol=1e-10, atol=0)
-        np.testing.assert_allclose(r["norms"], ref["norms"], rtol=1e-10, atol=0)
-        # A sum of magnitudes, as close as the parameters (1e-9 of their scale).
-        assert r["checksum"] == pytest.approx(ref["checksum"], rel=1e-9, abs=0)
-        # Clipping (0.5) and Adam hide a gradient's scale from the losses: the first grad norm
-        # is the optax gradient's.
-        assert ref["norms"][0] == pytest.approx(dist_hybrid.first_grad_norm(), rel=1e-10, abs=0)
-    assert [r["run"] for r in record_lines] == list(dist_hybrid.RUNS)
-
-
 def test_launch_replicas_become_the_replica_axis(monkeypatch):
     from jzero.distributed import launch
 

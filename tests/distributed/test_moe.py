@@ -274,22 +274,3 @@ def test_expert_leaves_by_name_and_by_pattern():
     ]
     by_pattern = moe.expert_leaves(tree, ["dense"])
     assert [k for k, v in zip(flat, by_pattern, strict=True) if v] == ["['dense']"]
-
-
-def test_two_processes_with_starved_experts_train_and_match_the_reference():
-    """2 processes x 4 devices: the expert axis is minor, so each expert group of 4 is one
-    process's devices and ``data`` (ZeRO over the expert leaves, the dense leaves' reduction)
-    crosses the processes. Part of the suite's shared two-process run (dist_session.py, bounded
-    by its timeout; every process is killed after)."""
-    import dist_moe
-    import dist_session
-
-    record = dist_session.run()["records"]["moe"]
-    assert record["process_count"] == 2 and record["mesh"] == {"data": 2, "expert": 4}
-    assert record["processes"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
-    params = make_params(bias=bias_first_device_only())
-    steps = batches(dist_moe.STEPS, seed=dist_moe.SEED)
-    want, _ = reference_run(params, reference(1.0, 2), steps)
-    for got, drop, (value, aux) in zip(record["losses"], record["dropped"], want, strict=True):
-        assert_close(got, value)
-        assert drop == aux["moe_dropped_fraction"] > 0

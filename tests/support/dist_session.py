@@ -14,7 +14,8 @@ task, ``{"task": name, ...}``:
 * ``weights_export``: exports into ``DIR/weights_two``; ``weights_import``: starts from the
   export this process wrote into ``DIR/weights_one`` (:mod:`dist_weights`).
 
-The tests call :func:`run`: once per pytest process, it writes ``DIR/ckpt_one`` and
+The tests (all in tests/distributed/test_two_processes.py, so that one xdist worker launches
+it once per run) call :func:`run`: once per pytest process, it writes ``DIR/ckpt_one`` and
 ``DIR/weights_one`` here, launches the two processes (bounded by a timeout, every process
 killed at the end however it ends) and returns the records by task, process 1's output lines
 and DIR.

@@ -288,26 +288,3 @@ def test_each_shard_reads_only_its_own_bytes(tmp_path, monkeypatch):
     c_reads = (sum(reads) - tree["a"].nbytes - tree["b"].nbytes) / tree["c"].nbytes
     assert c_reads in range(1, 9)
     assert len(reads) == 8 + 8 * 4 + c_reads
-
-
-def test_two_processes_export_each_its_own_files_and_import_their_own_shards():
-    """Stage 3 on two processes of 4 devices: each process writes the files it owns (process 0
-    the index), and the export equals the parameters; an export written here loads on two
-    processes straight into their shards, bit-identically. Both are tasks of the suite's shared
-    two-process run (dist_session.py), which wrote weights_one here before the launch."""
-    import dist_session
-
-    session = dist_session.run()
-    out = session["dir"] / "weights_two"
-    assert session["records"]["weights_export"] == {"processes": 2}
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) >= 2 and all((out / f).is_file() for f in files)
-    want = flat(toy.make_params(seed=7))
-    got = flat(load_exported(out))
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k])
-    # The reverse: written by one process (dist_weights.export_here), read by two.
-    imported = session["records"]["weights_import"]
-    assert imported == {"processes": 2, "equal": True, "laid_out": True}
