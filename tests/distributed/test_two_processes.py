@@ -5,24 +5,29 @@ the tasks share one launch (``dist_session.run``, bounded by its timeout; every 
 at the end however it ends). The launch happens once per pytest process, and these tests live in
 one file so that one xdist worker holds them all and the run launches it once.
 
-Each task's reference is computed here, on one process with 8 devices, in float64:
-losses and grad norms at 1e-10 (``procs.LOSS_RTOL``).
+Each task's reference is computed here, on one process with 8 devices; the tasks that train in
+float64 match it at 1e-10 (``procs.LOSS_RTOL``).
 """
 
 import json
+import os
 
 import dist_ckpt
 import dist_hybrid
 import dist_moe
+import dist_nvme
 import dist_session
 import dist_train
 import jax
 import numpy as np
+import optax
 import pytest
 import toy
 from moe_toy import batches, bias_first_device_only, make_params, reference, reference_run
+from numerics import EPS, rounding_scale
 from procs import LOSS_RTOL
 
+import jzero
 from jzero.weights import leaf_entries, load_exported
 
 
@@ -168,3 +173,33 @@ def test_two_processes_export_each_its_own_files_and_import_their_own_shards(ses
         np.testing.assert_array_equal(got[k], want[k])
     imported = session["records"]["weights_import"]
     assert imported == {"processes": 2, "equal": True, "laid_out": True}
+
+
+# -- the optimizer state and the parameters on NVMe -----------------------------------------------
+def test_two_processes_each_keep_their_shards_in_files(session):
+    """Stage 3 bf16, optimizer state and parameters on NVMe under one nvme_path: each process
+    has its own store, and the losses are those of one process with everything in memory."""
+    record = session["records"]["nvme"]
+    batches = toy.make_batches(dist_nvme.STEPS, dist_nvme.GLOBAL_BATCH)
+    e = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), dist_nvme.config(None))
+    metrics = [e.train_step(b) for b in batches]
+    want = [float(m["loss"]) for m in metrics]
+    e.close()
+    # The child trains in bf16, its gradients reduced across the processes in another order
+    # than in one process: each run is as far from the same training in float64 as bf16
+    # rounding takes it (rounding_scale), the two at most twice that from each other.
+    with jax.enable_x64(True):
+        cfg = dict(dist_nvme.config(None), bf16={"enabled": False})
+        params = toy.make_params(dtype=np.float64)
+        e = jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), cfg)
+        truth = [float(e.train_step(jax.tree.map(np.float64, b))["loss"]) for b in batches]
+        e.close()
+        # The one-process run's first gradient against optax's (clipping and Adam hide a
+        # gradient's scale from the losses): within 16 bf16 unit roundoffs (test_parity.py).
+        grads = jax.grad(toy.loss_fn)(params, jax.tree.map(np.float64, batches[0]))
+        first = float(optax.global_norm(grads))
+    assert float(metrics[0]["grad_norm"]) == pytest.approx(first, rel=16 * EPS["bfloat16"])
+    np.testing.assert_allclose(record["losses"], want, rtol=0, atol=2 * rounding_scale(want, truth))
+    counts = list(record["files"].values())
+    assert len(counts) == 2 and counts[0] == counts[1] > 0, record["files"]
+    assert not os.listdir(session["dir"] / "nvme")  # both stores removed at close

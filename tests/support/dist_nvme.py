@@ -1,17 +1,16 @@
-"""Child of tests/nvme/test_nvme_params.py: one process of a ``jzero launch`` run with the optimizer
-state and the parameters on NVMe (stage 3, bf16), each process writing its own shards.
+"""The NVMe task of tests/support/dist_session.py: one process of a two-process ``jzero launch``
+run with the optimizer state and the parameters on NVMe (stage 3, bf16, x64 off), each process
+writing its own shards.
 
-Trains the toy model 4 steps on this process's rows and prints, from process 0, the losses and
-how many files each process's store holds under the shared ``nvme_path`` (after every process
-finished its steps).
-
-Usage: dist_nvme.py NVME_DIR
+Trains the toy model 4 steps on this process's rows. The record: the losses, and how many files
+each process's store holds under the shared ``nvme_path`` (after every process finished its
+steps).
 """
 
-import json
 import os
 import sys
 
+import jax
 import optax
 from jax.experimental import multihost_utils
 
@@ -20,7 +19,6 @@ import toy  # noqa: E402
 from dist_train import train_local  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero import distributed  # noqa: E402
 
 GLOBAL_BATCH = 16
 STEPS = 4
@@ -52,12 +50,8 @@ def train(nvme_dir: str) -> tuple[list[float], dict[str, int]]:
     return losses, files
 
 
-def main(nvme_dir: str) -> None:
-    distributed.init_distributed()
-    losses, files = train(nvme_dir)
-    if distributed.is_main_process():
-        print(json.dumps({"losses": losses, "files": files}), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+def run(nvme_dir: str) -> dict:
+    os.makedirs(nvme_dir, exist_ok=True)
+    with jax.enable_x64(False):
+        losses, files = train(nvme_dir)
+    return {"losses": losses, "files": files}

@@ -11,6 +11,8 @@ task, ``{"task": name, ...}``:
 * ``moe``: the MoE toy with starved experts (:mod:`dist_moe`);
 * ``ckpt_save``: trains and saves into ``DIR/ckpt_two``; ``ckpt_resume``: restores what this
   process saved into ``DIR/ckpt_one`` and trains on (:mod:`dist_ckpt`);
+* ``nvme``: the optimizer state and the parameters on NVMe under ``DIR/nvme``
+  (:mod:`dist_nvme`);
 * ``weights_export``: exports into ``DIR/weights_two``; ``weights_import``: starts from the
   export this process wrote into ``DIR/weights_one`` (:mod:`dist_weights`).
 
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import dist_ckpt  # noqa: E402
 import dist_hybrid  # noqa: E402
 import dist_moe  # noqa: E402
+import dist_nvme  # noqa: E402
 import dist_train  # noqa: E402
 import dist_weights  # noqa: E402
 
@@ -49,6 +52,7 @@ def tasks(directory: Path) -> dict:
     out["moe"] = dist_moe.train
     out["ckpt_save"] = functools.partial(dist_ckpt.run, "save", str(directory / "ckpt_two"))
     out["ckpt_resume"] = functools.partial(dist_ckpt.run, "resume", str(directory / "ckpt_one"))
+    out["nvme"] = functools.partial(dist_nvme.run, str(directory / "nvme"))
     out["weights_export"] = functools.partial(
         dist_weights.run, "export", str(directory / "weights_two")
     )

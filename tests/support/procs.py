@@ -3,7 +3,6 @@ killed when the test ends however it ends (conftest's ``children`` fixture); two
 ``jzero launch``."""
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -12,9 +11,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from repo import ROOT, SUPPORT
+from repo import ROOT
 
 # 2 processes x 4 devices match 1 process x 8 devices (losses and grad norms): in float64 (the
 # children enable x64), where gloo's other summation order stays far below 1e-10, and a wrong
@@ -114,17 +112,3 @@ def gone(pid: int) -> bool:
 
 def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "jzero.distributed.launch", *args]
-
-
-def run_two(script: str, *args: str, timeout: float = 400, every_record: bool = False) -> Any:
-    """Runs ``tests/<script> args`` as two processes of 4 devices under ``jzero launch``;
-    returns the JSON record process 0 printed (every one, in order, with ``every_record``)."""
-    c = Children()
-    try:
-        cmd = launcher("-n", "2", "--devices-per-process", "4", "--", sys.executable)
-        p = c.start([*cmd, str(SUPPORT / script), *args], child_env())
-        assert c.finish(p, timeout=timeout) == 0, "".join(p.out + p.err)
-        records = [json.loads(line.split(" ", 1)[1]) for line in p.out if line.startswith("[p0] {")]
-        return records if every_record else records[0]
-    finally:
-        c.kill_all()
