@@ -1,7 +1,9 @@
 """Every script under benchmarks/ that the README's figures come from runs and prints its
 tables, so that none can rot. A smoke run proves the script runs, not its figures: each runs
 once, on a tiny model, with the fewest cells its tables need, in a child process on 8 virtual
-CPU devices (the run's XLA flags and compilation cache, ``procs.device_env``). The claims behind
+CPU devices (the run's XLA flags and compilation cache, ``procs.device_env``) whose code
+generator runs at its cheapest level, as the GPU checks' ``--smoke`` children do: no figure a
+smoke run prints is compared to the bit. The claims behind
 the figures are the library's tests' (named beside what each smoke run leaves out); a claim no
 library test makes stays asserted here."""
 
@@ -12,15 +14,20 @@ import sys
 from procs import device_env
 from repo import ROOT
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
+
 
 def _run(script, *args, timeout=300):
     """``benchmarks/<script>.py ARGS`` on 8 virtual CPU devices; it must exit 0."""
+    env = device_env(8)
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=device_env(8),
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
