@@ -57,6 +57,11 @@ from procs import Children  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "float64: the whole module runs under jax.enable_x64")
+    config.addinivalue_line(
+        "markers",
+        "rounding: a bound from float32 or 16-bit rounding (make test-isa runs these again under "
+        "another instruction set)",
+    )
     # Two processes may compile one program at once: a reader can meet the other's entry half
     # written. JAX then warns and compiles it itself, which is a cache miss, not an error.
     config.addinivalue_line(

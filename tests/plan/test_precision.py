@@ -71,6 +71,7 @@ def float64_first_norm():
 # differs only in the gradient reduction: its float32 masters train the GPT in
 # test_master16.py::test_bf16_masters_train_the_gpt_like_fp32_masters), sharded with sharded
 # params (3).
+@pytest.mark.rounding
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_bf16_tracks_float32_with_float32_masters_in_the_optimizer_shards(stage):
     e, losses = bf16_run(stage)
@@ -169,6 +170,7 @@ def _deepspeed_scaler(overflows, steps, init, window, hysteresis, min_scale):
     return out
 
 
+@pytest.mark.rounding
 @needs_float16
 def test_fp16_skips_overflowing_steps_and_follows_the_scale_schedule():
     overflow = {1, 3, 4, 9}  # 0-based steps whose batch makes the loss overflow

@@ -82,6 +82,7 @@ def float32_sgd_reference():
     return reference(toy.loss_fn, params, optax.sgd(0.05), batches)
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize(
     "precision", [pytest.param(p, marks=needs_float16) if p == "fp16" else p for p in sorted(MIXED)]
 )
@@ -123,6 +124,7 @@ def _integer_batches(n, dtype):
 
 
 @needs_float16
+@pytest.mark.rounding
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_unscaled_sgd_updates_are_exact(stage):
     rng = np.random.default_rng(0)
