@@ -290,11 +290,13 @@ class Config:
     curriculum_learning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: legacy curriculum learning. No effect."""
     progressive_layer_drop: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: progressive layer dropping. No effect."""
+    """DeepSpeed: progressive layer dropping. Accepted only with ``enabled: false`` (or no
+    ``enabled``): dropping layers changes what is trained, so enabled is an error."""
     eigenvalue: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: Hessian eigenvalue estimation. No effect."""
     quantize_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: MoQ quantize-aware training. No effect."""
+    """DeepSpeed: MoQ quantize-aware training. Accepted only with ``enabled: false`` (or no
+    ``enabled``): quantizing the weights changes what is trained, so enabled is an error."""
     sparse_attention: Mapping[str, Any] | None = _field(
         None, no_effect="attention is the model's code in JAX"
     )

@@ -363,6 +363,15 @@ def _enabled_techniques(node: Any, path: str) -> list[str]:
     return found
 
 
+# Top-level DeepSpeed sections that change what is trained when enabled, beside
+# compression_training: key -> what it does.
+_CHANGES_THE_MODEL = {
+    "quantize_training": "DeepSpeed's MoQ (quantize-aware training: the weights are "
+    "quantized to fewer bits as training goes)",
+    "progressive_layer_drop": "DeepSpeed's Progressive Layer Dropping (the model skips "
+    "layers with a probability that grows over the steps)",
+}
+
 _PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_checkpoint_interval",
               "pipe_partitioned", "grad_partitioned", "use_reentrant")  # fmt: skip
 
@@ -576,6 +585,13 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
             "trained (quantization, pruning, layer reduction), and jzero does not implement it; "
             "set enabled: false there or remove the compression_training section."
         )
+    for key, what in _CHANGES_THE_MODEL.items():
+        section = getattr(cfg, key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            errors.append(
+                f"{key}.enabled: {what} would change what is trained, and jzero does not "
+                f"implement it; set enabled: false there or remove the {key} section."
+            )
     if cfg.gradient_allreduce_op.lower() != "mean":
         errors.append(
             f"gradient_allreduce_op: {_show(cfg.gradient_allreduce_op)} is not supported: jzero "
