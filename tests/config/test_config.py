@@ -310,12 +310,6 @@ def test_bad_mesh_axes_are_clear_errors(mesh, message):
             "set one of them to false.",
         ),
         (
-            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero_optimization.offload_param needs stage 3 (what it moves to host memory is "
-            "sharded there), but zero_optimization.stage is 2; set the stage to 3, or "
-            "offload_param.device to none.",
-        ),
-        (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer needs stage 1, 2 or 3 (what it moves to host "
             "memory is sharded there), but zero_optimization.stage is 0; set the stage to 1, "
