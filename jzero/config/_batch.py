@@ -70,14 +70,19 @@ def resolve_batch_sizes(cfg: Config, data_parallel_size: int) -> tuple[int, int,
             "or train_batch_size (the global batch), optionally with gradient_accumulation_steps."
         )
 
-    def show(value: int | None) -> str:
-        return "auto" if value is None else str(value)
+    def show(key: str, value: int | None, unset: str) -> str:
+        if value is not None:
+            return f"{key}={value}"
+        written = f"{key}=auto" if key in cfg.auto else f"{key} not set"
+        return f"{written} ({unset})"
 
     def mismatch(detail: str, fix: str) -> ConfigError:
+        steps = "derived" if micro is not None else "1, DeepSpeed's default"
         return ConfigError(
-            f"The batch sizes do not fit together: train_batch_size={show(tbs)}, "
-            f"train_micro_batch_size_per_gpu={show(micro)}, "
-            f"gradient_accumulation_steps={show(accum)}, with a data-parallel size of {dp}. "
+            f"The batch sizes do not fit together: {show('train_batch_size', tbs, 'derived')}, "
+            f"{show('train_micro_batch_size_per_gpu', micro, 'derived')}, "
+            f"{show('gradient_accumulation_steps', accum, steps)}, with a data-parallel size "
+            f"of {dp}. "
             "DeepSpeed's rule is train_batch_size = train_micro_batch_size_per_gpu x "
             f"gradient_accumulation_steps x data-parallel size, {detail}. {fix}"
         )

@@ -16,8 +16,8 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import field
 from typing import Any
@@ -105,9 +105,56 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+_BRITISH = re.compile(r"(?<=[a-z])is(ation|ations|e|ed|es|ing|er|ers)$|(?<=[a-z])ys(e|ed|es|ing)$")
+
+
+def _normalise(key: str) -> str:
+    """``key`` compared as a name: lower case, without separators (``_``, ``-``, ``.``,
+    blanks), each word in American spelling (``optimisation`` -> ``optimization``)."""
+    words = re.split(r"[\s_.\-]+", str(key).lower())
+    spelled = (
+        _BRITISH.sub(lambda m: ("iz" if m.group(1) else "yz") + (m.group(1) or m.group(2)), w)
+        for w in words
+    )
+    return "".join(spelled)
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of two neighbours that turn ``a`` into
+    ``b`` (optimal string alignment)."""
+    before: list[int] = []
+    row = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        two_back, before, row = before, row, [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = a[i - 1] != b[j - 1]
+            row[j] = min(before[j] + 1, row[j - 1] + 1, before[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], two_back[j - 2] + 1)
+    return row[len(b)]
+
+
+def _close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | None:
+    """The known key that ``key`` is a near miss of, or None.
+
+    A near miss is equal after :func:`_normalise`, or within one edit of it (two for names of
+    more than five letters): ``zero_optimisation``, ``Zero-Optimization``, ``gradient_cliping``
+    are near misses; ``_comment`` is not one of ``comet``, nor ``train_iters`` of ``train``.
+    """
+    name = _normalise(key)
+    best, best_distance = None, None
+    for candidate in known:
+        target = _normalise(candidate)
+        allowed = 1 if min(len(name), len(target)) <= 5 else 2
+        distance = _edit_distance(name, target)
+        if distance <= allowed and (best_distance is None or distance < best_distance):
+            best, best_distance = candidate, distance
+    return best
+
+
 def _suggest(key: str, known: Sequence[str] | Mapping[str, Any]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    close = _close_match(key, known)
+    return f" (did you mean '{close}'?)" if close is not None else ""
 
 
 def _join(path: str, key: str) -> str:

@@ -10,7 +10,8 @@ Decisions:
   syntax error with its line).
 * Overrides are ``dotted.key=value`` strings whose value is read as a YAML scalar or flow
   mapping (``--set mesh.model=2``, ``--set 'model={d_model: 64}'``); they create the sections
-  they go into.
+  they go into. An unknown top-level key set by an override is an error (a file's is ignored
+  with a warning, as DeepSpeed ignores it).
 * **A key written twice is an error**, in YAML and JSON files alike, at any depth (DeepSpeed
   refuses them too); the message names the dotted path, the file and both lines. YAML merge
   keys (``<<: *base``) may still be overridden by a key of the mapping itself.
@@ -19,7 +20,9 @@ Decisions:
   when the config is validated (``jzero.config._validate``), so the resolved config holds the
   absolute path.
 * The no-effect keys found by validation are listed in one ``JzeroConfigWarning``, the other
-  spellings read as jzero's keys in one ``JzeroConfigDeprecationWarning``.
+  spellings read as jzero's keys in one ``JzeroConfigDeprecationWarning``, and the unknown
+  top-level keys that were ignored (see ``jzero.config._validate``) in one more
+  ``JzeroConfigWarning`` of one line.
 """
 
 from __future__ import annotations
@@ -273,7 +276,8 @@ def load_config(
       ConfigError: for an unknown key, a wrong value or an impossible combination.
 
     Warns:
-      JzeroConfigWarning: once, listing every DeepSpeed key present that has no effect in jzero.
+      JzeroConfigWarning: once, listing every DeepSpeed key present that has no effect in jzero;
+        once more, naming the unknown top-level keys that were ignored.
 
     Example:
       >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4}, ["zero_optimization.stage=2"])
@@ -306,7 +310,22 @@ def load_config(
         raw["bf16"] = raw.pop("bfloat16")
     for override in overrides:
         _apply_override(raw, override)
-    cfg, noted, renamed = build_config(raw)
+    cfg, noted, renamed, ignored = build_config(raw)
+    for override in overrides:  # a key set on purpose: unknown is an error, not ignored
+        key = override.partition("=")[0].strip().split(".")[0]
+        if key in ignored:
+            raise ConfigError(
+                f"{key} is not a known key; fix its name in the override {override!r}, or "
+                "remove it."
+            )
+    if ignored:
+        warnings.warn(
+            f"jzero does not know these top-level keys and ignores them, as DeepSpeed ignores "
+            f"the keys it does not read: {', '.join(ignored)}. Remove them to silence this "
+            "warning.",
+            JzeroConfigWarning,
+            stacklevel=2,
+        )
     if renamed:
         lines = "\n".join(f"  - {path}: write {new}" for path, new in renamed)
         warnings.warn(

@@ -7,6 +7,9 @@ Decisions:
   optax. Optimizer names are case-insensitive, as in DeepSpeed.
 * ``resolve_optimizer`` / ``resolve_scheduler`` validate a section and return every parameter
   with its value or default, so the optax side never guesses a default.
+* DeepSpeed's 1-bit optimizers (``OneBitLamb``, ``OneBitAdam``, ``ZeroOneAdam``) are
+  refused with the optimizer they compress the communication of (``Lamb``, ``Adam``): the
+  compression is a CUDA/NCCL feature, and it changes the update after ``freeze_step``.
 * PyTorch implementation switches (``fused``, ``foreach`` ...) are accepted and listed in the
   no-effect warning; ``amsgrad`` and a ``last_batch_iteration`` other than -1 are refused.
 * ``state_bits`` (Adam/AdamW, jzero's own key) is 32 (float32 moments) or 8 (int8/uint8
@@ -96,6 +99,8 @@ OPTIMIZER_PARAMS: dict[str, dict[str, tuple[str, Any]]] = {
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "lamb": "Lamb", "sgd": "SGD"}
 _OPTIMIZER_NAMES |= {"adagrad": "Adagrad", "lion": "Lion", "muon": "Muon"}
+# DeepSpeed's 1-bit optimizers (compressed communication, CUDA/NCCL) -> the optimizer they are.
+_ONE_BIT = {"onebitlamb": "Lamb", "onebitadam": "Adam", "zerooneadam": "Adam"}
 _OPTIMIZER_NO_EFFECT = ("set_grad_none", "foreach", "fused", "capturable", "differentiable")
 
 _WARMUP = {
@@ -277,6 +282,16 @@ def resolve_optimizer(
       ConfigError: for an unknown name, an unknown parameter or a wrong value.
     """
     name = opt.type.lower() if isinstance(opt.type, str) else opt.type
+    if name in _ONE_BIT:
+        base = _ONE_BIT[name]
+        extra = [key for key in opt.params if key not in OPTIMIZER_PARAMS[base.lower()]]
+        drop = f" and remove {', '.join(extra)} from its params" if extra else ""
+        raise ConfigError(
+            f"{path}.type: {_show(opt.type)} is {base} with its communication compressed to 1 "
+            "bit, a CUDA/NCCL feature jzero does not have (XLA runs the collectives). For the "
+            f"optimizer itself, uncompressed (as {_show(opt.type)} runs until its freeze_step), "
+            f"set type: {base}{drop}."
+        )
     if name not in OPTIMIZER_PARAMS:
         names = ", ".join(_OPTIMIZER_NAMES.values())
         raise ConfigError(

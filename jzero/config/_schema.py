@@ -16,8 +16,10 @@ Decisions:
 * DeepSpeed's sections for features jzero does not have are accepted and listed in the
   no-effect warning, except where ignoring them would train something else than what was
   asked: ``expert_parallel`` with ``autoep_size`` > 1, an enabled ``compression_training``
-  technique, ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are
-  errors (``jzero.config._validate``).
+  technique, ``quantize_training`` (MoQ) or ``progressive_layer_drop``,
+  ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are errors
+  (``jzero.config._validate``). A top-level key that is none of these fields is ignored with
+  a warning, as DeepSpeed ignores it, unless it is a near miss of one (an error).
 """
 
 from __future__ import annotations
@@ -290,11 +292,13 @@ class Config:
     curriculum_learning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: legacy curriculum learning. No effect."""
     progressive_layer_drop: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: progressive layer dropping. No effect."""
+    """DeepSpeed: progressive layer dropping. Accepted only with ``enabled: false`` (or no
+    ``enabled``): dropping layers changes what is trained, so enabled is an error."""
     eigenvalue: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
     """DeepSpeed: Hessian eigenvalue estimation. No effect."""
     quantize_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
-    """DeepSpeed: MoQ quantize-aware training. No effect."""
+    """DeepSpeed: MoQ quantize-aware training. Accepted only with ``enabled: false`` (or no
+    ``enabled``): quantizing the weights changes what is trained, so enabled is an error."""
     sparse_attention: Mapping[str, Any] | None = _field(
         None, no_effect="attention is the model's code in JAX"
     )
@@ -323,7 +327,9 @@ class Config:
     (:mod:`jzero.distributed.tensor`); ``tp_plan`` maps dotted-path globs to ``colwise``,
     ``rowwise``, ``vocab``, ``replicate`` or a spec list for anything else; ``num_heads``
     (jzero's key; the built-in GPT's ``model.num_heads`` otherwise) is checked to divide by
-    T. ``tp_size`` is read as ``autotp_size``. A user's own annotations win over the rules."""
+    T. ``tp_size`` is read as ``autotp_size``. ``tp: {tp_size: ...}``, DeepSpeed's inference
+    key, is ignored without ``autotp_size`` (as DeepSpeed does) and must equal it with one. A
+    user's own annotations win over the rules."""
     expert_parallel: Mapping[str, Any] | None = None
     """DeepSpeed AutoEP: ``autoep_size: E_p`` (> 1) builds the mesh ``{data: N/E_p, expert:
     E_p}``; each expert parameter rests split over ``expert`` on its experts dimension (each

@@ -174,7 +174,8 @@ class ZeroConfig:
     offload_optimizer: OffloadConfig = _field(factory=OffloadConfig)
     """Optimizer-state offload to host memory (stages 1-3)."""
     offload_param: OffloadConfig = _field(factory=OffloadConfig)
-    """Parameter offload to host memory (stage 3 only)."""
+    """Parameter offload to host memory (stage 3 only). Below stage 3 it is ignored (listed in
+    the warning and loaded as off), as DeepSpeed ignores it there."""
     stage3_gather_16bit_weights_on_model_save: bool = _field(False, auto=False)
     """Stage 3: gather the full weights when the model is saved for export; "auto": false."""
     allgather_partitions: bool = _field(True, no_effect=_XLA_COLLECTIVES)
@@ -219,10 +220,11 @@ class ZeroConfig:
     """DeepSpeed: copy gradients into one contiguous buffer. No effect."""
     round_robin_gradients: bool = _field(False, no_effect=_XLA_COLLECTIVES)
     """DeepSpeed: parallel gradient copies for CPU offload. No effect."""
-    sub_group_size: int = _field(1_000_000_000, min=1)
+    sub_group_size: int = _field(1_000_000_000, min=0)
     """With offload: the optimizer step runs over groups of parameter leaves of at most this
     many elements, one group's optimizer state and master weights in device memory at a time
-    (a leaf never splits; a group has two leaves or more). DeepSpeed: 1e9."""
+    (a leaf never splits; a group has two leaves or more). DeepSpeed: 1e9. 0, DeepSpeed's "each
+    parameter a sub-group of its own", loads as 1, which groups the leaves the same way."""
     stage3_prefetch_bucket_size: int | None = _field(None, min=0, auto=None)
     """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
     scan may start its forward all-gather at an earlier use, as long as what is gathered from
@@ -284,7 +286,8 @@ class ZeroConfig:
     parameters rest sharded within groups of this many devices (the mesh becomes
     ``{replica: N/k, data: k}``), so the forward and backward gathers stay inside a host and
     only the updated shards cross hosts, once per step. Costs ``k``-way instead of ``N``-way
-    sharded parameter bytes per device. 0 or 1: off."""
+    sharded parameter bytes per device. 0 or 1: off. Below stage 3 it is ignored (listed in the
+    warning and loaded as 1), as DeepSpeed ignores it there."""
     zero_quantized_weights: bool = _field(False, no_effect=_COMM, no_effect_when=_qwz_no_effect)
     """DeepSpeed ZeRO++ qwZ, stage 3: every parameter all-gather (forward, and the backward's
     re-gather) sends int8 values with one float32 scale per block of 256 (about a quarter of

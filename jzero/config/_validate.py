@@ -4,7 +4,14 @@ Decisions:
 
 * A small validator walks the dataclass fields and their type hints; field metadata carries
   the extra rules. Every error names the dotted path, the value as written, what is allowed,
-  and the fix; an unknown key suggests the closest known key ("did you mean").
+  and the fix; an unknown key is refused, with the known key it is a near miss of ("did you
+  mean", ``_common._close_match``: equal but for case, separators or British spelling, or
+  an edit or two away), if any.
+* **The top level is read as DeepSpeed reads it**: an unknown key there is ignored and named
+  in one warning line (``_comment``, ``comms_config``), unless it is a near miss of a known
+  key (``zero_optimisation`` must not train at stage 0): that is refused. A GPT-NeoX
+  arguments file (``pipe_parallel_size``, ``train_iters`` ...) is refused with one message
+  saying so, not a line per key.
 * Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
   ``load_config`` in one ``JzeroConfigWarning``); *refused* (DeepSpeed features whose absence
   would train something else, settings that contradict each other) with an error naming what
@@ -49,12 +56,20 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jzero._util import divisors, read_size
-from jzero.config._common import ConfigError, FrozenMap, _is_number, _join, _show, _suggest
+from jzero.config._common import (
+    ConfigError,
+    FrozenMap,
+    _close_match,
+    _is_number,
+    _join,
+    _show,
+    _suggest,
+)
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
 from jzero.config._validate_zero import _check_hybrid as _check_hybrid
 from jzero.config._validate_zero import _check_nvme as _check_nvme
-from jzero.config._validate_zero import check_zero
+from jzero.config._validate_zero import check_zero, resolve_zero
 from jzero.plan import stages
 from jzero.replay import parse_policy
 
@@ -328,7 +343,7 @@ def _check_config(cfg: Config, noted: list) -> None:
         resolve_optimizer(cfg.optimizer, no_effect=noted, auto_ok=True)
     if cfg.scheduler is not None:
         resolve_scheduler(cfg.scheduler, auto_ok=True)
-    _check_unsupported_parallelism(cfg)
+    _check_unsupported_parallelism(cfg, noted)
     for key in _MODEL_INTS:
         value = cfg.model.get(key)
         if value is not None and not (_is_number(value) and value == int(value) and value >= 1):
@@ -362,6 +377,15 @@ def _enabled_techniques(node: Any, path: str) -> list[str]:
         found += _enabled_techniques(value, f"{path}.{key}")
     return found
 
+
+# Top-level DeepSpeed sections that change what is trained when enabled, beside
+# compression_training: key -> what it does.
+_CHANGES_THE_MODEL = {
+    "quantize_training": "DeepSpeed's MoQ (quantize-aware training: the weights are "
+    "quantized to fewer bits as training goes)",
+    "progressive_layer_drop": "DeepSpeed's Progressive Layer Dropping (the model skips "
+    "layers with a probability that grows over the steps)",
+}
 
 _PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_checkpoint_interval",
               "pipe_partitioned", "grad_partitioned", "use_reentrant")  # fmt: skip
@@ -427,7 +451,7 @@ _TP_KEYS = ("autotp_size", "tp_size", "tp_plan", "num_heads", "tp_grain_size", "
             "preset_model")  # fmt: skip
 
 
-def _tensor_parallel_errors(cfg: Config) -> list[str]:
+def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
     """The ``tensor_parallel`` section: sizes that are positive integers (0 or 1: off), one
     size however spelled, a ``tp_plan`` mapping, and a model axis that divides the heads."""
     tp = cfg.tensor_parallel
@@ -458,11 +482,21 @@ def _tensor_parallel_errors(cfg: Config) -> list[str]:
             f"tensor_parallel: autotp_size {sizes['autotp_size']} and tp_size "
             f"{sizes['tp_size']} disagree; keep one of them."
         )
-    inner = _size(tp, "tp", "tp_size")
-    if _is_number(inner) and inner > 1:
+    inner, outer = _size(tp, "tp", "tp_size"), max(sizes.values(), default=0)
+    if _is_number(inner) and inner > 1 and outer > 1 and inner != outer:
         errors.append(
-            f"tensor_parallel.tp.tp_size: {_show(inner)} is DeepSpeed's inference key; jzero "
-            "trains with tensor_parallel.autotp_size instead."
+            f"tensor_parallel.tp.tp_size: {_show(inner)} does not match the {outer} devices of "
+            "tensor_parallel.autotp_size (DeepSpeed refuses it too); remove tp.tp_size, "
+            "DeepSpeed's inference key, or set it to the same size."
+        )
+    elif _is_number(inner) and inner > 1 and outer <= 1:
+        noted.append(
+            (
+                "tensor_parallel.tp.tp_size",
+                "it is DeepSpeed's inference key, and training splits the model over "
+                "tensor_parallel.autotp_size devices, which is not set (DeepSpeed ignores it "
+                "there too)",
+            )
         )
     plan = tp.get("tp_plan")
     if plan is not None and not isinstance(plan, Mapping):
@@ -553,11 +587,12 @@ def _expert_errors(cfg: Config) -> list[str]:
     return errors
 
 
-def _check_unsupported_parallelism(cfg: Config) -> None:
-    """DeepSpeed features whose absence would train something else than what was asked."""
+def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
+    """DeepSpeed features whose absence would train something else than what was asked;
+    ``tensor_parallel.tp.tp_size`` without AutoTP goes to ``noted``."""
     errors = []
     errors += _pipeline_errors(cfg)
-    errors += _tensor_parallel_errors(cfg)
+    errors += _tensor_parallel_errors(cfg, noted)
     errors += _expert_errors(cfg)
     sp = cfg.sequence_parallel_size
     heads, seq_len = cfg.model.get("num_heads"), cfg.model.get("seq_len")
@@ -576,6 +611,13 @@ def _check_unsupported_parallelism(cfg: Config) -> None:
             "trained (quantization, pruning, layer reduction), and jzero does not implement it; "
             "set enabled: false there or remove the compression_training section."
         )
+    for key, what in _CHANGES_THE_MODEL.items():
+        section = getattr(cfg, key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            errors.append(
+                f"{key}.enabled: {what} would change what is trained, and jzero does not "
+                f"implement it; set enabled: false there or remove the {key} section."
+            )
     if cfg.gradient_allreduce_op.lower() != "mean":
         errors.append(
             f"gradient_allreduce_op: {_show(cfg.gradient_allreduce_op)} is not supported: jzero "
@@ -628,23 +670,80 @@ def _resolve_activation_checkpointing(cfg: Config, raw: Mapping[str, Any]) -> Co
     return dataclasses.replace(cfg, activation_checkpointing=ac)
 
 
+# Arguments of GPT-NeoX's YAML files that no DeepSpeed or jzero config has (with ``_`` for
+# ``-``); the first two are in every such file.
+_NEOX_PARALLEL = ("pipe_parallel_size", "model_parallel_size")
+_NEOX_ARGS = frozenset({
+    *_NEOX_PARALLEL, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+    "max_position_embeddings", "pos_emb", "norm", "train_iters", "lr_decay_iters",
+    "lr_decay_style", "warmup", "min_lr", "data_path", "data_impl", "vocab_file", "merge_file",
+    "tokenizer_type", "save", "load", "checkpoint_factor", "eval_iters", "log_interval",
+    "split", "checkpoint_activations", "checkpoint_num_layers", "synchronize_each_layer",
+    "scaled_upper_triang_masked_softmax_fusion", "bias_gelu_fusion", "no_weight_tying",
+    "gpt_j_residual", "output_layer_parallelism", "attention_config", "init_method",
+    "output_layer_init_method", "hidden_dropout", "attention_dropout", "distributed_backend",
+})  # fmt: skip
+
+
+def _top_level_keys() -> list[str]:
+    return [
+        f.metadata.get("key", f.name)
+        for f in dataclasses.fields(Config)
+        if not f.metadata.get("internal") and not f.metadata.get("rest")
+    ]
+
+
+def _drop_unknown_keys(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str]]:
+    """The top level read as DeepSpeed reads it: a key it does not know is ignored, unless it
+    is a near miss of a known key (left in, for ``_build`` to refuse with the suggestion).
+
+    Returns:
+      The config without the ignored keys, and their names.
+
+    Raises:
+      ConfigError: when the file looks like a GPT-NeoX arguments file (its arguments are
+        what would be trained, and jzero reads none of them).
+    """
+    known = _top_level_keys()
+    unknown = [key for key in raw if key not in known]
+    neox = [str(key) for key in unknown if str(key).replace("-", "_") in _NEOX_ARGS]
+    if len(neox) >= 3 and any(key.replace("-", "_") in _NEOX_PARALLEL for key in neox):
+        ours = ", ".join(str(key) for key in raw if key in known)
+        raise ConfigError(
+            "This looks like a GPT-NeoX arguments file, not a DeepSpeed config: "
+            f"{len(unknown)} of its top-level keys are GPT-NeoX's own arguments "
+            f"({', '.join(neox[:3])}, ...: the model, data and schedule GPT-NeoX would build), "
+            "which neither DeepSpeed nor jzero reads. Pass a DeepSpeed config instead: "
+            f"{f'its DeepSpeed keys ({ours}) ' if ours else 'DeepSpeed keys '}in a file of "
+            "their own, with jzero's model and data sections for the rest (see "
+            "configs/zero2.yaml)."
+        )
+    ignored = [key for key in unknown if _close_match(str(key), known) is None]
+    if not ignored:
+        return raw, []
+    return {k: v for k, v in raw.items() if k not in ignored}, [str(k) for k in ignored]
+
+
 def build_config(
     raw: Mapping[str, Any],
-) -> tuple[Config, list[tuple[str, str]], list[tuple[str, str]]]:
+) -> tuple[Config, list[tuple[str, str]], list[tuple[str, str]], list[str]]:
     """Validates a raw config mapping.
 
     Args:
       raw: the config as plain dicts and lists, with DeepSpeed's key names.
 
     Returns:
-      The ``Config``, the ``(dotted path, reason)`` of every no-effect key present, and the
-      ``(dotted path, new spelling)`` of every other spelling rewritten to jzero's key.
+      The ``Config``, the ``(dotted path, reason)`` of every no-effect key present, the
+      ``(dotted path, new spelling)`` of every other spelling rewritten to jzero's key, and
+      the unknown top-level keys that were ignored.
 
     Raises:
-      ConfigError: for an unknown key, a wrong value or an impossible combination.
+      ConfigError: for an unknown key (a near miss of a known one at the top level), a wrong
+        value or an impossible combination.
     """
     noted: list[tuple[str, str]] = []
     autos: list[str] = []
+    raw, ignored = _drop_unknown_keys(raw)
     raw, renamed = _apply_aliases(raw)
     cfg = _build(Config, raw, "", noted, autos)
     cfg = dataclasses.replace(cfg, auto=tuple(autos))
@@ -653,8 +752,9 @@ def build_config(
         data = FrozenMap({**cfg.data, "path": os.path.expanduser(data_path)})
         cfg = dataclasses.replace(cfg, data=data)
     cfg = _resolve_activation_checkpointing(cfg, raw)
+    cfg = resolve_zero(cfg, noted)
     _check_config(cfg, noted)
-    return cfg, noted, renamed
+    return cfg, noted, renamed, ignored
 
 
 def _check_master_weights(cfg: Any) -> None:

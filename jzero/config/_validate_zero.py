@@ -11,21 +11,66 @@ Decisions:
   ``nvme_path``, and holds all of the state (``ratio`` below 1 is refused there, as it is with
   no offload at all). ``compute`` belongs to ``offload_optimizer`` only, and ``host`` needs the
   state in host memory (``device: cpu``).
+* Before them, ``resolve_zero`` reads what DeepSpeed reads only at stage 3 as DeepSpeed does
+  below it: ``offload_param`` and ``zero_hpz_partition_size`` are ignored there (reset to off,
+  listed as no-effect keys), not refused. ``sub_group_size: 0`` (DeepSpeed: every parameter a
+  sub-group of its own) is read as 1, which groups the leaves the same way.
 * ``sub_group_size`` left at its default says nothing; set without ``offload_optimizer`` it is
   accepted and listed as a no-effect key, not refused.
-* hpZ needs a stage that shards parameters, and excludes MiCS; the mesh the shard group implies
-  is checked against the ``mesh`` section by ``Config.mesh_sizes``.
+* hpZ excludes MiCS; the mesh the shard group implies is checked against the ``mesh`` section
+  by ``Config.mesh_sizes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jzero.config._common import ConfigError
 from jzero.config._schema import Config
 from jzero.plan import stages
 
-__all__ = ["check_zero"]
+__all__ = ["check_zero", "resolve_zero"]
+
+
+def resolve_zero(cfg: Config, noted: list) -> Config:
+    """``cfg`` with the ``zero_optimization`` keys DeepSpeed reads only at some stages, or
+    reads in its own way, made what they mean at the configured stage.
+
+    * ``offload_param`` at a stage that keeps parameters whole, and ``zero_hpz_partition_size``
+      above 1 at a stage that does not shard them: DeepSpeed reads both at stage 3 only and
+      ignores them below it. So does jzero: reset to off, listed in ``noted``.
+    * ``sub_group_size: 0``: DeepSpeed makes each parameter a sub-group of its own. Groups of at
+      most one element are the same (a leaf never splits), so it is read as 1.
+    """
+    zero = cfg.zero_optimization
+    spec = stages.stage_spec(zero.stage)
+    changes: dict[str, Any] = {}
+    if zero.offload_param.device != "none" and "optimizer+params" not in spec.offloads:
+        shown = " or ".join(map(str, stages.stages_allowing("optimizer+params")))
+        noted.append(
+            (
+                "zero_optimization.offload_param",
+                f"it offloads the parameter shards of stage {shown}, and stage {zero.stage} "
+                "keeps the parameters whole (DeepSpeed ignores it there too)",
+            )
+        )
+        changes["offload_param"] = type(zero.offload_param)()
+    if zero.zero_hpz_partition_size > 1 and not spec.shard_params:
+        noted.append(
+            (
+                "zero_optimization.zero_hpz_partition_size",
+                f"ZeRO++ hpZ partitions the sharded parameters, and stage {zero.stage} keeps "
+                "them whole (DeepSpeed ignores it there too; mics_shard_size is hybrid "
+                "sharding at any stage)",
+            )
+        )
+        changes["zero_hpz_partition_size"] = 1
+    if zero.sub_group_size == 0:
+        changes["sub_group_size"] = 1
+    if not changes:
+        return cfg
+    return dataclasses.replace(cfg, zero_optimization=dataclasses.replace(zero, **changes))
 
 
 def check_zero(cfg: Config, noted: list) -> None:
@@ -91,17 +136,10 @@ def _check_nvme(zero: Any) -> None:
 
 
 def _check_hybrid(cfg: Config) -> None:
-    """MiCS and ZeRO++ hpZ: the stage they need, not both, and a mesh that agrees."""
+    """MiCS and ZeRO++ hpZ (at stage 3, see ``resolve_zero``): not both, and a mesh that
+    agrees."""
     zero = cfg.zero_optimization
     hpz, mics = zero.zero_hpz_partition_size, zero.mics_shard_size
-    if hpz > 1 and not stages.stage_spec(zero.stage).shard_params:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size: {hpz} (ZeRO++ hpZ) keeps a secondary "
-            "copy of the sharded parameters within each host, so it needs a stage that shards "
-            f"parameters (3), but zero_optimization.stage is {zero.stage}. Set the stage to 3, "
-            "or use mics_shard_size (or mesh: {replica: R, data: D}) for hybrid sharding at "
-            "any stage."
-        )
     if hpz > 1 and mics > 0:
         raise ConfigError(
             f"zero_optimization.zero_hpz_partition_size: {hpz} and mics_shard_size: {mics} are "

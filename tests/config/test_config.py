@@ -310,12 +310,6 @@ def test_bad_mesh_axes_are_clear_errors(mesh, message):
             "set one of them to false.",
         ),
         (
-            {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-            "zero_optimization.offload_param needs stage 3 (what it moves to host memory is "
-            "sharded there), but zero_optimization.stage is 2; set the stage to 3, or "
-            "offload_param.device to none.",
-        ),
-        (
             {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
             "zero_optimization.offload_optimizer needs stage 1, 2 or 3 (what it moves to host "
             "memory is sharded there), but zero_optimization.stage is 0; set the stage to 1, "
@@ -420,8 +414,8 @@ def test_batch_sizes_resolve_like_deepspeed(raw, dp, expected):
             {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
             8,
             "The batch sizes do not fit together: train_batch_size=30, "
-            "train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=auto, with a "
-            "data-parallel size of 8. DeepSpeed's rule is train_batch_size = "
+            "train_micro_batch_size_per_gpu=4, gradient_accumulation_steps not set (derived), "
+            "with a data-parallel size of 8. DeepSpeed's rule is train_batch_size = "
             "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size, "
             "but 30 is not divisible by 4 x 8 = 32. Fix: set train_batch_size to a multiple of "
             "32 (e.g. 32), or change train_micro_batch_size_per_gpu.",
@@ -430,11 +424,11 @@ def test_batch_sizes_resolve_like_deepspeed(raw, dp, expected):
             {"train_batch_size": 20},
             8,
             "The batch sizes do not fit together: train_batch_size=20, "
-            "train_micro_batch_size_per_gpu=auto, gradient_accumulation_steps=auto, with a "
-            "data-parallel size of 8. DeepSpeed's rule is train_batch_size = "
-            "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size, "
-            "but 20 is not divisible by 1 x 8 = 8. Fix: set train_batch_size to a multiple of 8 "
-            "(e.g. 16), or change gradient_accumulation_steps.",
+            "train_micro_batch_size_per_gpu not set (derived), gradient_accumulation_steps not "
+            "set (1, DeepSpeed's default), with a data-parallel size of 8. DeepSpeed's rule is "
+            "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+            "data-parallel size, but 20 is not divisible by 1 x 8 = 8. Fix: set train_batch_size "
+            "to a multiple of 8 (e.g. 16), or change gradient_accumulation_steps.",
         ),
         (
             {"gradient_accumulation_steps": 2},

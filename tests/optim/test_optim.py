@@ -393,8 +393,8 @@ def error_of(raw):
     ("raw", "message"),
     [
         (
-            {"optimizer": {"type": "OneBitAdam"}},
-            "optimizer.type: 'OneBitAdam' is not a supported optimizer; it must be one of Adam, "
+            {"optimizer": {"type": "MuAdam"}},  # the 1-bit ones: tests/config/test_config_ds_accept
+            "optimizer.type: 'MuAdam' is not a supported optimizer; it must be one of Adam, "
             "AdamW, Lamb, SGD, Adagrad, Lion, Muon (case-insensitive).",
         ),
         (
