@@ -36,7 +36,7 @@ from repo import SUPPORT
 
 import jzero
 from jzero import groups as groups_lib
-from jzero.config import ConfigError
+from jzero.config import ConfigError, JzeroConfigWarning
 from jzero.nvme import NvmeIOError
 
 
@@ -307,7 +307,8 @@ def test_bad_nvme_paths_fail_at_initialize(tmp_path):
         )
     with pytest.raises(ConfigError, match="offload_param.device is nvme, but offload_optimizer"):
         jzero.load_config({"zero_optimization": {"stage": 3, "offload_param": nvme(tmp_path)}})
-    with pytest.raises(ConfigError, match="offload_param"):  # parameters rest whole below 3
+    # Parameters rest whole below stage 3: DeepSpeed ignores offload_param there, so does jzero.
+    with pytest.warns(JzeroConfigWarning, match="offload_param: it offloads the parameter"):
         jzero.load_config(
             {
                 "zero_optimization": {
