@@ -39,8 +39,9 @@ Decisions:
   get every step's metrics from the engine, with tokens/s, and the eval losses; with an empty
   ``output_path`` they write into ``train.log_dir``.
 * JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
-  ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
-  a restarted run loads its programs instead of compiling them; the summary counts both.
+  in a cache folder, ``~/.cache/jzero/compile_cache``, never beside the checkpoints:
+  :mod:`jzero.distributed.compile_cache`), so a restarted run loads its programs instead of
+  compiling them; the summary counts both. A cache that can't be written is one warning.
 * The peak memory per device is the allocator's figure on an accelerator; on CPU, where the
   allocator keeps none, it is the compiled step's peak (:func:`jzero.memory.memory_report`).
 """
@@ -260,9 +261,7 @@ def run(
     # replaces the SIGTERM handler of JAX's distributed runtime (its preemption notifier, which
     # only logs), so a signal during set-up is not swallowed either.
     stop = _StopOnSignal()
-    cache = distributed.compile_cache_dir(
-        cfg.train.compile_cache, cfg.checkpoint.directory, cfg.train.log_dir
-    )
+    cache = distributed.compile_cache_dir(cfg.train.compile_cache)
     uncache = distributed.enable_compile_cache(cache) if cache is not None else None
     try:
         with distributed.CompileCounter() as compiled:

@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-cache",
         metavar="DIR",
         help="keep compiled programs in DIR, so a restart loads them instead of compiling "
-        "(overrides train.compile_cache; default: compile_cache beside checkpoint.directory)",
+        "(overrides train.compile_cache; default: ~/.cache/jzero/compile_cache, or "
+        "$XDG_CACHE_HOME/jzero/compile_cache, or $JAX_COMPILATION_CACHE_DIR when set)",
     )
     cache.add_argument(
         "--no-compile-cache",

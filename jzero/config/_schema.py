@@ -115,10 +115,12 @@ class TrainConfig:
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
     compile_cache: str | None = _field("auto", path=True)
     """jzero's own: the directory of JAX's persistent compilation cache, so a restarted or
-    resumed run loads its compiled programs instead of compiling them again. ``auto``:
-    ``compile_cache`` beside ``checkpoint.directory`` (``runs/ckpt`` -> ``runs/compile_cache``),
-    or beside ``log_dir`` without one; null compiles at every start (``jzero train
-    --no-compile-cache``). See :mod:`jzero.distributed.compile_cache`."""
+    resumed run loads its compiled programs instead of compiling them again. ``auto``: a cache
+    folder, ``$JAX_COMPILATION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/jzero/compile_cache``
+    or ``~/.cache/jzero/compile_cache`` (never beside the checkpoints, whose space it would
+    take); null compiles at every start (``jzero train --no-compile-cache``). A cache that
+    can't be written is one warning, never an error. See
+    :mod:`jzero.distributed.compile_cache`."""
 
 
 @dataclass(frozen=True)
