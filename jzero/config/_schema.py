@@ -135,6 +135,11 @@ class CheckpointConfig:
     """Checkpoints kept on disk; None keeps all."""
     async_: bool = _field(True, key="async")
     """Save in the background while training continues (YAML key ``async``)."""
+    max_consecutive_failures: int = _field(3, min=0)
+    """jzero's own (DeepSpeed has no such key): a periodic save that fails (a full disk, a
+    quota, an I/O error) is one error line and training goes on, the next interval trying again;
+    this many failed saves in a row stop the run with an error. 0 never stops. A final save that
+    fails is always an error."""
     overwrite: bool = False
     """jzero's own: a run started without resuming may replace the checkpoints an earlier run
     left in ``directory``; false refuses to start such a run."""
