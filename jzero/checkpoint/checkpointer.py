@@ -155,12 +155,7 @@ class Checkpointer:
                 self._lock = lock
                 dirs.write_marker(self.directory)
                 dirs.recover_asides(self.directory)
-                for name in dirs.remove_unfinished(self.directory):
-                    logger.info(
-                        "jzero: removed %s from %s: a checkpoint save that never completed",
-                        name,
-                        self.directory,
-                    )
+                dirs.remove_unfinished(self.directory, log=True)
             barrier("jzero-checkpoint-open")
             self._seq = dirs.next_seq(self.directory)
             self._opened = True

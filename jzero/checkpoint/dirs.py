@@ -186,12 +186,15 @@ def write_marker(directory: Path) -> None:
     write_atomic(marker, lambda f: f.write(text + "\n"), text=True)
 
 
-def remove_unfinished(directory: Path, *, quiet: float = 0.0, limit: float = 30.0) -> list[str]:
+def remove_unfinished(
+    directory: Path, *, log: bool = False, quiet: float = 0.0, limit: float = 30.0
+) -> list[str]:
     """Deletes the folders of saves that never completed (Orbax's ``<step>`` + ``TMP_SUFFIX``)
     in ``directory``; returns their names. The caller holds the writer's lock.
 
     Args:
       directory: the checkpoint directory.
+      log: a line for each folder removed (a failed save's is reported by its failure).
       quiet: after a failed save, the writes it abandoned still land for a moment (TensorStore
         finishes the other shards in its own threads, making their folders again): delete
         until none has come back for this many seconds ...
@@ -211,8 +214,16 @@ def remove_unfinished(directory: Path, *, quiet: float = 0.0, limit: float = 30.
         now = time.monotonic()
         last = now if found else last
         if now - last >= quiet or now - start >= limit:
-            return removed
+            break
         time.sleep(0.01)
+    for name in removed if log else ():
+        logger.info(
+            "jzero: removed %s from %s: a checkpoint save that never completed (the committed "
+            "steps are untouched)",
+            name,
+            directory,
+        )
+    return removed
 
 
 def clean_unfinished(directory: str | os.PathLike) -> list[str]:
@@ -232,17 +243,9 @@ def clean_unfinished(directory: str | os.PathLike) -> list[str]:
         except OSError:
             return []  # another writer is at work
         try:
-            removed = remove_unfinished(path)
+            return remove_unfinished(path, log=True)
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-    for name in removed:
-        logger.info(
-            "jzero: removed %s from %s: a checkpoint save that never completed (the committed "
-            "steps are untouched)",
-            name,
-            path,
-        )
-    return removed
 
 
 def remove_step(directory: Path, step: int, why: str) -> None:
