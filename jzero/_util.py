@@ -26,6 +26,10 @@ Decisions:
   any case, spaces allowed around the unit. :func:`read_size` returns ``None`` for anything
   else, so each caller keeps its own error message. **Sizes out** (:func:`format_bytes`):
   powers of 1024, ``123.4 GiB``.
+* **Free space** (:func:`free_bytes`) is what an unprivileged writer may still use on the file
+  system holding a path (``statvfs``'s ``f_bavail``, as ``df`` shows it), read at the nearest
+  existing folder, so a directory not made yet is measured on the disk it will be made on. The
+  NVMe tier checks it before it creates its files, a checkpoint before each save.
 * **Files are replaced whole** (:func:`write_atomic`): written to a fresh file created
   exclusively beside the target (``.<name>.<random>.partial``; a pre-existing file or symlink
   there is never written through), with the permissions a plain ``open`` would give, then
@@ -39,6 +43,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import tempfile
 import types
 from collections.abc import Callable
@@ -50,6 +55,7 @@ __all__ = [
     "byte_unit",
     "dotted",
     "format_bytes",
+    "free_bytes",
     "divisors",
     "is_creator",
     "path_parts",
@@ -178,6 +184,15 @@ def format_bytes(n: float, digits: int | None = None, unit: tuple[str, int] | No
 
 
 # -- files ---------------------------------------------------------------------------------------
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """The bytes this process may still write on the file system holding ``path`` (measured at
+    its nearest existing folder when ``path`` does not exist yet; see the module's decisions)."""
+    where = Path(path).expanduser().absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free
 
 
 def _umask() -> int:

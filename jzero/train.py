@@ -25,6 +25,15 @@ Decisions:
   checkpoint is committed and ``summary.json`` written; only from the main thread.
 * ``train.max_consecutive_nonfinite`` steps in a row with inf/NaN gradients stop the run
   (``stopped`` says why; the CLI exits 1).
+* **Storage that fails ends the run cleanly** (:mod:`jzero.checkpoint`'s decisions). A periodic
+  save that fails (a full disk, a quota, an I/O error) is one error line and training goes on;
+  ``checkpoint.max_consecutive_failures`` failed saves in a row stop the run, without a final
+  save (the disk would refuse it too), and a final save that fails ends it too: either is one
+  error line, ``checkpoint_error`` in the summary (with ``last_checkpoint``, the step a resume
+  starts from) and exit status 1. (The limit is found by the save of the step that has just
+  run, inside ``train_step``: that step counts in ``steps``, without a ``metrics.jsonl`` line.)
+  The summary is written in every case, and a start removes the folders of saves that never
+  completed.
 * Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` (a fresh run truncates
   it, a resumed one appends) and the end writes ``summary.json``; both are strict JSON (NaN
   and infinities are ``null``) and written by process 0 only, which alone logs and shows the
@@ -39,8 +48,9 @@ Decisions:
   get every step's metrics from the engine, with tokens/s, and the eval losses; with an empty
   ``output_path`` they write into ``train.log_dir``.
 * JAX's persistent compilation cache is on for the run (``train.compile_cache``; by default
-  ``compile_cache`` beside the checkpoint directory, :mod:`jzero.distributed.compile_cache`), so
-  a restarted run loads its programs instead of compiling them; the summary counts both.
+  in a cache folder, ``~/.cache/jzero/compile_cache``, never beside the checkpoints:
+  :mod:`jzero.distributed.compile_cache`), so a restarted run loads its programs instead of
+  compiling them; the summary counts both. A cache that can't be written is one warning.
 * The peak memory per device is the allocator's figure on an accelerator; on CPU, where the
   allocator keeps none, it is the compiled step's peak (:func:`jzero.memory.memory_report`).
 """
@@ -149,9 +159,13 @@ def exit_code(summary: Mapping[str, Any]) -> int:
     """The exit status ``jzero train`` ends with for a summary :func:`run` returned.
 
     Returns:
-      128 + the signal's number for an interrupted run (130 for Ctrl-C, 143 for SIGTERM), as a
-      shell reports a process the signal ended; 1 for a run stopped by inf/NaN gradients; else 0.
+      1 for a run whose checkpoints failed (``checkpoint_error``: its final save, or too many
+      saves in a row); 128 + the signal's number for an interrupted run (130 for Ctrl-C, 143
+      for SIGTERM), as a shell reports a process the signal ended; 1 for a run stopped by
+      inf/NaN gradients; else 0.
     """
+    if summary.get("checkpoint_error"):
+        return 1
     if summary["interrupted"]:
         return 128 + int(signal.Signals[summary.get("signal") or "SIGINT"])
     return 1 if summary["stopped"] else 0
@@ -193,6 +207,15 @@ def _check_checkpoint_directory(cfg: Config, *, fresh: bool) -> None:
             "to replace them with this run's, set another checkpoint.directory, or drop "
             "--no-resume to continue that run."
         )
+
+
+def _last_checkpoint(cfg: Config) -> int | None:
+    """The last committed step in ``checkpoint.directory`` (``None``: none, or no directory)."""
+    if not cfg.checkpoint.directory:
+        return None
+    from jzero.checkpoint import latest_step
+
+    return latest_step(cfg.checkpoint.directory)
 
 
 def _resume(engine: Engine, cfg: Config, *, fresh: bool) -> int | None:
@@ -244,11 +267,13 @@ def run(
       ``peak_bytes_per_device``, ``metrics`` (the path of ``metrics.jsonl``),
       ``compile_cache`` (its directory, or ``None``: ``train.compile_cache``), ``compiles``
       (the programs compiled), ``cache_hits`` (the programs loaded from the cache instead)
-      and ``cache_misses`` (the programs compiled and written to it).
+      and ``cache_misses`` (the programs compiled and written to it), ``checkpoint_error``
+      (why the checkpoints failed the run: its final save, or
+      ``checkpoint.max_consecutive_failures`` saves in a row; else ``None``) and
+      ``last_checkpoint`` (the last committed step, the one a resume starts from).
 
     Raises:
       ConfigError: a bad config (a ``ValueError``, as are the refusals above).
-      CheckpointWriteError: a checkpoint could not be written (disk full, ...).
     """
     all_overrides = [*overrides, *(["checkpoint.overwrite=true"] if overwrite else [])]
     cfg = load_config(config, overrides=all_overrides)
@@ -256,13 +281,15 @@ def run(
     if cfg.checkpoint.directory:
         _check_checkpoint_directory(cfg, fresh=fresh)
     distributed.init_distributed(cfg.distributed)  # before any JAX call
+    if cfg.checkpoint.directory and distributed.is_main_process():
+        from jzero.checkpoint import dirs
+
+        dirs.clean_unfinished(cfg.checkpoint.directory)  # saves a killed run left unfinished
     # From here on a stop signal ends the run after a step with a final checkpoint; this
     # replaces the SIGTERM handler of JAX's distributed runtime (its preemption notifier, which
     # only logs), so a signal during set-up is not swallowed either.
     stop = _StopOnSignal()
-    cache = distributed.compile_cache_dir(
-        cfg.train.compile_cache, cfg.checkpoint.directory, cfg.train.log_dir
-    )
+    cache = distributed.compile_cache_dir(cfg.train.compile_cache)
     uncache = distributed.enable_compile_cache(cache) if cache is not None else None
     try:
         with distributed.CompileCounter() as compiled:
@@ -376,9 +403,14 @@ def _train(
     mfus: list[float] = []
     t_start = time.perf_counter()
     t_last, done, loss = t_start, first_step - 1, float("nan")
-    interrupted, stopped = False, None
+    interrupted, stopped, checkpoint_error = False, None, None
     limit = cfg.train.max_consecutive_nonfinite
     streak, skipped = 0, 0
+    save_failed: tuple[type[Exception], ...] = ()
+    if cfg.checkpoint.directory:
+        from jzero.checkpoint import CheckpointWriteError
+
+        save_failed = (CheckpointWriteError,)
     try:
         for step in range(first_step, steps + 1):
             m = engine.train_step(batches.next())
@@ -451,16 +483,26 @@ def _train(
                 break
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
         interrupted = True
+    except save_failed as e:  # max_consecutive_failures periodic saves failed in a row
+        checkpoint_error, done = str(e), engine.iteration
     finally:
         bar.close()
         metrics_file.close()
     elapsed = time.perf_counter() - t_start
     if stopped:
         logger.error("jzero: %s", stopped)
-    if cfg.checkpoint.directory:  # a final checkpoint, on Ctrl-C and SIGTERM too
-        if engine.save():
-            logger.info("checkpoint %d written to %s", engine.iteration, cfg.checkpoint.directory)
-    engine.close()  # the checkpoint saves in flight, and the monitors, flushed
+    if cfg.checkpoint.directory and checkpoint_error is None:  # on Ctrl-C and SIGTERM too
+        try:
+            saved = engine.save()
+            engine.wait_until_finished()  # committed, or its failure raised
+            if saved:
+                where = cfg.checkpoint.directory
+                logger.info("checkpoint %d written to %s", engine.iteration, where)
+        except save_failed as e:
+            checkpoint_error = str(e)
+    if checkpoint_error:
+        logger.error("jzero: %s", checkpoint_error)
+    engine.close()  # the monitors flushed; the checkpointer's threads and lock released
     ran = done - (first_step - 1)
     summary = {
         "steps": done,
@@ -482,5 +524,7 @@ def _train(
         "peak_bytes_per_device": peak(),
         "mfu": float(np.mean(mfus)) if mfus else None,  # None: the device's peak is unknown
         "metrics": str(log_dir / "metrics.jsonl"),
+        "checkpoint_error": checkpoint_error,
+        "last_checkpoint": _last_checkpoint(cfg),
     }
     return _json_safe(summary)  # as written (by run, with the compilations): NaN is None

@@ -27,6 +27,11 @@ Decisions:
   drops the lock when its process dies, so a stale lock (text left by a process that was killed)
   is taken over, with a message naming the dead holder. Across hosts this relies on the file
   system's ``flock``; NFS without lock support cannot detect a second writer.
+* **Nothing unfinished stays.** A save that never completed leaves Orbax's
+  ``<step>.orbax-checkpoint-tmp`` folder; :func:`remove_unfinished` deletes such folders (by
+  that name only, never a committed step) when a writer opens the directory, when a failed
+  save is handled, and when ``jzero train`` starts (:func:`clean_unfinished`, only while no
+  other writer holds the lock: its save in flight is such a folder), each with a log line.
 * **A step is read only when it is complete and intact.** :func:`resolve_step` names the
   step to read (the latest by default) among the committed ones, saying which saves never
   completed; :func:`verified_step_dir` checks its files against their record first.
@@ -42,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import weakref
 from pathlib import Path
 from typing import IO, Any
@@ -49,7 +55,15 @@ from typing import IO, Any
 from jzero._util import write_atomic
 from jzero.checkpoint.layout import JZERO, CheckpointError, first_problem
 
-__all__ = ["CheckpointWriteError", "DirectoryLock", "MARKER", "latest_step", "list_steps"]
+__all__ = [
+    "CheckpointWriteError",
+    "DirectoryLock",
+    "MARKER",
+    "clean_unfinished",
+    "latest_step",
+    "list_steps",
+    "remove_unfinished",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +184,68 @@ def write_marker(directory: Path) -> None:
         indent=2,
     )
     write_atomic(marker, lambda f: f.write(text + "\n"), text=True)
+
+
+def remove_unfinished(
+    directory: Path, *, log: bool = False, quiet: float = 0.0, limit: float = 30.0
+) -> list[str]:
+    """Deletes the folders of saves that never completed (Orbax's ``<step>`` + ``TMP_SUFFIX``)
+    in ``directory``; returns their names. The caller holds the writer's lock.
+
+    Args:
+      directory: the checkpoint directory.
+      log: a line for each folder removed (a failed save's is reported by its failure).
+      quiet: after a failed save, the writes it abandoned still land for a moment (TensorStore
+        finishes the other shards in its own threads, making their folders again): delete
+        until none has come back for this many seconds ...
+      limit: ... or this many have passed.
+    """
+    removed: list[str] = []
+    start = last = time.monotonic()
+    while True:
+        found = []
+        if directory.is_dir():
+            for p in sorted(directory.iterdir()):
+                stem = p.name[: -len(TMP_SUFFIX)] if p.name.endswith(TMP_SUFFIX) else ""
+                if stem.isdigit() and p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)  # a late write may refill it: again
+                    found.append(p.name)
+        removed += [n for n in found if n not in removed]
+        now = time.monotonic()
+        last = now if found else last
+        if now - last >= quiet or now - start >= limit:
+            break
+        time.sleep(0.01)
+    for name in removed if log else ():
+        logger.info(
+            "jzero: removed %s from %s: a checkpoint save that never completed (the committed "
+            "steps are untouched)",
+            name,
+            directory,
+        )
+    return removed
+
+
+def clean_unfinished(directory: str | os.PathLike) -> list[str]:
+    """At a run's start: deletes the folders of saves that never completed, with a log line
+    each, unless another writer holds the directory (its save in flight looks the same; the
+    run meets that writer's lock at its first save). Returns the names removed."""
+    path = Path(directory).expanduser().absolute()
+    if not (path / MARKER).is_file() and not step_dirs(path):
+        return []  # not a directory of jzero's checkpoints (yet): nothing of ours to remove
+    import fcntl  # POSIX only, as the lock
+
+    # The writer's lock, taken for a moment without touching its text (a dead writer's record
+    # is reported by the writer that takes it over).
+    with open(path / LOCK, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []  # another writer is at work
+        try:
+            return remove_unfinished(path, log=True)
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def remove_step(directory: Path, step: int, why: str) -> None:
@@ -317,7 +393,8 @@ class DirectoryLock:
             return
         import fcntl
 
-        with contextlib.suppress(OSError):
+        # ValueError: the file was closed already (its finalizer ran at interpreter exit).
+        with contextlib.suppress(OSError, ValueError):
             self._fh.seek(0)
             self._fh.truncate()
             self._fh.flush()

@@ -13,11 +13,28 @@ Decisions:
   :class:`~jzero.checkpoint.layout.CheckpointError` naming the step, never a raw traceback.
 * A single leaf is read as a host numpy array (:func:`leaf_reader`), the others left as
   placeholders, so export holds one leaf at a time.
+* **A failed write is reported once, by jzero.** Orbax logs every failure of its background
+  save as an error with a traceback, from several threads (the array writer, the commit, the
+  finalize thread, ``wait_until_finished``), and jzero reports the same failure as one line
+  (:class:`~jzero.checkpoint.Checkpointer`). So Orbax's error records (those logged from
+  Orbax's own files at level ERROR) go to this module's logger at DEBUG level, traceback and
+  all: ``jzero train --verbose`` shows them. And when one shard's write fails, Orbax's event
+  loop closes while TensorStore still finishes the others; each then reports
+  ``RuntimeError: Event loop is closed`` as an unraisable exception, a traceback on stderr per
+  shard, and asyncio reports each shard that failed too ("Task exception was never
+  retrieved") when the garbage collector drops it. Those (and only those: a ``RuntimeError``
+  of that text with no object; asyncio's reports naming Orbax's code or an unfinished step)
+  go to DEBUG too. All are installed once, when the first :class:`StepWriter` opens.
+* After a failed write the writer is closed (:meth:`StepWriter.close`, which joins Orbax's
+  threads; the failure they re-raise is already reported) and a fresh one writes the next
+  step, so no state of the failed save is carried over.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +49,63 @@ from jzero.checkpoint.layout import JZERO, META, STATE, CheckpointError, PyTree
 
 __all__ = ["StepWriter", "leaf_reader", "read_json", "read_or_fail", "read_state", "tree_metadata"]
 
+logger = logging.getLogger(__name__)
+
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
+
+
+class _OrbaxErrorsToDebug(logging.Filter):
+    """Orbax's own error records (its reports of a failed write, which jzero reports itself)
+    re-logged on this module's logger at DEBUG, traceback and all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.pathname.startswith(_ORBAX_DIR):
+            logger.debug("Orbax: %s", record.getMessage(), exc_info=record.exc_info)
+            return False
+        return True
+
+
+class _AbandonedWritesToDebug(logging.Filter):
+    """asyncio's reports of the writes a failed save abandoned ("Task exception was never
+    retrieved", "Future exception was never retrieved": each a shard's own failure, given when
+    the garbage collector drops it) re-logged on this module's logger at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        ours = _ORBAX_DIR in text or ocp.path.step.TMP_DIR_SUFFIX in text
+        if record.levelno >= logging.ERROR and "exception was never retrieved" in text and ours:
+            logger.debug("an abandoned write: %s", text, exc_info=record.exc_info)
+            return False
+        return True
+
+
+def _abandoned_write(args: Any) -> bool:
+    """Whether an unraisable exception is TensorStore finishing a write whose event loop Orbax
+    closed after another write failed."""
+    e = args.exc_value
+    return args.object is None and isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def _quiet_failed_writes() -> None:
+    """Installs, once, what the module's decisions say about Orbax's reports of a failure."""
+    for name, kind in (("absl", _OrbaxErrorsToDebug), ("asyncio", _AbandonedWritesToDebug)):
+        log = logging.getLogger(name)  # Orbax logs through absl's logger
+        if not any(isinstance(f, kind) for f in log.filters):
+            log.addFilter(kind())
+    previous = sys.unraisablehook
+    if getattr(previous, "_jzero", False):
+        return
+
+    def hook(args: Any) -> None:
+        if _abandoned_write(args):
+            info = (args.exc_type, args.exc_value, args.exc_traceback)
+            logger.debug("a write finished after its event loop closed", exc_info=info)
+        else:
+            previous(args)
+
+    hook._jzero = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
 
 class StepWriter:
     """Orbax's ``CheckpointManager`` on one directory, as the checkpointer writes steps.
@@ -43,11 +117,12 @@ class StepWriter:
     """
 
     def __init__(self, directory: Path, on_written: Callable[[], None]):
+        _quiet_failed_writes()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # rotation is jzero's: it deletes only steps jzero wrote
             save_interval_steps=1,
             create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=False,  # jzero removes unfinished saves, saying so
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=on_written),
         )
@@ -73,8 +148,15 @@ class StepWriter:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Releases Orbax's threads."""
-        self._manager.close()
+        """Waits for Orbax's threads and releases them. After a failed write (already raised
+        by :meth:`wait_until_finished`) Orbax may raise it again here: that is logged at DEBUG
+        level, and the abandoned writes' leftovers are collected quietly (see
+        :func:`read_or_fail`)."""
+        try:
+            self._manager.close()
+        except Exception as e:  # the failure the caller has handled, raised once more
+            logger.debug("closing Orbax's writer after a failed write: %s", e)
+        _collect_quietly()
 
 
 def _read_error(step: int, directory: Path, e: BaseException) -> CheckpointError:
@@ -99,13 +181,19 @@ def read_or_fail(read: Callable[[], Any], step: int, directory: Path) -> Any:
         return read()
     except Exception as e:  # TensorStore and Orbax raise bare Exceptions for bad data
         error = _read_error(step, directory, e)
+    _collect_quietly()
+    raise error
+
+
+def _collect_quietly() -> None:
+    """Collects the coroutines a failed read or write left unfinished, silently (each would
+    raise again when the garbage collector closes it)."""
     hook = sys.unraisablehook
     sys.unraisablehook = lambda _: None
     try:
         gc.collect()
     finally:
         sys.unraisablehook = hook
-    raise error
 
 
 def read_state(step_dir: Path, target: PyTree) -> PyTree:

@@ -12,10 +12,16 @@ Decisions:
 * A user's mistake (a bad config, a missing file) exits with status 2 and one message, never a
   traceback; a checkpoint that could not be written exits with 1. ``train`` exits 130 or 143
   after Ctrl-C or SIGTERM (it stops after the current step, saves and prints the summary), and
-  1 when inf/NaN gradients stopped it.
+  1 when inf/NaN gradients stopped it or its checkpoints failed (its final save, or
+  ``checkpoint.max_consecutive_failures`` saves in a row).
+* The log is jzero's, a line per event: Orbax's own progress reports (INFO) are left out, and
+  its reports of a failed write go to jzero's debug log (jzero reports the failure in one
+  line). ``--verbose`` shows jzero's debug log, Orbax's reports and the traceback behind an
+  error.
 * ``train``'s progress goes to a tqdm bar on stderr; every ``steps_per_print`` steps a log line;
   every step a JSON line in ``<train.log_dir>/metrics.jsonl``; at the end one line on stdout,
-  ``done:``, ``interrupted:`` or ``stopped:`` and the summary as JSON.
+  ``done:``, ``interrupted:``, ``stopped:`` or ``failed:`` (its checkpoints) and the summary as
+  JSON.
 * The modules behind the commands (the training loop, the model, the planner) are imported
   when a command runs, after the device count is set; nothing imported before touches a JAX
   backend.
@@ -29,6 +35,7 @@ import logging
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Sequence
 
 from jzero.cli import checkpoint, devices, memory
@@ -90,7 +97,13 @@ def _report(summary: dict, train: object, distributed: object) -> int:
     """Prints the summary line (process 0) and returns the exit status."""
     if distributed.is_main_process():  # only process 0 prints
         ended = (
-            "interrupted" if summary["interrupted"] else "stopped" if summary["stopped"] else "done"
+            "failed"
+            if summary.get("checkpoint_error")
+            else "interrupted"
+            if summary["interrupted"]
+            else "stopped"
+            if summary["stopped"]
+            else "done"
         )
         print(f"{ended}: {train.strict_json(summary)}")
     return train.exit_code(summary)
@@ -112,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     devices.add_cpu_devices_flag(train)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show jzero's debug log, Orbax's own log and the traceback behind an error",
+    )
+    train.add_argument(
         "--no-resume",
         action="store_true",
         help="start fresh; refused when checkpoint.directory holds an earlier run's checkpoints "
@@ -128,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile-cache",
         metavar="DIR",
         help="keep compiled programs in DIR, so a restart loads them instead of compiling "
-        "(overrides train.compile_cache; default: compile_cache beside checkpoint.directory)",
+        "(overrides train.compile_cache; default: ~/.cache/jzero/compile_cache, or "
+        "$XDG_CACHE_HOME/jzero/compile_cache, or $JAX_COMPILATION_CACHE_DIR when set)",
     )
     cache.add_argument(
         "--no-compile-cache",
@@ -164,14 +183,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The ``jzero`` command line, as a function: the exit status (the process is
     :func:`entry`)."""
     args = build_parser().parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if verbose:
+        logging.getLogger("jzero").setLevel(logging.DEBUG)
+    else:  # Orbax logs through absl's logger: its progress reports are not the user's
+        logging.getLogger("absl").setLevel(logging.WARNING)
     from jzero.checkpoint.dirs import CheckpointWriteError
 
     try:
         return int(args.func(args))
     except CheckpointWriteError as e:  # the disk, not the config: not a usage error
-        print(f"jzero: error: {e}", file=sys.stderr)
+        _error(e, verbose)
         return 1
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
-        print(f"jzero: error: {e}", file=sys.stderr)
+        _error(e, verbose)
         return 2
+
+
+def _error(e: BaseException, verbose: bool) -> None:
+    """One line for an error that ends a command; its traceback first with ``--verbose``."""
+    if verbose:
+        traceback.print_exception(e, file=sys.stderr)
+    print(f"jzero: error: {e}", file=sys.stderr)

@@ -117,10 +117,12 @@ class TrainConfig:
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
     compile_cache: str | None = _field("auto", path=True)
     """jzero's own: the directory of JAX's persistent compilation cache, so a restarted or
-    resumed run loads its compiled programs instead of compiling them again. ``auto``:
-    ``compile_cache`` beside ``checkpoint.directory`` (``runs/ckpt`` -> ``runs/compile_cache``),
-    or beside ``log_dir`` without one; null compiles at every start (``jzero train
-    --no-compile-cache``). See :mod:`jzero.distributed.compile_cache`."""
+    resumed run loads its compiled programs instead of compiling them again. ``auto``: a cache
+    folder, ``$JAX_COMPILATION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/jzero/compile_cache``
+    or ``~/.cache/jzero/compile_cache`` (never beside the checkpoints, whose space it would
+    take); null compiles at every start (``jzero train --no-compile-cache``). A cache that
+    can't be written is one warning, never an error. See
+    :mod:`jzero.distributed.compile_cache`."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,11 @@ class CheckpointConfig:
     """Checkpoints kept on disk; None keeps all."""
     async_: bool = _field(True, key="async")
     """Save in the background while training continues (YAML key ``async``)."""
+    max_consecutive_failures: int = _field(3, min=0)
+    """jzero's own (DeepSpeed has no such key): a periodic save that fails (a full disk, a
+    quota, an I/O error) is one error line and training goes on, the next interval trying again;
+    this many failed saves in a row stop the run with an error. 0 never stops. A final save that
+    fails is always an error."""
     overwrite: bool = False
     """jzero's own: a run started without resuming may replace the checkpoints an earlier run
     left in ``directory``; false refuses to start such a run."""

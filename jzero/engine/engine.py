@@ -371,7 +371,7 @@ class Engine:
             self._log_step(metrics, batch, started)
         interval = self.config.checkpoint.save_interval_steps
         if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
-            self.save()
+            self.save(periodic=True)
         return metrics
 
     @property
@@ -537,11 +537,12 @@ class Engine:
                 max_to_keep=c.max_to_keep,
                 async_save=c.async_,
                 overwrite=bool(getattr(c, "overwrite", False)),
+                max_consecutive_failures=c.max_consecutive_failures,
             )
             _OPEN_ENGINES.add(self)
         return self._ckpt
 
-    def save(self, step: int | None = None) -> bool:
+    def save(self, step: int | None = None, *, periodic: bool = False) -> bool:
         """Saves a checkpoint (asynchronously unless ``checkpoint.async`` is false).
 
         What is saved: params, optimizer state (with the float32 master weights), the step
@@ -555,9 +556,16 @@ class Engine:
 
         Args:
           step: the checkpoint's number; default ``engine.iteration`` (train steps run).
+          periodic: the save ``train_step`` makes every ``checkpoint.save_interval_steps``: a
+            failure (disk full, ...) is logged and the next interval tries again, up to
+            ``checkpoint.max_consecutive_failures`` in a row. Otherwise a failure raises.
 
         Returns:
           Whether a save started.
+
+        Raises:
+          CheckpointWriteError: the save failed (see ``periodic``); the checkpoints committed
+            before are intact.
         """
         step = self.iteration if step is None else int(step)
         ckpt = self._checkpointer()
@@ -591,7 +599,7 @@ class Engine:
             weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
         # Checkpoints hold the logical shapes (no padding), so any device count restores them.
         state = logical_view(self.plan, state)
-        saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True)
+        saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True, periodic=periodic)
         if saved:
             self._unchanged_since = step if step == self.iteration else None
         if saved and gather16:  # the params in their compute dtype, beside the checkpoints
@@ -705,6 +713,13 @@ _OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_engines() -> None:
-    """Lets in-flight checkpoint saves finish before the interpreter exits."""
+    """Lets in-flight checkpoint saves finish before the interpreter exits; one that fails is
+    one error line (the steps committed before are intact), not a traceback at exit."""
     for engine in list(_OPEN_ENGINES):
-        engine.close()
+        from jzero.checkpoint import CheckpointWriteError  # imported: the engine saved
+
+        try:
+            engine.close()
+        except CheckpointWriteError as e:
+            logger.error("jzero: %s", e)
+            engine.close()  # the rest of it (the checkpointer is closed already)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import tempfile
 import threading
 import uuid
@@ -44,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from jzero._util import format_bytes
+from jzero._util import format_bytes, free_bytes
 from jzero.nvme.file_format import (
     _SUFFIX,
     _TMP,
@@ -105,7 +104,7 @@ def check_nvme_path(
         raise ValueError(
             f"{what} {where!r}: creating a file there failed ({e.strerror or e}). {fix}"
         ) from e
-    free = shutil.disk_usage(where).free
+    free = free_bytes(where)
     if needed_bytes > free:
         raise ValueError(
             f"{what} {where!r} has {format_bytes(free)} free ({free:,} bytes), but the offloaded "

@@ -44,7 +44,13 @@ import numpy as np
 
 from jzero.distributed import barrier
 from jzero.weights import export as export_lib
-from jzero.weights.format import INDEX_NAME, read_index, read_safetensors_header, tensor_layout
+from jzero.weights.format import (
+    INDEX_NAME,
+    index_file,
+    read_index,
+    read_safetensors_header,
+    tensor_layout,
+)
 
 __all__ = [
     "MARKER",
@@ -100,16 +106,20 @@ def _pread(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += got
 
 
-def _file_tensors(path: Path, known: Mapping[str, str] | None = None) -> dict[str, Tensor]:
-    """The tensors of one safetensors file, each reading its shards with ``os.pread``."""
+def _file_tensors(
+    path: Path, known: Mapping[str, str] | None = None, name: str | None = None
+) -> dict[str, Tensor]:
+    """The tensors of one safetensors file, each reading its shards with ``os.pread``; with an
+    index's ``known`` map, only those it places in this file (``name``, as the index names
+    it). Every entry of the header is checked against the file first."""
     header, start = read_safetensors_header(path)
     header.pop("__metadata__", None)
     size = os.path.getsize(path)
+    layouts = {key: tensor_layout(key, info, path, start, size) for key, info in header.items()}
     out: dict[str, Tensor] = {}
-    for key, info in header.items():
-        if known is not None and known.get(key) not in (None, path.name):
+    for key, (dtype, shape, begin, _) in layouts.items():
+        if known is not None and known.get(key) not in (None, name):
             continue  # the index places this name in another file
-        dtype, shape, begin, end = tensor_layout(key, info, path, start, size)
 
         def read(index, path=path, offset=start + begin, shape=shape, dtype=dtype):
             if not shape:
@@ -162,14 +172,10 @@ def open_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     p = Path(path).expanduser()
     if (p.is_file() and p.name.endswith(".index.json")) or (p / INDEX_NAME).is_file():
         root, weight_map, _ = read_index(p)
+        index = p if p.is_file() else p / INDEX_NAME
         out: dict[str, Tensor] = {}
         for name in dict.fromkeys(weight_map.values()):
-            if not (root / name).is_file():
-                raise FileNotFoundError(
-                    f"The index {str(root / INDEX_NAME)!r} names the file {name!r}, "
-                    "which is not there. Copy the whole export."
-                )
-            out.update(_file_tensors(root / name, weight_map))
+            out.update(_file_tensors(index_file(root, name, index), weight_map, name))
         return out
     if p.is_file():
         return _file_tensors(p)

@@ -321,8 +321,6 @@ def test_bad_nvme_paths_fail_at_initialize(tmp_path):
 
 
 def test_nvme_path_without_room_or_write_access(tmp_path, monkeypatch):
-    import shutil
-
     from jzero.nvme import store as nvme_lib
 
     def adamw(**zero):
@@ -330,8 +328,7 @@ def test_nvme_path_without_room_or_write_access(tmp_path, monkeypatch):
             toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(2, **zero)
         )
 
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(nvme_lib.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    monkeypatch.setattr(nvme_lib, "free_bytes", lambda _: 1000)
     with pytest.raises(ValueError, match=r"\(1,000 bytes\), but the offloaded state needs"):
         adamw(offload_optimizer=nvme(tmp_path))
     monkeypatch.undo()

@@ -104,14 +104,18 @@ def test_initialize_and_the_first_step_compile_one_init_and_one_step(model, stag
     assert second.programs == 0, second.names
 
 
-def test_the_cache_directory_sits_beside_the_checkpoint_directory(tmp_path):
-    ckpt, logs = str(tmp_path / "runs" / "ckpt"), str(tmp_path / "logs" / "run")
-    assert compile_cache_dir("auto", ckpt, logs) == tmp_path / "runs" / "compile_cache"
-    assert compile_cache_dir("auto", None, logs) == tmp_path / "logs" / "compile_cache"
-    assert compile_cache_dir(str(tmp_path / "c"), ckpt, logs) == tmp_path / "c"
-    assert compile_cache_dir(None, ckpt, logs) is None
-    with pytest.raises(ValueError, match="train.compile_cache is 'auto'.*neither is set"):
-        compile_cache_dir("auto", None, None)
+def test_the_cache_directory_is_a_cache_folder_never_the_checkpoint_volume(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert compile_cache_dir("auto") == tmp_path / "home" / ".cache" / "jzero" / "compile_cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache_dir("auto") == tmp_path / "xdg" / "jzero" / "compile_cache"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))  # JAX's own setting
+    assert compile_cache_dir("auto") == tmp_path / "jax"
+    assert compile_cache_dir(str(tmp_path / "c")) == tmp_path / "c"
+    assert compile_cache_dir("~/c") == tmp_path / "home" / "c"
+    assert compile_cache_dir(None) is None
 
 
 TINY = [
