@@ -4,8 +4,10 @@ Decisions:
 
 * ``stage3_max_live_parameters`` is checked when the first step re-plans for the loss's scans
   (``engine.fit_layout``): stage 3 gathers one unit at a time (a layer of a scanned stack, or a
-  whole leaf used outside a scan), so the limit must admit the largest; 0 (Axolotl's configs)
-  keeps nothing beyond the unit in use and is never refused.
+  whole leaf used outside a scan). A limit below the largest unit is a warning, and that unit
+  is gathered whole anyway: DeepSpeed's limit bounds what it keeps and prefetches, and it too
+  fetches a module whatever its size, so such a config trains as it does there. 0 (Axolotl's
+  configs) keeps nothing beyond the unit in use and says nothing.
 * A save first checks that the parameters are finite: each process reads its own shards
   (replica 0) on the host, so nothing compiles and offloaded leaves work too, and every process
   takes the same decision (:func:`jzero.distributed.any_process`), or the save's barriers hang.
@@ -13,6 +15,7 @@ Decisions:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -26,15 +29,20 @@ PyTree = Any
 
 
 def _check_live_parameters(plan: Plan, limit: int) -> None:
-    """Stage 3 gathers one unit at a time: DeepSpeed's ``stage3_max_live_parameters`` must
-    admit the largest one."""
+    """Stage 3 gathers one unit at a time: a ``stage3_max_live_parameters`` below the largest
+    one is a warning (the unit is gathered whole all the same, as DeepSpeed fetches it)."""
+    from jzero.config import JzeroConfigWarning
+
     largest, path = plan.largest_gathered()
     if limit and largest > limit:  # 0 (Axolotl's configs): keep nothing beyond the unit used
-        raise ValueError(
+        warnings.warn(
             f"zero_optimization.stage3_max_live_parameters is {limit:,}, but stage 3 gathers "
             f"{largest:,} elements at once for {path!r} (one layer of a scanned stack, or a "
-            "whole leaf used outside a scan). Raise stage3_max_live_parameters to at least "
-            f"{largest:,}, or split that parameter."
+            "whole leaf used outside a scan); it is gathered whole all the same, as DeepSpeed "
+            f"fetches it. Raise stage3_max_live_parameters to at least {largest:,}, or split "
+            "that parameter, to keep the limit.",
+            JzeroConfigWarning,
+            stacklevel=3,
         )
 
 

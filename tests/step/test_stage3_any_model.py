@@ -8,6 +8,7 @@ the optax loop computes, so losses and grad norms are compared at 1e-10; the byt
 float64 leaves (``ITEM``)."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from flax import linen, nnx
 
 import jzero
+from jzero.config import JzeroConfigWarning
 from jzero.hlo import collectives
 
 L, D, B = 8, 256, 16
@@ -173,26 +175,31 @@ def test_an_nnx_list_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
     assert_matches(train(engine, data), expected)
 
 
-def test_max_live_parameters_below_the_largest_layer_is_a_clear_error():
+def test_max_live_parameters_below_the_largest_layer_warns_and_trains():
+    """DeepSpeed's limit bounds what it keeps and prefetches, and it fetches a module whatever
+    its size: such a config trains there, so here too, with a warning naming the numbers."""
     zero = {**CFG["zero_optimization"], "stage3_max_live_parameters": 1000}
     engine = jzero.initialize(
         {"w": weights(np.float64)}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
     )
-    with pytest.raises(ValueError, match=r"stage3_max_live_parameters is 1,000, but stage 3 "
-                       r"gathers 65,536 elements at once for 'w'.*at least 65,536"):  # fmt: skip
-        engine.train_step(batches(1, np.float64)[0])
-    # 0, as some published configs write it: DeepSpeed keeps nothing cached, and trains.
-    zero["stage3_max_live_parameters"] = 0
-    engine = jzero.initialize(
-        {"w": weights(np.float64)}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
-    )
-    assert np.isfinite(float(engine.train_step(batches(1, np.float64)[0])["loss"]))
-    zero["stage3_max_live_parameters"] = D * D  # one layer of the stack: enough
-    engine = jzero.initialize(
-        {"w": weights(np.float64)}, scan_loss, optax.sgd(0.1), {**CFG, "zero_optimization": zero}
-    )
-    engine.fit_layout(batches(1, np.float64)[0])
-    assert engine.plan.largest_gathered() == (D * D, "w")
+    with pytest.warns(JzeroConfigWarning, match=r"stage3_max_live_parameters is 1,000, but stage "
+                      r"3 gathers 65,536 elements at once for 'w'.*at least 65,536"):  # fmt: skip
+        loss = float(engine.train_step(batches(1, np.float64)[0])["loss"])
+    assert np.isfinite(loss) and engine.plan.largest_gathered() == (D * D, "w")
+    # 0, as some published configs write it (DeepSpeed keeps nothing cached), and one layer of
+    # the stack: no warning.
+    for limit in (0, D * D):
+        zero["stage3_max_live_parameters"] = limit
+        engine = jzero.initialize(
+            {"w": weights(np.float64)},
+            scan_loss,
+            optax.sgd(0.1),
+            {**CFG, "zero_optimization": zero},
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", JzeroConfigWarning)
+            engine.fit_layout(batches(1, np.float64)[0])
+        assert engine.plan.largest_gathered() == (D * D, "w")
 
 
 @pytest.mark.parametrize("written", ["scan", "loop"])
