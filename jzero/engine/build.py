@@ -269,6 +269,7 @@ def initialize(
     param_specs: PyTree | None = None,
     init_from: str | Any = None,
     name_map: Mapping[str, str] | Callable[[str], str] | None = None,
+    abstract: bool = False,
 ) -> Engine:
     """Builds a ZeRO engine, DeepSpeed's ``deepspeed.initialize`` for JAX.
 
@@ -296,6 +297,10 @@ def initialize(
         values become the float32 master weights.
       name_map: with ``init_from``, a parameter's dotted path -> the tensor's name in the
         file (a dict, or a function).
+      abstract: build the plan and the state's shapes only (``jax.ShapeDtypeStruct`` with
+        their shardings), as a meta-device model in FSDP: nothing is created on a device, so a
+        model too large for a stage can be planned at it. ``engine.lower(batch)`` and the
+        memory and communication reports work; training, evaluating and saving are refused.
 
     Returns:
       The :class:`Engine`.
@@ -333,7 +338,7 @@ def initialize(
     if params is None:
         params = jax.eval_shape(lambda: init_fn(key()))
     _check_array_leaves(params)
-    abstract = abstract_tree(params)
+    shapes = abstract_tree(params)
     from_first_batch = config_lib.batch_from_first_batch(cfg)
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
     if from_first_batch and not any(k in cfg.auto for k in batch_keys):  # "auto" logs its own
@@ -344,11 +349,11 @@ def initialize(
     auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
     cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
         cfg,
-        abstract,
+        shapes,
         optimizer_given=optimizer is not None,
         data_parallel_size=math.prod(mesh.shape.get(a, 1) for a in ("data", "expert", "replica")),
     )
-    param_specs, tp_rules = _tensor_parallel(cfg, mesh, abstract, param_specs)
+    param_specs, tp_rules = _tensor_parallel(cfg, mesh, shapes, param_specs)
     tx, schedule = _optimizer(cfg, optimizer)
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
@@ -357,7 +362,7 @@ def initialize(
         opt_kind, param_kind = memory_kinds_from_config(zero, mesh.devices.flat)
         return functools.partial(
             make_plan,
-            abstract,
+            shapes,
             tx,
             mesh,
             zero.stage,
@@ -377,7 +382,7 @@ def initialize(
             padding=zero.pad_shards and zero.offload_optimizer.device != "nvme",
             **zero.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
             tp_rules=tp_rules,
-            **_zero_axes(c, mesh, abstract),
+            **_zero_axes(c, mesh, shapes),
             **_pipeline(c, mesh),
         )
 
@@ -396,7 +401,14 @@ def initialize(
         None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
-    if init_from is not None:
+    if abstract:
+        if zero.offload_optimizer.device == "nvme":
+            raise ValueError(
+                "initialize(abstract=True) creates no state, and the NVMe tier's state lives in "
+                "its files. Plan with offload_optimizer.device cpu (or none) instead."
+            )
+        values = plan.abstract_params  # nothing is read: init_from only gives the values
+    elif init_from is not None:
         from jzero import weights
         from jzero.plan import even_sharding, on_device
 
@@ -409,13 +421,13 @@ def initialize(
         values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
     elif init_fn is not None:
         made = jax.eval_shape(lambda: init_fn(key()))
-        if jax.tree.structure(made) != jax.tree.structure(abstract) or any(
+        if jax.tree.structure(made) != jax.tree.structure(shapes) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(abstract), strict=True)
+            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(shapes), strict=True)
         ):
             raise ValueError(
                 "init_fn(key) creates parameters that differ from the params given: "
-                f"{made} vs {abstract}. Pass params=None to take init_fn's shapes."
+                f"{made} vs {shapes}. Pass params=None to take init_fn's shapes."
             )
         values = lambda: init_fn(key())  # noqa: E731  created inside init_train_state's jit
     elif _is_abstract(params):
@@ -426,8 +438,12 @@ def initialize(
     else:
         values = params
     made_with_extra = adapted is not None and adapted.values is None and init_from is None
-    nvme = _nvme_state(cfg, plan, tx)  # its paths are checked before anything is made
-    if nvme is None and made_with_extra:  # the model is built once, in the one init program
+    nvme = None if abstract else _nvme_state(cfg, plan, tx)  # paths checked before anything
+    if abstract:
+        if adapted is not None and adapted.values is None:
+            extra = jax.eval_shape(lambda: adapted.init_fn(key()))[1]
+        state = init_train_state(plan, values, tx, extra, abstract=True)
+    elif nvme is None and made_with_extra:  # the model is built once, in the one init program
         state = init_train_state(plan, lambda: adapted.init_fn(key()), tx, returns_extra=True)
     else:
         try:

@@ -28,6 +28,7 @@ from jzero.replay import remat
 from jzero.step import (
     TrainState,
     from_logical,
+    is_abstract,
     logical_shardings,
     logical_state,
     logical_view,
@@ -358,6 +359,7 @@ class Engine:
           jzero knows it, ``loss_scale`` under bf16/fp16, and any aux values.
         """
         started = time.perf_counter()  # a monitored step is timed from here
+        self._check_concrete("train")
         self._check_batch(batch)
         batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
         fp = self.config.flops_profiler
@@ -495,11 +497,21 @@ class Engine:
                 logger.info("\n%s", text)
         return metrics
 
+    def _check_concrete(self, what: str) -> None:
+        if is_abstract(self.state):
+            raise ValueError(
+                f"This engine was built with initialize(..., abstract=True): it holds the "
+                f"state's shapes only, so it cannot {what}. It lowers steps "
+                "(engine.lower(batch)) for memory and communication reports; build the engine "
+                "without abstract=True to train."
+            )
+
     def evaluate(self, batch: PyTree) -> jax.Array:
         """The mean loss of the current parameters on a global batch (no update).
 
         The batch's leading dim must be divisible by the data-parallel size.
         """
+        self._check_concrete("evaluate")
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
         count = jax.process_count()  # several processes: each passes its rows
         if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.data_parallel_size:
@@ -567,6 +579,7 @@ class Engine:
           CheckpointWriteError: the save failed (see ``periodic``); the checkpoints committed
             before are intact.
         """
+        self._check_concrete("save")
         step = self.iteration if step is None else int(step)
         ckpt = self._checkpointer()
         if self._unchanged_since == step and step in ckpt.all_steps():

@@ -348,6 +348,7 @@ def plan_report(
             loss_fn=gpt.nnx_loss_fn,
             config=_with_zero(base, stage, offload_name, sizes),
             mesh=mesh,
+            abstract=True,  # shapes only: a stage the model does not fit is planned all the same
         )
         batch = {
             "tokens": jax.ShapeDtypeStruct(

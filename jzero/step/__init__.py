@@ -15,6 +15,7 @@ from jzero.step.state import TrainState as TrainState
 from jzero.step.state import find_learning_rate as find_learning_rate
 from jzero.step.state import from_logical as from_logical
 from jzero.step.state import init_train_state as init_train_state
+from jzero.step.state import is_abstract as is_abstract
 from jzero.step.state import logical_shardings as logical_shardings
 from jzero.step.state import logical_state as logical_state
 from jzero.step.state import logical_view as logical_view

@@ -100,6 +100,7 @@ def init_train_state(
     extra: PyTree = (),
     *,
     returns_extra: bool = False,
+    abstract: bool = False,
 ) -> TrainState:
     """The :class:`TrainState` before the first step, every leaf in its plan's sharding.
 
@@ -117,6 +118,8 @@ def init_train_state(
       extra: non-trainable model state, if any.
       returns_extra: ``params`` is a function returning ``(params, extra)`` (a Flax model's
         init), so the model is built once, in the same program; ``extra`` is then ignored.
+      abstract: return the state's shapes only (``jax.ShapeDtypeStruct`` with their
+        shardings): nothing is compiled or allocated.
 
     Returns:
       A fresh state; the caller's arrays are copied, never donated.
@@ -150,9 +153,9 @@ def init_train_state(
             loss_scale=jax.tree.map(jnp.asarray, LossScaleState.initial(prec)),
         )
 
-    return jax.jit(init, out_shardings=sh)(
-        None if make is not None else params, None if returns_extra else extra
-    )
+    made = jax.jit(init, out_shardings=sh)
+    args = (None if make is not None else params, None if returns_extra else extra)
+    return made.eval_shape(*args) if abstract else made(*args)
 
 
 def logical_state(plan: Plan, state: TrainState) -> TrainState:
@@ -182,13 +185,22 @@ def relayout(state: TrainState, old: Plan, new: Plan) -> TrainState:
     """``state`` (resting under plan ``old``) moved to plan ``new``'s shardings and padding,
     by one jitted program; a plain ``device_put`` where neither plan pads."""
     shardings = state_shardings(new)
-    if not old.padded and not new.padded:
+    if is_abstract(state):  # an abstract engine's: the new shapes and shardings only
+        if not old.padded and not new.padded:
+            return jax.tree.map(
+                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
+            )
+    elif not old.padded and not new.padded:
         return jax.device_put(state, shardings)
     logical = logical_state(old, state)
     target = stored_state(new, logical)
-    return jax.jit(lambda s: to_stored(to_logical(s, logical), target), out_shardings=shardings)(
-        state
-    )
+    move = jax.jit(lambda s: to_stored(to_logical(s, logical), target), out_shardings=shardings)
+    return move.eval_shape(state) if is_abstract(state) else move(state)
+
+
+def is_abstract(state: TrainState) -> bool:
+    """Whether ``state`` holds shapes only (an engine built with ``abstract=True``)."""
+    return isinstance(state.step, jax.ShapeDtypeStruct)
 
 
 def logical_view(plan: Plan, state: TrainState) -> TrainState:
