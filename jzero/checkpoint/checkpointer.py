@@ -148,6 +148,9 @@ class Checkpointer:
         re-saves, unfinished saves), and Orbax's writer (again after a failed save)."""
         if not self._opened:
             dirs.check_ownership(self.directory)  # every process: all refuse alike
+            # ... all on the directory as it was: process 0's marker, written next through a
+            # temporary file, would otherwise be a foreign file to a process still checking.
+            barrier("jzero-checkpoint-checked")
             if self._main:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 lock = dirs.DirectoryLock(self.directory)
