@@ -57,6 +57,7 @@ def temp_bytes(seq: int, batch: int, cfg: gpt.GPTConfig) -> int:
             "sequence_parallel_size": seq,
         },
         init_fn=lambda key: gpt.init_params(key, cfg),
+        abstract=True,  # compiled only: the state's shapes are enough
     )
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), np.int32)
     return engine.lower({"tokens": tokens}).compile().memory_analysis().temp_size_in_bytes

@@ -97,21 +97,29 @@ def main(argv=None) -> None:
     linen_module = LinenLoop()
     linen_params = linen_module.init(jax.random.key(0), jnp.zeros((2, d)))["params"]
     engines = {
-        "scan (stacked layers)": jzero.initialize({"w": w}, scan_loss, optax.adam(1e-3), config),
+        "scan (stacked layers)": jzero.initialize(
+            {"w": w}, scan_loss, optax.adam(1e-3), config, abstract=True
+        ),
         "Python loop, pytree": jzero.initialize(
-            {f"w{i}": w[i] for i in range(n_layers)}, loop_loss, optax.adam(1e-3), config
+            {f"w{i}": w[i] for i in range(n_layers)},
+            loop_loss,
+            optax.adam(1e-3),
+            config,
+            abstract=True,
         ),
         "Python loop, Linen": jzero.initialize(
             linen_params,
             lambda p, b: jnp.mean(linen_module.apply({"params": p}, b["x"]) ** 2),
             optax.adam(1e-3),
             config,
+            abstract=True,
         ),
         "nnx.List of layers": jzero.initialize(
             model=lambda: NNXLoop(nnx.Rngs(0)),
             loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2),
             optimizer=optax.adam(1e-3),
             config=config,
+            abstract=True,
         ),
     }
     full = n_layers * d * d * 4 / MB
@@ -174,7 +182,7 @@ def main(argv=None) -> None:
                 }
                 if section:
                     cfg["activation_checkpointing"] = section
-                engine = jzero.initialize(params, loss, optax.adam(1e-3), cfg)
+                engine = jzero.initialize(params, loss, optax.adam(1e-3), cfg, abstract=True)
                 mem = engine.lower(ac_batch).compile().memory_analysis()
                 temps.append(mem.temp_size_in_bytes / MB)
             print(
@@ -200,6 +208,7 @@ def main(argv=None) -> None:
         mlp_loop_checkpointed,
         optax.adam(1e-3),
         cfg,
+        abstract=True,
     )
     mem = engine.lower(ac_batch).compile().memory_analysis()
     print(
@@ -221,7 +230,7 @@ def main(argv=None) -> None:
     for name, keys in settings[:1] if args.smoke else settings:
         cfg = {**config, "zero_optimization": {**config["zero_optimization"], **keys}}
         loop_params = {f"w{i}": w[i] for i in range(n_layers)}
-        engine = jzero.initialize(loop_params, loop_loss, optax.adam(1e-3), cfg)
+        engine = jzero.initialize(loop_params, loop_loss, optax.adam(1e-3), cfg, abstract=True)
         compiled = engine.lower(batch).compile()
         gathered = collectives(compiled)["all-gather"].bytes / MB
         temp = compiled.memory_analysis().temp_size_in_bytes / MB

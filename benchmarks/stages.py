@@ -172,7 +172,7 @@ def main(argv=None) -> None:
         p_b, o_b = device0_bytes(engine.params), device0_bytes(engine.opt_state)
         copies = layout_copies(compiled)
         ac = {**config, "activation_checkpointing": {"policy": "full"}}
-        ac_engine = jzero.initialize(params, loss, optax.adamw(1e-3), ac)
+        ac_engine = jzero.initialize(params, loss, optax.adamw(1e-3), ac, abstract=True)
         ac_temp = ac_engine.lower(batch).compile().memory_analysis().temp_size_in_bytes
         rows.append(
             (
@@ -270,7 +270,7 @@ def across_hosts(params, loss, batch, tbs, psi, n, stages=(0, 1, 2, 3)) -> None:
         config = {"train_batch_size": tbs, "zero_optimization": zero}
         if "mesh" in extra:
             config["mesh"] = extra["mesh"]
-        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
+        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config, abstract=True)
         # Device ids are mesh positions: the first n/2 are one host, the rest the other.
         by = collectives_by_axes(engine.lower(batch).compile(), hosts)
         within = sum(
