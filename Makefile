@@ -15,10 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/jzero train configs/zero2.yaml
 
+# Two workers, each file on one, handed out in the order of the folders (xdist's default order,
+# most tests first, left the files with a few long tests, two-process runs and benchmark smoke
+# runs among them, to the end, where one worker waited on the other); the slowest 15 last.
 test: $(STAMP)
 	$(VENV)/bin/ruff check jzero tests examples benchmarks
 	$(VENV)/bin/ruff format --check jzero tests examples benchmarks
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15  # two workers, each file on one; the slowest 15 last
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # The tests whose bounds come from float32 or 16-bit rounding (marked `rounding`) again, with
 # XLA:CPU held to another instruction set: a bound fitted to one machine's rounding fails here at
