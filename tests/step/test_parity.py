@@ -177,11 +177,12 @@ def gpt_setup():
 
 
 # Stage 3 only: the stacked layers sharded at rest, gathered in the scan; stage 0's step is
-# the toy's (test_core.py::test_parity_with_single_device_optax[0-*]).
+# the toy's (test_core.py::test_parity_with_single_device_optax[0-*]). Two micro-batches of 8
+# rows: the mean of their mean losses is the whole batch's, so every micro-batch must count.
 @pytest.mark.parametrize("stage", [3])
 def test_gpt_matches_single_device_optax(stage):
     params, batches, (ref_losses, ref_norms, ref_params) = gpt_setup()
-    cfg = dict(config(stage), train_batch_size=16)
+    cfg = dict(config(stage, accum=2), train_batch_size=16)
     with jax.enable_x64(True):
         engine = jzero.initialize(params, _gpt_loss, optax.adam(1e-2), cfg)
         losses, norms = train(engine, batches)
