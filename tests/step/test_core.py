@@ -5,7 +5,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -45,26 +44,7 @@ def reference(opt, clip):
     """The plain single-device optax loop in float64 (computed once per setting), with
     DeepSpeed's clipping rule when ``clip``: ``(params, batches, losses, gradient global norms,
     final params)``."""
-    tx = OPTIMIZERS[opt]()
-    with jax.enable_x64(True):
-        params = toy.make_params(dtype=jnp.float64)
-        batches = toy.make_batches(STEPS, GLOBAL_BATCH, dtype=np.float64)
-
-        @jax.jit
-        def step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(toy.loss_fn)(params, batch)
-            norm = optax.global_norm(grads)
-            coef = jnp.minimum(1.0, clip / (norm + 1e-6)) if clip else 1.0
-            grads = jax.tree.map(lambda g: g * coef, grads)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, norm
-
-        state, opt_state, losses, norms = params, tx.init(params), [], []
-        for b in batches:
-            state, opt_state, loss, norm = step(state, opt_state, b)
-            losses.append(float(loss))
-            norms.append(float(norm))
-        return params, batches, losses, norms, jax.device_get(state)
+    return toy.reference_float64(OPTIMIZERS[opt], GLOBAL_BATCH, steps=STEPS, clip=clip)
 
 
 # Every stage against the optax loop in float64: the point is that every stage's sharded step is

@@ -77,8 +77,8 @@ def first_grad_norm(global_batch: int) -> float:
 
 
 def reference_float64(tx_fn, global_batch: int, steps: int = 10, clip: float = 0.5):
-    """The plain single-device optax loop with DeepSpeed's clipping rule, in float64:
-    ``(params, batches, losses, gradient global norms, final params)``."""
+    """The plain single-device optax loop with DeepSpeed's clipping rule (none where ``clip``
+    is 0), in float64: ``(params, batches, losses, gradient global norms, final params)``."""
     from optax import apply_updates, global_norm
 
     with jax.enable_x64(True):
@@ -90,7 +90,9 @@ def reference_float64(tx_fn, global_batch: int, steps: int = 10, clip: float = 0
         def step(params, opt_state, batch):
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
             norm = global_norm(grads)
-            grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, clip / (norm + 1e-6)), grads)
+            if clip:
+                coef = jnp.minimum(1.0, clip / (norm + 1e-6))
+                grads = jax.tree.map(lambda g: g * coef, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
             return apply_updates(params, updates), opt_state, loss, norm
 
