@@ -8,14 +8,14 @@ progressive layer dropping; and the messages met on the way. Only the last test 
 
 import math
 import re
-import warnings
 
 import optax
 import pytest
 import toy
+from config_checks import error_of, load_quietly
 
 import jzero
-from jzero.config import ConfigError, JzeroConfigWarning, load_config, resolve_batch_sizes
+from jzero.config import ConfigError, load_config, resolve_batch_sizes
 from jzero.groups import leaf_groups
 
 DS_BASE = {
@@ -24,22 +24,6 @@ DS_BASE = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     "zero_optimization": {"stage": 2},
 }
-
-
-def loaded(raw, overrides=()):
-    """The config and the messages of the warnings it gave (each a JzeroConfigWarning)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_config(raw, overrides)
-    assert all(issubclass(w.category, JzeroConfigWarning) for w in caught), caught
-    return cfg, [str(w.message) for w in caught]
-
-
-def error_of(raw, overrides=()):
-    with pytest.raises(ConfigError) as info, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        load_config(raw, overrides)
-    return str(info.value)
 
 
 def listed(message):
@@ -58,13 +42,13 @@ def test_unknown_top_level_keys_are_ignored_with_one_warning_line():
         "monitor_config": {"enabled": False},
         "cuda_visible_devices": "0,1,2,3",
     }
-    cfg, messages = loaded(raw)
+    cfg, messages = load_quietly(raw)
     assert messages == [
         "jzero does not know these top-level keys and ignores them, as DeepSpeed ignores the "
         "keys it does not read: _comment, comms_config, monitor_config, cuda_visible_devices. "
         "Remove them to silence this warning."
     ]
-    assert cfg == loaded(DS_BASE)[0]
+    assert cfg == load_quietly(DS_BASE)[0]
 
 
 @pytest.mark.parametrize(
@@ -89,7 +73,9 @@ def test_a_near_miss_of_a_top_level_key_is_still_refused(key, known):
 
 def test_suggestions_point_only_to_close_matches():
     # Far from every key: ignored at the top level, with no suggestion anywhere.
-    cfg, (message,) = loaded({**DS_BASE, "warmup": 0.01, "train_iters": 320, "auto": ["seed"]})
+    cfg, (message,) = load_quietly(
+        {**DS_BASE, "warmup": 0.01, "train_iters": 320, "auto": ["seed"]}
+    )
     assert message.startswith(
         "jzero does not know these top-level keys and ignores them, as DeepSpeed ignores the "
         "keys it does not read: warmup, train_iters, auto."
@@ -139,7 +125,7 @@ def test_a_gpt_neox_arguments_file_is_one_message(tmp_path):
 
 def test_sub_group_size_zero_makes_each_leaf_its_own_group():
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "sub_group_size": 0}
-    cfg, messages = loaded({**DS_BASE, "zero_optimization": zero})
+    cfg, messages = load_quietly({**DS_BASE, "zero_optimization": zero})
     assert messages == []  # with offload it acts: not a no-effect key
     size = cfg.zero_optimization.sub_group_size
     # DeepSpeed closes a sub-group once it holds sub_group_size elements: at 0, after each
@@ -156,7 +142,7 @@ def test_sub_group_size_zero_makes_each_leaf_its_own_group():
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_offload_param_below_stage_3_is_ignored_with_a_warning(stage):
     zero = {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}}
-    cfg, (message,) = loaded({**DS_BASE, "zero_optimization": zero})
+    cfg, (message,) = load_quietly({**DS_BASE, "zero_optimization": zero})
     assert listed(message) == ["zero_optimization.offload_param"]
     assert (
         f"  - zero_optimization.offload_param: it offloads the parameter shards of stage 3, and "
@@ -174,7 +160,7 @@ def test_stage_3_keys_below_it_do_not_reach_the_other_checks():
         "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"},
         "zero_hpz_partition_size": 4,
     }
-    cfg, (message,) = loaded({**DS_BASE, "zero_optimization": zero})
+    cfg, (message,) = load_quietly({**DS_BASE, "zero_optimization": zero})
     assert listed(message) == [
         "zero_optimization.offload_param",
         "zero_optimization.zero_hpz_partition_size",
@@ -185,12 +171,14 @@ def test_stage_3_keys_below_it_do_not_reach_the_other_checks():
     assert "offload_optimizer.device is cpu" in error_of(
         {**DS_BASE, "zero_optimization": {**zero, "stage": 3, "zero_hpz_partition_size": 1}}
     )
-    at_3 = loaded({**DS_BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
+    at_3 = load_quietly(
+        {**DS_BASE, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}
+    )
     assert at_3[0].mesh_sizes() == {"data": 4, "replica": -1}
 
 
 def test_the_inference_tp_size_without_autotp_is_ignored_with_a_warning():
-    cfg, (message,) = loaded({**DS_BASE, "tensor_parallel": {"tp": {"tp_size": 4}}})
+    cfg, (message,) = load_quietly({**DS_BASE, "tensor_parallel": {"tp": {"tp_size": 4}}})
     assert listed(message) == ["tensor_parallel.tp.tp_size"]
     assert cfg.autotp_size() == 1 and cfg.mesh_sizes() == {"data": -1}
 
@@ -218,7 +206,7 @@ def test_moq_and_progressive_layer_drop_enabled_are_refused(key, what):
         f"{key}.enabled: {what} would change what is trained, and jzero does not implement "
         f"it; set enabled: false there or remove the {key} section."
     )
-    assert loaded({**DS_BASE, key: {"enabled": False}})[1] == []
+    assert load_quietly({**DS_BASE, key: {"enabled": False}})[1] == []
 
 
 # --- messages -----------------------------------------------------------------------------
@@ -269,7 +257,7 @@ def test_a_config_of_these_shapes_trains_a_step():
             "sub_group_size": 0,
         },
     }
-    cfg, messages = loaded(raw)
+    cfg, messages = load_quietly(raw)
     assert len(messages) == 2
     engine = jzero.initialize(
         toy.make_params(d=16, num_layers=2), toy.loss_fn, optax.adamw(1e-3), config=cfg

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 import toy
+from config_checks import error_of, load_quietly
 from numerics import needs_float16
 from repo import FIXTURES
 
@@ -30,23 +31,6 @@ from jzero.config import (
 
 DS_CONFIGS = FIXTURES / "ds_configs"
 DP = 8  # tests/conftest.py's virtual devices, all on the data axis
-
-
-def load_quietly(source, overrides=()):
-    """Loads a config; returns it with the messages of the warnings it gave."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_config(source, overrides)
-    for w in caught:
-        assert issubclass(w.category, JzeroConfigWarning), w  # warnings only of jzero's own
-    return cfg, [str(w.message) for w in caught]
-
-
-def error_of(source, overrides=()):
-    with pytest.raises(ConfigError) as info, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        load_config(source, overrides)
-    return str(info.value)
 
 
 def auto_log(caplog) -> str:
