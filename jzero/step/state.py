@@ -185,17 +185,13 @@ def relayout(state: TrainState, old: Plan, new: Plan) -> TrainState:
     """``state`` (resting under plan ``old``) moved to plan ``new``'s shardings and padding,
     by one jitted program; a plain ``device_put`` where neither plan pads."""
     shardings = state_shardings(new)
-    if is_abstract(state):  # an abstract engine's: the new shapes and shardings only
-        if not old.padded and not new.padded:
-            return jax.tree.map(
-                lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), state, shardings
-            )
-    elif not old.padded and not new.padded:
+    abstract = is_abstract(state)  # an abstract engine's: the new shapes and shardings only
+    if not abstract and not old.padded and not new.padded:
         return jax.device_put(state, shardings)
     logical = logical_state(old, state)
     target = stored_state(new, logical)
     move = jax.jit(lambda s: to_stored(to_logical(s, logical), target), out_shardings=shardings)
-    return move.eval_shape(state) if is_abstract(state) else move(state)
+    return move.eval_shape(state) if abstract else move(state)
 
 
 def is_abstract(state: TrainState) -> bool:
