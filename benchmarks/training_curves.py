@@ -156,6 +156,7 @@ def main() -> int:
             f"tensorboard={monitors}",
             f"flops_profiler.peak_flops={peak}",
             f"train.log_dir={out_dir / 'run'}",  # the rest of the config's train section stays
+            "checkpoint.directory=null",  # curves only: the demo's own checkpoints stay untouched
         ]
         if args.smoke:
             overrides += [f"{k}={v}" for k, v in TINY.items()]

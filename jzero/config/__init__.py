@@ -3,7 +3,8 @@
 Every public name lives in one of the private modules below and is re-exported here, so
 ``jzero.config.X`` is the one way to reach it:
 
-* ``_common``: ``ConfigError``, ``JzeroConfigWarning``, ``FrozenMap`` and message helpers.
+* ``_common``: ``ConfigError``, ``JzeroConfigWarning``, ``JzeroMeshWarning``, ``FrozenMap`` and
+  message helpers.
 * ``_sections``: DeepSpeed's nested sections (``zero_optimization``, ``bf16``, ``fp16`` ...).
 * ``_schema``: the top-level ``Config`` and jzero's own sections (``mesh``, ``train`` ...).
 * ``_optimizers``: optimizer and LR-schedule names, parameters and DeepSpeed's defaults.
@@ -25,6 +26,7 @@ from jzero.config._common import ConfigError as ConfigError
 from jzero.config._common import FrozenMap as FrozenMap
 from jzero.config._common import JzeroConfigDeprecationWarning as JzeroConfigDeprecationWarning
 from jzero.config._common import JzeroConfigWarning as JzeroConfigWarning
+from jzero.config._common import JzeroMeshWarning as JzeroMeshWarning
 from jzero.config._loading import load_config as load_config
 from jzero.config._optimizers import OPTIMIZER_PARAMS as OPTIMIZER_PARAMS
 from jzero.config._optimizers import SCHEDULER_PARAMS as SCHEDULER_PARAMS
@@ -56,6 +58,7 @@ __all__ = [
     "FrozenMap",
     "JzeroConfigDeprecationWarning",
     "JzeroConfigWarning",
+    "JzeroMeshWarning",
     "MeshConfig",
     "OffloadConfig",
     "OptimizerConfig",

@@ -33,6 +33,10 @@ class JzeroConfigWarning(UserWarning):
     """DeepSpeed settings that were accepted but have no effect in jzero."""
 
 
+class JzeroMeshWarning(UserWarning):
+    """A ZeRO stage above 0 whose data axis has one device: the stage splits nothing."""
+
+
 class JzeroConfigDeprecationWarning(JzeroConfigWarning, FutureWarning):
     """DeepSpeed keys written with another (often deprecated) spelling, read as jzero's key.
 

@@ -38,6 +38,7 @@ from jzero import config as config_lib
 from jzero import distributed, monitor, optim
 from jzero._util import abstract_tree, divisors, dotted
 from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS, expert, make_mesh, tensor
+from jzero.engine.checks import _check_mesh_splits
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
 from jzero.step import init_train_state
@@ -389,6 +390,8 @@ def initialize(
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
     replan = planner(cfg)
     plan = replan()
+    if auto is None:  # stage "auto" is chosen at the first batch
+        _check_mesh_splits(plan, mesh)
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
     _note_optax_muon(plan)

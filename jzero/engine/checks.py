@@ -1,4 +1,5 @@
-"""The engine's checks: a plan against ``stage3_max_live_parameters``, a state before a save.
+"""The engine's checks: a plan against ``stage3_max_live_parameters`` and the mesh, a state
+before a save.
 
 Decisions:
 
@@ -8,6 +9,9 @@ Decisions:
   is gathered whole anyway: DeepSpeed's limit bounds what it keeps and prefetches, and it too
   fetches a module whatever its size, so such a config trains as it does there. 0 (Axolotl's
   configs) keeps nothing beyond the unit in use and says nothing.
+* A stage above 0 over a data axis of one device splits nothing: :class:`JzeroMeshWarning`
+  says so at ``initialize`` (on a lone CPU device, with the ``XLA_FLAGS`` line that gives
+  more), since a Python user without that flag otherwise "shards" over one device silently.
 * A save first checks that the parameters are finite: each process reads its own shards
   (replica 0) on the host, so nothing compiles and offloaded leaves work too, and every process
   takes the same decision (:func:`jzero.distributed.any_process`), or the save's barriers hang.
@@ -44,6 +48,35 @@ def _check_live_parameters(plan: Plan, limit: int) -> None:
             JzeroConfigWarning,
             stacklevel=3,
         )
+
+
+def _check_mesh_splits(plan: Plan, mesh: jax.sharding.Mesh) -> None:
+    """A ZeRO stage above 0 whose state is split into one shard: a warning naming the mesh
+    and the fix (on one CPU device, the ``XLA_FLAGS`` line for virtual devices)."""
+    from jzero.config import JzeroMeshWarning
+
+    if plan.stage.stage == 0 or plan.state_shards > 1:
+        return
+    if mesh.devices.size == 1 and jax.default_backend() == "cpu":
+        fix = (
+            "JAX sees one CPU device: set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+            "before jax is imported (in the shell, or os.environ at the top of the script) for "
+            "8 virtual devices"
+        )
+    elif mesh.devices.size == 1:
+        fix = f"JAX sees one device ({mesh.devices.flat[0]}); check jax.devices()"
+    else:
+        fix = (
+            "the other axes take every device; give the data axis more (mesh: {data: -1} takes "
+            "what they leave) or use stage 0"
+        )
+    warnings.warn(
+        f"ZeRO stage {plan.stage.stage} splits the training state over the data axis, but the "
+        f"mesh {dict(mesh.shape)} gives it one device: nothing is split, and every device holds "
+        f"the whole state. {fix[0].upper()}{fix[1:]}.",
+        JzeroMeshWarning,
+        stacklevel=3,
+    )
 
 
 def _finite(*trees: PyTree) -> bool:

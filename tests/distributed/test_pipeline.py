@@ -398,6 +398,7 @@ def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path, tiny_gpt):
         "data={source: stdlib, max_bytes: 200000}",
         "train.eval_interval=0",
         "zero_optimization.stage=1",
+        "checkpoint.directory=null",
         "train.compile_cache=null",  # the test run's cache, not a fresh one beside the logs
     ]
     piped = train.run(

@@ -2,6 +2,8 @@
 position carried by checkpoints, and what donation does to a parameter handle held across a
 ``train_step``."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,9 @@ import pytest
 import toy
 
 import jzero
+from jzero.config import JzeroMeshWarning
 from jzero.data import BatchIterator
+from jzero.distributed import make_mesh
 
 BATCH = 32
 
@@ -145,3 +149,27 @@ def test_a_held_params_handle_is_deleted_by_the_next_step_and_a_copy_survives():
         np.testing.assert_array_equal(np.asarray(c), v)
     # The engine's own handle is the new state's.
     assert not any(x.is_deleted() for x in jax.tree.leaves(engine.params))
+
+
+def _mesh_warnings(stage, mesh):
+    """The JzeroMeshWarning messages of an abstract ``initialize`` (nothing is created)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # pyproject ignores this class outside this test
+        jzero.initialize(
+            toy.make_params(), toy.loss_fn, optax.sgd(0.1), config(stage), mesh=mesh, abstract=True
+        )
+    return [str(w.message) for w in caught if issubclass(w.category, JzeroMeshWarning)]
+
+
+def test_a_stage_over_a_data_axis_of_one_device_warns_with_the_fix():
+    """Without XLA_FLAGS a CPU has one device, and a stage "shards" over it silently: the
+    warning names the mesh and, on one CPU device, the flag that gives eight."""
+    (lone,) = _mesh_warnings(3, make_mesh({"data": 1}, devices=jax.devices()[:1]))
+    assert "ZeRO stage 3" in lone and "{'data': 1}" in lone and "nothing is split" in lone
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in lone
+    # Eight devices, all on replica groups: the data axis still splits nothing.
+    (hybrid,) = _mesh_warnings(1, make_mesh({"replica": 8, "data": 1}))
+    assert "{'replica': 8, 'data': 1}" in hybrid and "mesh: {data: -1}" in hybrid
+    assert "XLA_FLAGS" not in hybrid
+    assert _mesh_warnings(0, make_mesh({"data": 1}, devices=jax.devices()[:1])) == []
+    assert _mesh_warnings(3, make_mesh({"data": 8})) == []

@@ -121,6 +121,8 @@ def test_the_cache_directory_is_a_cache_folder_never_the_checkpoint_volume(tmp_p
 TINY = [
     "--quiet",
     "--set",
+    "checkpoint.directory=null",  # no checkpoints unless a test names a folder
+    "--set",
     "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 32}",
     "--set",
     "data={source: stdlib, max_bytes: 100000}",

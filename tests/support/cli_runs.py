@@ -28,6 +28,8 @@ def shared_compile_cache():
 # The `jzero train` flags of the CLI tests: the tiny GPT at stage 3 (tests/cli, tests/distributed).
 TINY = [
     "--set",
+    "checkpoint.directory=null",  # no checkpoints unless a test names a folder
+    "--set",
     "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 64}",
     "--set",
     "data={source: stdlib, max_bytes: 200000}",

@@ -16,6 +16,7 @@ from jzero.checkpoint import list_steps
 from jzero.engine import Engine
 
 TINY = [
+    "checkpoint.directory=null",  # no checkpoints unless a test names a folder
     "model={vocab_size: 256, seq_len: 16, num_layers: 2, num_heads: 2, d_model: 32, d_ff: 64}",
     "data={source: stdlib, max_bytes: 200000}",
     "train_micro_batch_size_per_gpu=2",
