@@ -12,6 +12,7 @@ Import direction: imports nothing else of jzero's; imported by :mod:`jzero.repla
 from jzero.comm.manual import over_axes as over_axes
 from jzero.comm.manual import spec_axes as spec_axes
 from jzero.comm.manual import trailing_spec as trailing_spec
+from jzero.comm.overlap import CPU_PARTLY_MANUAL_BF16_OPTIONS as CPU_PARTLY_MANUAL_BF16_OPTIONS
 from jzero.comm.overlap import GPU_ASYNC_OPTIONS as GPU_ASYNC_OPTIONS
 from jzero.comm.overlap import bucket_groups as bucket_groups
 from jzero.comm.overlap import compiler_options as compiler_options
@@ -31,6 +32,7 @@ __all__ = [
     "dequantize",
     "from_rows",
     "gather_buckets",
+    "CPU_PARTLY_MANUAL_BF16_OPTIONS",
     "GPU_ASYNC_OPTIONS",
     "over_axes",
     "quantize",

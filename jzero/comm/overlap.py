@@ -34,6 +34,15 @@ Decisions:
 * **Compile options only on a GPU.** The CPU backend runs collectives synchronously and has no
   such scheduler: there the options are left out (the same program compiles), and the
   structural facts (how many collectives, what depends on what) are what CPU tests assert.
+* **One CPU exception: bf16 collectives in a partly manual step.** XLA:CPU widens each bf16
+  all-reduce and reduce-scatter to float32 (it has no 16-bit reductions) in its
+  ``all-reduce-promotion`` pass, which aborts the process when the collective sits in a
+  ``shard_map`` that leaves an axis to the partitioner (AutoTP's ``model``): the partitioner
+  ends the reduction's combiner in a copy, and the pass rebuilds the combiner as a binary op
+  of the root's opcode. There the step is compiled with that pass off; the CPU's
+  ``float-normalization-bf16`` pass widens the same collectives instead (reduce in float32,
+  round the result to bf16: the same arithmetic), so the program jzero emits, with its bf16
+  communication, is unchanged.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "CPU_PARTLY_MANUAL_BF16_OPTIONS",
     "GPU_ASYNC_OPTIONS",
     "bucket_groups",
     "compiler_options",
@@ -64,6 +74,19 @@ GPU_ASYNC_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_pipelined_all_reduce": True,
 }
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+# XLA:CPU options for a step whose bf16 collectives sit in a partly manual ``shard_map``: its
+# ``all-reduce-promotion`` pass aborts on them; ``float-normalization-bf16`` widens them instead.
+CPU_PARTLY_MANUAL_BF16_OPTIONS: dict[str, Any] = {
+    "xla_disable_hlo_passes": "all-reduce-promotion",
+}
+
+
+def _partly_manual(plan: Any) -> bool:
+    """Whether the step's ``shard_map`` (manual over :attr:`~jzero.plan.Plan.batch_axes`)
+    leaves a mesh axis of more than one device to the partitioner."""
+    manual = set(plan.batch_axes)
+    return any(size > 1 and name not in manual for name, size in plan.mesh.shape.items())
 
 
 def bucket_groups(
@@ -208,7 +231,8 @@ def gather_buckets(
 
 def compiler_options(plan: Any, platform: str | None = None) -> dict[str, Any]:
     """The XLA options a step of ``plan`` is compiled with: empty unless ``overlap_comm`` is on
-    and the mesh's devices are GPUs.
+    and the mesh's devices are GPUs, or the step's bf16 collectives sit in a partly manual
+    ``shard_map`` on the CPU (:data:`CPU_PARTLY_MANUAL_BF16_OPTIONS`).
 
     On a GPU: :data:`GPU_ASYNC_OPTIONS` (latency-hiding scheduler, pipelined all-gather,
     reduce-scatter and all-reduce), plus, where the plan has buckets, the all-reduce and
@@ -224,11 +248,13 @@ def compiler_options(plan: Any, platform: str | None = None) -> dict[str, Any]:
     """
     if platform is None:
         platform = plan.mesh.devices.flat[0].platform
+    prec = plan.precision
+    comm = prec.comm_dtype if prec.comm_dtype is not None else prec.compute_dtype
+    if platform == "cpu" and jnp.dtype(comm) == jnp.bfloat16 and _partly_manual(plan):
+        return dict(CPU_PARTLY_MANUAL_BF16_OPTIONS)
     if not plan.overlap_comm or platform not in _GPU_PLATFORMS:
         return {}
     opts = dict(GPU_ASYNC_OPTIONS)
-    prec = plan.precision
-    comm = prec.comm_dtype if prec.comm_dtype is not None else prec.compute_dtype
     itemsize = jnp.dtype(comm).itemsize
     if plan.reduce_bucket_size is not None:
         limit = int(plan.reduce_bucket_size) * itemsize

@@ -184,8 +184,10 @@ def program_text(lowered: Any) -> str:
     The CPU backend has no 16-bit collectives: after partitioning, its compiler widens each
     bf16/fp16 all-reduce, reduce-scatter and all-gather to float32 (``all-reduce-promotion``),
     so its final program would hide a 16-bit ``communication_data_type``. This returns the
-    module just before that rewrite (the program jzero emits, as a GPU runs it); on backends
-    without the rewrite it is the compiled program itself.
+    module just before that rewrite (the program jzero emits, as a GPU runs it); where the step
+    is compiled with that pass off (:data:`jzero.comm.CPU_PARTLY_MANUAL_BF16_OPTIONS`), the
+    module before ``float-normalization-bf16``, which widens them there; on backends without
+    either rewrite it is the compiled program itself.
 
     Args:
       lowered: a ``jax.stages.Lowered`` (e.g. ``engine.lower(batch)``).
@@ -194,11 +196,18 @@ def program_text(lowered: Any) -> str:
       HLO text for :func:`collectives`.
     """
     with tempfile.TemporaryDirectory() as tmp, _persistent_cache_off():
+        # The module before the promotion's last run, or before the first normalization (a
+        # later one comes after the collectives are widened).
+        passes = {"all-reduce-promotion": -1, "float-normalization-bf16": 0}
         compiled = lowered.compile(
-            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "all-reduce-promotion"}
+            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "|".join(passes)}
         )
-        found = sorted(glob.glob(os.path.join(tmp, "*before_all-reduce-promotion*.txt")))
-        if not found:
+        dumps = [
+            found[which]
+            for name, which in passes.items()
+            if (found := sorted(glob.glob(os.path.join(tmp, f"*before_{name}.txt"))))
+        ]
+        if not dumps:
             return compiled.as_text()
-        with open(found[-1]) as f:
+        with open(dumps[0]) as f:
             return f.read()

@@ -100,6 +100,7 @@ def make_eval_step(
         lambda params, extra, batch: fn(_to_device(params, plan.params), extra, batch),
         in_shardings=(plan.params, plan.replicated, plan.batch),
         out_shardings=plan.replicated,
+        compiler_options=compiler_options(plan) or None,
     )
 
 
@@ -274,7 +275,11 @@ def make_gradient_step(
         metrics = _metrics(prec, loss, grad_norm, lr, aux, applied, finite, ls)
         return grads, applied, extra, next_loss_scale(prec, ls, finite), metrics
 
-    return jax.jit(step, out_shardings=(on_device(plan.grads), *(plan.replicated,) * 4))
+    return jax.jit(
+        step,
+        out_shardings=(on_device(plan.grads), *(plan.replicated,) * 4),
+        compiler_options=compiler_options(plan) or None,
+    )
 
 
 def _metrics(
