@@ -134,7 +134,7 @@ def test_two_processes_of_a_slurm_job_form_one_run(children):
         procs.append(children.start([sys.executable, str(SUPPORT / "cluster_child.py")], env))
     for i, p in enumerate(procs):
         assert children.finish(p, timeout=120) == 0, "".join(p.out + p.err)
-        record = json.loads(p.out[-1])
+        record = json.loads(next(line for line in reversed(p.out) if line.startswith("{")))
         assert record == {
             "source": "cluster",
             "process_index": i,
