@@ -7,7 +7,7 @@ ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
 
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
 * :mod:`~jzero.distributed.layout`: the process layout from settings, ``JZERO_*`` variables or
-  a detected cluster (imports no JAX).
+  a detected Slurm, Open MPI or Kubernetes job (imports no JAX).
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
 * :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
@@ -37,7 +37,9 @@ from jzero.distributed.layout import ENV_COORDINATOR as ENV_COORDINATOR
 from jzero.distributed.layout import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
 from jzero.distributed.layout import ENV_PROCESS_ID as ENV_PROCESS_ID
 from jzero.distributed.layout import ENV_REPLICAS as ENV_REPLICAS
+from jzero.distributed.layout import ClusterJob as ClusterJob
 from jzero.distributed.layout import DistributedSpec as DistributedSpec
+from jzero.distributed.layout import detect_cluster as detect_cluster
 from jzero.distributed.layout import resolve_spec as resolve_spec
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
 from jzero.distributed.mesh import EXPERT_AXIS as EXPERT_AXIS
@@ -75,12 +77,14 @@ __all__ = [
     "barrier",
     "bubble_fraction",
     "check_batch",
+    "ClusterJob",
     "compile_cache_dir",
     "CompileCounter",
     "DATA_AXIS",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "DEFAULT_INITIALIZATION_TIMEOUT",
     "DEFAULT_SHUTDOWN_TIMEOUT",
+    "detect_cluster",
     "DistributedSpec",
     "enable_compile_cache",
     "ensure_initialized",

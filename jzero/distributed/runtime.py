@@ -20,6 +20,9 @@ Decisions:
   interfaces, the other machines must reach it), and so does a set
   ``JAX_COORDINATOR_BIND_ADDRESS`` (the user's choice). A JAX without the parameter (read once
   from ``inspect.signature``) gets nothing extra.
+* One log line says how the runtime started: the layout given, or the cluster job detected
+  and its layout (:meth:`~jzero.distributed.layout.ClusterJob.describe`): at INFO from process
+  0, at DEBUG from the others.
 * CPU processes exchange collectives through gloo (JAX's CPU default; set if a user unset it).
 * Per-process data: each process passes its own rows of the global batch, process ``p`` rows
   ``p*b : (p+1)*b`` with ``b = B / process_count`` (as :class:`jzero.data.BatchIterator` yields
@@ -132,7 +135,7 @@ def _start(spec: DistributedSpec, what: str) -> None:
             coordinator_address=spec.coordinator_address,
             num_processes=spec.num_processes,
             process_id=spec.process_id,
-            local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+            local_device_ids=None if spec.local_device_ids is None else list(spec.local_device_ids),
             cluster_detection_method=spec.cluster_detection_method,
             initialization_timeout=spec.initialization_timeout,
             heartbeat_timeout_seconds=spec.heartbeat_timeout,
@@ -143,12 +146,18 @@ def _start(spec: DistributedSpec, what: str) -> None:
         if "before any JAX calls" in str(e):
             raise RuntimeError(_TOO_EARLY.format(what=what)) from e
         raise
+    if spec.cluster is not None:
+        pid, layout = spec.cluster.process_id, spec.cluster.describe()
+        layout += "; JAX read the layout and the coordinator from the job's variables"
+    elif spec.source == "cluster":
+        pid, layout = None, "layout from the cluster environment"
+    else:
+        pid = spec.process_id
+        layout = f"process {pid} of {spec.num_processes}, coordinator {spec.coordinator_address}"
     logger.log(
-        logging.INFO if spec.process_id in (0, None) else logging.DEBUG,  # process 0 speaks
+        logging.INFO if pid in (0, None) else logging.DEBUG,  # process 0 speaks
         "jzero: distributed runtime started (%s)",
-        f"process {spec.process_id} of {spec.num_processes}, coordinator {spec.coordinator_address}"
-        if spec.source != "cluster"
-        else "layout from the cluster environment",
+        layout,
     )
 
 

@@ -93,6 +93,7 @@ from jzero.memory._format import (
     _check_margin,
     _positive,
     _recommend,
+    _recommended,
     _render,
     find_row,
     parse_size,
@@ -520,10 +521,22 @@ class Estimate:
         return out
 
     def plot(self, path: str) -> None:
-        """Draws the options as stacked bars (device solid, host per node hatched) into a PNG."""
+        """Draws the options as horizontal stacked bars into a PNG, each marked fits or not (and
+        its host memory per node) and the recommended one starred."""
         limit = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         title = f"ZeRO estimate: {self.params:.3g} parameters on {self.devices} devices"
-        plot_bars(path, title, self.bars(), limit=limit, unit=("GB", GB))
+        acs = (False, True) if self.counts_activations else (False,)
+        options = [(r.stage, r.offload, ac) for r in self.rows for ac in acs]
+        pick = _recommended(options, self.recommendation)
+        plot_bars(
+            path,
+            title,
+            self.bars(),
+            limit=limit,
+            unit=("GB", GB),
+            recommended=pick,
+            host_label="host per node",
+        )
 
 
 def estimate(

@@ -257,6 +257,17 @@ def _recommend(
     )
 
 
+def _recommended(
+    options: Sequence[tuple[int, str, bool]], recommendation: Recommendation | None
+) -> int | None:
+    """The index in ``options`` (stage, offload, activation checkpointing) of the recommended
+    option, for a plot to mark; ``None`` without a device memory or when nothing fits."""
+    if recommendation is None or not recommendation.fits:
+        return None
+    key = (recommendation.stage, recommendation.offload, recommendation.activation_checkpointing)
+    return options.index(key) if key in options else None
+
+
 def find_row(rows: Sequence[Any], stage: int, offload: str) -> Any:
     """The row of ``rows`` for one stage and offload option, or a ``KeyError`` listing them."""
     for r in rows:

@@ -33,6 +33,7 @@ from jzero.memory._format import (
     _ac_on,
     _fmt,
     _recommend,
+    _recommended,
     _render,
     _unit_for,
     find_row,
@@ -265,11 +266,14 @@ class PlanReport:
         return out
 
     def plot(self, path: str) -> None:
-        """Draws the stages as stacked bars (device solid, host hatched) into a PNG file; each
-        activation-checkpointing setting measured is a bar of its own."""
+        """Draws the stages as horizontal stacked bars into a PNG file, each marked fits or not
+        and the recommended one starred; each activation-checkpointing setting measured is a
+        bar of its own."""
         limit = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         unit = _unit_for(self._largest())
-        plot_bars(path, self.title, self.bars(), limit=limit, unit=unit)
+        options = [(r.stage, r.offload, _ac_on(p)) for r in self.rows for p, _, _ in r.variants()]
+        pick = _recommended(options, self.recommendation)
+        plot_bars(path, self.title, self.bars(), limit=limit, unit=unit, recommended=pick)
 
 
 def _fits(row: StageMemory, usable: float) -> str:

@@ -160,6 +160,7 @@ def test_layout_from_config_env_and_cluster():
     assert distributed.resolve_spec(None, env).heartbeat_timeout == 30
     assert distributed.resolve_spec({"num_processes": 1}, {}).source == "single"
     slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0"}
+    slurm["SLURM_LOCALID"] = "0"  # JAX reads it too
     assert distributed.resolve_spec(None, {**slurm, "SLURM_NTASKS": "2"}).source == "cluster"
     assert distributed.resolve_spec(None, {**slurm, "SLURM_NTASKS": "1"}).source == "single"
     forced = {**slurm, "SLURM_NTASKS": "2", "JZERO_NUM_PROCESSES": "1"}

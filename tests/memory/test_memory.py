@@ -176,6 +176,45 @@ def test_plotting_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     )
 
 
+def test_plot_bars_stay_readable_and_say_what_fits(tmp_path):
+    """A budget 26x the bars once drew them a few pixels long under a legend that hid the
+    budget line: the bars keep their own scale, each says whether it fits and by how much."""
+    mib = 2**20
+    parts = ("params", "grads", "opt state", "activations and temporaries")
+
+    def sizes(*mibs):
+        return {k: m * mib for k, m in zip(parts, mibs, strict=True)}
+
+    bars = [
+        ("0\nnone\nno AC", sizes(3, 3, 6, 53), {}),
+        ("3\noptimizer\n+AC", sizes(1, 1, 0, 16), {"opt state": mib}),
+    ]
+    for limit, verdicts in (
+        (1.68 * 2**30, ["fits: 65.00 MiB of 1.68 GiB, 4%", "fits: 18.00 MiB of 1.68 GiB, 1%"]),
+        (30 * mib, ["does not fit: 65.00 MiB, 35.00 MiB over 30.00 MiB", "fits: 18.00 MiB of"]),
+    ):
+        path = tmp_path / "bars.png"
+        fig = memory.plot_bars(str(path), "t", bars, limit=limit, unit=("MiB", mib), recommended=1)
+        read_png(path)
+        ax = fig.axes[0]
+        axis = ax.get_window_extent()
+        ends = {}
+        for patch in ax.patches:
+            if patch.get_fill():
+                box = patch.get_window_extent()
+                ends[round(box.y0)] = max(ends.get(round(box.y0), 0), box.x1 - axis.x0)
+        assert len(ends) == 2
+        assert max(ends.values()) >= 0.4 * axis.width  # the longest bar spans the plot
+        assert min(ends.values()) >= 0.1 * axis.width
+        texts = [t.get_text() for t in ax.texts]
+        assert texts[0] == verdicts[0] and texts[1].startswith("recommended: " + verdicts[1])
+        assert texts[1].endswith("\nhost per device: 1.00 MiB")
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert labels == ["stage 0", "\u2605 stage 3, offload optimizer +AC"]
+        assert fig.legends[0].get_window_extent().y1 <= axis.y0  # below the bars, outside
+        assert any(line.get_linestyle() == "--" for line in ax.lines) == (limit < 3 * 65 * mib)
+
+
 # -- the measured report -----------------------------------------------------------------------
 
 
