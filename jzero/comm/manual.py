@@ -51,7 +51,8 @@ def over_axes(fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable
 
     Args:
       fn: the collective (any function of arrays).
-      in_specs, out_specs: as ``jax.shard_map`` takes them, naming only axes not yet manual.
+      in_specs: as ``jax.shard_map`` takes them, naming only axes not yet manual.
+      out_specs: as ``in_specs``.
 
     Returns:
       ``fn`` itself when the specs name no axis, else ``fn`` under a nested ``shard_map``.

@@ -146,13 +146,17 @@ def make_plan(
         ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
       pipe_schedule: ``"1f1b"`` or ``"gpipe"`` (:mod:`jzero.distributed.pipeline`).
       reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
-      prefetch_bucket_size, max_reuse_distance, max_live_parameters: see :class:`Plan`.
+      prefetch_bucket_size: see :class:`Plan`.
+      max_reuse_distance: see :class:`Plan`.
+      max_live_parameters: see :class:`Plan`.
       hpz: ZeRO++'s hierarchical partition (see :class:`Plan`); needs a ``replica`` axis and
         a stage that shards parameters. A mesh with a ``replica`` axis without it is hybrid
         sharding.
-      overlap_comm, reduce_bucket_size, allgather_bucket_size: see :class:`Plan`; the bucket
-        sizes (elements, >= 1) apply with ``overlap_comm`` at the stages that keep parameters
-        whole (0-2), and are ``None`` in the plan otherwise.
+      overlap_comm: see :class:`Plan`.
+      reduce_bucket_size: see :class:`Plan`; the bucket sizes (elements, >= 1) apply with
+        ``overlap_comm`` at the stages that keep parameters whole (0-2), and are ``None`` in
+        the plan otherwise.
+      allgather_bucket_size: as ``reduce_bucket_size``.
       quantized_weights: see :class:`Plan`; needs a stage that shards parameters (3).
       quantized_gradients: see :class:`Plan`; needs a stage that reduce-scatters (1-3).
       padding: shard a leaf whose leading dimension the shard count does not divide by padding

@@ -82,8 +82,12 @@ class Precision:
         mixed precision or 16-bit masters and the parameter dtype otherwise.
       loss_scale: a static loss scale (> 0), or 0 for DeepSpeed's dynamic loss scaling.
       scaled: whether the loss is scaled at all (fp16).
-      initial_scale_power / loss_scale_window / hysteresis / consecutive_hysteresis /
-        min_loss_scale: DeepSpeed's dynamic loss-scaling parameters.
+      initial_scale_power: DeepSpeed's dynamic loss-scaling parameters (this one and the
+        next four).
+      loss_scale_window: see ``initial_scale_power``.
+      hysteresis: see ``initial_scale_power``.
+      consecutive_hysteresis: see ``initial_scale_power``.
+      min_loss_scale: see ``initial_scale_power``.
       skip_nonfinite: skip updates whose gradients are not finite, at any precision (fp16
         skips them whether or not this is set).
       master_dtype: ``None`` (float32 masters under mixed precision, else the params

@@ -71,7 +71,7 @@ Decisions:
   On CPU devices host and device memory are the same memory and ``memory_analysis()`` reports
   no host bytes: only a GPU/TPU run shows the device-memory saving.
   Figures: ``python benchmarks/stages.py`` prints each stage's temporaries with and without
-  ``policy: full`` (the README's per-stage table).
+  ``policy: full`` (the per-stage table of docs/benchmarks.md).
 """
 
 from __future__ import annotations

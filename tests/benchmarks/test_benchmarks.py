@@ -1,4 +1,4 @@
-"""Every script under benchmarks/ that the README's figures come from runs and prints its
+"""Every script under benchmarks/ that the documentation's figures come from runs and prints its
 tables, so that none can rot. A smoke run proves the script runs, not its figures: each runs
 once, on a tiny model, with the fewest cells its tables need, in a child process on 8 virtual
 CPU devices (the run's XLA flags and compilation cache, ``procs.device_env``) whose code
