@@ -275,7 +275,7 @@ def autotp_specs(
       ValueError: when ``tp_size`` does not divide a split dimension or the heads, or a
         ``tp_plan`` entry is not a layout.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> params = {"q_proj": {"kernel": jax.ShapeDtypeStruct((64, 64), jnp.float32)},
       ...           "o_proj": {"kernel": jax.ShapeDtypeStruct((64, 64), jnp.float32)}}
