@@ -34,12 +34,27 @@ Decisions:
   run, inside ``train_step``: that step counts in ``steps``, without a ``metrics.jsonl`` line.)
   The summary is written in every case, and a start removes the folders of saves that never
   completed.
-* Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` (a fresh run truncates
-  it, a resumed one appends) and the end writes ``summary.json``; both are strict JSON (NaN
-  and infinities are ``null``) and written by process 0 only, which alone logs and shows the
-  progress bar. A line holds every metric the step returns: with ``model.num_experts`` set,
-  ``moe_aux_loss`` and ``moe_dropped_fraction`` too, which the ``steps_per_print`` log line
-  shows beside the loss (that loss, and the eval loss, include the load-balancing term).
+* Every step appends a JSON line to ``<train.log_dir>/metrics.jsonl`` and the end writes
+  ``summary.json``; both are strict JSON (NaN and infinities are ``null``) and written by
+  process 0 only, which alone logs and shows the progress bar. A line holds every metric the
+  step returns: with ``model.num_experts`` set, ``moe_aux_loss`` and ``moe_dropped_fraction``
+  too, which the ``steps_per_print`` log line shows beside the loss (that loss, and the eval
+  loss, include the load-balancing term).
+* **The log folder is treated as the checkpoint directory is.** A run that resumes from a
+  checkpoint appends to ``metrics.jsonl`` (first dropping the lines of steps after its
+  checkpoint, which it trains again) and rewrites ``summary.json``. A run that starts at
+  step 1 into a folder holding an earlier run's ``metrics.jsonl`` is refused before any model
+  is built, unless ``overwrite=True`` (``--overwrite``), which replaces both files: a second
+  ``jzero train`` of one config with another ``--set`` never silently replaces the first's
+  metrics. The checkpoint directory may be a folder inside the log folder
+  (``runs/zero2/ckpt``): the log folder's check reads only ``metrics.jsonl``, the checkpoint
+  directory's only its own folder. The other way round (the log folder is the checkpoint
+  directory, or inside it) is refused at the start: the first save would refuse the log files
+  in a directory that holds only jzero's checkpoints, after the whole run had trained.
+* The progress bar is shown only on a terminal (``progress=True`` and stderr a TTY), with the
+  log lines written above it; its tokens/s is the last step's. The summary's ``tokens_per_s``
+  is the run's average: the tokens of the steps this run trained over the loop's wall time
+  (the evaluations in it, and on an accelerator the first step's compilation, included).
 * Where the device's peak FLOP/s is known (:mod:`jzero.profiler`'s table, or
   ``flops_profiler.peak_flops``), each line carries ``mfu`` (the model's FLOPs of a step over
   what the devices could do in its time), the progress bar shows it, and the summary holds the
@@ -57,11 +72,13 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jzero import config as config_lib
 from jzero import data as data_lib
@@ -81,9 +99,12 @@ from jzero.config import Config, load_config
 from jzero.engine import Engine, initialize
 from jzero.models import gpt
 
-__all__ = ["exit_code", "run", "strict_json"]
+__all__ = ["ending", "exit_code", "format_summary", "run", "strict_json"]
 
 logger = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
 
 
 class _StopOnSignal:
@@ -155,6 +176,90 @@ def strict_json(value: Any, **kwargs: Any) -> str:
     return json.dumps(_json_safe(value), allow_nan=False, **kwargs)
 
 
+def ending(summary: Mapping[str, Any]) -> str:
+    """How a run ended, the first word of ``jzero train``'s summary: ``failed`` (its
+    checkpoints), ``interrupted`` (a signal), ``stopped`` (inf/NaN gradients) or ``done``."""
+    if summary.get("checkpoint_error"):
+        return "failed"
+    if summary["interrupted"]:
+        return "interrupted"
+    return "stopped" if summary["stopped"] else "done"
+
+
+def _format_seconds(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def _loss(value: float | None) -> str:
+    return "NaN" if value is None else f"{value:.4f}"
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The few lines ``jzero train`` ends with, on stdout: how the run ended, then its figures,
+    each named (the full record is ``summary.json``).
+
+    Args:
+      summary: what :func:`run` returned.
+    """
+    last, resumed = summary["steps"], summary.get("resumed_from")
+    first = (resumed or 0) + 1
+    ran = last - first + 1
+    where = f"ZeRO stage {summary['stage']}, {summary['devices']} devices"
+    if ran <= 0:
+        what = "nothing trained" + (
+            f": checkpoint {resumed} is at or past the last step" if resumed is not None else ""
+        )
+    else:
+        what = f"trained steps {first}-{last} in {_format_seconds(summary['seconds'])}"
+        if resumed is not None:
+            what += f", resumed from checkpoint {resumed}"
+    head = ending(summary)
+    if head == "interrupted":
+        what = f"{summary.get('signal') or 'SIGINT'} after step {last}; {what}"
+    lines = [f"{head}: {what} ({where})"]
+    for reason in (summary["stopped"], summary.get("checkpoint_error")):
+        if reason:
+            lines.append(f"  why:        {reason}")
+    if ran > 0:
+        loss = f"{_loss(summary['final_loss'])} at step {last} (training batch)"
+        if summary.get("eval_loss") is not None or summary.get("first_eval_loss") is not None:
+            loss += f"; eval loss {_loss(summary['eval_loss'])}"
+            loss += f" ({_loss(summary['first_eval_loss'])} at step {first - 1})"
+        lines.append(f"  loss:       {loss}")
+        speed = (
+            f"{summary['tokens_per_s']:,.0f} tokens/s, this run's average ({ran} step(s); "
+            "evaluations and compiling included)"
+        )
+        if summary.get("mfu") is not None:
+            speed += f"; MFU {100 * summary['mfu']:.1f}% (mean after the first step)"
+        lines.append(f"  throughput: {speed}")
+        if summary.get("skipped_steps"):
+            lines.append(
+                f"  skipped:    {summary['skipped_steps']} update(s), for inf/NaN gradients"
+            )
+    lines.append(
+        f"  memory:     peak {_format_bytes(summary['peak_bytes_per_device'])} per device "
+        f"(model state {_format_bytes(summary['model_state_bytes_per_device'])})"
+    )
+    metrics = Path(summary["metrics"])
+    lines.append(f"  logs:       {metrics} (a line per step), {metrics.parent / SUMMARY}")
+    directory, step = summary.get("checkpoint_directory"), summary.get("last_checkpoint")
+    if not directory:
+        saved = "none (the config sets no checkpoint.directory)"
+    elif step is None:
+        saved = f"none committed in {directory}"
+    else:
+        saved = f"step {step} in {directory}"
+    lines.append(f"  checkpoint: {saved}")
+    return "\n".join(lines)
+
+
 def exit_code(summary: Mapping[str, Any]) -> int:
     """The exit status ``jzero train`` ends with for a summary :func:`run` returned.
 
@@ -192,6 +297,21 @@ def _format_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def _bar_text(record: Mapping[str, float], peak: int, skipped: int) -> str:
+    """The progress bar's figures after a step: its loss, its own tokens/s (the last step's
+    rate, not the run's average), the peak memory per device, MFU, skipped updates."""
+    parts = [
+        f"loss {record['loss']:.3f}",
+        f"{record['tokens_per_s']:,.0f} tok/s last step",
+        f"peak {_format_bytes(peak)}/device",
+    ]
+    if "mfu" in record:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if skipped:  # skipped steps are never silent
+        parts.append(f"{skipped} skipped")
+    return ", ".join(parts)
+
+
 def _check_checkpoint_directory(cfg: Config, *, fresh: bool) -> None:
     """Before training: the checkpoint directory is jzero's, and a fresh start into an earlier
     run's steps was asked for explicitly (``--overwrite``)."""
@@ -206,6 +326,79 @@ def _check_checkpoint_directory(cfg: Config, *, fresh: bool) -> None:
             f"of an earlier run (steps {existing}, the latest {existing[-1]}). Pass --overwrite "
             "to replace them with this run's, set another checkpoint.directory, or drop "
             "--no-resume to continue that run."
+        )
+
+
+def _check_apart(cfg: Config) -> None:
+    """Before training: the log folder is not the checkpoint directory, nor inside it."""
+    log_dir, ckpt = Path(cfg.train.log_dir), Path(cfg.checkpoint.directory)
+    if log_dir.resolve() == ckpt.resolve() or ckpt.resolve() in log_dir.resolve().parents:
+        raise ValueError(
+            f"train.log_dir ({str(log_dir)!r}) is the checkpoint directory or inside it "
+            f"({str(ckpt)!r}), which holds jzero's checkpoints only: the first save would "
+            "refuse the log files there. Give the checkpoints a folder of their own, e.g. "
+            f"--set checkpoint.directory={log_dir / 'ckpt'}."
+        )
+
+
+def _check_log_dir(cfg: Config, *, fresh: bool) -> None:
+    """Before training: a run that starts fresh (no checkpoint to resume from) writes into a
+    log folder without an earlier run's ``metrics.jsonl``, unless ``--overwrite`` says to
+    replace it."""
+    log_dir = Path(cfg.train.log_dir)
+    metrics = log_dir / METRICS
+    if not metrics.is_file() or cfg.checkpoint.overwrite:
+        return
+    checkpoint = _last_checkpoint(cfg)
+    if not fresh and checkpoint is not None:  # the same run goes on: its lines are appended
+        return
+    last = _last_logged_step(metrics)
+    earlier = f" (its last line is step {last})" if last is not None else ""
+    # (--no-resume beside a checkpoint was refused before, by the checkpoint directory's check)
+    why = (
+        f"there is no checkpoint to resume from in {str(cfg.checkpoint.directory)!r}"
+        if cfg.checkpoint.directory
+        else "the config sets no checkpoint.directory to resume from"
+    )
+    raise ValueError(
+        f"The log folder {str(log_dir)!r} (train.log_dir) holds the {METRICS} of an earlier "
+        f"run{earlier}, and this run starts from step 1 ({why}): it would replace that run's "
+        f"{METRICS} and {SUMMARY}. Pass --overwrite to replace them, or give this run a "
+        f"folder of its own, e.g. --set train.log_dir={log_dir}-2."
+    )
+
+
+def _last_logged_step(metrics: Path) -> int | None:
+    """The step of the last line of a ``metrics.jsonl`` (``None`` if unreadable)."""
+    try:
+        lines = metrics.read_text().splitlines()
+        return int(json.loads(lines[-1])["step"]) if lines else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _keep_metrics_until(metrics: Path, step: int) -> None:
+    """A resumed run's ``metrics.jsonl`` without the lines of steps after its checkpoint:
+    they ran after the checkpoint was saved, and the resumed run trains them again."""
+    if not metrics.is_file():
+        return
+    kept, dropped = [], []
+    for line in metrics.read_text().splitlines():
+        try:
+            logged = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            logged = None
+        (dropped if logged is not None and logged > step else kept).append((line, logged))
+    if dropped:
+        metrics.write_text("".join(line + "\n" for line, _ in kept))
+        steps = [logged for _, logged in dropped]
+        logger.info(
+            "%s: dropped the lines of steps %d-%d, which ran after checkpoint %d (this run "
+            "trains them again)",
+            metrics,
+            min(steps),
+            max(steps),
+            step,
         )
 
 
@@ -253,9 +446,10 @@ def run(
         starts fresh, and is refused when the directory holds an earlier run's checkpoints
         unless ``overwrite`` is given too.
       overwrite: start fresh and replace an earlier run's checkpoints in
-        ``checkpoint.directory`` (deleted once this run's first checkpoint is committed);
-        implies ``resume=False``.
-      progress: show a progress bar (on process 0).
+        ``checkpoint.directory`` (deleted once this run's first checkpoint is committed) and
+        its ``metrics.jsonl`` and ``summary.json`` in ``train.log_dir``; implies
+        ``resume=False``.
+      progress: show a progress bar (on process 0, when stderr is a terminal).
 
     Returns:
       The summary, as written to ``<train.log_dir>/summary.json`` (NaN as ``None``):
@@ -265,6 +459,7 @@ def run(
       ``seconds``, ``tokens_per_s``, ``resumed_from``, ``stage``, ``devices``,
       ``model_state_bytes_per_device``, ``host_state_bytes_per_device``,
       ``peak_bytes_per_device``, ``metrics`` (the path of ``metrics.jsonl``),
+      ``checkpoint_directory`` (``checkpoint.directory``, or ``None``),
       ``compile_cache`` (its directory, or ``None``: ``train.compile_cache``), ``compiles``
       (the programs compiled), ``cache_hits`` (the programs loaded from the cache instead)
       and ``cache_misses`` (the programs compiled and written to it), ``checkpoint_error``
@@ -273,13 +468,17 @@ def run(
       ``last_checkpoint`` (the last committed step, the one a resume starts from).
 
     Raises:
-      ConfigError: a bad config (a ``ValueError``, as are the refusals above).
+      ConfigError: a bad config (a ``ValueError``, as are the refusals above, that of a
+        fresh start into a ``train.log_dir`` holding an earlier run's ``metrics.jsonl``, and
+        that of a ``train.log_dir`` in ``checkpoint.directory``).
     """
     all_overrides = [*overrides, *(["checkpoint.overwrite=true"] if overwrite else [])]
     cfg = load_config(config, overrides=all_overrides)
     fresh = not resume or overwrite
     if cfg.checkpoint.directory:
+        _check_apart(cfg)
         _check_checkpoint_directory(cfg, fresh=fresh)
+    _check_log_dir(cfg, fresh=fresh)
     distributed.init_distributed(cfg.distributed)  # before any JAX call
     if cfg.checkpoint.directory and distributed.is_main_process():
         from jzero.checkpoint import dirs
@@ -297,9 +496,7 @@ def run(
         summary["compile_cache"] = None if cache is None else str(cache)
         summary.update(compiled.as_dict())
         if distributed.is_main_process():
-            (Path(cfg.train.log_dir) / "summary.json").write_text(
-                strict_json(summary, indent=2) + "\n"
-            )
+            (Path(cfg.train.log_dir) / SUMMARY).write_text(strict_json(summary, indent=2) + "\n")
         return summary
     finally:
         stop.restore()
@@ -347,6 +544,14 @@ def _train(
     if cfg.checkpoint.directory:
         resumed = _resume(engine, cfg, fresh=fresh)
     first_step = engine.iteration + 1
+    if resumed is not None and first_step > steps:
+        logger.warning(
+            "checkpoint %d is at or past the last step, %d: there is nothing to train. Pass "
+            "--steps above %d to train on, or --overwrite to start again.",
+            resumed,
+            steps,
+            resumed,
+        )
     log_dir = Path(cfg.train.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     engine.monitor_dir = str(log_dir)  # monitors without an output_path write beside metrics
@@ -363,9 +568,10 @@ def _train(
     tokens_per_step = engine.train_batch_size * model_cfg.seq_len
     logger.info("\n%s", engine.describe())
     logger.info(
-        "training %d steps, %d tokens a step, per device: model state %s in device memory "
+        "training %d steps%s, %d tokens a step, per device: model state %s in device memory "
         "(%s in host memory%s), peak %s",
-        steps,
+        steps - first_step + 1,
+        f" ({first_step} to {steps})" if resumed is not None else "",
         tokens_per_step,
         _format_bytes(state_bytes),
         _format_bytes(host_bytes),
@@ -381,18 +587,27 @@ def _train(
 
     first_eval = evaluate() if cfg.train.eval_interval else None
     if first_eval is not None:
-        logger.info("step 0: eval loss %.4f", first_eval)
+        logger.info("step %d: eval loss %.4f", first_step - 1, first_eval)
     last_eval = first_eval
-    metrics_path = log_dir / "metrics.jsonl" if main_process else Path(os.devnull)
+    metrics_path = log_dir / METRICS if main_process else Path(os.devnull)
+    if resumed is not None and main_process:
+        _keep_metrics_until(metrics_path, resumed)
     metrics_file = metrics_path.open("a" if resumed is not None else "w")
+    # The bar only on a terminal: piped into a file it would leave a carriage return per
+    # update; there the steps_per_print lines are the progress.
+    show_bar = progress and main_process and sys.stderr.isatty()
     bar = tqdm(
         total=steps,
         initial=first_step - 1,
         desc="jzero",
         unit="step",
-        disable=not progress or not main_process,
+        disable=not show_bar,
         dynamic_ncols=True,
+        file=sys.stderr,
     )
+    live = contextlib.ExitStack()  # while the bar is shown, log lines are written above it
+    if show_bar:
+        live.enter_context(logging_redirect_tqdm())
     # MFU where the device's peak is known (jzero.profiler): the model's FLOPs of a step over
     # what the devices could do in the step's time.
     peak_flops = profiler.peak_flops(engine.mesh.devices.flat[0], cfg.flops_profiler.peak_flops)
@@ -443,16 +658,8 @@ def _train(
                 logger.info("step %d: eval loss %.4f", step, last_eval)
             metrics_file.write(strict_json(record) + "\n")
             metrics_file.flush()
-            postfix = {
-                "loss": f"{loss:.3f}",
-                "tok_s": f"{record['tokens_per_s']:,.0f}",
-                "peak": _format_bytes(peak()),
-            }
-            if "mfu" in record:
-                postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
-            if skipped:  # skipped steps are never silent
-                postfix["skipped"] = skipped
-            bar.set_postfix(postfix, refresh=False)
+            if show_bar:
+                bar.set_postfix_str(_bar_text(record, peak(), skipped), refresh=False)
             bar.update(1)
             if cfg.steps_per_print and step % cfg.steps_per_print == 0:
                 lr = f", lr {record['lr']:.3g}" if "lr" in record else ""
@@ -487,6 +694,7 @@ def _train(
         checkpoint_error, done = str(e), engine.iteration
     finally:
         bar.close()
+        live.close()
         metrics_file.close()
     elapsed = time.perf_counter() - t_start
     if stopped:
@@ -523,7 +731,8 @@ def _train(
         "host_state_bytes_per_device": host_bytes,
         "peak_bytes_per_device": peak(),
         "mfu": float(np.mean(mfus)) if mfus else None,  # None: the device's peak is unknown
-        "metrics": str(log_dir / "metrics.jsonl"),
+        "metrics": str(log_dir / METRICS),
+        "checkpoint_directory": cfg.checkpoint.directory or None,
         "checkpoint_error": checkpoint_error,
         "last_checkpoint": _last_checkpoint(cfg),
     }

@@ -34,7 +34,9 @@ Decisions:
   other writer holds the lock: its save in flight is such a folder), each with a log line.
 * **A step is read only when it is complete and intact.** :func:`resolve_step` names the
   step to read (the latest by default) among the committed ones, saying which saves never
-  completed; :func:`verified_step_dir` checks its files against their record first.
+  completed (and, for a path that is no checkpoint directory, what it is: a file, exported
+  weights, a log folder with the run's checkpoint directory inside); :func:`verified_step_dir`
+  checks its files against their record first.
 """
 
 from __future__ import annotations
@@ -300,12 +302,50 @@ def partial_steps(directory: Path) -> list[int]:
     return sorted(int(n) for n in names if n.isdigit())
 
 
+def _weights_hint(path: Path) -> str:
+    """What reads ``path`` when it is exported weights (a safetensors or .npz file, or a
+    sharded export's folder or index), else ``""``."""
+    names = [p.name for p in path.iterdir()] if path.is_dir() else [path.name]
+    if not any(n.endswith((".safetensors", ".npz", ".safetensors.index.json")) for n in names):
+        return ""
+    if path.is_dir():
+        return (
+            " Its files are exported weights (as jzero checkpoint export writes them), not a "
+            "checkpoint: read them with jzero.weights.load_exported(path), or train from them "
+            "with --set checkpoint.init_from=PATH (jzero.initialize(..., init_from=path))."
+        )
+    return (
+        " A weights file (as jzero checkpoint export writes) is not a checkpoint: read it with "
+        "jzero.weights.load_exported(path), or train from it with --set "
+        "checkpoint.init_from=PATH (jzero.initialize(..., init_from=path))."
+    )
+
+
+def _inner_hint(path: Path) -> str:
+    """The folders inside ``path`` that hold checkpoints (a log folder holding its run's
+    checkpoint directory, ``runs/zero2/ckpt``), named; else ``""``."""
+    inner = [p for p in sorted(path.iterdir()) if p.is_dir() and step_dirs(p)]
+    if not inner:
+        return ""
+    return (
+        " Inside it, "
+        + "; ".join(f"{str(p)!r} holds the steps {sorted(step_dirs(p))}" for p in inner)
+        + "."
+    )
+
+
 def resolve_step(directory: Path, step: int | None) -> int:
     """The committed step to read: ``step``, or the latest when ``None``.
 
     Raises:
       CheckpointError: no such directory, no complete step, or ``step`` is not one of them.
     """
+    if directory.is_file():
+        raise CheckpointError(
+            f"{str(directory)!r} is a file, not a checkpoint directory. A jzero checkpoint is "
+            "the folder a training run saves into (its checkpoint.directory, one folder per "
+            f"step in it): pass that folder.{_weights_hint(directory)}"
+        )
     if not directory.is_dir():
         raise CheckpointError(
             f"The checkpoint directory {str(directory)!r} does not exist. Check the path (a "
@@ -317,7 +357,8 @@ def resolve_step(directory: Path, step: int | None) -> int:
     if not steps:
         raise CheckpointError(
             f"The checkpoint directory {str(directory)!r} holds no complete checkpoint{note}. "
-            "Pass a directory a training run has saved into."
+            f"Pass a directory a training run has saved into.{_inner_hint(directory)}"
+            f"{_weights_hint(directory)}"
         )
     if step is None:
         return int(latest_step(directory))

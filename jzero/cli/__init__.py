@@ -14,14 +14,18 @@ Decisions:
   after Ctrl-C or SIGTERM (it stops after the current step, saves and prints the summary), and
   1 when inf/NaN gradients stopped it or its checkpoints failed (its final save, or
   ``checkpoint.max_consecutive_failures`` saves in a row).
-* The log is jzero's, a line per event: Orbax's own progress reports (INFO) are left out, and
-  its reports of a failed write go to jzero's debug log (jzero reports the failure in one
-  line). ``--verbose`` shows jzero's debug log, Orbax's reports and the traceback behind an
-  error.
-* ``train``'s progress goes to a tqdm bar on stderr; every ``steps_per_print`` steps a log line;
-  every step a JSON line in ``<train.log_dir>/metrics.jsonl``; at the end one line on stdout,
-  ``done:``, ``interrupted:``, ``stopped:`` or ``failed:`` (its checkpoints) and the summary as
-  JSON.
+* The log on stderr is jzero's, a line per event, and the other libraries' warnings and
+  errors; their INFO (JAX's backend and cache reports, Orbax's progress, matplotlib's font
+  cache) is left out, and Orbax's reports of a failed write go to jzero's debug log (jzero
+  reports the failure in one line). ``--verbose`` shows jzero's debug log, every library's
+  INFO and the traceback behind an error (:mod:`jzero.cli.logs`).
+* ``train``'s progress goes to a tqdm bar on stderr when stderr is a terminal, with the log
+  lines written above it; piped into a file there is no bar (no carriage returns), and the
+  ``steps_per_print`` log lines are the progress. Every step is a JSON line in
+  ``<train.log_dir>/metrics.jsonl``. At the end a few lines on stdout
+  (:func:`jzero.train.format_summary`): ``done:``, ``interrupted:``, ``stopped:`` or
+  ``failed:`` (its checkpoints) with the steps and time, then the losses, tokens/s, peak
+  memory and where the logs and the checkpoint are; the full summary is ``summary.json``.
 * The modules behind the commands (the training loop, the model, the planner) are imported
   when a command runs, after the device count is set; nothing imported before touches a JAX
   backend.
@@ -31,14 +35,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import threading
 import traceback
 from collections.abc import Sequence
 
-from jzero.cli import checkpoint, devices, memory
+from jzero.cli import checkpoint, devices, logs, memory
 
 __all__ = ["build_parser", "main"]
 
@@ -94,18 +97,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _report(summary: dict, train: object, distributed: object) -> int:
-    """Prints the summary line (process 0) and returns the exit status."""
+    """Prints the run's summary (process 0) and returns the exit status."""
     if distributed.is_main_process():  # only process 0 prints
-        ended = (
-            "failed"
-            if summary.get("checkpoint_error")
-            else "interrupted"
-            if summary["interrupted"]
-            else "stopped"
-            if summary["stopped"]
-            else "done"
-        )
-        print(f"{ended}: {train.strict_json(summary)}")
+        print(train.format_summary(summary))
     return train.exit_code(summary)
 
 
@@ -123,12 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--steps", type=int, help="override train.steps")
     devices.add_cpu_devices_flag(train)
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument(
-        "--verbose",
-        action="store_true",
-        help="also show jzero's debug log, Orbax's own log and the traceback behind an error",
+        "--quiet", action="store_true", help="no progress bar (there is none unless on a terminal)"
     )
+    logs.add_verbose_flag(train)
     train.add_argument(
         "--no-resume",
         action="store_true",
@@ -138,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--overwrite",
         action="store_true",
-        help="start fresh and replace the checkpoints of an earlier run in checkpoint.directory "
-        "(deleted once this run's first checkpoint is committed); implies --no-resume",
+        help="start fresh and replace an earlier run's checkpoints in checkpoint.directory "
+        "(deleted once this run's first checkpoint is committed) and its metrics.jsonl and "
+        "summary.json in train.log_dir; implies --no-resume",
     )
     cache = train.add_mutually_exclusive_group()
     cache.add_argument(
@@ -184,11 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     :func:`entry`)."""
     args = build_parser().parse_args(argv)
     verbose = bool(getattr(args, "verbose", False))
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    if verbose:
-        logging.getLogger("jzero").setLevel(logging.DEBUG)
-    else:  # Orbax logs through absl's logger: its progress reports are not the user's
-        logging.getLogger("absl").setLevel(logging.WARNING)
+    logs.configure_logging(verbose)
     from jzero.checkpoint.dirs import CheckpointWriteError
 
     try:

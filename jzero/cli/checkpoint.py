@@ -21,6 +21,8 @@ import argparse
 import os
 from typing import Any
 
+from jzero.cli import logs
+
 __all__ = ["add_commands"]
 
 
@@ -87,6 +89,7 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
             "exits 1 if any is damaged"
         ),
     )
+    logs.add_verbose_flag(ins)
     ins.set_defaults(func=_inspect)
     exp = sub.add_parser(
         "export",
@@ -111,5 +114,6 @@ def add_commands(subparsers: Any) -> argparse.ArgumentParser:
     )
     exp.add_argument("--dtype", choices=("fp32", "bf16", "float32", "bfloat16"), default="fp32")
     exp.add_argument("--tree", default="params", help="the saved tree to export (params)")
+    logs.add_verbose_flag(exp)
     exp.set_defaults(func=_export)
     return ck

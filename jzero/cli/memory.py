@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from jzero.cli import devices
+from jzero.cli import devices, logs
 
 __all__ = ["add_commands"]
 
@@ -164,6 +164,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="fraction of device memory kept free when judging what fits (default 0.1)",
     )
     p.add_argument("--plot", metavar="FILE.png", help="also draw stacked bars into this PNG")
+    logs.add_verbose_flag(p)
 
 
 def add_commands(subparsers: Any) -> None:

@@ -10,7 +10,12 @@ Decisions:
 * A command that starts with ``jzero`` runs this interpreter's jzero (``python -m jzero.cli``),
   so the children use the same installation even where the console script is not on PATH.
 * Output: every line of a child's stdout (stderr) goes to the launcher's stdout (stderr),
-  prefixed ``[p<id>] ``, one reader thread per stream, whole lines only.
+  prefixed ``[p<id>] ``, one reader thread per stream, whole lines only. One kind is left
+  out: Gloo (JAX's CPU collectives) prints ``[Gloo] Rank 0 is connected to 1 peer ranks.
+  Expected number of connected peer ranks is : 1`` from C++ on stdout for every communicator
+  it connects (a dozen lines per run, with no setting that silences it); such a line is
+  dropped when the two counts agree, and kept when they differ (a peer is missing) or when
+  the command has ``--verbose`` (``jzero train --verbose`` shows every library's log).
 * Shutdown: every child runs in its own session (its own process group), so a signal reaches
   its whole tree and the terminal's Ctrl-C reaches only the launcher. The launcher forwards the
   signal it gets to every child's group: SIGINT as SIGINT, SIGTERM as SIGTERM, and SIGHUP (a
@@ -43,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -51,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from jzero.distributed.layout import (
@@ -61,7 +67,7 @@ from jzero.distributed.layout import (
     ENV_REPLICAS,
 )
 
-__all__ = ["add_commands", "child_env", "free_port", "launch", "main"]
+__all__ = ["add_commands", "child_env", "free_port", "is_gloo_chatter", "launch", "main"]
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_GRACE_PERIOD = 30.0
@@ -158,12 +164,33 @@ def _resolve_command(command: Sequence[str]) -> list[str]:
     return command
 
 
-def _forward(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+# Gloo's report of a communicator it connected (printed from C++; see the module's decisions).
+_GLOO_CONNECTED = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    r"Expected number of connected peer ranks is : (\d+)"
+)
+
+
+def is_gloo_chatter(line: str) -> bool:
+    """Whether ``line`` is Gloo's report of a communicator connected as expected."""
+    m = _GLOO_CONNECTED.fullmatch(line.strip())
+    return m is not None and m.group(1) == m.group(2)
+
+
+def _forward(
+    stream: IO[bytes],
+    out: IO[str],
+    prefix: str,
+    lock: threading.Lock,
+    drop: Callable[[str], bool] | None = None,
+) -> None:
     broken = False
     for raw in iter(stream.readline, b""):
         if broken:  # keep reading, so that a child never blocks on a full pipe
             continue
         line = raw.decode(errors="replace").rstrip("\r\n")
+        if drop is not None and drop(line):
+            continue
         with lock:
             try:
                 out.write(f"{prefix}{line}\n")
@@ -238,6 +265,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
+    keep_gloo_lines: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` local processes of one distributed program.
 
@@ -254,6 +282,9 @@ def launch(
         module docstring); ``None``: the config's mesh as written.
       env: the base environment; ``os.environ`` by default.
       stdout / stderr: where the prefixed lines go; ``sys.stdout`` / ``sys.stderr`` by default.
+      keep_gloo_lines: also pass on Gloo's reports of the communicators it connected (see
+        the module's decisions); ``jzero launch`` keeps them when the command has
+        ``--verbose``.
 
     Returns:
       0 when every process succeeded, else the first failing process's exit code (128 +
@@ -311,9 +342,10 @@ def launch(
                     "command's spelling and that it is on PATH (or give its full path)."
                 ) from e
             procs.append(p)
+            drop = None if keep_gloo_lines else is_gloo_chatter
             for stream, sink in ((p.stdout, out), (p.stderr, err)):
                 t = threading.Thread(
-                    target=_forward, args=(stream, sink, f"[p{pid}] ", lock), daemon=True
+                    target=_forward, args=(stream, sink, f"[p{pid}] ", lock, drop), daemon=True
                 )
                 t.start()
                 threads.append(t)
@@ -365,6 +397,7 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port,
         grace_period=args.grace_period,
         replicas=args.replicas,
+        keep_gloo_lines="--verbose" in args.command,
     )
 
 

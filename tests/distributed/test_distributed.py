@@ -60,6 +60,9 @@ def test_launch_forwards_prefixed_lines_returns_the_failing_code_and_leaves_noth
     }
     assert sorted(pids) == [0, 1]
     assert re.search(r"^\[p0\] err 0$", err, re.M) and re.search(r"^\[p1\] err 1$", err, re.M)
+    # Gloo's report of a communicator connected as expected is dropped; a missing peer is not.
+    assert "is connected to 1 peer ranks" not in out
+    assert out.count("is connected to 0 peer ranks. Expected number") == 2
     assert f"process 1 (pid {pids[1]}) exited with code 5" in err
     grandchild = int(re.search(r"^\[p0\] grandchild (\d+)$", out, re.M).group(1))
     for pid in pids.values():  # the launcher waited for its children: their PIDs are free
@@ -86,7 +89,7 @@ def test_launch_stops_everything_on_ctrl_c(children, tmp_path):
             os.kill(pid, 0)
 
 
-def test_launch_command_line_and_child_environment():
+def test_launch_command_line_and_child_environment(monkeypatch):
     ap = argparse.ArgumentParser()
     launch.add_commands(ap.add_subparsers(dest="command_name"))
     args = ap.parse_args(["launch", "-n", "2", "--devices-per-process", "4", "--", "jzero", "x"])
@@ -105,6 +108,15 @@ def test_launch_command_line_and_child_environment():
         launch.launch(["true"], 0)
     with pytest.raises(ValueError, match="needs a command to run"):
         launch.launch(["--"], 2)
+    line = (
+        "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+    )
+    assert launch.is_gloo_chatter(line) and not launch.is_gloo_chatter(line.replace("to 7", "to 6"))
+    calls = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **kw: calls.append(kw) or 0)
+    for extra in ([], ["--verbose"]):  # jzero train --verbose shows every library's lines
+        launch._run(ap.parse_args(["launch", "-n", "2", "--", "jzero", "train", "c", *extra]))
+    assert [kw["keep_gloo_lines"] for kw in calls] == [False, True]
 
 
 # -- starting the runtime -------------------------------------------------------------------------

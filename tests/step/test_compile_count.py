@@ -135,8 +135,7 @@ TINY = [
 ]
 
 
-def _train(tmp_path: Path, *flags: str) -> dict:
-    log_dir = tmp_path / "run"
+def _train(log_dir: Path, *flags: str) -> dict:
     # The run's flags, but not its shared compilation cache (conftest): each child's cache is
     # the one its flags name, or none.
     env = {
@@ -163,13 +162,14 @@ def test_a_second_process_loads_the_step_from_the_persistent_cache(tmp_path):
     own), so both runs are the same: initialize, the step (the memory report compiles it, the
     loop reuses it), one step. The first compiles and writes them, the second loads them."""
     cache = tmp_path / "cache"
-    first = _train(tmp_path, "--steps", "1", "--compile-cache", str(cache))
+    # A folder per run: a fresh run into one holding another run's metrics.jsonl is refused.
+    first = _train(tmp_path / "first", "--steps", "1", "--compile-cache", str(cache))
     assert first["compile_cache"] == str(cache)
     assert first["compiles"] == 2 and first["cache_misses"] == 2 and first["cache_hits"] == 0
     assert sorted(p.name.split("-")[0] for p in cache.iterdir()) == ["jit_init", "jit_step"]
-    second = _train(tmp_path, "--steps", "1", "--compile-cache", str(cache))
+    second = _train(tmp_path / "second", "--steps", "1", "--compile-cache", str(cache))
     assert second["compiles"] == 0 and second["cache_misses"] == 0
     assert second["cache_hits"] == 2
     assert second["final_loss"] == first["final_loss"]  # the cached step computes the same
-    off = _train(tmp_path, "--steps", "1", "--no-compile-cache")
+    off = _train(tmp_path / "off", "--steps", "1", "--no-compile-cache")
     assert off["compile_cache"] is None and off["cache_hits"] == 0 and off["compiles"] == 2

@@ -1,6 +1,8 @@
 """Child of tests/distributed/test_distributed.py for ``jzero launch`` itself (no JAX).
 
-Prints ``out <id> pid <pid>`` to stdout and ``err <id>`` to stderr. Process 0 starts a
+Prints ``out <id> pid <pid>`` to stdout and ``err <id>`` to stderr, then two lines as Gloo
+prints them (from C++, on stdout) when it connects a communicator: one as expected (the
+launcher drops it) and one with a peer missing (kept). Process 0 starts a
 grandchild (``sleep``), prints ``grandchild <pid>``, ignores SIGTERM, creates the file
 ``$ECHO_DIR/ready`` and waits; the others wait for that file, then exit with code ``ECHO_EXIT``
 (default 5), or wait too when it is ``wait``.
@@ -15,6 +17,12 @@ import time
 index = int(os.environ["JZERO_PROCESS_ID"])
 print(f"out {index} pid {os.getpid()} of {os.environ['JZERO_NUM_PROCESSES']}", flush=True)
 print(f"err {index}", file=sys.stderr, flush=True)
+for connected in (1, 0):
+    print(
+        f"[Gloo] Rank {index} is connected to {connected} peer ranks. Expected number of "
+        "connected peer ranks is : 1",
+        flush=True,
+    )
 code = os.environ.get("ECHO_EXIT", "5")
 if index == 0:
     child = subprocess.Popen(["sleep", "600"])

@@ -93,7 +93,9 @@ def test_a_checkpoint_disk_that_fills_up_ends_the_run_cleanly(tmp_path, small_di
     assert "Training goes on" in lines[0] and "Training goes on" in lines[1]
     assert lines[2].endswith("then save again.")
     summary = json.loads((logs / "summary.json").read_text())
-    assert proc.stdout.startswith("failed: ") and json.loads(proc.stdout[8:]) == summary
+    assert proc.stdout.startswith("failed: trained steps 3-8 ")  # the summary, on stdout
+    assert f"  why:        {summary['checkpoint_error']}\n" in proc.stdout
+    assert f"  checkpoint: step 2 in {ckpt}\n" in proc.stdout
     assert summary["resumed_from"] == 2 and summary["steps"] == 8
     assert summary["last_checkpoint"] == 2
     assert summary["checkpoint_error"] == lines[2].removeprefix("jzero: ")

@@ -57,7 +57,7 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     assert train.exit_code(summary) == 128 + signal.SIGTERM
     assert summary["stage"] == 3 and summary["devices"] == 8 and summary["resumed_from"] is None
     assert summary["first_eval_loss"] is None  # eval_interval 0
-    # What the CLI writes and prints (`interrupted: ` + this JSON) is what run returned.
+    # What run writes (summary.json) is what it returned.
     assert json.loads((log_dir / "summary.json").read_text()) == summary
     assert json.loads(train.strict_json(summary)) == summary
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
@@ -66,6 +66,48 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     assert all(0 < r["mfu"] < 1 for r in records) and summary["mfu"] == records[-1]["mfu"]
     assert list_steps(ckpt) == [2]  # the interrupted run's state, saved at the step it ended
     assert signal.getsignal(signal.SIGTERM) is handler  # run's handler is gone again
+    # What the CLI prints: a few lines, each figure named (test_the_summary_names_its_figures).
+    text = train.format_summary(summary)
+    assert text.startswith("interrupted: SIGTERM after step 2; trained steps 1-2 in ")
+    assert "% (mean after the first step)\n  memory:     peak " in text
+    assert text.endswith(f"  checkpoint: step 2 in {ckpt}")
+
+
+def test_the_summary_names_its_figures():
+    """The lines `jzero train` ends with (stdout; the JSON is summary.json): the run's
+    average tokens/s is told from the bar's last-step rate, a resumed run's eval loss from
+    where it resumed, and what stopped or failed a run is said."""
+    summary = {
+        "steps": 150, "interrupted": False, "signal": None, "stopped": None,
+        "skipped_steps": 0, "final_loss": 1.23456, "first_eval_loss": 2.5,
+        "eval_loss": 1.5, "seconds": 125.0, "tokens_per_s": 12345.6, "resumed_from": 100,
+        "stage": 2, "devices": 8, "peak_bytes_per_device": 3 * 2**20,
+        "model_state_bytes_per_device": 2**20, "mfu": None, "metrics": "runs/a/metrics.jsonl",
+        "checkpoint_directory": "runs/a/ckpt", "checkpoint_error": None, "last_checkpoint": 150,
+    }  # fmt: skip
+    assert train.format_summary(summary).splitlines() == [
+        "done: trained steps 101-150 in 2 min 05 s, resumed from checkpoint 100 (ZeRO stage 2, "
+        "8 devices)",
+        "  loss:       1.2346 at step 150 (training batch); eval loss 1.5000 (2.5000 at step 100)",
+        "  throughput: 12,346 tokens/s, this run's average (50 step(s); evaluations and "
+        "compiling included)",
+        "  memory:     peak 3.0 MiB per device (model state 1.0 MiB)",
+        "  logs:       runs/a/metrics.jsonl (a line per step), runs/a/summary.json",
+        "  checkpoint: step 150 in runs/a/ckpt",
+    ]
+    stopped = "stopped at step 3: 2 consecutive steps had inf/NaN gradients (...)"
+    text = train.format_summary(
+        {**summary, "resumed_from": None, "steps": 3, "stopped": stopped, "final_loss": None,
+         "first_eval_loss": None, "eval_loss": None, "skipped_steps": 2,
+         "checkpoint_directory": None, "last_checkpoint": None}
+    )  # fmt: skip
+    assert text.startswith("stopped: trained steps 1-3 in 2 min 05 s (ZeRO stage 2, 8 devices)")
+    assert f"\n  why:        {stopped}\n  loss:       NaN at step 3 (training batch)\n" in text
+    assert "\n  skipped:    2 update(s), for inf/NaN gradients\n" in text
+    assert text.endswith("  checkpoint: none (the config sets no checkpoint.directory)")
+    text = train.format_summary({**summary, "steps": 100})  # resumed at --steps or past it
+    assert text.startswith("done: nothing trained: checkpoint 100 is at or past the last step")
+    assert "loss" not in text and "tokens/s" not in text
 
 
 def test_exit_code_of_a_summary():
