@@ -365,6 +365,11 @@ def test_skipped_steps_keep_every_bit_and_a_restored_run_continues_identically(t
 # --- training ------------------------------------------------------------------------------
 
 
+# The GPT's init as one program (op by op, its random draws are a compilation per shape); the
+# same program as test_optim_state16.py's, so the run's compilation cache holds it once.
+init_gpt = jax.jit(gpt.init_params, static_argnums=1)
+
+
 def test_bf16_masters_train_the_gpt_like_fp32_masters():
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, d_ff=128, num_heads=2)
     tokens = data.load_tokens("stdlib", max_bytes=64 * 1024) % 64
@@ -383,7 +388,7 @@ def test_bf16_masters_train_the_gpt_like_fp32_masters():
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
             **section,
         }
-        params = gpt.init_params(jax.random.key(0), cfg)
+        params = init_gpt(jax.random.key(0), cfg)
         with jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), config=config) as e:
             out = [float(e.train_step(b)["loss"]) for b in batches]
             final[name] = bits(e.state.params)
