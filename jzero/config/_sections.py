@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jzero.choices.stages import STAGES, stage_spec
 from jzero.config._common import _field
-from jzero.plan import STAGES, stage_spec
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -162,7 +162,7 @@ class ZeroConfig:
 
     stage: StageNumber = _field(0, auto=3)
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
-    allowed values are the rows of :data:`jzero.plan.stages.STAGES`). ``"auto"``: at the first
+    allowed values are the rows of :data:`jzero.choices.stages.STAGES`). ``"auto"``: at the first
     batch, the cheapest that fits the device memory (the top-level ``device_memory``, or the
     accelerator's own less 10%), measured from each candidate's compiled step: stages 0-3, then
     with activation checkpointing (under ``activation_checkpointing: {policy: auto}``), then

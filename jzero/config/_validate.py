@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jzero._util import divisors, read_size
+from jzero.choices import SCHEDULES, parse_policy_text, stages
 from jzero.config._common import (
     ConfigError,
     FrozenMap,
@@ -70,8 +71,6 @@ from jzero.config._schema import Config
 from jzero.config._validate_zero import _check_hybrid as _check_hybrid
 from jzero.config._validate_zero import _check_nvme as _check_nvme
 from jzero.config._validate_zero import check_zero, resolve_zero
-from jzero.plan import stages
-from jzero.replay import parse_policy
 
 __all__ = ["build_config"]
 
@@ -394,8 +393,6 @@ _PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_chec
 def _pipeline_errors(cfg: Config) -> list[str]:
     """The ``pipeline`` section: ``stages`` a whole number (1: off; DeepSpeed's "auto" is 1),
     ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet."""
-    from jzero.distributed.pipeline import SCHEDULES
-
     pipe = cfg.pipeline
     if pipe is None:
         return []
@@ -637,18 +634,19 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
 def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
     ac = cfg.activation_checkpointing
     try:
-        policy = parse_policy(ac.policy)
+        policy = parse_policy_text(ac.policy)  # (kind, names), or None
     except ValueError as e:
         raise ConfigError(f"activation_checkpointing.policy: {e}") from None
+    active = policy is not None and policy[0] != "none"
     model_axes = [a for a, n in cfg.mesh.sizes().items() if a != "data" and n not in (0, 1)]
-    if ac.partition_activations and (not model_axes or policy is None or not policy.active):
+    if ac.partition_activations and (not model_axes or not active):
         why = "no policy checkpoints the layers" if model_axes else "the mesh has no axis "
         why += "" if model_axes else "besides data to split the saved activations over"
         noted.append(("activation_checkpointing.partition_activations", why))
     stage = cfg.zero_optimization.stage
     # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.replay.remat).
     gathers = stages.stage_spec(stage).shard_params
-    if ac.cpu_checkpointing and (policy is None or (not policy.active and not gathers)):
+    if ac.cpu_checkpointing and (policy is None or (not active and not gathers)):
         why = (
             "policy is null"
             if policy is None

@@ -4,8 +4,9 @@ Import direction: imports :mod:`jzero.distributed` (the mesh axes) and :mod:`jze
 (which leaves share an update group); imported by the step, the engine, the NVMe tier, memory,
 checkpoint and weights. It runs nothing: a plan is data.
 
-* :mod:`~jzero.plan.stages`: the one table of what each ZeRO stage shards; no other module
-  branches on the stage number.
+* ``stages``: the one table of what each ZeRO stage shards; no other module branches on the
+  stage number. It is :mod:`jzero.choices.stages` (``jzero.plan.stages`` is that module), below
+  the config too, so the config validates a stage against the rows the plan is made from.
 * :mod:`~jzero.plan.leaf_rule`: which dimension of a leaf is sharded, and why one stays whole.
 * :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
 * :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
@@ -17,6 +18,14 @@ checkpoint and weights. It runs nothing: a plan is data.
   optimizer and a mesh.
 """
 
+from jzero.choices import stages as stages
+from jzero.choices.stages import OFFLOADS as OFFLOADS
+from jzero.choices.stages import STAGES as STAGES
+from jzero.choices.stages import StageSpec as StageSpec
+from jzero.choices.stages import check_offload as check_offload
+from jzero.choices.stages import formula_text as formula_text
+from jzero.choices.stages import stage_spec as stage_spec
+from jzero.choices.stages import stages_allowing as stages_allowing
 from jzero.distributed import DATA_AXIS as DATA_AXIS
 from jzero.plan.leaf_rule import LeafPlan as LeafPlan
 from jzero.plan.leaf_rule import axis_entry as axis_entry
@@ -46,13 +55,6 @@ from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
 from jzero.plan.precision import cast_floating as cast_floating
 from jzero.plan.precision import next_loss_scale as next_loss_scale
-from jzero.plan.stages import OFFLOADS as OFFLOADS
-from jzero.plan.stages import STAGES as STAGES
-from jzero.plan.stages import StageSpec as StageSpec
-from jzero.plan.stages import check_offload as check_offload
-from jzero.plan.stages import formula_text as formula_text
-from jzero.plan.stages import stage_spec as stage_spec
-from jzero.plan.stages import stages_allowing as stages_allowing
 
 __all__ = [
     "available_memory_kinds",

@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero._util import divisors, dotted, under_trace
+from jzero.choices.stages import StageSpec, check_offload, stage_spec
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
     _leaf_plan,
@@ -64,7 +65,6 @@ from jzero.plan.memory_kinds import (
 )
 from jzero.plan.plan import Plan
 from jzero.plan.precision import Precision, cast_floating
-from jzero.plan.stages import StageSpec, check_offload, stage_spec
 
 __all__ = ["make_plan"]
 
