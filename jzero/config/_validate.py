@@ -320,17 +320,7 @@ def _check_config(cfg: Config, noted: list) -> None:
             "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
             "steps with inf/NaN gradients)."
         )
-    if (
-        cfg.bf16.bf16_optimizer_states
-        and not cfg.bf16.enabled
-        and "bf16.enabled" not in cfg.auto  # "auto": checked once resolved (jzero.initialize)
-    ):
-        raise ConfigError(
-            "bf16.bf16_optimizer_states needs bf16.enabled: true (it keeps the optimizer state "
-            "of bf16 mixed precision in bfloat16); set bf16.enabled: true, or remove "
-            "bf16_optimizer_states."
-        )
-    _check_master_weights(cfg)
+    check_bf16(cfg)
     check_zero(cfg, noted)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:
@@ -755,9 +745,32 @@ def build_config(
     return cfg, noted, renamed, ignored
 
 
-def _check_master_weights(cfg: Any) -> None:
-    """``bf16.bf16_master_weights_and_grads`` and ``bf16.stochastic_rounding``: what they need."""
+def check_bf16(cfg: Any, *, auto_resolved: bool = False) -> None:
+    """The ``bf16`` section's rule, in one place: ``bf16_optimizer_states`` and
+    ``bf16_master_weights_and_grads`` need ``bf16.enabled: true``; ``stochastic_rounding``
+    needs ``bf16_master_weights_and_grads``, which composes with neither fp16 nor the NVMe tier.
+
+    When the config is loaded, a ``bf16.enabled: "auto"`` is not known yet and what depends on
+    it waits: :func:`jzero.config.resolve_auto` calls this again with ``auto_resolved`` once
+    the params decided it (the message then says "auto" resolved to false).
+    """
     bf16 = cfg.bf16
+    was_auto = "bf16.enabled" in cfg.auto
+    needs_enabled = not bf16.enabled and (auto_resolved or not was_auto)
+
+    def disabled(key: str, reason: str) -> ConfigError:
+        why = (
+            ', but bf16.enabled: "auto" resolved to false (the params are not all bfloat16);'
+            if was_auto
+            else f" ({reason});"
+        )
+        return ConfigError(
+            f"bf16.{key} needs bf16.enabled: true{why} set bf16.enabled: true, or remove {key}."
+        )
+
+    if bf16.bf16_optimizer_states and needs_enabled:
+        reason = "it keeps the optimizer state of bf16 mixed precision in bfloat16"
+        raise disabled("bf16_optimizer_states", reason)
     if bf16.stochastic_rounding and not bf16.bf16_master_weights_and_grads:
         raise ConfigError(
             "bf16.stochastic_rounding rounds the bfloat16 master weights of "
@@ -773,12 +786,9 @@ def _check_master_weights(cfg: Any) -> None:
             "update). Use bf16: {enabled: true, bf16_master_weights_and_grads: true} without "
             "fp16, or remove bf16_master_weights_and_grads."
         )
-    if not bf16.enabled and "bf16.enabled" not in cfg.auto:  # "auto": checked once resolved
-        raise ConfigError(
-            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true (the bfloat16 params "
-            "are then the master weights); set bf16.enabled: true, or remove "
-            "bf16_master_weights_and_grads."
-        )
+    if needs_enabled:
+        reason = "the bfloat16 params are then the master weights"
+        raise disabled("bf16_master_weights_and_grads", reason)
     if cfg.zero_optimization.offload_optimizer.device == "nvme":
         raise ConfigError(
             "bf16.bf16_master_weights_and_grads does not compose with "

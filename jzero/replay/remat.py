@@ -84,6 +84,7 @@ from typing import Any
 import jax
 import jax.ad_checkpoint
 
+from jzero._util import moved
 from jzero.choices.remat import ALLOWED, NAMES, POLICIES, parse_policy_text
 from jzero.plan.memory_kinds import PINNED_HOST
 
@@ -184,13 +185,9 @@ def parse_policy(
     return RematPolicy(kind, names, offload, partition)
 
 
-def from_config(cfg: Any) -> RematPolicy | None:
-    """The policy of a :class:`jzero.config.Config` (``None``: jzero's default, see above)."""
-    section = getattr(cfg, "activation_checkpointing", None)
-    if section is None:
-        return None
-    return parse_policy(
-        getattr(section, "policy", None),
-        offload=bool(getattr(section, "cpu_checkpointing", 0)),
-        partition=bool(getattr(section, "partition_activations", 0)),
-    )
+def __getattr__(name: str) -> Any:
+    """``from_config`` moved to :func:`jzero.engine.settings.remat_policy` (the config is read
+    once, there); the old name stays for a release, with a ``DeprecationWarning``."""
+    if name == "from_config":
+        return moved(f"{__name__}.from_config", "jzero.engine.settings.remat_policy")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
