@@ -283,7 +283,7 @@ def initialize(
         plan, params, shapes, init_fn, key, init_from, name_map, abstract, nvme=on_disk
     )
     made_with_extra = adapted is not None and adapted.values is None and init_from is None
-    nvme = None if abstract else _nvme_state(cfg, plan, tx)  # paths checked before anything
+    nvme = None if abstract else _nvme_state(settings.nvme_options(cfg), plan, tx)  # paths first
     if abstract:
         if adapted is not None and adapted.values is None:
             extra = jax.eval_shape(lambda: adapted.init_fn(key()))[1]
@@ -422,23 +422,21 @@ def _init_extra(adapted: Any, key: Callable[[], jax.Array], plan: Plan) -> PyTre
     return jax.jit(lambda: adapted.init_fn(key())[1], out_shardings=plan.replicated)()
 
 
-def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
-    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too): its
-    stores, their paths checked now (room for two versions of this process's part), or None."""
-    zero = cfg.zero_optimization
-    opt, par = zero.offload_optimizer, zero.offload_param
-    if opt.device != "nvme":
+def _nvme_state(options: Any, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
+    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too) of
+    :class:`jzero.nvme.options.NvmeOptions` ``options``: its stores, their paths checked now
+    (room for two versions of this process's part), or None without the tier."""
+    if options is None:
         return None
     from jzero.nvme import NvmeState, NvmeStore, state_bytes
 
-    on_disk = par.device == "nvme"
+    on_disk = options.param_path is not None
     sizes = state_bytes(plan, params_on_disk=on_disk)
     mine = jax.local_device_count() / max(1, jax.device_count())
-    param_path = par.nvme_path or opt.nvme_path
-    shared = on_disk and os.path.realpath(param_path) == os.path.realpath(opt.nvme_path)
+    shared = on_disk and os.path.realpath(options.param_path) == os.path.realpath(options.path)
     store = NvmeStore(
-        opt.nvme_path,
-        buffer_count=opt.buffer_count,
+        options.path,
+        buffer_count=options.buffer_count,
         needed_bytes=int(2 * mine * (sizes["optimizer"] + (sizes["params"] if shared else 0))),
         what="zero_optimization.offload_optimizer.nvme_path",
     )
@@ -446,8 +444,8 @@ def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTra
     try:
         if on_disk and not shared:
             param_store = NvmeStore(
-                param_path,
-                buffer_count=par.buffer_count,
+                options.param_path,
+                buffer_count=options.param_buffer_count,
                 needed_bytes=int(2 * mine * sizes["params"]),
                 what="zero_optimization.offload_param.nvme_path",
             )
@@ -455,9 +453,9 @@ def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTra
             plan,
             optimizer,
             store,
-            sub_group_size=zero.sub_group_size,
+            sub_group_size=options.sub_group_size,
             param_store=param_store,
-            prefetch_params=par.pipeline_read,
+            prefetch_params=options.prefetch_params,
         )
     except BaseException:
         store.close()

@@ -333,12 +333,12 @@ class Engine:
         """The step of the NVMe tier (:mod:`jzero.nvme.step`)."""
         from jzero.nvme import NvmeStep
 
-        opt = self.config.zero_optimization.offload_optimizer
+        tier = settings.nvme_options(self.config)
         return NvmeStep(
             self._disk,
             self.loss_fn,
-            pipeline_read=opt.pipeline_read,
-            pipeline_write=opt.pipeline_write,
+            pipeline_read=tier.pipeline_read,
+            pipeline_write=tier.pipeline_write,
             options=settings.step_options(self.config, self.accumulation_steps),
             takes_extra=self.takes_extra,
             learning_rate=self.learning_rate,

@@ -13,8 +13,9 @@ Decisions:
 * One function per value: :func:`plan_options` (what :func:`jzero.plan.make_plan` needs beyond
   the params, the optimizer, the mesh and the stage), :func:`step_options` (what
   :func:`jzero.step.make_train_step` needs beyond the plan, the loss and the optimizer),
-  :func:`precision`, :func:`memory_kinds`, :func:`comm_options`, :func:`remat_policy` and
-  :func:`tensor_parallel` (AutoTP's specs, from the params' names and shapes).
+  :func:`nvme_options` (the NVMe tier's), :func:`precision`, :func:`memory_kinds`,
+  :func:`comm_options`, :func:`remat_policy` and :func:`tensor_parallel` (AutoTP's specs, from
+  the params' names and shapes).
 * The config's rules are checked when it is loaded (:mod:`jzero.config`), ``"auto"`` values
   once they are resolved (:func:`jzero.config.resolve_auto`); this module translates and does
   not validate again. What needs the mesh or the devices is checked here, where they are known:
@@ -53,6 +54,7 @@ from jzero.step import StepOptions
 __all__ = [
     "comm_options",
     "memory_kinds",
+    "nvme_options",
     "parallel_options",
     "plan_options",
     "precision",
@@ -239,6 +241,27 @@ def step_options(cfg: config_lib.Config, accumulation_steps: int | None = 1) -> 
         remat_policy=remat_policy(cfg),
         sub_group_size=zero.sub_group_size,
         offload_compute=zero.offload_optimizer.compute,
+    )
+
+
+def nvme_options(cfg: config_lib.Config) -> Any:
+    """The :class:`jzero.nvme.options.NvmeOptions` of ``offload_optimizer.device: nvme`` (and
+    ``offload_param.device: nvme``), or ``None`` without the NVMe tier."""
+    zero = cfg.zero_optimization
+    opt, par = zero.offload_optimizer, zero.offload_param
+    if opt.device != "nvme":
+        return None
+    from jzero.nvme.options import NvmeOptions  # the tier is imported only when it is used
+
+    return NvmeOptions(
+        path=opt.nvme_path,
+        buffer_count=opt.buffer_count,
+        sub_group_size=zero.sub_group_size,
+        param_path=(par.nvme_path or opt.nvme_path) if par.device == "nvme" else None,
+        param_buffer_count=par.buffer_count,
+        prefetch_params=par.pipeline_read,
+        pipeline_read=opt.pipeline_read,
+        pipeline_write=opt.pipeline_write,
     )
 
 
