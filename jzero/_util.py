@@ -30,6 +30,11 @@ Decisions:
   system holding a path (``statvfs``'s ``f_bavail``, as ``df`` shows it), read at the nearest
   existing folder, so a directory not made yet is measured on the disk it will be made on. The
   NVMe tier checks it before it creates its files, a checkpoint before each save.
+* **Moved names** (:func:`moved`): a public name that moved to a package above its old
+  module (the config's translation to :mod:`jzero.engine.settings`) stays reachable at the
+  old path for a release through that module's ``__getattr__``, which warns
+  (``DeprecationWarning``) and imports the new home by name when the old name is used, so the
+  old module takes no import of a package above it.
 * **Files are replaced whole** (:func:`write_atomic`): written to a fresh file created
   exclusively beside the target (``.<name>.<random>.partial``; a pre-existing file or symlink
   there is never written through), with the permissions a plain ``open`` would give, then
@@ -41,11 +46,13 @@ Decisions:
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import shutil
 import tempfile
 import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -64,6 +71,19 @@ __all__ = [
 ]
 
 # -- leaf paths ----------------------------------------------------------------------------------
+
+
+def moved(old: str, new: str) -> Any:
+    """The object at the dotted path ``new``, for the deprecated name ``old`` that moved there,
+    with a ``DeprecationWarning`` naming the new import. Return it from the old module's
+    ``__getattr__``."""
+    warnings.warn(
+        f"{old} moved to {new}; use that (the old name will be removed in a later release).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    module, _, name = new.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def divisors(n: int) -> list[int]:

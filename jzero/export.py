@@ -1,8 +1,11 @@
 """Deprecated alias of :mod:`jzero.weights`: exported weights are written and read there.
 
 Kept so that ``jzero.export.<name>`` as older code and notes cite it still imports; new code
-imports from :mod:`jzero.weights`. This alias will be removed in a later release.
+imports from :mod:`jzero.weights`. Importing it warns (``DeprecationWarning``) with the new
+import; it will be removed in a later release.
 """
+
+import warnings
 
 from jzero.weights import INDEX_NAME as INDEX_NAME
 from jzero.weights import ExportEntry as ExportEntry
@@ -29,3 +32,9 @@ __all__ = [
     "write_leaves",
     "write_sharded",
 ]
+
+warnings.warn(
+    "jzero.export is deprecated and will be removed in a later release: import from jzero.weights.",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -2,9 +2,11 @@
 
 Kept so that ``jzero.gather.<name>`` as older code and notes cite it still imports; new code
 imports from :mod:`jzero.replay`, where ``checkpoint_scans`` and ``checkpoint_policy`` are
-``remat_scans`` and ``remat_save_policy`` ("checkpoint" now means Orbax only). This alias
-will be removed in a later release.
+``remat_scans`` and ``remat_save_policy`` ("checkpoint" now means Orbax only). Importing it
+warns (``DeprecationWarning``) with the new import; it will be removed in a later release.
 """
+
+import warnings
 
 from jzero.replay import GATHERED as GATHERED
 from jzero.replay import PARTITIONED as PARTITIONED
@@ -25,3 +27,11 @@ __all__ = [
     "layer_dims",
     "replay",
 ]
+
+warnings.warn(
+    "jzero.gather is deprecated and will be removed in a later release: "
+    "import from jzero.replay, where checkpoint_scans and checkpoint_policy are "
+    "remat_scans and remat_save_policy.",
+    DeprecationWarning,
+    stacklevel=2,
+)

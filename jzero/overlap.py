@@ -2,9 +2,11 @@
 the scan that gathers one layer ahead in :mod:`jzero.replay`.
 
 Kept so that ``jzero.overlap.<name>`` as older code and notes cite it still imports; new code
-imports from :mod:`jzero.comm` or :mod:`jzero.replay`. This alias will be removed in a later
-release.
+imports from :mod:`jzero.comm` or :mod:`jzero.replay`. Importing it warns
+(``DeprecationWarning``) with the new import; it will be removed in a later release.
 """
+
+import warnings
 
 from jzero.comm import GPU_ASYNC_OPTIONS as GPU_ASYNC_OPTIONS
 from jzero.comm import bucket_groups as bucket_groups
@@ -27,3 +29,11 @@ __all__ = [
     "reduce_buckets",
     "to_rows",
 ]
+
+warnings.warn(
+    "jzero.overlap is deprecated and will be removed in a later release: "
+    "import from jzero.comm (buckets, compiler options) or jzero.replay "
+    "(can_overlap, overlapped_scan).",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -14,6 +14,10 @@ Every public name lives in one of the private modules below and is re-exported h
 * ``_batch``: DeepSpeed's batch arithmetic.
 * ``_auto``: ``"auto"`` values resolved from the code at ``jzero.initialize``.
 
+The names a config shares with the core (the stage table, the remat policies, the pipeline
+schedules) come from :mod:`jzero.choices`; the config imports nothing else of jzero's but
+``jzero._util``, and :mod:`jzero.engine.settings` alone translates it into the core's options.
+
 Decisions common to all of them: DeepSpeed's names, meanings and defaults (an existing
 ``ds_config.json`` loads unchanged); a ``Config`` is a frozen, hashable dataclass validated
 once; every user-input error is a ``ConfigError`` whose message ends with the fix.

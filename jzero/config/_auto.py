@@ -20,7 +20,9 @@ Decisions:
   the hidden size is a guess, and its unset prefetch and reuse are its bounded-memory choice.
 * ``bf16.enabled`` / ``fp16.enabled``: true when every floating-point parameter is bfloat16
   (float16), unless the other precision is enabled; otherwise false. Mixed precision then
-  keeps float32 master weights of those parameters, as Hugging Face's ``--bf16`` does.
+  keeps float32 master weights of those parameters, as Hugging Face's ``--bf16`` does. What
+  needs ``bf16.enabled`` (``bf16_optimizer_states``, ``bf16_master_weights_and_grads``) is
+  checked then, by the same rule as at load (``check_bf16``).
 * The three batch sizes stay ``None`` in the config (``resolve_batch_sizes`` derives them);
   the log line shows the values they get. When neither the global nor the micro batch is set
   (all ``auto``), the first batch given to ``train_step`` decides
@@ -45,6 +47,7 @@ from jzero.config._batch import batch_from_first_batch, resolve_batch_sizes
 from jzero.config._common import ConfigError, _show
 from jzero.config._optimizers import auto_keys
 from jzero.config._schema import Config
+from jzero.config._validate import check_bf16
 
 __all__ = ["resolve_auto"]
 
@@ -124,6 +127,7 @@ def resolve_auto(
             own, other, dtype = _PRECISION[path]
             other_on = getattr(cfg, other).enabled and f"{other}.enabled" not in cfg.auto
             cfg = _replace(cfg, path, dtypes == {jnp.dtype(dtype)} and not other_on)
+    check_bf16(cfg, auto_resolved=True)  # what waited for bf16.enabled
     resolved = []
     if batch_from_first_batch(cfg):
         sizes = dict.fromkeys(_BATCH, "from the first batch")

@@ -13,7 +13,7 @@ Decisions:
   it acts. Its ``no_effect`` text then only keeps it out of ``Config.to_dict`` at its default.
   These are ``overlap_comm`` and its bucket sizes (buckets at stages 0-2, the one-layer-ahead
   gather at stage 3) and ZeRO++'s quantization (qwZ at stage 3, qgZ at stages 1-3):
-  :meth:`ZeroConfig.comm_options` turns them into :func:`jzero.plan.make_plan`'s arguments.
+  :func:`jzero.engine.settings.comm_options` turns them into the plan's options.
 * ``overlap_comm`` left out (``null``) is off at every stage. DeepSpeed turns it on at stage 3;
   jzero does not, because there it holds two layers' gathered weights instead of one (the
   next layer's gather runs during this layer's compute), a memory cost a user should choose.
@@ -27,11 +27,12 @@ Decisions:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from jzero._util import moved
+from jzero.choices.stages import STAGES, stage_spec
 from jzero.config._common import _field
-from jzero.plan import STAGES, stage_spec
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -162,7 +163,7 @@ class ZeroConfig:
 
     stage: StageNumber = _field(0, auto=3)
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
-    allowed values are the rows of :data:`jzero.plan.stages.STAGES`). ``"auto"``: at the first
+    allowed values are the rows of :data:`jzero.choices.stages.STAGES`). ``"auto"``: at the first
     batch, the cheapest that fits the device memory (the top-level ``device_memory``, or the
     accelerator's own less 10%), measured from each candidate's compiled step: stages 0-3, then
     with activation checkpointing (under ``activation_checkpointing: {policy: auto}``), then
@@ -339,22 +340,13 @@ class ZeroConfig:
     """DeepSpeed: modules treated as stage-3 leaves. No effect."""
 
     def comm_options(self) -> dict[str, Any]:
-        """The :func:`jzero.plan.make_plan` arguments of ``overlap_comm``, the bucket sizes and
-        ZeRO++'s quantization, each where it acts at this stage (see their fields)."""
-        spec = stage_spec(self.stage)
-        overlap = bool(self.overlap_comm)
-        buckets = overlap and not spec.shard_params
-        return {
-            "overlap_comm": overlap,
-            "reduce_bucket_size": (self.reduce_bucket_size or None) if buckets else None,
-            "allgather_bucket_size": (self.allgather_bucket_size or None) if buckets else None,
-            "quantized_weights": 8 if self.zero_quantized_weights and spec.shard_params else 0,
-            "quantized_gradients": (
-                self.zero_quantized_gradients_bits
-                if self.zero_quantized_gradients and spec.reduce_scatter
-                else 0
-            ),
-        }
+        """Deprecated: :func:`jzero.engine.settings.comm_options` (a
+        :class:`jzero.plan.CommOptions`) is where the config is read for the plan; this gives
+        its fields as a dict, with a ``DeprecationWarning``, for a release."""
+        options = moved(
+            "jzero.config.ZeroConfig.comm_options", "jzero.engine.settings.comm_options"
+        )
+        return asdict(options(self))
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from jzero._util import divisors, read_size
+from jzero.choices import SCHEDULES, parse_policy_text, stages
 from jzero.config._common import (
     ConfigError,
     FrozenMap,
@@ -70,8 +71,6 @@ from jzero.config._schema import Config
 from jzero.config._validate_zero import _check_hybrid as _check_hybrid
 from jzero.config._validate_zero import _check_nvme as _check_nvme
 from jzero.config._validate_zero import check_zero, resolve_zero
-from jzero.plan import stages
-from jzero.replay import parse_policy
 
 __all__ = ["build_config"]
 
@@ -321,17 +320,7 @@ def _check_config(cfg: Config, noted: list) -> None:
             "one of them (skip_nonfinite: false with bf16.check_grad_overflow: false applies "
             "steps with inf/NaN gradients)."
         )
-    if (
-        cfg.bf16.bf16_optimizer_states
-        and not cfg.bf16.enabled
-        and "bf16.enabled" not in cfg.auto  # "auto": checked once resolved (jzero.initialize)
-    ):
-        raise ConfigError(
-            "bf16.bf16_optimizer_states needs bf16.enabled: true (it keeps the optimizer state "
-            "of bf16 mixed precision in bfloat16); set bf16.enabled: true, or remove "
-            "bf16_optimizer_states."
-        )
-    _check_master_weights(cfg)
+    check_bf16(cfg)
     check_zero(cfg, noted)
     free = [name for name, size in cfg.mesh.sizes().items() if size == -1]
     if len(free) > 1:
@@ -394,8 +383,6 @@ _PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_chec
 def _pipeline_errors(cfg: Config) -> list[str]:
     """The ``pipeline`` section: ``stages`` a whole number (1: off; DeepSpeed's "auto" is 1),
     ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet."""
-    from jzero.distributed.pipeline import SCHEDULES
-
     pipe = cfg.pipeline
     if pipe is None:
         return []
@@ -637,18 +624,19 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
 def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
     ac = cfg.activation_checkpointing
     try:
-        policy = parse_policy(ac.policy)
+        policy = parse_policy_text(ac.policy)  # (kind, names), or None
     except ValueError as e:
         raise ConfigError(f"activation_checkpointing.policy: {e}") from None
+    active = policy is not None and policy[0] != "none"
     model_axes = [a for a, n in cfg.mesh.sizes().items() if a != "data" and n not in (0, 1)]
-    if ac.partition_activations and (not model_axes or policy is None or not policy.active):
+    if ac.partition_activations and (not model_axes or not active):
         why = "no policy checkpoints the layers" if model_axes else "the mesh has no axis "
         why += "" if model_axes else "besides data to split the saved activations over"
         noted.append(("activation_checkpointing.partition_activations", why))
     stage = cfg.zero_optimization.stage
     # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.replay.remat).
     gathers = stages.stage_spec(stage).shard_params
-    if ac.cpu_checkpointing and (policy is None or (not policy.active and not gathers)):
+    if ac.cpu_checkpointing and (policy is None or (not active and not gathers)):
         why = (
             "policy is null"
             if policy is None
@@ -757,9 +745,32 @@ def build_config(
     return cfg, noted, renamed, ignored
 
 
-def _check_master_weights(cfg: Any) -> None:
-    """``bf16.bf16_master_weights_and_grads`` and ``bf16.stochastic_rounding``: what they need."""
+def check_bf16(cfg: Any, *, auto_resolved: bool = False) -> None:
+    """The ``bf16`` section's rule, in one place: ``bf16_optimizer_states`` and
+    ``bf16_master_weights_and_grads`` need ``bf16.enabled: true``; ``stochastic_rounding``
+    needs ``bf16_master_weights_and_grads``, which composes with neither fp16 nor the NVMe tier.
+
+    When the config is loaded, a ``bf16.enabled: "auto"`` is not known yet and what depends on
+    it waits: :func:`jzero.config.resolve_auto` calls this again with ``auto_resolved`` once
+    the params decided it (the message then says "auto" resolved to false).
+    """
     bf16 = cfg.bf16
+    was_auto = "bf16.enabled" in cfg.auto
+    needs_enabled = not bf16.enabled and (auto_resolved or not was_auto)
+
+    def disabled(key: str, reason: str) -> ConfigError:
+        why = (
+            ', but bf16.enabled: "auto" resolved to false (the params are not all bfloat16);'
+            if was_auto
+            else f" ({reason});"
+        )
+        return ConfigError(
+            f"bf16.{key} needs bf16.enabled: true{why} set bf16.enabled: true, or remove {key}."
+        )
+
+    if bf16.bf16_optimizer_states and needs_enabled:
+        reason = "it keeps the optimizer state of bf16 mixed precision in bfloat16"
+        raise disabled("bf16_optimizer_states", reason)
     if bf16.stochastic_rounding and not bf16.bf16_master_weights_and_grads:
         raise ConfigError(
             "bf16.stochastic_rounding rounds the bfloat16 master weights of "
@@ -775,12 +786,9 @@ def _check_master_weights(cfg: Any) -> None:
             "update). Use bf16: {enabled: true, bf16_master_weights_and_grads: true} without "
             "fp16, or remove bf16_master_weights_and_grads."
         )
-    if not bf16.enabled and "bf16.enabled" not in cfg.auto:  # "auto": checked once resolved
-        raise ConfigError(
-            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true (the bfloat16 params "
-            "are then the master weights); set bf16.enabled: true, or remove "
-            "bf16_master_weights_and_grads."
-        )
+    if needs_enabled:
+        reason = "the bfloat16 params are then the master weights"
+        raise disabled("bf16_master_weights_and_grads", reason)
     if cfg.zero_optimization.offload_optimizer.device == "nvme":
         raise ConfigError(
             "bf16.bf16_master_weights_and_grads does not compose with "

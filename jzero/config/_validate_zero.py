@@ -26,9 +26,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jzero.choices import stages
 from jzero.config._common import ConfigError
 from jzero.config._schema import Config
-from jzero.plan import stages
 
 __all__ = ["check_zero", "resolve_zero"]
 

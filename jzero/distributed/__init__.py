@@ -1,7 +1,8 @@
 """Devices and processes: the mesh, the multi-process runtime, process layout, ``jzero launch``.
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
-:mod:`jzero._util`); every other package may import it. One module per parallelism beside
+:mod:`jzero._util` and the schedule names of :mod:`jzero.choices`); every other package may
+import it. One module per parallelism beside
 ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
 ``distributed/``.
 

@@ -46,13 +46,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzero.choices.pipeline import SCHEDULES
 from jzero.distributed.mesh import PIPE_AXIS
 
 __all__ = ["PIPE_AXIS", "SCHEDULES", "Schedule", "bubble_fraction", "make_schedule", "run"]
 
-
-SCHEDULES = ("1f1b", "gpipe")
-"""The schedules :func:`make_schedule` builds (``pipeline.schedule``)."""
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 

@@ -6,6 +6,9 @@ Import direction: imports the core (:mod:`jzero.config`, :mod:`jzero.plan`, :mod
 imported by ``jzero train``
 and :mod:`jzero.memory`'s measured report. Nothing in the core imports it back.
 
+* :mod:`~jzero.engine.settings`: the config read once: a validated config turned into the
+  core's typed options (``PlanOptions``, ``StepOptions``, ``Precision``, ``RematPolicy``); the
+  only module that maps config fields onto the core's arguments.
 * :mod:`~jzero.engine.build`: :func:`initialize` (also ``jzero.initialize``).
 * :mod:`~jzero.engine.engine`: :class:`Engine`, a thin shell over the pure plan and step.
 * :mod:`~jzero.engine.auto_stage`: ``zero_optimization.stage: auto``, the cheapest setting

@@ -10,8 +10,11 @@ Decisions:
 * Every "auto" in the config is resolved here, once, from the parameters' shapes and the
   optimizer given (:func:`jzero.config.resolve_auto`); the batch sizes wait for the first batch
   when they are all "auto" (the engine takes them then).
-* The plan is made by a ``functools.partial`` of :func:`jzero.plan.make_plan` over this call's
-  arguments, kept by the engine as ``replan``: the first step re-plans with ``layer_dims=`` only.
+* The config is translated once, by :mod:`jzero.engine.settings`: the plan's options
+  (:func:`~jzero.engine.settings.plan_options`), AutoTP's specs. The plan is made by a
+  ``functools.partial`` of :func:`jzero.plan.make_plan` over the params, the optimizer, the
+  mesh, the stage and those options, kept by the engine as ``replan``: the first step re-plans
+  with ``layer_dims=`` (and ``pipe_leaves=``) only.
 * Flax models go through :mod:`jzero.engine.flax_adapter` and Equinox ones through
   :mod:`jzero.engine.equinox_adapter`, imported only when ``model=`` is given; the engine then
   carries the non-trainable state as ``TrainState.extra``.
@@ -37,10 +40,11 @@ import optax
 from jzero import config as config_lib
 from jzero import distributed, monitor, optim
 from jzero._util import abstract_tree, divisors, dotted
-from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS, expert, make_mesh, tensor
+from jzero.distributed import make_mesh
+from jzero.engine import settings
 from jzero.engine.checks import _check_mesh_splits
 from jzero.engine.engine import Engine
-from jzero.plan import Plan, make_plan, memory_kinds_from_config, precision
+from jzero.plan import Plan, make_plan
 from jzero.step import init_train_state
 
 __all__ = ["initialize"]
@@ -59,19 +63,8 @@ def _optimizer(
     """The optimizer and its schedule (none for one passed in code); its state kept in bfloat16
     under ``bf16.bf16_optimizer_states``, whichever optimizer it is, as DeepSpeed does, and run
     in float32 on the bfloat16 params under ``bf16.bf16_master_weights_and_grads``
-    (:func:`jzero.optim.float32_update`)."""
-    if cfg.bf16.bf16_optimizer_states and not cfg.bf16.enabled:  # bf16.enabled was "auto"
-        raise config_lib.ConfigError(
-            'bf16.bf16_optimizer_states needs bf16.enabled: true, but bf16.enabled: "auto" '
-            "resolved to false (the params are not all bfloat16); set bf16.enabled: true, or "
-            "remove bf16_optimizer_states."
-        )
-    if cfg.bf16.bf16_master_weights_and_grads and not cfg.bf16.enabled:
-        raise config_lib.ConfigError(
-            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true, but bf16.enabled: "
-            '"auto" resolved to false (the params are not all bfloat16); set bf16.enabled: '
-            "true, or remove bf16_master_weights_and_grads."
-        )
+    (:func:`jzero.optim.float32_update`). That both need ``bf16.enabled`` is the config's rule,
+    checked at load and once ``"auto"`` is resolved."""
     schedule = None
     if optimizer is None:  # else the config's sections were dropped (config.resolve_auto)
         if cfg.optimizer is None:
@@ -104,69 +97,6 @@ def _check_array_leaves(params: PyTree) -> None:
         )
 
 
-def _require_axis(key: str, size: int, axis: str, mesh: jax.sharding.Mesh) -> None:
-    """A parallelism of ``size`` > 1 set by config ``key`` needs mesh axis ``axis`` of that
-    size: a user's own ``mesh=`` without it is refused with the fix."""
-    if size > 1 and mesh.shape.get(axis, 1) != size:
-        raise ValueError(
-            f"{key}: {size} needs a mesh axis {axis!r} of {size} devices, but the mesh is "
-            f"{dict(mesh.shape)}; drop mesh= to let the config build it, or give it "
-            f"{axis}: {size}."
-        )
-
-
-def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:
-    """Under sequence parallelism (a ``seq`` axis of more than one device) ZeRO shards over
-    ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; under expert
-    parallelism (an ``expert`` axis) over ``data`` x ``expert``, each expert leaf split over
-    ``expert`` on its experts dimension (DeepSpeed's expert and expert data-parallel groups);
-    else ``data``."""
-    size = cfg.sequence_parallel_size
-    _require_axis("sequence_parallel_size", size, SEQ_AXIS, mesh)
-    _require_axis("expert_parallel.autoep_size", cfg.autoep_size(), EXPERT_AXIS, mesh)
-    if mesh.shape.get(EXPERT_AXIS, 1) > 1:
-        return _experts(cfg, mesh, abstract)
-    if mesh.shape.get(SEQ_AXIS, 1) <= 1:
-        return {}
-    return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
-
-
-def _experts(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:
-    """Expert parallelism's plan arguments: the expert leaves by name or by
-    ``expert_parallel.expert_params``; none found is an error naming the leaves."""
-    patterns = cfg.expert_params()
-    found = expert.expert_leaves(abstract, patterns)
-    if not any(found):
-        names = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
-        shown = ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
-        how = (
-            f"no leaf matches expert_parallel.expert_params {list(patterns)}"
-            if patterns
-            else ("no leaf is named as an expert parameter (a path component 'experts')")
-        )
-        raise ValueError(
-            f"expert_parallel.autoep_size: {mesh.shape[EXPERT_AXIS]} but {how}; the leaves are "
-            f"{shown}. List the expert leaves in expert_parallel.expert_params (dotted-path "
-            "globs, e.g. ['*.experts.*']), or set autoep_size: 1."
-        )
-    return {
-        "axis": (DATA_AXIS, EXPERT_AXIS),
-        "expert_axis": EXPERT_AXIS,
-        "expert_leaves": found,
-        "num_experts": cfg.num_experts(),
-    }
-
-
-def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """Pipeline parallelism (``pipeline.stages`` > 1): the ``pipe`` axis and the schedule; the
-    leaves it splits are known once the loss is traced (the engine's ``fit_layout``)."""
-    stages = cfg.pipeline_stages()
-    _require_axis("pipeline.stages", stages, PIPE_AXIS, mesh)
-    if mesh.shape.get(PIPE_AXIS, 1) <= 1:
-        return {}
-    return {"pipe_axis": PIPE_AXIS, "pipe_schedule": cfg.pipeline_schedule()}
-
-
 def _check_sequence_parallel(cfg: config_lib.Config) -> None:
     """What sequence parallelism does not compose with yet: clear errors, never a wrong step."""
     zero = cfg.zero_optimization
@@ -183,37 +113,6 @@ def _check_sequence_parallel(cfg: config_lib.Config) -> None:
                 f"sequence_parallel_size: {cfg.sequence_parallel_size} does not compose with "
                 f"{what} yet; set sequence_parallel_size: 1, or turn that off."
             )
-
-
-def _tensor_parallel(
-    cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree, param_specs: PyTree
-) -> tuple[PyTree, list[str] | None]:
-    """AutoTP (``tensor_parallel.autotp_size`` > 1, or a ``tp_plan``): the params' specs over
-    the model axis, the user's own winning, and the rule behind each; as given otherwise."""
-    size, tp_plan = cfg.autotp_size(), cfg.tp_plan()
-    if size <= 1 and not tp_plan:
-        return param_specs, None
-    axis = tensor.MODEL_AXIS
-    _require_axis("tensor_parallel.autotp_size", size, axis, mesh)
-    heads = (cfg.tensor_parallel or {}).get("num_heads", cfg.model.get("num_heads"))
-    specs, choices = tensor.autotp_specs(
-        abstract,
-        int(mesh.shape.get(axis, 1)),
-        tp_plan=tp_plan,
-        param_specs=param_specs,
-        num_heads=heads,
-        axis=axis,
-    )
-    loose = tensor.unmatched(choices)
-    if loose:
-        logger.warning(
-            "jzero: AutoTP matched no rule for %d leaves, replicated over %r: %s (give them a "
-            "tensor_parallel.tp_plan entry to split them)",
-            len(loose),
-            axis,
-            ", ".join(loose),
-        )
-    return specs, [c.rule for c in choices]
 
 
 def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
@@ -354,38 +253,13 @@ def initialize(
         optimizer_given=optimizer is not None,
         data_parallel_size=math.prod(mesh.shape.get(a, 1) for a in ("data", "expert", "replica")),
     )
-    param_specs, tp_rules = _tensor_parallel(cfg, mesh, shapes, param_specs)
+    param_specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, param_specs)
     tx, schedule = _optimizer(cfg, optimizer)
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
-        """``make_plan`` with config ``c``'s ZeRO settings (``stage: auto`` tries several)."""
-        zero = c.zero_optimization
-        opt_kind, param_kind = memory_kinds_from_config(zero, mesh.devices.flat)
-        return functools.partial(
-            make_plan,
-            shapes,
-            tx,
-            mesh,
-            zero.stage,
-            persistence_threshold=zero.stage3_param_persistence_threshold,
-            param_specs=param_specs,
-            precision=precision.from_config(c),
-            offload_optimizer=opt_kind,
-            offload_params=param_kind,
-            offload_ratio=zero.offload_optimizer.ratio,
-            reshard_after_forward=zero.reshard_after_forward,
-            prefetch_bucket_size=zero.stage3_prefetch_bucket_size or 0,
-            max_reuse_distance=zero.stage3_max_reuse_distance,
-            max_live_parameters=zero.stage3_max_live_parameters,
-            hpz=zero.zero_hpz_partition_size > 1,
-            # The NVMe tier's files hold shards as they are split evenly: there a leaf the shard
-            # count does not divide stays whole (the former rule), elsewhere it rests padded.
-            padding=zero.pad_shards and zero.offload_optimizer.device != "nvme",
-            **zero.comm_options(),  # overlap_comm, buckets, ZeRO++ qwZ/qgZ
-            tp_rules=tp_rules,
-            **_zero_axes(c, mesh, shapes),
-            **_pipeline(c, mesh),
-        )
+        """``make_plan`` with config ``c``'s options (``stage: auto`` tries several)."""
+        options = settings.plan_options(c, mesh, shapes, param_specs=param_specs, tp_rules=tp_rules)
+        return functools.partial(make_plan, shapes, tx, mesh, c.zero_optimization.stage, options)
 
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
     replan = planner(cfg)
@@ -404,44 +278,12 @@ def initialize(
         None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
-    if abstract:
-        if zero.offload_optimizer.device == "nvme":
-            raise ValueError(
-                "initialize(abstract=True) creates no state, and the NVMe tier's state lives in "
-                "its files. Plan with offload_optimizer.device cpu (or none) instead."
-            )
-        values = plan.abstract_params  # nothing is read: init_from only gives the values
-    elif init_from is not None:
-        from jzero import weights
-        from jzero.plan import even_sharding, on_device
-
-        # Read at the logical shapes, in layouts jit accepts for them; the init pads them.
-        shardings = jax.tree.map(
-            lambda x, sh: even_sharding(tuple(x.shape), sh),
-            plan.abstract_params,
-            on_device(plan.master if plan.precision.mixed else plan.params),
-        )
-        values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
-    elif init_fn is not None:
-        made = jax.eval_shape(lambda: init_fn(key()))
-        if jax.tree.structure(made) != jax.tree.structure(shapes) or any(
-            (a.shape, a.dtype) != (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(shapes), strict=True)
-        ):
-            raise ValueError(
-                "init_fn(key) creates parameters that differ from the params given: "
-                f"{made} vs {shapes}. Pass params=None to take init_fn's shapes."
-            )
-        values = lambda: init_fn(key())  # noqa: E731  created inside init_train_state's jit
-    elif _is_abstract(params):
-        raise ValueError(
-            "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
-            "Pass init_fn(key) -> params, or concrete arrays."
-        )
-    else:
-        values = params
+    on_disk = zero.offload_optimizer.device == "nvme"
+    values = _initial_values(
+        plan, params, shapes, init_fn, key, init_from, name_map, abstract, nvme=on_disk
+    )
     made_with_extra = adapted is not None and adapted.values is None and init_from is None
-    nvme = None if abstract else _nvme_state(cfg, plan, tx)  # paths checked before anything
+    nvme = None if abstract else _nvme_state(settings.nvme_options(cfg), plan, tx)  # paths first
     if abstract:
         if adapted is not None and adapted.values is None:
             extra = jax.eval_shape(lambda: adapted.init_fn(key()))[1]
@@ -490,6 +332,60 @@ def initialize(
     )
 
 
+def _initial_values(
+    plan: Plan,
+    params: PyTree,
+    shapes: PyTree,
+    init_fn: Callable[[jax.Array], PyTree] | None,
+    key: Callable[[], jax.Array],
+    init_from: str | Any,
+    name_map: Any,
+    abstract: bool,
+    *,
+    nvme: bool,
+) -> Any:
+    """What the state's parameters are made from: their shapes (``abstract``), the weights
+    ``init_from`` names (each process reading its own shards), ``init_fn`` (called inside the
+    init's program) or the params given."""
+    if abstract:
+        if nvme:
+            raise ValueError(
+                "initialize(abstract=True) creates no state, and the NVMe tier's state lives in "
+                "its files. Plan with offload_optimizer.device cpu (or none) instead."
+            )
+        values = plan.abstract_params  # nothing is read: init_from only gives the values
+    elif init_from is not None:
+        from jzero import weights
+        from jzero.plan import even_sharding, on_device
+
+        # Read at the logical shapes, in layouts jit accepts for them; the init pads them.
+        shardings = jax.tree.map(
+            lambda x, sh: even_sharding(tuple(x.shape), sh),
+            plan.abstract_params,
+            on_device(plan.master if plan.precision.mixed else plan.params),
+        )
+        values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
+    elif init_fn is not None:
+        made = jax.eval_shape(lambda: init_fn(key()))
+        if jax.tree.structure(made) != jax.tree.structure(shapes) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(shapes), strict=True)
+        ):
+            raise ValueError(
+                "init_fn(key) creates parameters that differ from the params given: "
+                f"{made} vs {shapes}. Pass params=None to take init_fn's shapes."
+            )
+        values = lambda: init_fn(key())  # noqa: E731  created inside init_train_state's jit
+    elif _is_abstract(params):
+        raise ValueError(
+            "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
+            "Pass init_fn(key) -> params, or concrete arrays."
+        )
+    else:
+        values = params
+    return values
+
+
 def _auto_stage(
     cfg: config_lib.Config,
     auto_keys: tuple[str, ...],
@@ -526,23 +422,21 @@ def _init_extra(adapted: Any, key: Callable[[], jax.Array], plan: Plan) -> PyTre
     return jax.jit(lambda: adapted.init_fn(key())[1], out_shardings=plan.replicated)()
 
 
-def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
-    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too): its
-    stores, their paths checked now (room for two versions of this process's part), or None."""
-    zero = cfg.zero_optimization
-    opt, par = zero.offload_optimizer, zero.offload_param
-    if opt.device != "nvme":
+def _nvme_state(options: Any, plan: Plan, optimizer: optax.GradientTransformation) -> Any:
+    """The NVMe tier (``offload_optimizer.device: nvme``, and ``offload_param`` too) of
+    :class:`jzero.nvme.options.NvmeOptions` ``options``: its stores, their paths checked now
+    (room for two versions of this process's part), or None without the tier."""
+    if options is None:
         return None
     from jzero.nvme import NvmeState, NvmeStore, state_bytes
 
-    on_disk = par.device == "nvme"
+    on_disk = options.param_path is not None
     sizes = state_bytes(plan, params_on_disk=on_disk)
     mine = jax.local_device_count() / max(1, jax.device_count())
-    param_path = par.nvme_path or opt.nvme_path
-    shared = on_disk and os.path.realpath(param_path) == os.path.realpath(opt.nvme_path)
+    shared = on_disk and os.path.realpath(options.param_path) == os.path.realpath(options.path)
     store = NvmeStore(
-        opt.nvme_path,
-        buffer_count=opt.buffer_count,
+        options.path,
+        buffer_count=options.buffer_count,
         needed_bytes=int(2 * mine * (sizes["optimizer"] + (sizes["params"] if shared else 0))),
         what="zero_optimization.offload_optimizer.nvme_path",
     )
@@ -550,8 +444,8 @@ def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTra
     try:
         if on_disk and not shared:
             param_store = NvmeStore(
-                param_path,
-                buffer_count=par.buffer_count,
+                options.param_path,
+                buffer_count=options.param_buffer_count,
                 needed_bytes=int(2 * mine * sizes["params"]),
                 what="zero_optimization.offload_param.nvme_path",
             )
@@ -559,9 +453,9 @@ def _nvme_state(cfg: config_lib.Config, plan: Plan, optimizer: optax.GradientTra
             plan,
             optimizer,
             store,
-            sub_group_size=zero.sub_group_size,
+            sub_group_size=options.sub_group_size,
             param_store=param_store,
-            prefetch_params=par.pipeline_read,
+            prefetch_params=options.prefetch_params,
         )
     except BaseException:
         store.close()

@@ -22,9 +22,9 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed
+from jzero.engine import settings
 from jzero.engine.checks import _check_live_parameters, _finite
 from jzero.plan import Plan
-from jzero.replay import remat
 from jzero.step import (
     TrainState,
     from_logical,
@@ -324,30 +324,24 @@ class Engine:
             plan,
             self.loss_fn,
             self.optimizer,
-            accumulation_steps=self.accumulation_steps,
-            gradient_clipping=cfg.gradient_clipping,
+            settings.step_options(cfg, self.accumulation_steps),
             takes_extra=self.takes_extra,
             learning_rate=self.learning_rate,
-            remat_policy=remat.from_config(cfg),
-            sub_group_size=cfg.zero_optimization.sub_group_size,
-            offload_compute=cfg.zero_optimization.offload_optimizer.compute,
         )
 
     def _nvme_step(self) -> Any:
         """The step of the NVMe tier (:mod:`jzero.nvme.step`)."""
         from jzero.nvme import NvmeStep
 
-        opt = self.config.zero_optimization.offload_optimizer
+        tier = settings.nvme_options(self.config)
         return NvmeStep(
             self._disk,
             self.loss_fn,
-            pipeline_read=opt.pipeline_read,
-            pipeline_write=opt.pipeline_write,
-            accumulation_steps=self.accumulation_steps,
-            gradient_clipping=self.config.gradient_clipping,
+            pipeline_read=tier.pipeline_read,
+            pipeline_write=tier.pipeline_write,
+            options=settings.step_options(self.config, self.accumulation_steps),
             takes_extra=self.takes_extra,
             learning_rate=self.learning_rate,
-            remat_policy=remat.from_config(self.config),
         )
 
     def train_step(self, batch: PyTree) -> dict[str, jax.Array]:

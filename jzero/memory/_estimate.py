@@ -2,11 +2,12 @@
 
 Decisions:
 
-* Every byte and traffic term comes from the stage table's flags (:mod:`jzero.plan.stages`): a
-  stage's row lists the offload options it allows; device memory without offload is the ZeRO
-  paper's, mixed-precision Adam with K = 12 (:meth:`~jzero.plan.stages.StageSpec.model_state_bytes`,
-  the formulas printed by :func:`~jzero.plan.stages.formula_text`); the communication per step is
-  :meth:`~jzero.plan.stages.StageSpec.traffic`.
+* Every byte and traffic term comes from the stage table's flags
+  (:mod:`jzero.choices.stages`): a stage's row lists the offload options it allows; device
+  memory without offload is the ZeRO paper's, mixed-precision Adam with K = 12
+  (:meth:`~jzero.choices.stages.StageSpec.model_state_bytes`, the formulas printed by
+  :func:`~jzero.choices.stages.formula_text`); the communication per step is
+  :meth:`~jzero.choices.stages.StageSpec.traffic`.
 * Offload and host memory follow DeepSpeed's estimators (:func:`_model_states`;
   ``additional_buffer_factor`` 1.5, host memory per node), where LL is the largest layer's
   parameter count: a stage that shards the parameters also holds that layer gathered (4 bytes
@@ -38,7 +39,7 @@ Decisions:
   groups holds the whole model state sharded over its ``D = N / R`` devices, so the sharded
   terms divide by D (host memory per node likewise, the replica group's ``D / devices per node``
   nodes sharing it). The cross-host column is the communication that crosses nodes per step:
-  with replicas, only the gradient shards (:meth:`~jzero.plan.stages.StageSpec.replica_traffic`,
+  with replicas, only the gradient shards (:meth:`~jzero.choices.stages.StageSpec.replica_traffic`,
   ``2 Psi / D``; all of stage 0's all-reduce); without, on several nodes, all of the stage's
   traffic; on one node, none.
 * Experts (mixture of experts, ``experts`` E per MoE layer, ``expert_parallel`` E_p,

@@ -3,6 +3,8 @@
 Import direction: imports :mod:`jzero.plan`, :mod:`jzero.step` and :mod:`jzero.groups`;
 imported only by :mod:`jzero.engine` (the core step never imports it).
 
+* :mod:`~jzero.nvme.options`: :class:`NvmeOptions`, the tier's settings as one typed value
+  (:mod:`jzero.engine.settings` makes it from a config).
 * :mod:`~jzero.nvme.file_format`: one key's arrays in one CRC-checked file.
 * :mod:`~jzero.nvme.store`: :class:`NvmeStore`, the files of each group, written in the background.
 * :mod:`~jzero.nvme.host_shards`: an array as this process's distinct shards on the host.
@@ -14,6 +16,7 @@ imported only by :mod:`jzero.engine` (the core step never imports it).
 from jzero.nvme.file_format import NvmeIOError as NvmeIOError
 from jzero.nvme.first_version import first_version as first_version
 from jzero.nvme.host_shards import host_shards as host_shards
+from jzero.nvme.options import NvmeOptions as NvmeOptions
 from jzero.nvme.state import NvmeState as NvmeState
 from jzero.nvme.state import state_bytes as state_bytes
 from jzero.nvme.step import NvmeStep as NvmeStep
@@ -27,6 +30,7 @@ __all__ = [
     "host_shards",
     "NVME_PATH_KEY",
     "NvmeIOError",
+    "NvmeOptions",
     "NvmeState",
     "NvmeStep",
     "NvmeStore",

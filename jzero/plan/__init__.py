@@ -1,11 +1,13 @@
 """Where every leaf lives: the stage table, leaf rule, precision, memory kinds, Plan, make_plan.
 
-Import direction: imports :mod:`jzero.distributed` (the mesh axes) and :mod:`jzero.groups`
-(which leaves share an update group); imported by the step, the engine, the NVMe tier, memory,
-checkpoint and weights. It runs nothing: a plan is data.
+Import direction: imports :mod:`jzero.choices` (the stage table), :mod:`jzero.distributed`
+(the mesh axes) and :mod:`jzero.groups` (which leaves share an update group); imported by the
+step, the engine, the NVMe tier, memory, checkpoint and weights. It runs nothing: a plan is
+data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
 
-* :mod:`~jzero.plan.stages`: the one table of what each ZeRO stage shards; no other module
-  branches on the stage number.
+* ``stages``: the one table of what each ZeRO stage shards; no other module branches on the
+  stage number. It is :mod:`jzero.choices.stages` (``jzero.plan.stages`` is that module), below
+  the config too, so the config validates a stage against the rows the plan is made from.
 * :mod:`~jzero.plan.leaf_rule`: which dimension of a leaf is sharded, and why one stays whole.
 * :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
 * :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
@@ -13,10 +15,21 @@ checkpoint and weights. It runs nothing: a plan is data.
 * :mod:`~jzero.plan.padding`: leaves whose sharded dimension the shard count does not divide
   rest padded with zeros, and are used at their logical shapes.
 * :mod:`~jzero.plan.plan`: the :class:`Plan` and what follows from its shardings.
+* :mod:`~jzero.plan.options`: what ``make_plan`` is told beyond them, as typed values
+  (:class:`PlanOptions`: :class:`ZeroOptions`, :class:`CommOptions`, :class:`ParallelOptions`
+  and the :class:`Precision`); :mod:`jzero.engine.settings` makes them from a config.
 * :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
-  optimizer and a mesh.
+  optimizer, a mesh, a stage and its options.
 """
 
+from jzero.choices import stages as stages
+from jzero.choices.stages import OFFLOADS as OFFLOADS
+from jzero.choices.stages import STAGES as STAGES
+from jzero.choices.stages import StageSpec as StageSpec
+from jzero.choices.stages import check_offload as check_offload
+from jzero.choices.stages import formula_text as formula_text
+from jzero.choices.stages import stage_spec as stage_spec
+from jzero.choices.stages import stages_allowing as stages_allowing
 from jzero.distributed import DATA_AXIS as DATA_AXIS
 from jzero.plan.leaf_rule import LeafPlan as LeafPlan
 from jzero.plan.leaf_rule import axis_entry as axis_entry
@@ -31,8 +44,11 @@ from jzero.plan.memory_kinds import UNPINNED_HOST as UNPINNED_HOST
 from jzero.plan.memory_kinds import available_memory_kinds as available_memory_kinds
 from jzero.plan.memory_kinds import check_memory_kind as check_memory_kind
 from jzero.plan.memory_kinds import is_host as is_host
-from jzero.plan.memory_kinds import memory_kinds_from_config as memory_kinds_from_config
 from jzero.plan.memory_kinds import on_device as on_device
+from jzero.plan.options import CommOptions as CommOptions
+from jzero.plan.options import ParallelOptions as ParallelOptions
+from jzero.plan.options import PlanOptions as PlanOptions
+from jzero.plan.options import ZeroOptions as ZeroOptions
 from jzero.plan.padding import cut_leaf as cut_leaf
 from jzero.plan.padding import even_sharding as even_sharding
 from jzero.plan.padding import logical_copies as logical_copies
@@ -46,13 +62,6 @@ from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
 from jzero.plan.precision import cast_floating as cast_floating
 from jzero.plan.precision import next_loss_scale as next_loss_scale
-from jzero.plan.stages import OFFLOADS as OFFLOADS
-from jzero.plan.stages import STAGES as STAGES
-from jzero.plan.stages import StageSpec as StageSpec
-from jzero.plan.stages import check_offload as check_offload
-from jzero.plan.stages import formula_text as formula_text
-from jzero.plan.stages import stage_spec as stage_spec
-from jzero.plan.stages import stages_allowing as stages_allowing
 
 __all__ = [
     "available_memory_kinds",
@@ -60,6 +69,7 @@ __all__ = [
     "cast_floating",
     "check_memory_kind",
     "check_offload",
+    "CommOptions",
     "cut_leaf",
     "DATA_AXIS",
     "divisible_dim",
@@ -74,13 +84,14 @@ __all__ = [
     "logical_copies",
     "LossScaleState",
     "make_plan",
-    "memory_kinds_from_config",
     "next_loss_scale",
     "OFFLOADS",
     "on_device",
     "pad_to",
     "padded_size",
+    "ParallelOptions",
     "Plan",
+    "PlanOptions",
     "Precision",
     "shard_dim",
     "stage_spec",
@@ -91,4 +102,15 @@ __all__ = [
     "to_stored",
     "unpad_to",
     "update_view",
+    "ZeroOptions",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``memory_kinds_from_config`` moved to :func:`jzero.engine.settings.memory_kinds`; the
+    old name stays for a release, with a ``DeprecationWarning``."""
+    if name == "memory_kinds_from_config":
+        from jzero._util import moved
+
+        return moved(f"{__name__}.{name}", "jzero.engine.settings.memory_kinds")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

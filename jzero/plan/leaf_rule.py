@@ -49,7 +49,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
-from jzero.plan.stages import StageSpec
+from jzero.choices.stages import StageSpec
 
 __all__ = ["LeafPlan", "axis_entry", "divisible_dim", "is_contiguous", "padded_size", "shard_dim"]
 

@@ -7,6 +7,10 @@ them are importable from :mod:`jzero.plan`.
 
 Decisions:
 
+* What the plan is told beyond the params, the optimizer, the mesh and the stage is one typed
+  value, :class:`~jzero.plan.options.PlanOptions` (made from a config by
+  :mod:`jzero.engine.settings`); the former keywords still replace its fields by name. What
+  only the loss's trace knows (``layer_dims``, ``pipe_leaves``) is passed beside it.
 * The plan is computed from abstract values only (``jax.ShapeDtypeStruct``), so it exists before
   any parameter is allocated and works for meshes larger than the machine (an abstract mesh).
 * Leaf rule: each leaf is sharded on its leading dimension, padded to a multiple of the shard
@@ -50,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero._util import divisors, dotted, under_trace
+from jzero.choices.stages import StageSpec, check_offload, stage_spec
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
     _leaf_plan,
@@ -62,9 +67,9 @@ from jzero.plan.memory_kinds import (
     _offloaded_leaves,
     _with_kind,
 )
+from jzero.plan.options import CommOptions, ParallelOptions, PlanOptions, ZeroOptions
 from jzero.plan.plan import Plan
-from jzero.plan.precision import Precision, cast_floating
-from jzero.plan.stages import StageSpec, check_offload, stage_spec
+from jzero.plan.precision import cast_floating
 
 __all__ = ["make_plan"]
 
@@ -84,117 +89,43 @@ def make_plan(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     stage: int | StageSpec,
+    options: PlanOptions | None = None,
     *,
-    axis: str | tuple[str, ...] = DATA_AXIS,
-    persistence_threshold: int = 100_000,
-    param_specs: PyTree | None = None,
-    precision: Precision | None = None,
-    offload_optimizer: str | None = None,
-    offload_params: str | None = None,
-    offload_ratio: float = 1.0,
     layer_dims: Sequence[int | None] | None = None,
-    reshard_after_forward: bool = True,
-    prefetch_bucket_size: int = 0,
-    max_reuse_distance: int | None = None,
-    max_live_parameters: int | None = None,
-    hpz: bool = False,
-    overlap_comm: bool = False,
-    reduce_bucket_size: int | None = None,
-    allgather_bucket_size: int | None = None,
-    quantized_weights: int = 0,
-    quantized_gradients: int = 0,
-    padding: bool = True,
-    tp_rules: Sequence[str] | None = None,
-    seq_axis: str | None = None,
-    pipe_axis: str | None = None,
     pipe_leaves: Sequence[bool] | None = None,
-    pipe_schedule: str = "1f1b",
-    expert_axis: str | None = None,
-    expert_leaves: Sequence[bool] | None = None,
-    num_experts: int | None = None,
+    **fields: Any,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
     Args:
       abstract_params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (only shapes are read).
       optimizer: the optax transformation whose state is to be sharded.
-      mesh: the device mesh; ``axis`` must be one of its axes.
-      stage: a ZeRO stage (0-3) or its :class:`~jzero.plan.stages.StageSpec`.
-      axis: the data-parallel mesh axis, or a tuple of the axes ZeRO shards over
-        (``("data", "seq")`` under sequence parallelism: DeepSpeed shards ZeRO's state over
-        the sequence-parallel ranks too).
-      persistence_threshold: stage 3 keeps parameters with fewer elements whole
-        (DeepSpeed's ``stage3_param_persistence_threshold``).
-      param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
-      precision: the run's dtypes; under mixed precision the float32 master weights get the
-        optimizer state's layout. With 16-bit masters (``precision.master_dtype``) the floating
-        params are planned in that dtype, with no master copy; pass the optimizer wrapped in
-        :func:`jzero.optim.float32_update` so its state and update are float32.
-      offload_optimizer: a host memory kind (``"pinned_host"``) for the optimizer state and the
-        master weights, at stages 1-3 (DeepSpeed's ``offload_optimizer``).
-      offload_ratio: the fraction of the optimizer-state bytes offloaded (DeepSpeed's
-        ``offload_optimizer.ratio``): the state and masters of whole parameter leaves go to
-        host memory, the largest first, each taken when it brings the offloaded bytes closer
-        to the fraction (:func:`_offloaded_leaves`); the rest stays in device memory.
-      offload_params: a host memory kind for the parameters at rest, at stage 3 only
-        (DeepSpeed's ``offload_param``).
+      mesh: the device mesh; the options' ``axis`` must be one of its axes.
+      stage: a ZeRO stage (0-3) or its :class:`~jzero.choices.stages.StageSpec`.
+      options: the :class:`~jzero.plan.options.PlanOptions` (ZeRO's settings, the collectives',
+        the other parallelisms' layout, the precision); ``None``: the defaults.
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
-        consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never shards it.
-      pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism.
+        consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never
+        shards it.
       pipe_leaves: per leaf, whether the loss's layer scan consumes it
-        (:func:`jzero.replay.split_at_layers`): its stacked dimension is split over
-        ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
-      pipe_schedule: ``"1f1b"`` or ``"gpipe"`` (:mod:`jzero.distributed.pipeline`).
-      reshard_after_forward: see :class:`Plan` (FSDP2's switch of that name).
-      prefetch_bucket_size: see :class:`Plan`.
-      max_reuse_distance: see :class:`Plan`.
-      max_live_parameters: see :class:`Plan`.
-      hpz: ZeRO++'s hierarchical partition (see :class:`Plan`); needs a ``replica`` axis and
-        a stage that shards parameters. A mesh with a ``replica`` axis without it is hybrid
-        sharding.
-      overlap_comm: see :class:`Plan`.
-      reduce_bucket_size: see :class:`Plan`; the bucket sizes (elements, >= 1) apply with
-        ``overlap_comm`` at the stages that keep parameters whole (0-2), and are ``None`` in
-        the plan otherwise.
-      allgather_bucket_size: as ``reduce_bucket_size``.
-      quantized_weights: see :class:`Plan`; needs a stage that shards parameters (3).
-      quantized_gradients: see :class:`Plan`; needs a stage that reduce-scatters (1-3).
-      padding: shard a leaf whose leading dimension the shard count does not divide by padding
-        it (:mod:`jzero.plan.padding`); ``False``: the former rule, where such a leaf is split
-        on a later dimension that divides, else stays whole (the NVMe tier's files need it).
-      tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
-        :func:`jzero.distributed.tensor.autotp_specs`), shown by :meth:`Plan.describe`.
-      seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
-        not split over it (its devices split their tokens instead, in the loss).
-      expert_axis: the expert-parallel axis (:mod:`jzero.distributed.expert`), one of
-        ``axis``'s: ZeRO shards the dense leaves over all of ``axis``, and each expert leaf
-        rests split over ``expert_axis`` on its experts dimension, ZeRO sharding it over the
-        other axes only (DeepSpeed's expert data-parallel group).
-      expert_leaves: per leaf, whether it holds experts (a leading experts dimension, after
-        the stacked-layer one where a scan consumes the leaf).
-      num_experts: the experts of each expert leaf, to find its experts dimension (the first
-        of that size that is not the stacked-layer one); ``None``: the first such dimension.
+        (:func:`jzero.replay.split_at_layers`): its stacked dimension is split over the
+        options' ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
+      **fields: fields of ``options`` replaced by name (:meth:`PlanOptions.replace`:
+        ``persistence_threshold=0``, ``precision=...``, ``overlap_comm=True``), the keywords
+        ``make_plan`` took before :class:`PlanOptions`.
 
     Returns:
       The :class:`Plan`.
     """
+    options = options if options is not None else PlanOptions()
+    options = options.replace(**fields) if fields else options
+    zero, comm, par, precision = options.zero, options.comm, options.parallel, options.precision
     spec = stage if isinstance(stage, StageSpec) else stage_spec(stage)
-    precision = precision if precision is not None else Precision()
-    if offload_optimizer is not None:
+    if zero.offload_optimizer is not None:
         check_offload(spec, "optimizer")
-    if offload_params is not None:
+    if zero.offload_params is not None:
         check_offload(spec, "optimizer+params")
-    zero_axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    for name in zero_axes:
-        if name not in mesh.shape:
-            raise ValueError(
-                f"The mesh has no axis {name!r}; its axes are {list(mesh.shape)}. "
-                f"Build the mesh with jzero.make_mesh or name its data-parallel axis {name!r}."
-            )
-    if seq_axis is not None and seq_axis not in zero_axes:
-        raise ValueError(
-            f"seq_axis {seq_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
-        )
+    zero_axes = _zero_axes(mesh, par)
     abstract_params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), abstract_params
     )
@@ -203,26 +134,7 @@ def make_plan(
     elif precision.low_precision_masters:  # the params are the masters, in their 16-bit dtype
         abstract_params = cast_floating(abstract_params, precision.master_dtype)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
-    if param_specs is None:
-        bases = tuple(P() for _ in flat)
-    else:
-        bases = tuple(treedef.flatten_up_to(param_specs))
-        for (path, _), b in zip(flat, bases, strict=True):
-            missing = [a for a in jax.tree.leaves(tuple(b)) if a not in mesh.shape]
-            if missing:
-                raise ValueError(
-                    f"The partition spec {b} of {_path_str(path)} names mesh axes {missing}, but "
-                    f"the mesh has {list(mesh.shape)}. Add them to the config's mesh section "
-                    f"(e.g. mesh: {{data: -1, {missing[0]}: 2}}) or remove them from the "
-                    "annotation."
-                )
-            taken = [a for a in zero_axes if a in jax.tree.leaves(tuple(b))]
-            if taken:
-                raise ValueError(
-                    f"The partition spec {b} of {_path_str(path)} already uses the "
-                    f"{'data axis' if taken[0] == DATA_AXIS else 'axis'} {taken[0]!r} ZeRO "
-                    f"shards over; jzero places it itself. Remove {taken[0]!r} from it."
-                )
+    bases = _spec_bases(flat, treedef, mesh, par.param_specs, zero_axes)
     traced = layer_dims is not None
     layer_dims = tuple(layer_dims) if traced else (None,) * len(flat)
     if len(layer_dims) != len(flat):
@@ -230,30 +142,18 @@ def make_plan(
             f"layer_dims has {len(layer_dims)} entries but the params have {len(flat)} leaves; "
             "pass one stacked-layer dimension (or None) per leaf."
         )
-    if pipe_axis is not None and pipe_leaves is not None:
-        bases = _on_pipe(flat, bases, pipe_leaves, pipe_axis, int(mesh.shape[pipe_axis]))
-    if expert_axis is not None and expert_axis not in zero_axes:
-        raise ValueError(
-            f"expert_axis {expert_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
-        )
-    if expert_axis is not None and expert_leaves is not None:
-        bases = _on_experts(
-            flat, bases, expert_leaves, expert_axis, int(mesh.shape[expert_axis]), num_experts,
-            layer_dims,
-        )  # fmt: skip
-    _check_axes_used(mesh, (*zero_axes, *((pipe_axis,) if pipe_axis else ())), bases)
+    bases = _parallel_bases(flat, bases, mesh, par, zero_axes, pipe_leaves, layer_dims)
     replica = REPLICA_AXIS if REPLICA_AXIS in mesh.shape else None
-    if hpz and (replica is None or not spec.shard_params):
+    if zero.hpz and (replica is None or not spec.shard_params):
         raise ValueError(
             "zero_hpz_partition_size (ZeRO++ hpZ) needs stage 3 and a mesh with a "
-            f"{REPLICA_AXIS!r} axis (the hosts) beside {axis!r} (one host's devices); got stage "
-            f"{spec.stage} and mesh {dict(mesh.shape)}. Set zero_optimization.stage to 3, or "
-            "zero_hpz_partition_size to 1."
+            f"{REPLICA_AXIS!r} axis (the hosts) beside {par.axis!r} (one host's devices); got "
+            f"stage {spec.stage} and mesh {dict(mesh.shape)}. Set zero_optimization.stage to "
+            "3, or zero_hpz_partition_size to 1."
         )
-    hpz = bool(hpz)
-    _check_comm(spec, reduce_bucket_size, allgather_bucket_size, quantized_weights,
-                quantized_gradients)  # fmt: skip
-    buckets = bool(overlap_comm) and not spec.shard_params
+    hpz = bool(zero.hpz)
+    _check_comm(spec, comm)
+    buckets = bool(comm.overlap_comm) and not spec.shard_params
     state_axes = (*zero_axes, replica) if hpz else zero_axes
     n = math.prod(int(mesh.shape[a]) for a in state_axes)
 
@@ -262,9 +162,10 @@ def make_plan(
         return math.prod(int(mesh.shape[a]) for a in state_axes if a not in own)
 
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, shards(b), spec, persistence_threshold, ld, padding)
+        _leaf_plan(_path_str(path), x, b, shards(b), spec, zero.persistence_threshold, ld,
+                   zero.padding)
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
-    )
+    )  # fmt: skip
 
     def shardings(dims: list[int | None], axes: tuple[str, ...] = zero_axes) -> PyTree:
         return treedef.unflatten(
@@ -275,7 +176,7 @@ def make_plan(
         )
 
     state_dims = [leaf.state_dim for leaf in leaves]
-    params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), offload_params)
+    params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), zero.offload_params)
     update_sh = shardings(state_dims, state_axes)
     grads_sh = update_sh if spec.reduce_scatter else shardings([None] * len(leaves))
     replicated = NamedSharding(mesh, P())
@@ -325,34 +226,15 @@ def make_plan(
         opt_sh,
         abstract_opt_state,
     )
-    host_leaves = _offloaded_leaves(leaves, offload_ratio)
-    master_sh = update_sh
-    if offload_optimizer is not None and len(host_leaves) < len(leaves):
-        from jzero.groups import param_leaf_owner
-
-        owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)
-        flat_sh, sh_def = jax.tree.flatten(opt_sh)
-        opt_sh = sh_def.unflatten(
-            [
-                x.with_memory_kind(offload_optimizer) if o in host_leaves else x
-                for x, o in zip(flat_sh, owner, strict=True)
-            ]
-        )
-        master_sh = treedef.unflatten(
-            [
-                x.with_memory_kind(offload_optimizer) if i in host_leaves else x
-                for i, x in enumerate(jax.tree.leaves(update_sh))
-            ]
-        )
-    else:
-        opt_sh = _with_kind(opt_sh, offload_optimizer)
-        master_sh = _with_kind(update_sh, offload_optimizer)
+    opt_sh, master_sh = _offloaded_state(
+        zero, leaves, opt_sh, update_sh, optimizer, abstract_params, abstract_opt_state, treedef
+    )
     # The batch's rows are split over every batch axis but seq (whose devices share rows).
-    row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a != seq_axis)
+    row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a != par.seq_axis)
     return Plan(
         stage=spec,
         mesh=mesh,
-        axis=axis,
+        axis=par.axis,
         abstract_params=abstract_params,
         leaves=leaves,
         params=params_sh,
@@ -367,24 +249,133 @@ def make_plan(
         master=master_sh if precision.mixed else None,
         base_specs=bases,
         layers_traced=traced,
-        reshard_after_forward=bool(reshard_after_forward),
-        prefetch_bucket_size=int(prefetch_bucket_size),
-        max_reuse_distance=max_reuse_distance,
-        max_live_parameters=max_live_parameters,
+        reshard_after_forward=bool(zero.reshard_after_forward),
+        prefetch_bucket_size=int(zero.prefetch_bucket_size),
+        max_reuse_distance=zero.max_reuse_distance,
+        max_live_parameters=zero.max_live_parameters,
         replica_axis=replica,
         hpz=hpz,
-        overlap_comm=bool(overlap_comm),
+        overlap_comm=bool(comm.overlap_comm),
         # Buckets group the step's own reductions and gathers: stages 0-2, with overlap_comm.
-        reduce_bucket_size=reduce_bucket_size if buckets else None,
-        allgather_bucket_size=allgather_bucket_size if buckets else None,
-        quantized_weights=int(quantized_weights),
-        quantized_gradients=int(quantized_gradients),
-        tp_rules=tuple(tp_rules or ()),
-        seq_axis=seq_axis,
-        pipe_axis=pipe_axis,
-        pipe_schedule=pipe_schedule,
-        expert_axis=expert_axis,
+        reduce_bucket_size=comm.reduce_bucket_size if buckets else None,
+        allgather_bucket_size=comm.allgather_bucket_size if buckets else None,
+        quantized_weights=int(comm.quantized_weights),
+        quantized_gradients=int(comm.quantized_gradients),
+        tp_rules=tuple(par.tp_rules or ()),
+        seq_axis=par.seq_axis,
+        pipe_axis=par.pipe_axis,
+        pipe_schedule=par.pipe_schedule,
+        expert_axis=par.expert_axis,
     )
+
+
+def _zero_axes(mesh: Mesh, par: ParallelOptions) -> tuple[str, ...]:
+    """The axes ZeRO shards over, each one of the mesh's; the sequence axis one of them."""
+    zero_axes = (par.axis,) if isinstance(par.axis, str) else tuple(par.axis)
+    for name in zero_axes:
+        if name not in mesh.shape:
+            raise ValueError(
+                f"The mesh has no axis {name!r}; its axes are {list(mesh.shape)}. "
+                f"Build the mesh with jzero.make_mesh or name its data-parallel axis {name!r}."
+            )
+    if par.seq_axis is not None and par.seq_axis not in zero_axes:
+        raise ValueError(
+            f"seq_axis {par.seq_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
+        )
+    return zero_axes
+
+
+def _spec_bases(
+    flat: Sequence[tuple[Any, Any]],
+    treedef: Any,
+    mesh: Mesh,
+    param_specs: PyTree | None,
+    zero_axes: tuple[str, ...],
+) -> tuple[P, ...]:
+    """Each leaf's own partition spec (``P()`` without ``param_specs``), checked against the
+    mesh and the axes ZeRO places itself."""
+    if param_specs is None:
+        return tuple(P() for _ in flat)
+    bases = tuple(treedef.flatten_up_to(param_specs))
+    for (path, _), b in zip(flat, bases, strict=True):
+        missing = [a for a in jax.tree.leaves(tuple(b)) if a not in mesh.shape]
+        if missing:
+            raise ValueError(
+                f"The partition spec {b} of {_path_str(path)} names mesh axes {missing}, but "
+                f"the mesh has {list(mesh.shape)}. Add them to the config's mesh section "
+                f"(e.g. mesh: {{data: -1, {missing[0]}: 2}}) or remove them from the "
+                "annotation."
+            )
+        taken = [a for a in zero_axes if a in jax.tree.leaves(tuple(b))]
+        if taken:
+            raise ValueError(
+                f"The partition spec {b} of {_path_str(path)} already uses the "
+                f"{'data axis' if taken[0] == DATA_AXIS else 'axis'} {taken[0]!r} ZeRO "
+                f"shards over; jzero places it itself. Remove {taken[0]!r} from it."
+            )
+    return bases
+
+
+def _parallel_bases(
+    flat: Sequence[tuple[Any, Any]],
+    bases: tuple[P, ...],
+    mesh: Mesh,
+    par: ParallelOptions,
+    zero_axes: tuple[str, ...],
+    pipe_leaves: Sequence[bool] | None,
+    layer_dims: Sequence[int | None],
+) -> tuple[P, ...]:
+    """The bases with the pipeline's and the experts' axes added, every mesh axis used."""
+    if par.pipe_axis is not None and pipe_leaves is not None:
+        stages = int(mesh.shape[par.pipe_axis])
+        bases = _on_pipe(flat, bases, pipe_leaves, par.pipe_axis, stages)
+    if par.expert_axis is not None and par.expert_axis not in zero_axes:
+        raise ValueError(
+            f"expert_axis {par.expert_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
+        )
+    if par.expert_axis is not None and par.expert_leaves is not None:
+        bases = _on_experts(
+            flat, bases, par.expert_leaves, par.expert_axis, int(mesh.shape[par.expert_axis]),
+            par.num_experts, layer_dims,
+        )  # fmt: skip
+    _check_axes_used(mesh, (*zero_axes, *((par.pipe_axis,) if par.pipe_axis else ())), bases)
+    return bases
+
+
+def _offloaded_state(
+    zero: ZeroOptions,
+    leaves: Sequence[Any],
+    opt_sh: PyTree,
+    update_sh: PyTree,
+    optimizer: optax.GradientTransformation,
+    abstract_params: PyTree,
+    abstract_opt_state: PyTree,
+    treedef: Any,
+) -> tuple[PyTree, PyTree]:
+    """The optimizer state's and the masters' shardings with ``offload_optimizer``'s memory
+    kind: on every leaf, or at ``offload_ratio`` < 1 on the state and masters of the
+    parameter leaves :func:`_offloaded_leaves` picks."""
+    kind = zero.offload_optimizer
+    host_leaves = _offloaded_leaves(leaves, zero.offload_ratio)
+    if kind is None or len(host_leaves) == len(leaves):
+        return _with_kind(opt_sh, kind), _with_kind(update_sh, kind)
+    from jzero.groups import param_leaf_owner
+
+    owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)
+    flat_sh, sh_def = jax.tree.flatten(opt_sh)
+    opt_sh = sh_def.unflatten(
+        [
+            x.with_memory_kind(kind) if o in host_leaves else x
+            for x, o in zip(flat_sh, owner, strict=True)
+        ]
+    )
+    master_sh = treedef.unflatten(
+        [
+            x.with_memory_kind(kind) if i in host_leaves else x
+            for i, x in enumerate(jax.tree.leaves(update_sh))
+        ]
+    )
+    return opt_sh, master_sh
 
 
 def _on_pipe(
@@ -470,17 +461,12 @@ def _on_experts(
     return tuple(out)
 
 
-def _check_comm(
-    spec: StageSpec,
-    reduce_bucket_size: int | None,
-    allgather_bucket_size: int | None,
-    quantized_weights: int,
-    quantized_gradients: int,
-) -> None:
+def _check_comm(spec: StageSpec, comm: CommOptions) -> None:
     """The bucket sizes and ZeRO++ quantization this stage can use (clear errors otherwise)."""
+    quantized_weights, quantized_gradients = comm.quantized_weights, comm.quantized_gradients
     for name, size in (
-        ("reduce_bucket_size", reduce_bucket_size),
-        ("allgather_bucket_size", allgather_bucket_size),
+        ("reduce_bucket_size", comm.reduce_bucket_size),
+        ("allgather_bucket_size", comm.allgather_bucket_size),
     ):
         if size is not None and (isinstance(size, bool) or int(size) != size or size < 1):
             raise ValueError(

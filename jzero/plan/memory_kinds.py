@@ -37,6 +37,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from jzero._util import moved
 from jzero.plan.leaf_rule import LeafPlan
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "available_memory_kinds",
     "check_memory_kind",
     "is_host",
-    "memory_kinds_from_config",
     "on_device",
 ]
 
@@ -132,32 +132,10 @@ def check_memory_kind(kind: str, what: str, devices: Sequence[Any] | None = None
     )
 
 
-def memory_kinds_from_config(
-    zero: Any, devices: Sequence[Any] | None = None
-) -> tuple[str | None, str | None]:
-    """The (optimizer-state, parameter) memory kinds of a ``zero_optimization`` config.
-
-    Args:
-      zero: a :class:`jzero.config.ZeroConfig`.
-      devices: the devices the run uses, for the capability check.
-
-    Returns:
-      ``None`` for state that stays in device memory, else the host memory kind.
-    """
-    devices = list(devices) if devices is not None else None  # read twice below
-    kinds = []
-    for key in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, key)
-        if section.device in ("none", "nvme"):  # NVMe: files between steps (jzero.nvme.step)
-            kinds.append(None)
-            continue
-        if key == "offload_param" and section.ratio != 1.0:
-            raise ValueError(
-                f"zero_optimization.{key}.ratio is {section.ratio}, but jzero offloads all of the "
-                "parameters or none of them (ratio splits the optimizer state: "
-                "offload_optimizer.ratio). Set ratio to 1.0 (the default)."
-            )
-        kind = PINNED_HOST if section.pin_memory else UNPINNED_HOST
-        what = f"zero_optimization.{key} (pin_memory: {section.pin_memory})"
-        kinds.append(check_memory_kind(kind, what, devices))
-    return kinds[0], kinds[1]
+def __getattr__(name: str) -> Any:
+    """``memory_kinds_from_config`` moved to :func:`jzero.engine.settings.memory_kinds` (the
+    config is read once, there); the old name stays for a release, with a
+    ``DeprecationWarning``."""
+    if name == "memory_kinds_from_config":
+        return moved(f"{__name__}.{name}", "jzero.engine.settings.memory_kinds")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,10 +26,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jzero.choices.stages import StageSpec
 from jzero.plan.leaf_rule import LeafPlan, _spec_with, spec_axis_names
 from jzero.plan.memory_kinds import is_host
 from jzero.plan.precision import Precision, cast_floating
-from jzero.plan.stages import StageSpec
 
 __all__ = ["Plan"]
 

@@ -63,11 +63,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LossScaleState", "Precision", "cast_floating", "from_config", "next_loss_scale"]
+from jzero._util import moved
+
+__all__ = ["LossScaleState", "Precision", "cast_floating", "next_loss_scale"]
 
 PyTree = Any
-
-_DTYPES = {"fp32": jnp.float32, "fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -161,66 +161,6 @@ class Precision:
         return param_dtype if self.compute_dtype is None else self.compute_dtype
 
 
-def from_config(cfg: Any) -> Precision:
-    """The :class:`Precision` of a :class:`jzero.config.Config`.
-
-    Whether non-finite steps are skipped follows the rule in the module docstring: fp16
-    always; bf16 ``cfg.skip_nonfinite`` when it is not ``None``, else
-    ``bf16.skip_nonfinite or bf16.check_grad_overflow``; float32 ``bool(cfg.skip_nonfinite)``.
-
-    Raises:
-      ValueError: when both ``bf16`` and ``fp16`` are enabled.
-    """
-    bf16, fp16 = cfg.bf16.enabled, cfg.fp16.enabled
-    if bf16 and fp16:
-        raise ValueError(
-            "bf16.enabled and fp16.enabled are both true; a run computes in one precision. "
-            "Set one of them to false."
-        )
-    masters16 = bool(getattr(cfg.bf16, "bf16_master_weights_and_grads", False))
-    if masters16 and not bf16:
-        raise ValueError(
-            "bf16.bf16_master_weights_and_grads needs bf16.enabled: true"
-            + (" (fp16 keeps fp32 masters; fp16 master weights are not supported)" if fp16 else "")
-            + "; set bf16.enabled: true, or remove bf16_master_weights_and_grads."
-        )
-    compute = jnp.bfloat16 if bf16 else jnp.float16 if fp16 else None
-    master = jnp.bfloat16 if masters16 else None
-    comm = cfg.communication_data_type
-    accum = cfg.data_types.grad_accum_dtype
-    return Precision(
-        compute_dtype=None if masters16 else compute,
-        master_dtype=master,
-        stochastic_rounding=masters16 and bool(getattr(cfg.bf16, "stochastic_rounding", False)),
-        comm_dtype=_DTYPES[comm] if comm else compute,
-        accum_dtype=_DTYPES[accum] if accum else None,
-        scaled=fp16,
-        loss_scale=float(cfg.fp16.loss_scale),
-        initial_scale_power=int(cfg.fp16.initial_scale_power),
-        loss_scale_window=int(cfg.fp16.loss_scale_window),
-        hysteresis=int(cfg.fp16.hysteresis),
-        consecutive_hysteresis=bool(cfg.fp16.consecutive_hysteresis),
-        min_loss_scale=float(cfg.fp16.min_loss_scale),
-        skip_nonfinite=_skips_nonfinite(cfg, bf16=bf16, fp16=fp16),
-    )
-
-
-def _skips_nonfinite(cfg: Any, *, bf16: bool, fp16: bool) -> bool:
-    """Whether a run of ``cfg`` skips steps with non-finite gradients (see the module
-    docstring). Keys a config predating them lacks take their defaults."""
-    if fp16:
-        return True
-    top = getattr(cfg, "skip_nonfinite", None)
-    if not bf16:
-        return bool(top)
-    if top is not None:
-        return bool(top)
-    section = cfg.bf16
-    return bool(getattr(section, "skip_nonfinite", False)) or bool(
-        getattr(section, "check_grad_overflow", True)
-    )
-
-
 def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
     """Casts the floating leaves of ``tree`` (arrays or ``ShapeDtypeStruct``) to ``dtype``."""
 
@@ -299,3 +239,11 @@ def next_loss_scale(precision: Precision, state: LossScaleState, finite: jax.Arr
         skipped=skipped,
         nonfinite=nonfinite,
     )
+
+
+def __getattr__(name: str) -> Any:
+    """``from_config`` moved to :func:`jzero.engine.settings.precision` (the config is read
+    once, there); the old name stays for a release, with a ``DeprecationWarning``."""
+    if name == "from_config":
+        return moved(f"{__name__}.from_config", "jzero.engine.settings.precision")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

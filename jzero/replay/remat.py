@@ -8,7 +8,8 @@ re-emitted under ``jax.checkpoint(policy=...)`` (:mod:`jzero.replay.gather` hold
 stage 3 uses the same replay to gather one layer at a time). Each layer then keeps only what its
 policy saves, plus its input; the rest is recomputed in the backward pass.
 
-The policies, one table (:data:`POLICIES`), set as ``activation_checkpointing.policy``:
+The policies, one table (:data:`POLICIES`, in :mod:`jzero.choices.remat` with how a value is
+read, so the config validates against it), set as ``activation_checkpointing.policy``:
 
 =================  ==================================================  ===================
 policy             kept for the backward pass, per layer               JAX policy
@@ -76,7 +77,6 @@ Decisions:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,25 +84,16 @@ from typing import Any
 import jax
 import jax.ad_checkpoint
 
+from jzero._util import moved
+from jzero.choices.remat import ALLOWED, NAMES, POLICIES, parse_policy_text
 from jzero.plan.memory_kinds import PINNED_HOST
 
 __all__ = [
     "LAYER_INPUT",
     "POLICIES",
     "RematPolicy",
-    "from_config",
     "parse_policy",
 ]
-
-# policy name -> the attribute of ``jax.checkpoint_policies`` (None: no checkpoint at all).
-POLICIES: dict[str, str | None] = {
-    "none": None,
-    "full": "nothing_saveable",
-    "dots": "dots_saveable",
-    "dots_no_batch": "dots_with_no_batch_dims_saveable",
-}
-NAMES = "names:"
-ALLOWED = ", ".join(POLICIES) + ", or names:a,b (values the model named with checkpoint_name)"
 
 LAYER_INPUT = "jzero_layer_input"
 """The ``checkpoint_name`` jzero gives each layer's input when it is offloaded."""
@@ -190,31 +181,13 @@ def parse_policy(
                 f"set; set one of {ALLOWED} (DeepSpeed's checkpointing is full)."
             )
         return None
-    if not isinstance(text, str):
-        raise ValueError(f"{text!r} is not a policy; it must be one of {ALLOWED}.")
-    norm = text.strip()
-    if norm.lower() in POLICIES:
-        return RematPolicy(norm.lower(), (), offload, partition)
-    if norm.lower().startswith(NAMES):
-        names = tuple(n.strip() for n in norm[len(NAMES) :].split(",") if n.strip())
-        if not names:
-            raise ValueError(
-                f"{text!r} names no value; write names: followed by the checkpoint_name tags to "
-                "save, e.g. names:attn_out,mlp_out."
-            )
-        return RematPolicy("names", names, offload, partition)
-    close = difflib.get_close_matches(norm.lower(), [*POLICIES, NAMES], n=1, cutoff=0.6)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    raise ValueError(f"{text!r} is not a policy{hint}; it must be one of {ALLOWED}.")
+    kind, names = parse_policy_text(text)
+    return RematPolicy(kind, names, offload, partition)
 
 
-def from_config(cfg: Any) -> RematPolicy | None:
-    """The policy of a :class:`jzero.config.Config` (``None``: jzero's default, see above)."""
-    section = getattr(cfg, "activation_checkpointing", None)
-    if section is None:
-        return None
-    return parse_policy(
-        getattr(section, "policy", None),
-        offload=bool(getattr(section, "cpu_checkpointing", 0)),
-        partition=bool(getattr(section, "partition_activations", 0)),
-    )
+def __getattr__(name: str) -> Any:
+    """``from_config`` moved to :func:`jzero.engine.settings.remat_policy` (the config is read
+    once, there); the old name stays for a release, with a ``DeprecationWarning``."""
+    if name == "from_config":
+        return moved(f"{__name__}.from_config", "jzero.engine.settings.remat_policy")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,8 @@
 Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm`,
 :mod:`jzero.groups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
 
+* :mod:`~jzero.step.options`: :class:`StepOptions`, the step's settings as one typed value
+  (:mod:`jzero.engine.settings` makes it from a config).
 * :mod:`~jzero.step.state`: :class:`TrainState`, its shardings, the state before step 1.
 * :mod:`~jzero.step.gradients`: the local loss, accumulation and the per-stage reductions.
 * :mod:`~jzero.step.update`: the optax update on the shards, then params at rest.
@@ -11,6 +13,7 @@ Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.co
 """
 
 from jzero.step.gradients import LossFn as LossFn
+from jzero.step.options import StepOptions as StepOptions
 from jzero.step.state import TrainState as TrainState
 from jzero.step.state import find_learning_rate as find_learning_rate
 from jzero.step.state import from_logical as from_logical
@@ -43,6 +46,7 @@ __all__ = [
     "make_train_step",
     "params_at_rest",
     "relayout",
+    "StepOptions",
     "restore_target",
     "state_shardings",
     "stored_state",

@@ -69,6 +69,7 @@ from jzero.replay import (
     split_at_layers,
     stage_unit,
 )
+from jzero.step.options import StepOptions
 from jzero.step.state import TrainState, _to_device
 
 PyTree = Any
@@ -180,16 +181,15 @@ def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
 def _gradient_part(
     plan: Plan,
     loss_fn: LossFn,
-    accumulation_steps: int,
-    gradient_clipping: float,
+    options: StepOptions,
     has_aux: bool | None,
     takes_extra: bool,
-    remat_policy: RematPolicy | str | None,
 ) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
     """The step up to the update: ``(state, batch) -> (params on the device, gradients
     reduced, unscaled and clipped in the update layout, their global norm, whether it is
-    finite, loss, aux, new extra)``."""
-    accum = int(accumulation_steps)
+    finite, loss, aux, new extra)``; ``options``' accumulation, clipping and remat policy."""
+    accum = int(options.accumulation_steps)
+    remat_policy = options.remat_policy
     if isinstance(remat_policy, str):
         remat_policy = parse_policy(remat_policy)
     full_loss = _with_extra(loss_fn, has_aux, takes_extra)
@@ -214,7 +214,7 @@ def _gradient_part(
         else:
             grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm)
-        grads = _clip(grads, grad_norm, gradient_clipping)
+        grads = _clip(grads, grad_norm, options.gradient_clipping)
         return params, grads, grad_norm, finite, loss, aux, extra
 
     return gradients

@@ -29,6 +29,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 from jzero.comm import compiler_options
 from jzero.optim.muon import update_layout
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
-from jzero.replay import RematPolicy
 from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
+from jzero.step.options import StepOptions
 from jzero.step.state import (
     TrainState,
     _to_device,
@@ -108,17 +109,14 @@ def make_train_step(
     plan: Plan,
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
+    options: StepOptions | None = None,
     *,
-    accumulation_steps: int = 1,
-    gradient_clipping: float = 0.0,
     has_aux: bool | None = None,
     takes_extra: bool = False,
     stateful: bool | None = None,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
-    remat_policy: RematPolicy | str | None = None,
-    sub_group_size: int | None = None,
-    offload_compute: str = "device",
+    **fields: Any,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
@@ -129,11 +127,9 @@ def make_train_step(
         batch it is given, written for full parameters.
       optimizer: the optax transformation the plan was made for. Gradient clipping is done by
         the step itself (``gradient_clipping``), not inside it.
-      accumulation_steps: micro-batches per step; the batch's leading dim must be
-        ``accumulation_steps x micro-batch x data-parallel size`` (checked when the step is
-        traced).
-      gradient_clipping: clip the global gradient norm to this value (0 disables), as
-        DeepSpeed's ``gradient_clipping``.
+      options: the :class:`~jzero.step.StepOptions` (accumulation, clipping, remat, the
+        offloaded update's grouping and where it runs); ``None``: the defaults. The engine
+        passes the config's (:func:`jzero.engine.settings.step_options`).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``None`` (the default): read from
         what it returns when the step is traced. Aux leaves are averaged over the global batch
         and returned in the metrics.
@@ -146,18 +142,9 @@ def make_train_step(
         and ``lr`` is left out of the metrics.
       donate: donate the incoming state's buffers to the new state: arrays taken from the
         state before the step (``state.params``) are deleted by it; copy what you keep.
-      remat_policy: activation checkpointing of each layer (every ``lax.scan`` body in the
-        loss, each layer of a Python loop), a :class:`jzero.replay.remat.RematPolicy` or its text
-        (``"full"``, ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see
-        :mod:`jzero.replay.remat`. ``None`` (the default): no checkpointing at stages 0-2; stage 3
-        checkpoints the scans it gathers with :data:`jzero.replay.gather.remat_save_policy`. The
-        engine passes the config's ``activation_checkpointing``.
-      sub_group_size: with the optimizer state offloaded, stream the update over groups of
-        parameter leaves of at most this many elements, one group's state in device memory at
-        a time (:mod:`jzero.step.streaming`; DeepSpeed's ``sub_group_size``); ``None``: one piece.
-      offload_compute: ``"device"`` (default) brings the offloaded state into device memory
-        for the update; ``"host"`` updates it in host memory (``compute_on("device_host")``,
-        where DeepSpeed runs CPU Adam), group by group (:mod:`jzero.step.streaming`).
+      **fields: fields of ``options`` replaced by name (``gradient_clipping=1.0``,
+        ``accumulation_steps=4``, ``remat_policy="full"``), the keywords ``make_train_step``
+        took before :class:`~jzero.step.StepOptions`.
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -172,18 +159,17 @@ def make_train_step(
       and stage; without mixed precision the params are the master weights. The
       :class:`~jzero.plan.precision.LossScaleState` counts skipped and non-finite steps always.
     """
+    opts = _options(options, fields)
     prec = plan.precision
     takes_extra = takes_extra or bool(stateful)
-    gradients = _gradient_part(
-        plan, loss_fn, accumulation_steps, gradient_clipping, has_aux, takes_extra, remat_policy
-    )
-    on_host = offload_compute == "host"
-    if offload_compute not in ("device", "host"):
+    gradients = _gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
+    on_host = opts.offload_compute == "host"
+    if opts.offload_compute not in ("device", "host"):
         raise ValueError(
-            f"offload_compute is {offload_compute!r}; it must be 'device' (stream the offloaded "
-            "state through device memory) or 'host' (update it where it rests)."
+            f"offload_compute is {opts.offload_compute!r}; it must be 'device' (stream the "
+            "offloaded state through device memory) or 'host' (update it where it rests)."
         )
-    groups = streamed_groups(plan, sub_group_size, optimizer, on_host)
+    groups = streamed_groups(plan, opts.sub_group_size, optimizer, on_host)
     if groups is not None and prec.stochastic_rounding:
         raise ValueError(
             "bf16.stochastic_rounding rounds the update of the whole state at once; the "
@@ -246,24 +232,22 @@ def make_train_step(
 def make_gradient_step(
     plan: Plan,
     loss_fn: LossFn,
+    options: StepOptions | None = None,
     *,
-    accumulation_steps: int = 1,
-    gradient_clipping: float = 0.0,
     has_aux: bool | None = None,
     takes_extra: bool = False,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
-    remat_policy: RematPolicy | str | None = None,
+    **fields: Any,
 ) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
     """The train step without its update, for callers that run the update themselves (the
     NVMe tier, :mod:`jzero.nvme.step`): the jitted ``(state, batch) -> (grads, applied,
     extra, loss_scale, metrics)``, the gradients reduced, unscaled and clipped in the plan's
     gradient layout, ``applied`` 0 when the step is to be skipped (non-finite gradients under
     skipping), ``extra`` and ``loss_scale`` the state's next ones. Arguments as for
-    :func:`make_train_step`; the state is not donated."""
+    :func:`make_train_step` (the options' ``sub_group_size`` and ``offload_compute`` are the
+    caller's update's); the state is not donated."""
     prec = plan.precision
-    gradients = _gradient_part(
-        plan, loss_fn, accumulation_steps, gradient_clipping, has_aux, takes_extra, remat_policy
-    )
+    gradients = _gradient_part(plan, loss_fn, _options(options, fields), has_aux, takes_extra)
 
     def step(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
         _, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
@@ -280,6 +264,12 @@ def make_gradient_step(
         out_shardings=(on_device(plan.grads), *(plan.replicated,) * 4),
         compiler_options=compiler_options(plan) or None,
     )
+
+
+def _options(options: StepOptions | None, fields: dict[str, Any]) -> StepOptions:
+    """``options`` (default: :class:`StepOptions`'s) with ``fields`` replaced by name."""
+    options = options if options is not None else StepOptions()
+    return dataclasses.replace(options, **fields) if fields else options
 
 
 def _metrics(

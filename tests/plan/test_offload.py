@@ -16,6 +16,7 @@ from offload_runs import assert_first_norm
 from repo import FIXTURES
 
 import jzero
+from jzero.engine import settings
 from jzero.plan import memory_kinds as offload
 
 BATCH = 32
@@ -205,7 +206,7 @@ def test_offload_below_its_stage_is_refused():
 def test_partial_parameter_offload_is_refused():
     zero = jzero.load_config(config(3, offload_param={**HOST, "ratio": 0.5})).zero_optimization
     with pytest.raises(ValueError) as info:
-        offload.memory_kinds_from_config(zero)
+        settings.memory_kinds(zero)
     assert str(info.value) == (
         "zero_optimization.offload_param.ratio is 0.5, but jzero offloads all of the parameters "
         "or none of them (ratio splits the optimizer state: offload_optimizer.ratio). Set ratio "
@@ -239,7 +240,7 @@ def test_unsupported_memory_kind_lists_what_the_devices_have():
     )
     zero = jzero.load_config(config(2, offload_optimizer=HOST)).zero_optimization
     with pytest.raises(ValueError) as info:
-        offload.memory_kinds_from_config(zero, [FakeDevice("device")] * 2)
+        settings.memory_kinds(zero, [FakeDevice("device")] * 2)
     assert str(info.value) == (
         "zero_optimization.offload_optimizer (pin_memory: True) asks for host memory of kind "
         "'pinned_host', but the fakeaccel devices address only ['device']. In the config, set "
@@ -252,7 +253,7 @@ def test_unsupported_memory_kind_lists_what_the_devices_have():
         config(2, offload_optimizer={**HOST, "pin_memory": False})
     ).zero_optimization
     with pytest.raises(ValueError, match="set pin_memory: true to use pinned_host"):
-        offload.memory_kinds_from_config(unpinned, [FakeDevice("device", "pinned_host")])
+        settings.memory_kinds(unpinned, [FakeDevice("device", "pinned_host")])
 
 
 def test_memory_kinds_from_config_reads_a_device_iterator_once_per_key():
@@ -261,11 +262,11 @@ def test_memory_kinds_from_config_reads_a_device_iterator_once_per_key():
         config(3, offload_optimizer=HOST, offload_param={**HOST, "pin_memory": False})
     ).zero_optimization
     mesh = jzero.make_mesh({"data": 8})
-    assert offload.memory_kinds_from_config(zero, mesh.devices.flat) == (
+    assert settings.memory_kinds(zero, mesh.devices.flat) == (
         "pinned_host",
         "unpinned_host",
     )
-    assert offload.memory_kinds_from_config(jzero.load_config(config(3)).zero_optimization) == (
+    assert settings.memory_kinds(jzero.load_config(config(3)).zero_optimization) == (
         None,
         None,
     )

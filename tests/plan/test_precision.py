@@ -13,6 +13,7 @@ import toy
 from numerics import EPS, needs_float16
 
 import jzero
+from jzero.engine import settings
 from jzero.hlo import collectives, program_text
 from jzero.step import logical_view
 
@@ -132,7 +133,7 @@ def test_per_device_bytes_equal_the_k12_formulas(stage):
         jzero.make_mesh({"data": N}),
         stage,
         persistence_threshold=0,
-        precision=jzero.plan.precision.from_config(jzero.load_config(cfg)),
+        precision=settings.precision(jzero.load_config(cfg)),
     )
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / N, 2: 2 * psi + 14 * psi / N, 3: 16 * psi / N}
     count = 4  # Adam's step count, a replicated int32

@@ -1,5 +1,5 @@
-"""Every stage rule derives from the one table (``jzero.plan.stages.STAGES``): which offload a stage
-allows (config, plan, the measured plan's variants), its model-state bytes and traffic (the
+"""Every stage rule derives from the one table (``jzero.choices.stages.STAGES``): which offload a
+stage allows (config, plan, the measured plan's variants), its model-state bytes and traffic (the
 estimate) and the formula text. Changing a row's flags changes all of them."""
 
 import dataclasses
@@ -11,9 +11,9 @@ import toy
 
 import jzero
 from jzero import memory
+from jzero.choices import stages
 from jzero.config import JzeroConfigWarning, load_config
 from jzero.memory._measure import offload_variants
-from jzero.plan import stages
 
 PARAM_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
 

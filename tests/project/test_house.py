@@ -1,5 +1,7 @@
 """The house rules, read from the source with ``ast``: no module imports a private name from
-another package, and every package's ``__init__`` states its responsibility and curates its names.
+another package, every package's ``__init__`` states its responsibility and curates its names, and
+the config is read once: the core imports nothing of the config (nor the engine, which translates
+it), and the config nothing of the core.
 
 A private name (``_x``) may be imported within its own package (``jzero.nvme.store`` from
 ``jzero.nvme.file_format``), never from another one: a name another package needs is public API
@@ -47,6 +49,80 @@ def private_imports(root: Path) -> list[str]:
                         f"{path.relative_to(root.parent)}:{node.lineno} {alias.name} from {source}"
                     )
     return found
+
+
+def jzero_imports(root: Path) -> list[tuple[str, str]]:
+    """``(file:line, module)`` for each module of ``root``'s package that a module imports
+    (``from a.b import c`` names ``a.b``; a relative import is resolved), anywhere in it."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        name = _module_name(path, root)
+        here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                sources = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    sources = [".".join(base + ([node.module] if node.module else []))]
+                else:
+                    sources = [node.module or ""]
+            else:
+                continue
+            where = f"{path.relative_to(root.parent)}:{node.lineno}"
+            found += [(where, s) for s in sources if s.split(".")[0] == root.name]
+    return found
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+CORE = ("jzero.plan", "jzero.replay", "jzero.step", "jzero.comm", "jzero.groups")
+
+
+def forbidden_imports(root: Path) -> list[str]:
+    """The imports that cross the config's wall: the core (plan, replay, step, comm, groups)
+    importing the config or the engine (whose ``settings`` translates it), and the config or
+    the choices it validates against importing anything of jzero's but themselves and
+    ``jzero._util``. Deprecated names reach their new home through ``jzero._util.moved``, by
+    name, so they add no import."""
+    name = root.name
+    core = tuple(p.replace("jzero", name, 1) for p in CORE)
+    config_side = (f"{name}.config", f"{name}.choices")
+    found = []
+    for where, source in jzero_imports(root):
+        module = _module_name(root.parent / where.split(":")[0], root)
+        if _under(module, core) and _under(source, (f"{name}.config", f"{name}.engine")):
+            found.append(f"{where} {source}")
+        if _under(module, config_side) and not _under(source, (*config_side, f"{name}._util")):
+            found.append(f"{where} {source}")
+    return found
+
+
+def test_the_core_and_the_config_import_nothing_of_each_other():
+    assert forbidden_imports(JZERO) == []
+
+
+def test_the_import_check_finds_the_core_reading_the_config_and_back(tmp_path):
+    pkg = tmp_path / "jzero"
+    for sub in ("config", "plan", "step", "choices", "distributed", "engine"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
+    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "plan" / "a.py").write_text("from jzero.choices import stages\nimport jzero.config\n")
+    (pkg / "step" / "b.py").write_text("def f():\n    from ..engine import settings\n")
+    (pkg / "config" / "c.py").write_text(
+        "from jzero._util import moved\nfrom jzero.choices import stages\n"
+        "from jzero.distributed import pipeline\n"
+    )
+    (pkg / "choices" / "d.py").write_text("from jzero.plan import a\n")
+    assert forbidden_imports(pkg) == [
+        "jzero/choices/d.py:1 jzero.plan",
+        "jzero/config/c.py:3 jzero.distributed",
+        "jzero/plan/a.py:2 jzero.config",
+        "jzero/step/b.py:2 jzero.engine",
+    ]
 
 
 def test_no_private_name_is_imported_from_another_package():

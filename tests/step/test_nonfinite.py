@@ -16,8 +16,9 @@ from numerics import EPS
 
 import jzero
 from jzero.distributed import make_mesh
+from jzero.engine.settings import precision as from_config
 from jzero.plan import make_plan
-from jzero.plan.precision import Precision, from_config
+from jzero.plan.precision import Precision
 from jzero.step import init_train_state, make_train_step
 
 STAGE = 2  # gradients and optimizer state sharded: the skip must keep shards as they were

@@ -1,11 +1,14 @@
 """The one table of what each ZeRO stage shards.
 
 No other module branches on the stage number: the plan reads this table, and everything else
-(the step, offload, checkpoints, the memory report) reads the plan. What a stage allows and
-costs is derived from the row's flags here, once: which offload it permits
-(:attr:`StageSpec.offloads`), its model-state bytes (:meth:`StageSpec.model_state_bytes`, the
-ZeRO paper's formulas, rendered by :func:`formula_text`) and its traffic
-(:meth:`StageSpec.traffic`). Change a flag and every rule follows.
+(the step, offload, checkpoints, the memory report) reads the plan. It sits in
+:mod:`jzero.choices`, below both the config and the plan, so the config validates a stage (and
+what it allows) against the same rows the plan is made from; ``jzero.plan.stages`` is this
+module. What a stage allows and costs is derived from the row's flags here, once: which offload
+it permits (:attr:`StageSpec.offloads`), its model-state bytes
+(:meth:`StageSpec.model_state_bytes`, the ZeRO paper's formulas, rendered by
+:func:`formula_text`) and its traffic (:meth:`StageSpec.traffic`). Change a flag and every rule
+follows.
 
 | stage | params at rest | gradients                                  | optimizer state |
 |-------|----------------|--------------------------------------------|-----------------|
