@@ -13,11 +13,11 @@ import toy
 import jzero
 from jzero import data
 from jzero.config import ConfigError, load_config
+from jzero.engine import settings
 from jzero.hlo import collectives_by_dtype, program_text
 from jzero.models import gpt
 from jzero.optim import float32_update, low_precision_state, stochastic_round
 from jzero.optim.master16 import apply_rounded, rounding_key
-from jzero.plan import precision as precision_lib
 from jzero.plan import to_logical
 from jzero.step import init_train_state, make_gradient_step, make_train_step, streamed_groups
 
@@ -129,12 +129,12 @@ def test_float32_update_runs_the_inner_optimizer_on_upcast_params():
 
 def test_config_keys_and_their_errors():
     cfg = load_config(bf16(rounding=True))
-    prec = precision_lib.from_config(cfg)
+    prec = settings.precision(cfg)
     assert prec.master_dtype == BF16 and prec.low_precision_masters and not prec.mixed
     assert prec.stochastic_rounding and prec.comm_dtype == BF16 and prec.skips
     assert prec.accumulator(BF16) == F32  # micro-batches are summed in float32
-    assert not precision_lib.from_config(load_config(bf16())).stochastic_rounding
-    plain = precision_lib.from_config(load_config({"bf16": {"enabled": True}}))
+    assert not settings.precision(load_config(bf16())).stochastic_rounding
+    plain = settings.precision(load_config({"bf16": {"enabled": True}}))
     assert plain.mixed and plain.master_dtype is None
     with pytest.raises(ConfigError, match=r"bf16_master_weights_and_grads needs bf16.enabled"):
         load_config({"bf16": {"bf16_master_weights_and_grads": True}})
@@ -282,7 +282,7 @@ def test_bytes_at_rest_are_6_plus_2_of_gradients_against_14(stage):
 @pytest.mark.parametrize("rounding", [False, True])
 def test_one_step_is_the_float32_update_rounded_to_bf16_in_shards(rounding):
     params = divisible_params()
-    prec = precision_lib.from_config(load_config(bf16(rounding=rounding)))
+    prec = settings.precision(load_config(bf16(rounding=rounding)))
     tx = float32_update(optax.adamw(1e-2, weight_decay=0.01))
     plan = jzero.make_plan(
         params, tx, jzero.make_mesh({"data": N}), 2, persistence_threshold=0, precision=prec

@@ -22,6 +22,7 @@ from numerics import max_rel_error
 
 import jzero
 from jzero.config import ConfigError, load_config
+from jzero.engine import settings
 from jzero.hlo import collectives
 from jzero.replay import gather, remat, trace
 
@@ -126,7 +127,7 @@ def test_the_section_without_a_policy_means_full():
     assert temp(e) == run(0, "full")[0]
     # No section: jzero's default (no checkpointing at stages 0-2), kept through to_dict.
     cfg = load_config({})
-    assert cfg.activation_checkpointing.policy is None and remat.from_config(cfg) is None
+    assert cfg.activation_checkpointing.policy is None and settings.remat_policy(cfg) is None
     assert load_config(cfg.to_dict()) == cfg
     present = load_config({"activation_checkpointing": {"cpu_checkpointing": False}})
     assert load_config(present.to_dict()) == present
@@ -166,7 +167,7 @@ def test_cpu_checkpointing_trains_with_unchanged_losses():
     on a GPU/TPU. Here: the offload is in the traced step (a ``device_put`` to host memory
     inside the layer scan), it compiles, and it trains exactly as without it."""
     e = engine(0, {"policy": "full", "cpu_checkpointing": True})
-    policy = remat.from_config(e.config)
+    policy = settings.remat_policy(e.config)
     step = jzero.make_train_step(e.plan, scan_loss, e.optimizer, remat_policy=policy)
     text = str(jax.make_jaxpr(step)(e.state, batches(1)[0]))
     assert "<host>" in text and remat.LAYER_INPUT in text

@@ -25,6 +25,7 @@ import jzero
 from jzero import hlo
 from jzero.comm import overlap
 from jzero.config import JzeroConfigWarning
+from jzero.engine import settings
 from jzero.plan import make_plan
 
 F64 = "float64"
@@ -156,8 +157,8 @@ def test_gpu_compile_options_follow_the_config_and_cpu_gets_none():
                 },
             }
         )
-    plan = plan_for(2, precision=jzero.plan.precision.from_config(cfg),
-                    **cfg.zero_optimization.comm_options())  # fmt: skip
+    plan = plan_for(2, precision=settings.precision(cfg),
+                    **vars(settings.comm_options(cfg.zero_optimization)))  # fmt: skip
     opts = overlap.compiler_options(plan, platform="gpu")
     assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
     assert opts["xla_gpu_enable_pipelined_all_gather"] is True
