@@ -327,7 +327,8 @@ class Config:
     kept per stage) or ``gpipe`` (all ``M``). DeepSpeed's ``partition``, ``seed_layers``,
     ``activation_checkpoint_interval``, ``pipe_partitioned``, ``grad_partitioned`` are
     accepted and have no effect (jzero splits the layers evenly; activation checkpointing is
-    the ``activation_checkpointing`` section)."""
+    the ``activation_checkpointing`` section); the first three warn when set to ask for
+    something (a ``partition`` other than ``uniform``, ``seed_layers`` true, an interval)."""
     tensor_parallel: Mapping[str, Any] | None = None
     """DeepSpeed AutoTP: ``autotp_size: T`` (> 1) builds the mesh ``{data: N/T, model: T}``
     and gives every parameter a Megatron-style spec over ``model`` from its name

@@ -380,9 +380,39 @@ _PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_chec
               "pipe_partitioned", "grad_partitioned", "use_reentrant")  # fmt: skip
 
 
-def _pipeline_errors(cfg: Config) -> list[str]:
+# DeepSpeed keys of a section that jzero accepts and does not act on, with the values that ask
+# for nothing (no warning for those) and why any other value has no effect.
+_PIPE_NO_EFFECT = {
+    "partition": (("uniform",), "jzero cuts the layer scan into stages of equally many layers"),
+    "seed_layers": ((False, None), "the layers take the values of init_fn or the params given"),
+    "activation_checkpoint_interval": (
+        (0, None),
+        "activation checkpointing is the activation_checkpointing section (every layer)",
+    ),
+}
+_TP_NO_EFFECT = {
+    "keep_module_on_host": (
+        (False, None),
+        "init_fn creates the parameters in their shards on the devices, never whole on the host",
+    ),
+    "partition_config": ((None,), "AutoTP's layouts come from names and tensor_parallel.tp_plan"),
+    "injection_policy_tuple": ((None,), "it selects DeepSpeed's inference kernels"),
+    "preset_model": ((None,), "AutoTP's rules match the names of every model family"),
+}
+
+
+def _note_no_effect(section: str, raw: Mapping, keys: Mapping, noted: list) -> None:
+    """Each key of ``keys`` set in ``raw`` to a value that asks for something: to ``noted``."""
+    for key, (inert, why) in keys.items():
+        value = raw.get(key)
+        if not any(value is v or value == v for v in inert):
+            noted.append((f"{section}.{key}", why))
+
+
+def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     """The ``pipeline`` section: ``stages`` a whole number (1: off; DeepSpeed's "auto" is 1),
-    ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet."""
+    ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet;
+    DeepSpeed's keys it does not act on go to ``noted``."""
     pipe = cfg.pipeline
     if pipe is None:
         return []
@@ -392,6 +422,7 @@ def _pipeline_errors(cfg: Config) -> list[str]:
     unknown = sorted(set(pipe) - set(_PIPE_KEYS))
     if unknown:
         errors.append(f"pipeline: unknown key(s) {unknown}; the keys are {sorted(_PIPE_KEYS)}.")
+    _note_no_effect("pipeline", pipe, _PIPE_NO_EFFECT, noted)
     stages = pipe.get("stages", 1)
     if stages == "auto":
         stages = 1
@@ -452,6 +483,7 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
         errors.append(
             f"tensor_parallel: unknown key(s) {unknown}; the keys are {sorted(_TP_KEYS)}."
         )
+    _note_no_effect("tensor_parallel", tp, _TP_NO_EFFECT, noted)
     sizes = {}
     for key in ("autotp_size", "tp_size"):
         value = tp.get(key)
@@ -578,7 +610,7 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
     """DeepSpeed features whose absence would train something else than what was asked;
     ``tensor_parallel.tp.tp_size`` without AutoTP goes to ``noted``."""
     errors = []
-    errors += _pipeline_errors(cfg)
+    errors += _pipeline_errors(cfg, noted)
     errors += _tensor_parallel_errors(cfg, noted)
     errors += _expert_errors(cfg)
     sp = cfg.sequence_parallel_size

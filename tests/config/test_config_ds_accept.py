@@ -183,6 +183,23 @@ def test_the_inference_tp_size_without_autotp_is_ignored_with_a_warning():
     assert cfg.autotp_size() == 1 and cfg.mesh_sizes() == {"data": -1}
 
 
+def test_pipeline_and_autotp_keys_jzero_does_not_act_on_warn_unless_they_ask_for_nothing():
+    inert = {"partition": "uniform", "seed_layers": False, "activation_checkpoint_interval": 0}
+    quiet = {**DS_BASE, "pipeline": {"stages": 1, **inert, "pipe_partitioned": True}}
+    assert load_quietly({**quiet, "tensor_parallel": {"keep_module_on_host": False}})[1] == []
+    asked = {"partition": "parameters", "seed_layers": True, "activation_checkpoint_interval": 1}
+    tp = {"keep_module_on_host": True, "preset_model": "llama", "tp_grain_size": 64}
+    _, (message,) = load_quietly({**DS_BASE, "pipeline": asked, "tensor_parallel": tp})
+    assert listed(message) == [
+        "pipeline.partition",
+        "pipeline.seed_layers",
+        "pipeline.activation_checkpoint_interval",
+        "tensor_parallel.keep_module_on_host",
+        "tensor_parallel.preset_model",
+    ]
+    assert "equally many layers" in message and "init_fn" in message
+
+
 # --- 4. what changes the trained model is refused -------------------------------------------
 
 
