@@ -404,7 +404,9 @@ _TP_NO_EFFECT = {
 def _note_no_effect(section: str, raw: Mapping, keys: Mapping, noted: list) -> None:
     """Each key of ``keys`` set in ``raw`` to a value that asks for something: to ``noted``."""
     for key, (inert, why) in keys.items():
-        value = raw.get(key)
+        if key not in raw:
+            continue
+        value = raw[key]
         if not any(value is v or value == v for v in inert):
             noted.append((f"{section}.{key}", why))
 

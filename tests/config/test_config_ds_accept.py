@@ -187,6 +187,7 @@ def test_pipeline_and_autotp_keys_jzero_does_not_act_on_warn_unless_they_ask_for
     inert = {"partition": "uniform", "seed_layers": False, "activation_checkpoint_interval": 0}
     quiet = {**DS_BASE, "pipeline": {"stages": 1, **inert, "pipe_partitioned": True}}
     assert load_quietly({**quiet, "tensor_parallel": {"keep_module_on_host": False}})[1] == []
+    assert load_quietly({**DS_BASE, "pipeline": {"stages": 1}})[1] == []  # none written
     asked = {"partition": "parameters", "seed_layers": True, "activation_checkpoint_interval": 1}
     tp = {"keep_module_on_host": True, "preset_model": "llama", "tp_grain_size": 64}
     _, (message,) = load_quietly({**DS_BASE, "pipeline": asked, "tensor_parallel": tp})
