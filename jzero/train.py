@@ -95,6 +95,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from jzero import config as config_lib
 from jzero import data as data_lib
 from jzero import distributed, memory, monitor, profiler
+from jzero._util import format_bytes
 from jzero.config import Config, load_config
 from jzero.engine import Engine, initialize
 from jzero.models import gpt
@@ -244,8 +245,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                 f"  skipped:    {summary['skipped_steps']} update(s), for inf/NaN gradients"
             )
     lines.append(
-        f"  memory:     peak {_format_bytes(summary['peak_bytes_per_device'])} per device "
-        f"(model state {_format_bytes(summary['model_state_bytes_per_device'])})"
+        f"  memory:     peak {format_bytes(summary['peak_bytes_per_device'])} per device "
+        f"(model state {format_bytes(summary['model_state_bytes_per_device'])})"
     )
     metrics = Path(summary["metrics"])
     lines.append(f"  logs:       {metrics} (a line per step), {metrics.parent / SUMMARY}")
@@ -289,21 +290,13 @@ def _peak_bytes(engine: Engine, batches: data_lib.BatchIterator) -> Callable[[],
     return lambda: compiled
 
 
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
 def _bar_text(record: Mapping[str, float], peak: int, skipped: int) -> str:
     """The progress bar's figures after a step: its loss, its own tokens/s (the last step's
     rate, not the run's average), the peak memory per device, MFU, skipped updates."""
     parts = [
         f"loss {record['loss']:.3f}",
         f"{record['tokens_per_s']:,.0f} tok/s last step",
-        f"peak {_format_bytes(peak)}/device",
+        f"peak {format_bytes(peak)}/device",
     ]
     if "mfu" in record:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
@@ -573,10 +566,10 @@ def _train(
         steps - first_step + 1,
         f" ({first_step} to {steps})" if resumed is not None else "",
         tokens_per_step,
-        _format_bytes(state_bytes),
-        _format_bytes(host_bytes),
-        f", {_format_bytes(on_disk)} on NVMe" if on_disk else "",
-        _format_bytes(peak()),
+        format_bytes(state_bytes),
+        format_bytes(host_bytes),
+        f", {format_bytes(on_disk)} on NVMe" if on_disk else "",
+        format_bytes(peak()),
     )
 
     def evaluate() -> float:

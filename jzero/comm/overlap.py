@@ -82,13 +82,6 @@ CPU_PARTLY_MANUAL_BF16_OPTIONS: dict[str, Any] = {
 }
 
 
-def _partly_manual(plan: Any) -> bool:
-    """Whether the step's ``shard_map`` (manual over :attr:`~jzero.plan.Plan.batch_axes`)
-    leaves a mesh axis of more than one device to the partitioner."""
-    manual = set(plan.batch_axes)
-    return any(size > 1 and name not in manual for name, size in plan.mesh.shape.items())
-
-
 def bucket_groups(
     sizes: Sequence[int], keys: Sequence[Hashable], limit: int | None
 ) -> list[list[int]]:
@@ -250,7 +243,7 @@ def compiler_options(plan: Any, platform: str | None = None) -> dict[str, Any]:
         platform = plan.mesh.devices.flat[0].platform
     prec = plan.precision
     comm = prec.comm_dtype if prec.comm_dtype is not None else prec.compute_dtype
-    if platform == "cpu" and jnp.dtype(comm) == jnp.bfloat16 and _partly_manual(plan):
+    if platform == "cpu" and jnp.dtype(comm) == jnp.bfloat16 and plan.auto_axes:
         return dict(CPU_PARTLY_MANUAL_BF16_OPTIONS)
     if not plan.overlap_comm or platform not in _GPU_PLATFORMS:
         return {}

@@ -55,7 +55,7 @@ def _check_mesh_splits(plan: Plan, mesh: jax.sharding.Mesh) -> None:
     and the fix (on one CPU device, the ``XLA_FLAGS`` line for virtual devices)."""
     from jzero.config import JzeroMeshWarning
 
-    if plan.stage.stage == 0 or plan.state_shards > 1:
+    if not plan.stage.shard_opt_state or plan.state_shards > 1:  # stage 0 splits nothing
         return
     if mesh.devices.size == 1 and jax.default_backend() == "cpu":
         fix = (

@@ -300,6 +300,12 @@ class Plan:
         return (self.replica_axis, *self.zero_axes) if self.replica_axis else self.zero_axes
 
     @property
+    def auto_axes(self) -> tuple[str, ...]:
+        """The mesh axes of more than one device the step's ``shard_map`` leaves to the
+        partitioner (not in :attr:`batch_axes`): AutoTP's ``model``, a pipeline's ``pipe``."""
+        return tuple(a for a, n in self.mesh.shape.items() if a not in self.batch_axes and n > 1)
+
+    @property
     def state_axes(self) -> tuple[str, ...]:
         """The mesh axes gradients and optimizer state are sharded over, major first:
         ZeRO's axes, and ``replica`` too under :attr:`hpz`."""

@@ -174,8 +174,7 @@ def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
     """``partition_activations``: the mesh's other axes with more than one device, if any."""
     if policy is None or not policy.partition or not policy.active:
         return None
-    axes = tuple(a for a, n in plan.mesh.shape.items() if a not in plan.batch_axes and n > 1)
-    return Partition(plan.mesh, axes) if axes else None
+    return Partition(plan.mesh, plan.auto_axes) if plan.auto_axes else None
 
 
 def _gradient_part(

@@ -196,9 +196,9 @@ def trained16(stage, half):
     """The Llama on {data: 4, model: 2} computing in bf16 or fp16 from float32 masters: its
     engine and the losses of reference()'s batches."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float32), make_llama())
-    cfg = config(stage, bf16={"enabled": True})
-    if half == "fp16":  # 2**8: no overflow in the first steps, so none is skipped
-        cfg = config(stage, fp16={"enabled": True, "initial_scale_power": 8})
+    # fp16 starts at a loss scale of 2**8: no overflow in the first steps, so none is skipped.
+    section = {"fp16": {"enabled": True, "initial_scale_power": 8}, "bf16": {"enabled": True}}
+    cfg = config(stage, **{half: section[half]})
     with jax.enable_x64(False):
         engine = jzero.initialize(params, llama_loss, optax.adamw(LR), cfg)
         metrics = [engine.train_step(b) for b in batches()]
