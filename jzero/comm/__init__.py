@@ -3,12 +3,17 @@
 Import direction: imports nothing else of jzero's; imported by :mod:`jzero.replay` and
 :mod:`jzero.step`.
 
-* :mod:`~jzero.comm.quantize`: block-quantized all-gather (qwZ) and reduce-scatter (qgZ).
+* :mod:`~jzero.comm.quantization`: block-quantized all-gather (qwZ) and reduce-scatter (qgZ).
 * :mod:`~jzero.comm.overlap`: ``overlap_comm``'s buckets and the compiler options.
 * :mod:`~jzero.comm.manual`: ZeRO's collectives on arrays split over other axes (tensor
   parallelism), run with those axes manual too.
+
+``jzero.comm.quantize`` is the function; its module was ``jzero.comm.quantize`` before it became
+``quantization``, and that module path still imports for a release, with a ``DeprecationWarning``
+(:func:`jzero._util.renamed_module`).
 """
 
+from jzero._util import renamed_module
 from jzero.comm.manual import over_axes as over_axes
 from jzero.comm.manual import spec_axes as spec_axes
 from jzero.comm.manual import trailing_spec as trailing_spec
@@ -20,11 +25,11 @@ from jzero.comm.overlap import from_rows as from_rows
 from jzero.comm.overlap import gather_buckets as gather_buckets
 from jzero.comm.overlap import reduce_buckets as reduce_buckets
 from jzero.comm.overlap import to_rows as to_rows
-from jzero.comm.quantize import dequantize as dequantize
-from jzero.comm.quantize import quantize as quantize
-from jzero.comm.quantize import quantized_all_gather as quantized_all_gather
-from jzero.comm.quantize import quantized_psum as quantized_psum
-from jzero.comm.quantize import quantized_psum_scatter as quantized_psum_scatter
+from jzero.comm.quantization import dequantize as dequantize
+from jzero.comm.quantization import quantize as quantize
+from jzero.comm.quantization import quantized_all_gather as quantized_all_gather
+from jzero.comm.quantization import quantized_psum as quantized_psum
+from jzero.comm.quantization import quantized_psum_scatter as quantized_psum_scatter
 
 __all__ = [
     "bucket_groups",
@@ -44,3 +49,5 @@ __all__ = [
     "to_rows",
     "trailing_spec",
 ]
+
+renamed_module(f"{__name__}.quantize", f"{__name__}.quantization")

@@ -7,16 +7,23 @@ imported only by :mod:`jzero.engine` (the core step never imports it).
   (:mod:`jzero.engine.settings` makes it from a config).
 * :mod:`~jzero.nvme.file_format`: one key's arrays in one CRC-checked file.
 * :mod:`~jzero.nvme.store`: :class:`NvmeStore`, the files of each group, written in the background.
-* :mod:`~jzero.nvme.host_shards`: an array as this process's distinct shards on the host.
+* :mod:`~jzero.nvme.shards`: :func:`host_shards`, an array as this process's distinct shards on
+  the host.
 * :mod:`~jzero.nvme.state`: which leaves live in which files, and the moves in and out.
 * :mod:`~jzero.nvme.step`: the step that reads, updates and writes them around the gradients.
-* :mod:`~jzero.nvme.first_version`: the state made straight into its files, group by group.
+* :mod:`~jzero.nvme.initial_state`: :func:`first_version`, the state made straight into its
+  files, group by group.
+
+The modules ``first_version`` and ``host_shards`` were named after their function, which the
+package exports under the same name; they are ``initial_state`` and ``shards`` now, and the old
+module paths still import for a release, with a ``DeprecationWarning``.
 """
 
+from jzero._util import renamed_module
 from jzero.nvme.file_format import NvmeIOError as NvmeIOError
-from jzero.nvme.first_version import first_version as first_version
-from jzero.nvme.host_shards import host_shards as host_shards
+from jzero.nvme.initial_state import first_version as first_version
 from jzero.nvme.options import NvmeOptions as NvmeOptions
+from jzero.nvme.shards import host_shards as host_shards
 from jzero.nvme.state import NvmeState as NvmeState
 from jzero.nvme.state import state_bytes as state_bytes
 from jzero.nvme.step import NvmeStep as NvmeStep
@@ -36,3 +43,6 @@ __all__ = [
     "NvmeStore",
     "state_bytes",
 ]
+
+renamed_module(f"{__name__}.first_version", f"{__name__}.initial_state")
+renamed_module(f"{__name__}.host_shards", f"{__name__}.shards")

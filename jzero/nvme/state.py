@@ -21,7 +21,7 @@ Decisions:
 * Versions: a new version is written beside the current one and made current only when every
   file is written (:meth:`NvmeState.switch`), which then deletes the old files; the disk holds
   two versions for that moment, so the path is checked for room for two.
-* :func:`jzero.nvme.first_version.first_version` makes the first version group by group, so the full
+* :func:`jzero.nvme.initial_state.first_version` makes the first version group by group, so the full
   optimizer state never exists in memory, in training or before it.
 * A change of the plan's layout at the first step (stage 3's stacked-layer dimensions,
   ``engine.fit_layout``) re-lays the files group by group (:meth:`NvmeState.relayout`).
@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from jzero import groups as groups_lib
-from jzero.nvme.host_shards import _from_host, _shard_count, host_shards
+from jzero.nvme.shards import _from_host, _shard_count, host_shards
 from jzero.nvme.store import NvmeStore
 from jzero.plan import PINNED_HOST, Plan, available_memory_kinds, on_device
 from jzero.step import TrainState

@@ -129,9 +129,9 @@ def gathered(
       partition: DeepSpeed's ``partition_activations``: each checkpointed layer's saved input
         split over the mesh's model-parallel axes (:class:`jzero.replay.trace.Partition`).
       bits: ZeRO++ qwZ: every gather of a floating parameter sends it quantized to this many
-        bits (8 or 4; :func:`jzero.comm.quantize.quantized_all_gather`); 0: exact.
+        bits (8 or 4; :func:`jzero.comm.quantization.quantized_all_gather`); 0: exact.
       grad_bits: ZeRO++ qgZ: every gather's transpose (the gradient's reduce-scatter) is the
-        quantized all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter`; 0: exact.
+        quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`; 0: exact.
       overlap: ``overlap_comm``: a scan that gathers weights fetches each layer one iteration
         ahead, in the forward and the backward pass, and reduce-scatters each layer's gradient
         beside the next layer's backward pass (:func:`jzero.comm.overlap.overlapped_scan`). Scans

@@ -27,7 +27,7 @@ Decisions:
   reduce-scatter of them (ZeRO++ hpZ, whose optimizer state is sharded over both axes).
   Stage 3's gathers stay within ``data``.
 * ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over
-  ``data`` by the quantized all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter`: here
+  ``data`` by the quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`: here
   for
   the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones. It
   quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
@@ -430,7 +430,7 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     of their all-gather) and pass through.
 
     With ``plan.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the quantized
-    all-to-all of :func:`jzero.comm.quantize.quantized_psum_scatter` (summed in float32, from the
+    all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in float32, from the
     gradient's own dtype: the integers replace the communication dtype); all-reduces stay
     exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
     reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`)."""
