@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['eval']:.4f} |",
                 flush=True,
             )
-    from jzero.optim.muon import default_dimension_numbers
+    from jzero.optim.muon_optimizer import default_dimension_numbers
 
     matrices = sum(
         x.size

@@ -72,7 +72,7 @@ def _optimizer(
                 "No optimizer: pass optimizer=<an optax transformation> to jzero.initialize, or "
                 "add an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
             )
-        optimizer, schedule = optim.build_optimizer(cfg), optim.build_schedule(cfg)
+        optimizer, schedule = optim.build_optimizer(cfg), optim.build_lr_schedule(cfg)
     if cfg.bf16.bf16_optimizer_states:
         optimizer = optim.low_precision_state(optimizer)
     if cfg.bf16.bf16_master_weights_and_grads:  # bf16 params are the masters: update in fp32

@@ -1,16 +1,28 @@
 """DeepSpeed optimizer and LR-schedule names, mapped onto optax.
 
-The package has seven parts: :mod:`~jzero.optim.schedules` (DeepSpeed's LR schedules as jittable
-functions of the update count), :mod:`~jzero.optim.transforms` (the update rules optax lacks in
-DeepSpeed's / PyTorch's form), :mod:`~jzero.optim.builder` (a config's ``optimizer`` and
-``scheduler`` sections to one optax transformation), :mod:`~jzero.optim.low_precision`
-(``low_precision_state``: any optimizer's state kept in bfloat16, DeepSpeed's
-``bf16.bf16_optimizer_states``), :mod:`~jzero.optim.master16` (``float32_update`` and
-``stochastic_round``: bfloat16 params that are their own master weights, DeepSpeed's
-``bf16.bf16_master_weights_and_grads``), :mod:`~jzero.optim.muon` (Muon with AdamW for the leaves
-that are no matrix, each matrix orthogonalised whole on the device that owns it inside jzero's
-step; ``optimizer: {type: Muon}``) and :mod:`~jzero.optim.quantized` (``quantized_adam_state``:
-Adam's moments as 8-bit blockwise codes, ``optimizer.params.state_bits: 8``).
+The package has eight parts:
+
+* :mod:`~jzero.optim.lr_schedules`: DeepSpeed's LR schedules (its ``scheduler`` section) as
+  jittable functions of the update count (``build_lr_schedule``, ``current_lr``).
+* :mod:`~jzero.optim.transforms`: the update rules optax lacks, in DeepSpeed's / PyTorch's form.
+* :mod:`~jzero.optim.builder`: a config's ``optimizer`` and ``scheduler`` sections to one optax
+  transformation.
+* :mod:`~jzero.optim.low_precision`: ``low_precision_state``, any optimizer's state kept in
+  bfloat16 (DeepSpeed's ``bf16.bf16_optimizer_states``).
+* :mod:`~jzero.optim.master16`: ``float32_update`` and ``stochastic_round``, bfloat16 params that
+  are their own master weights (DeepSpeed's ``bf16.bf16_master_weights_and_grads``).
+* :mod:`~jzero.optim.muon_optimizer`: ``muon``, Muon with AdamW for the leaves that are no
+  matrix, each matrix orthogonalised whole on the device that owns it inside jzero's step
+  (``optimizer: {type: Muon}``).
+* :mod:`~jzero.optim.update_context`: what the step tells an optimizer while it traces the update
+  (where each leaf rests); the step imports it, and no optimizer.
+* :mod:`~jzero.optim.quantized`: ``quantized_adam_state``, Adam's moments as 8-bit blockwise
+  codes (``optimizer.params.state_bits: 8``).
+
+"Schedule" alone means the pipeline's (``pipeline.schedule``); here it is always the learning
+rate's. Renamed, and importable under the old name for a release with a ``DeprecationWarning``:
+the module ``schedules`` (now ``lr_schedules``) and its ``build_schedule`` (``build_lr_schedule``),
+and the module ``muon`` (now ``muon_optimizer``; ``jzero.optim.muon`` is the function).
 
 Decisions:
 
@@ -28,7 +40,7 @@ Decisions:
 * **DeepSpeed's step semantics.** DeepSpeed sets the rate once when the scheduler is built and
   calls ``scheduler.step()`` after each optimizer step, so update ``k`` (0-based) uses the
   schedule at ``last_batch_iteration = k - 1``, and update 0 the construction-time rate
-  (``warmup_min_lr``, ``cycle_min_lr``, or 0 for ``WarmupCosineLR``). ``build_schedule(cfg)(k)``
+  (``warmup_min_lr``, ``cycle_min_lr``, or 0 for ``WarmupCosineLR``). ``build_lr_schedule(cfg)(k)``
   is exactly the rate DeepSpeed uses for update ``k``.
 * **OneCycle cycles momentum** (``cycle_momentum``, true by default in DeepSpeed) for the
   optimizers with betas (Adam, AdamW, Lamb, Lion): beta1 moves between ``cycle_max_mom`` and
@@ -38,14 +50,17 @@ Decisions:
   ``jit`` with shardings does, not to local shards inside ``shard_map``.
 """
 
+from typing import Any
+
+from jzero._util import moved, renamed_module
 from jzero.optim.builder import build_optimizer as build_optimizer
 from jzero.optim.low_precision import low_precision_state as low_precision_state
+from jzero.optim.lr_schedules import build_lr_schedule as build_lr_schedule
+from jzero.optim.lr_schedules import current_lr as current_lr
 from jzero.optim.master16 import float32_update as float32_update
 from jzero.optim.master16 import stochastic_round as stochastic_round
-from jzero.optim.muon import muon as muon
+from jzero.optim.muon_optimizer import muon as muon
 from jzero.optim.quantized import quantized_adam_state as quantized_adam_state
-from jzero.optim.schedules import build_schedule as build_schedule
-from jzero.optim.schedules import current_lr as current_lr
 from jzero.optim.transforms import TorchAdagradState as TorchAdagradState
 from jzero.optim.transforms import TorchSgdState as TorchSgdState
 from jzero.optim.transforms import scale_by_fused_adam as scale_by_fused_adam
@@ -55,8 +70,8 @@ from jzero.optim.transforms import scale_by_torch_adagrad as scale_by_torch_adag
 from jzero.optim.transforms import scale_by_torch_sgd as scale_by_torch_sgd
 
 __all__ = [
+    "build_lr_schedule",
     "build_optimizer",
-    "build_schedule",
     "current_lr",
     "float32_update",
     "low_precision_state",
@@ -64,3 +79,25 @@ __all__ = [
     "quantized_adam_state",
     "stochastic_round",
 ]
+
+_SCHEDULES = renamed_module(
+    f"{__name__}.schedules",
+    f"{__name__}.lr_schedules",
+    {"build_schedule": f"{__name__}.lr_schedules.build_lr_schedule"},
+)
+renamed_module(
+    f"{__name__}.muon",
+    f"{__name__}.muon_optimizer",
+    {"update_layout": f"{__name__}.update_context.update_layout"},
+)
+
+
+def __getattr__(name: str) -> Any:
+    """``build_schedule`` is :func:`build_lr_schedule`, and the module ``schedules`` is
+    :mod:`~jzero.optim.lr_schedules`; the old names stay for a release (the module's names warn
+    when read, ``build_schedule`` when used)."""
+    if name == "build_schedule":
+        return moved(f"{__name__}.{name}", f"{__name__}.lr_schedules.build_lr_schedule")
+    if name == "schedules":
+        return _SCHEDULES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

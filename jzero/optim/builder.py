@@ -15,7 +15,7 @@ Decisions:
   with ``bf16.bf16_optimizer_states`` it is refused (two narrowings of the same moments).
 * ``Adam`` with ``adam_w_mode: false`` adds L2 decay to the gradient before the direction, like
   ``torch.optim.Adam``; every other optimizer decays decoupled, as DeepSpeed's fused kernels do.
-* ``Muon`` is :func:`jzero.optim.muon.muon` (AdamW for the leaves that are no matrix):
+* ``Muon`` is :func:`jzero.optim.muon_optimizer.muon` (AdamW for the leaves that are no matrix):
   ``lr`` is the matrices' rate and ``adam_lr`` AdamW's, both following the schedule (AdamW's
   scaled by ``adam_lr / lr``); ``momentum`` is Muon's beta, ``betas`` AdamW's, ``weight_decay``
   decays both groups, as DeepSpeed's param groups share it.
@@ -37,9 +37,9 @@ from jzero.config import (
     resolve_optimizer,
     resolve_scheduler,
 )
-from jzero.optim.muon import muon as muon_tx
+from jzero.optim.lr_schedules import _one_cycle_momentum, _optimizer_lr, build_lr_schedule
+from jzero.optim.muon_optimizer import muon as muon_tx
 from jzero.optim.quantized import quantized_adam_state
-from jzero.optim.schedules import _one_cycle_momentum, _optimizer_lr, build_schedule
 from jzero.optim.transforms import (
     scale_by_fused_adam,
     scale_by_fused_lamb,
@@ -158,7 +158,7 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
             "Adam's moments; choose one: remove bf16_optimizer_states (8-bit codes are the "
             "smaller state) or remove state_bits (bfloat16 moments)."
         )
-    hyper: dict[str, Any] = {"learning_rate": build_schedule(cfg)}
+    hyper: dict[str, Any] = {"learning_rate": build_lr_schedule(cfg)}
     if name in _WITH_BETAS:
         hyper["b1"], hyper["b2"] = p["betas"]
     if cfg.scheduler is not None:

@@ -10,9 +10,9 @@ Decisions:
   when one is given (``communication_data_type``), else in the parameter's dtype; a custom VJP
   is used only when that differs from the shard's dtype or the transpose is quantized.
 * ZeRO++: with ``bits`` every gather of a floating parameter is quantized (qwZ,
-  :func:`jzero.comm.quantization.quantized_all_gather`), and with ``grad_bits`` every transpose is the
-  quantized reduce-scatter (qgZ); a pending gather carries both, so casts and nested calls keep
-  them. Non-floating arrays are always gathered exactly.
+  :func:`jzero.comm.quantization.quantized_all_gather`), and with ``grad_bits`` every transpose
+  is the quantized reduce-scatter (qgZ); a pending gather carries both, so casts and nested
+  calls keep them. Non-floating arrays are always gathered exactly.
 * A shard that rests padded (:mod:`jzero.plan.padding`) is gathered padded and cut to the
   logical length after the gather (``size``); the cut's transpose pads the gradient with zeros
   before its reduce-scatter, so the padding never reaches the loss or the gradients.
@@ -94,9 +94,10 @@ def all_gather(
     """A tiled all-gather whose transpose reduce-scatters in ``grad_dtype`` (default: x's).
 
     ``bits`` (8 or 4) sends the gather quantized (ZeRO++ qwZ,
-    :func:`jzero.comm.quantization.quantized_all_gather`); ``grad_bits`` (8 or 4) makes the transpose
-    ZeRO++'s quantized reduce-scatter (qgZ, :func:`jzero.comm.quantization.quantized_psum_scatter`).
-    Both apply to floating arrays only; 0 is exact.
+    :func:`jzero.comm.quantization.quantized_all_gather`); ``grad_bits`` (8 or 4) makes the
+    transpose ZeRO++'s quantized reduce-scatter (qgZ,
+    :func:`jzero.comm.quantization.quantized_psum_scatter`). Both apply to floating arrays only;
+    0 is exact.
     """
     if not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
         bits = grad_bits = 0

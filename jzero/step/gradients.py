@@ -26,11 +26,10 @@ Decisions:
   accumulation boundary: an all-reduce of ``1/data`` of the gradient bytes (hybrid), or a
   reduce-scatter of them (ZeRO++ hpZ, whose optimizer state is sharded over both axes).
   Stage 3's gathers stay within ``data``.
-* ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over
-  ``data`` by the quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`: here
-  for
-  the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones. It
-  quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
+* ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over ``data``
+  by the quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`: here
+  for the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones.
+  It quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
   and sums in float32; all-reduces and the replica-axis reduction stay exact.
 * ``overlap_comm`` at stages 0-2: the step's own reductions run per bucket
   (``plan.reduce_bucket_size``, :func:`jzero.comm.overlap.reduce_buckets`).
@@ -430,9 +429,9 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     of their all-gather) and pass through.
 
     With ``plan.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the quantized
-    all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in float32, from the
-    gradient's own dtype: the integers replace the communication dtype); all-reduces stay
-    exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
+    all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in float32,
+    from the gradient's own dtype: the integers replace the communication dtype); all-reduces
+    stay exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
     reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`)."""
     bits = plan.quantized_gradients
     leaves = jax.tree.leaves(grads)

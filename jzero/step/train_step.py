@@ -39,7 +39,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import compiler_options
-from jzero.optim.muon import update_layout
+from jzero.optim.update_context import update_layout
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
 from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
 from jzero.step.options import StepOptions

@@ -18,7 +18,7 @@ from jzero.config import ConfigError, load_config
 from jzero.groups import check_leafwise
 from jzero.hlo import collectives, loop_collectives
 from jzero.optim import build_optimizer
-from jzero.optim.muon import default_dimension_numbers
+from jzero.optim.muon_optimizer import default_dimension_numbers
 from jzero.step import streamed_groups
 
 BATCH, STEPS = 16, 3

@@ -16,7 +16,7 @@ from numerics import EPS
 
 import jzero
 from jzero.config import ConfigError, JzeroConfigWarning, load_config
-from jzero.optim import build_optimizer, build_schedule, current_lr
+from jzero.optim import build_lr_schedule, build_optimizer, current_lr
 
 P0 = np.array([0.5, -1.0, 2.0], np.float32)
 GRADS = [np.array([0.1, -0.2, 0.3], np.float32), np.array([-0.3, 0.1, 0.2], np.float32)]
@@ -259,7 +259,7 @@ def ds_one_cycle_mom(it, lo, hi, first, second):
 
 
 STEPS = [0, 1, 2, 5, 9, 10, 11, 17, 30, 40, 55]
-# The schedules compute in float32 from the step (jzero/optim/schedules.py): a handful of
+# The schedules compute in float32 from the step (jzero/optim/lr_schedules.py): a handful of
 # operations (the iteration, a log or cos, a ratio, a product and a sum), each rounding to EPS
 # relative, whose errors a sum lo + (hi - lo) * g can amplify a few times: 32 EPS (measured up
 # to 7). ``abs`` only matters where the rate is 0.
@@ -273,7 +273,7 @@ def check_schedule(scheduler, reference, optimizer_lr=0.5):
             "scheduler": scheduler,
         }
     )
-    schedule = jax.jit(build_schedule(cfg))
+    schedule = jax.jit(build_lr_schedule(cfg))
     for k in STEPS:
         # Update k uses DeepSpeed's rate after k scheduler.step() calls: iteration k - 1.
         want = reference(k - 1)
@@ -377,7 +377,7 @@ def test_lr_range_test(staircase):
 def test_constant_lr_without_scheduler():
     cfg = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.25}}})
     assert float(current_lr(cfg, 7)) == 0.25
-    assert float(current_lr(build_schedule(cfg), jnp.int32(3))) == 0.25
+    assert float(current_lr(build_lr_schedule(cfg), jnp.int32(3))) == 0.25
 
 
 # --- errors ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Decisions:
 * **DeepSpeed's step semantics.** DeepSpeed sets the rate once when the scheduler is built and
   calls ``scheduler.step()`` after each optimizer step, so update ``k`` (0-based) uses the
   schedule at ``last_batch_iteration = k - 1``, and update 0 the construction-time rate
-  (``warmup_min_lr``, ``cycle_min_lr``, or 0 for ``WarmupCosineLR``). ``build_schedule(cfg)(k)``
+  (``warmup_min_lr``, ``cycle_min_lr``, or 0 for ``WarmupCosineLR``). ``build_lr_schedule(cfg)(k)``
   is exactly the rate DeepSpeed uses for update ``k``.
 * Schedules: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` (its momentum
   cycle too, which :mod:`jzero.optim.builder` injects as beta1) and ``LRRangeTest``; without a
@@ -24,7 +24,7 @@ import optax
 
 from jzero.config import Config, ConfigError, resolve_optimizer, resolve_scheduler
 
-__all__ = ["build_schedule", "current_lr"]
+__all__ = ["build_lr_schedule", "current_lr"]
 
 
 def _warmup_gamma(it: jax.Array, warmup_steps: int, warmup_type: str) -> jax.Array:
@@ -162,7 +162,7 @@ def _optimizer_lr(cfg: Config) -> float:
     return resolve_optimizer(cfg.optimizer)[1]["lr"]
 
 
-def build_schedule(cfg: Config) -> optax.Schedule:
+def build_lr_schedule(cfg: Config) -> optax.Schedule:
     """Builds the learning-rate schedule of ``cfg`` as a jittable function of the update count.
 
     Args:
@@ -178,7 +178,7 @@ def build_schedule(cfg: Config) -> optax.Schedule:
     Example:
       >>> from jzero.config import load_config
       >>> cfg = load_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.25}}})
-      >>> float(build_schedule(cfg)(5))
+      >>> float(build_lr_schedule(cfg)(5))
       0.25
     """
     if cfg.scheduler is None:
@@ -201,13 +201,13 @@ def current_lr(cfg_or_schedule: Config | Callable[[Any], Any], step: int | jax.A
     """The learning rate of update ``step`` (0-based).
 
     Args:
-      cfg_or_schedule: a ``Config`` or a schedule from ``build_schedule``.
+      cfg_or_schedule: a ``Config`` or a schedule from ``build_lr_schedule``.
       step: the number of updates already applied.
 
     Returns:
       The rate as a float32 scalar array.
     """
-    schedule = (
-        build_schedule(cfg_or_schedule) if isinstance(cfg_or_schedule, Config) else cfg_or_schedule
-    )
+    schedule = cfg_or_schedule
+    if isinstance(cfg_or_schedule, Config):
+        schedule = build_lr_schedule(cfg_or_schedule)
     return jnp.asarray(schedule(jnp.asarray(step)), jnp.float32)

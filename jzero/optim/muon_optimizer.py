@@ -14,16 +14,15 @@ Decisions:
   all-reduce, the next product an all-gather): a toy of three matrices compiles to 15 more
   all-gathers and 10 more all-reduces than AdamW's step. DeepSpeed instead gathers a matrix's
   update once, orthogonalises it on one rank and scatters the result.
-* **One exchange in, one out.** Inside jzero's step (:func:`update_layout` says where each leaf
-  of the update rests) the matrices are grouped by shape, stacked (transposed to rows <= columns,
-  as the iteration itself does) into ``[B, rows, cols]``, padded with zero matrices to a
-  multiple of the devices the leaves are sharded over, and constrained to be split over ``B``:
-  each device then holds a few *whole* matrices, and the resharding from "every matrix in row
-  shards" to "whole matrices, dealt out" is one all-to-all per group. Each device runs the
-  iterations on its own matrices with no collective at all, and one all-to-all per group takes
-  the results back to the leaves' shards. The exchange moves the momentum once in and the
-  update once out: ``2 x (n-1)/n`` of the orthogonalised leaves' float32 bytes per step, in
-  place of a collective per iteration.
+* **One exchange in, one out.** Inside jzero's step (which says where each leaf of the update rests:
+  :mod:`jzero.optim.update_context`) the matrices are grouped by shape, stacked (transposed to rows
+  <= columns, as the iteration itself does) into ``[B, rows, cols]``, padded with zero matrices to a
+  multiple of the devices the leaves are sharded over, and constrained to be split over ``B``: each
+  device then holds a few *whole* matrices, and the resharding from "every matrix in row shards" to
+  "whole matrices, dealt out" is one all-to-all per group. Each device runs the iterations on its
+  own matrices with no collective at all, and one all-to-all per group takes the results back to the
+  leaves' shards. The exchange moves the momentum once in and the update once out: ``2 x (n-1)/n``
+  of the orthogonalised leaves' float32 bytes per step, in place of a collective per iteration.
 * **Where the matrices rest whole, in place.** A stacked leaf split only over its layer (or
   expert) axis, as ZeRO lays out a scan's stack whose layers the devices divide, holds whole
   matrices on each device already: they are orthogonalised there, with no collective at all
@@ -52,11 +51,9 @@ Decisions:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -66,6 +63,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers
 
+from jzero.optim.update_context import current_update_layout
+
 __all__ = [
     "DEFAULT_NS_COEFFS",
     "MuonState",
@@ -73,7 +72,6 @@ __all__ = [
     "muon",
     "newton_schulz",
     "scale_by_muon",
-    "update_layout",
 ]
 
 PyTree = Any
@@ -85,30 +83,12 @@ DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
 _NOT_MATRICES = ("embed", "wte", "wpe", "lm_head", "head", "unembed", "norm")
 _VECTOR_NAMES = ("b", "bias", "scale", "gain", "g")
 
-_LAYOUT: contextvars.ContextVar[dict[str, NamedSharding] | None] = contextvars.ContextVar(
-    "jzero_update_layout", default=None
-)
-
 
 class MuonState(NamedTuple):
     """Muon's state: the update count and the momentum of each matrix (its parameter's shape)."""
 
     count: jax.Array
     mu: PyTree
-
-
-@contextlib.contextmanager
-def update_layout(shardings: PyTree) -> Iterator[None]:
-    """While tracing an update inside it, Muon knows where each leaf rests: ``shardings`` is a
-    tree of ``NamedSharding`` with the params' structure (jzero's step passes the plan's update
-    layout). Matrices sharded over some mesh axes are then orthogonalised whole, dealt out over
-    those axes (see the module's decisions); without it each is orthogonalised where it is."""
-    flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
-    token = _LAYOUT.set({jax.tree_util.keystr(p): s for p, s in flat})
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
 
 
 def default_dimension_numbers(path: str, shape: tuple[int, ...]) -> MuonDimensionNumbers | None:
@@ -185,7 +165,7 @@ def _orthogonalize(
 ) -> list[jax.Array]:
     """Each leaf's matrices orthogonalised: dealt out whole over the axes their leaves are
     sharded on (one all-to-all per group of equal shapes each way), or where they are."""
-    layout = _LAYOUT.get() or {}
+    layout = current_update_layout()
     out: list[jax.Array | None] = [None] * len(leaves)
     groups: dict[tuple, list[tuple[int, jax.Array, bool]]] = {}
     for i, (path, x, dims) in enumerate(leaves):
