@@ -6,12 +6,11 @@ are never all gathered *at once*. DeepSpeed does this with module hooks. In JAX 
 modules at run time, only a traced program, so jzero rewrites the program. Three parts, every
 name importable from :mod:`jzero.replay`:
 
-* the gather of one parameter (:mod:`jzero.replay.param_gather`: :func:`all_gather`, whose transpose
+* the gather of one parameter (:mod:`jzero.replay.pending`: :func:`all_gather`, whose transpose
   reduce-scatters in the communication dtype or quantized, and the pending gather a sharded
   parameter stands as until its use);
 * the replay (:mod:`jzero.replay.interpreter`): the trace re-run with gathers moved into scan
-  bodies and
-  to each other use, scans and layers re-emitted under ``jax.checkpoint``;
+  bodies and to each other use, scans and layers re-emitted under ``jax.checkpoint``;
 * here, the entry points: :func:`gathered` (stage 3), :func:`replay` and
   :func:`remat_scans` (activation checkpointing at any stage), :func:`layer_dims` (the
   stacked-layer dimensions the plan keeps whole).
@@ -46,7 +45,7 @@ from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
 from jzero.replay.interpreter import _Replay
-from jzero.replay.param_gather import _Pending
+from jzero.replay.pending import _Pending
 from jzero.replay.prefetch import kept_leaves, prefetch_anchors
 from jzero.replay.remat import RematPolicy, parse_policy
 from jzero.replay.trace import PASS_THROUGH, Partition, find_layers, inline_calls, layer_keys
@@ -134,7 +133,7 @@ def gathered(
         quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`; 0: exact.
       overlap: ``overlap_comm``: a scan that gathers weights fetches each layer one iteration
         ahead, in the forward and the backward pass, and reduce-scatters each layer's gradient
-        beside the next layer's backward pass (:func:`jzero.comm.overlap.overlapped_scan`). Scans
+        beside the next layer's backward pass (:func:`jzero.replay.overlap.overlapped_scan`). Scans
         that keep gathered weights (``reshard=False``), tag activations (policy ``none``),
         partition or offload them, run in reverse, have one iteration or a non-floating carry
         gather at their own iteration as without it.

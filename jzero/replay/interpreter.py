@@ -1,8 +1,7 @@
 """The replay of a traced loss: stage 3's gathers moved to their uses, layers checkpointed.
 
 The interpreter half of :mod:`jzero.replay.gather`: :class:`_Replay` runs a jaxpr equation by
-equation with each sharded parameter standing as a pending gather
-(:mod:`jzero.replay.param_gather`),
+equation with each sharded parameter standing as a pending gather (:mod:`jzero.replay.pending`),
 and re-emits scans and layers where their gathers and checkpoints belong.
 
 Decisions:
@@ -27,7 +26,7 @@ Decisions:
   value, which XLA's CSE cannot merge with the forward one (``jax.checkpoint`` cannot do this
   on CPU: its optimization barriers are expanded away before CSE runs).
 * ``overlap`` (``overlap_comm``): a scan that gathers weights is re-emitted by
-  :func:`jzero.replay.overlapped_scan.overlapped_scan`, which carries each layer's gathered weights
+  :func:`jzero.replay.overlap.overlapped_scan`, which carries each layer's gathered weights
   one
   iteration ahead in the forward and the backward loop, reduce-scatters each layer's gradient
   beside the next layer's backward pass and keeps no gathered weight for the backward pass
@@ -62,9 +61,9 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
-from jzero.replay.overlapped_scan import can_overlap, overlapped_scan
-from jzero.replay.param_gather import _Pending
-from jzero.replay.prefetch import Event
+from jzero.replay.overlap import can_overlap, overlapped_scan
+from jzero.replay.pending import _Pending
+from jzero.replay.prefetch import GatherEvent
 from jzero.replay.remat import LAYER_INPUT, RematPolicy
 from jzero.replay.trace import (
     Partition,
@@ -124,9 +123,9 @@ class _Replay:
         self.shards = shards  # the size of the axis
         self.kept = kept  # leaves gathered once and kept (``stage3_max_reuse_distance``)
         self.anchors = list(anchors)  # per use, the use its gather waits for (prefetch)
-        self.record = record  # only record the gather order (:class:`Event`), gather nothing
+        self.record = record  # only record the gather order (:class:`GatherEvent`), gather nothing
         self.partition = partition  # saved layer inputs split over model axes (remat policy)
-        self.events: list[Event] = []
+        self.events: list[GatherEvent] = []
         self._firsts: list[Any] = []  # per use so far, one element of its first operand
         self._kept_values: dict[Any, Any] = {}
 
@@ -174,7 +173,7 @@ class _Replay:
         pend = [x if isinstance(x, _Pending) else None for x in vals]
         if self.record:
             leaves = {p.index: p.numel(self.shards) for p in pend if p is not None}
-            self.events.append(Event(leaves, "layer", sum(leaves.values())))
+            self.events.append(GatherEvent(leaves, "layer", sum(leaves.values())))
         arrays = [x.shard if p is not None else x for x, p in zip(vals, pend, strict=True)]
         out_pend: list[Any] = [None] * len(seg.live_out)
 
@@ -271,7 +270,7 @@ class _Replay:
         self._firsts.append(first_element(operands) if self.anchors else None)
         if self.record:
             leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
-            self.events.append(Event(leaves, "use", max(leaves.values())))
+            self.events.append(GatherEvent(leaves, "use", max(leaves.values())))
             return bind(eqn, [self.materialize(x) for x in invals])
         invals = list(invals)
         for i, x in enumerate(invals):
@@ -322,7 +321,7 @@ class _Replay:
     ) -> list[Any]:
         """A scan that gathers weights, with each layer's gathers one iteration ahead (forward
         and backward) and each layer's reduce-scatter beside the next layer's backward pass
-        (:func:`jzero.replay.overlapped_scan.overlapped_scan`); the same values and gradients."""
+        (:func:`jzero.replay.overlap.overlapped_scan`); the same values and gradients."""
         p = eqn.params
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
 
@@ -358,7 +357,7 @@ class _Replay:
         if self.record:
             leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
             if leaves:
-                self.events.append(Event(leaves, "scan", max(leaves.values()) // p["length"]))
+                self.events.append(GatherEvent(leaves, "scan", max(leaves.values()) // p["length"]))
             return bind(eqn, [self.materialize(x) for x in invals])
         num_consts, num_carry = p["num_consts"], p["num_carry"]
         consts = [self.materialize(x) for x in invals[:num_consts]]

@@ -1,7 +1,7 @@
-"""Stage 3's gather schedule: DeepSpeed's prefetch and reuse knobs on the traced gather order.
+"""Stage 3's gather order: DeepSpeed's prefetch and reuse knobs on the traced gathers.
 
 One recording pass of :mod:`jzero.replay.gather`'s replay lists where the step gathers parameters
-(:class:`Event`); these pure functions turn that order into decisions:
+(:class:`GatherEvent`); these pure functions turn that order into decisions:
 :func:`prefetch_anchors` (``stage3_prefetch_bucket_size``: which earlier use a gather may start
 at) and :func:`kept_leaves` (``stage3_max_reuse_distance`` within
 ``stage3_max_live_parameters``: which leaves are gathered once and kept).
@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Event", "kept_leaves", "prefetch_anchors"]
+from jzero._util import moved
+
+__all__ = ["GatherEvent", "kept_leaves", "prefetch_anchors"]
 
 
 @dataclass(frozen=True)
-class Event:
+class GatherEvent:
     """One place the program gathers parameters: ``leaves`` maps leaf index to the elements
     gathered; ``kind`` is ``use`` (a use outside scans and checkpointed layers), ``layer`` (a
     checkpointed layer of a Python loop) or ``scan`` (a stacked leaf, one slice at a time);
@@ -27,7 +30,7 @@ class Event:
     unit: int
 
 
-def _between(events: Sequence[Event], leaf: int) -> int:
+def _between(events: Sequence[GatherEvent], leaf: int) -> int:
     """Elements of the other leaves ``events`` gather (each leaf counted once)."""
     sizes: dict[int, int] = {}
     for e in events:
@@ -37,7 +40,7 @@ def _between(events: Sequence[Event], leaf: int) -> int:
     return sum(sizes.values())
 
 
-def kept_leaves(events: Sequence[Event], distance: int, max_live: int) -> frozenset[int]:
+def kept_leaves(events: Sequence[GatherEvent], distance: int, max_live: int) -> frozenset[int]:
     """DeepSpeed's ``stage3_max_reuse_distance`` on a recorded gather order: the leaves whose
     every next use is within ``distance`` elements of other gathered parameters are gathered
     once and kept until their last backward use.
@@ -66,7 +69,7 @@ def kept_leaves(events: Sequence[Event], distance: int, max_live: int) -> frozen
     return frozenset(kept)
 
 
-def prefetch_anchors(events: Sequence[Event], bucket: int) -> list[int]:
+def prefetch_anchors(events: Sequence[GatherEvent], bucket: int) -> list[int]:
     """DeepSpeed's ``stage3_prefetch_bucket_size`` on a recorded gather order: per use (the
     ``use`` events, in order), the earliest use whose operands its gather may wait for, such
     that what is gathered from there to it is at most ``bucket`` elements."""
@@ -80,3 +83,11 @@ def prefetch_anchors(events: Sequence[Event], bucket: int) -> list[int]:
             i -= 1
         anchors.append(i)
     return anchors
+
+
+def __getattr__(name: str) -> Any:
+    """``Event`` is :class:`GatherEvent` (``jzero.monitor`` has an ``Event`` of its own); the old
+    name stays for a release, with a ``DeprecationWarning``."""
+    if name == "Event":
+        return moved(f"{__name__}.Event", f"{__name__}.GatherEvent")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -284,13 +284,13 @@ def test_max_reuse_distance_keeps_what_is_reused_within_it():
 
 
 def test_reuse_and_prefetch_read_the_traced_gather_order():
-    from jzero.replay import Event, kept_leaves, prefetch_anchors
+    from jzero.replay import GatherEvent, kept_leaves, prefetch_anchors
 
     # embed (100), two layers (10 each), then embed again: the tied embedding's reuse is 20
     # elements away; layer 1's backward use is 2 x 100 away, layer 2's too (the embed after it).
-    events = [Event({0: 100}, "use", 100)]
-    events += [Event({i: 10}, "use", 10) for i in (1, 2)]
-    events += [Event({0: 100}, "use", 100)]
+    events = [GatherEvent({0: 100}, "use", 100)]
+    events += [GatherEvent({i: 10}, "use", 10) for i in (1, 2)]
+    events += [GatherEvent({0: 100}, "use", 100)]
     assert kept_leaves(events, 20, 10**9) == {0}
     assert kept_leaves(events, 199, 10**9) == {0}
     assert kept_leaves(events, 220, 10**9) == {0, 1, 2}

@@ -1,4 +1,4 @@
-"""The gather of one sharded parameter: an all-gather with a chosen transpose, and its pending form.
+"""A parameter pending its gather, and the all-gather (with a chosen transpose) that resolves it.
 
 The collective half of :mod:`jzero.replay.gather`: :func:`all_gather` moves a shard to the full
 value, and a :class:`_Pending` is a parameter still in its shard that the replay
