@@ -9,7 +9,7 @@ Every public name lives in one of the private modules below and is re-exported h
 * ``_schema``: the top-level ``Config`` and jzero's own sections (``mesh``, ``train`` ...).
 * ``_optimizers``: optimizer and LR-schedule names, parameters and DeepSpeed's defaults.
 * ``_validate``: the schema walk, "did you mean" suggestions, no-effect keys, cross-field rules
-  (``_validate_zero``: those within ``zero_optimization``).
+  (``_zero_checks``: those within ``zero_optimization``).
 * ``_loading``: YAML/JSON reading and ``--set`` overrides (the only module importing PyYAML).
 * ``_batch``: DeepSpeed's batch arithmetic.
 * ``_auto``: ``"auto"`` values resolved from the code at ``jzero.initialize``.

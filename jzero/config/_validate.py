@@ -33,8 +33,7 @@ Decisions:
   ``dta`` is an error, not a new axis) and their sizes like ``mesh.data``.
 * Cross-field rules (precision, offload needs a stage, model shape, at most one ``-1`` mesh
   axis) run after the sections are built; those within ``zero_optimization`` (offload, the
-  NVMe tier, ``sub_group_size``, hybrid sharding) live in ``_validate_zero`` (``_check_nvme``
-  and ``_check_hybrid`` are re-exported here).
+  NVMe tier, ``sub_group_size``, hybrid sharding) live in ``_zero_checks``.
 * ``activation_checkpointing`` present without a ``policy`` key means ``policy: full`` (a
   DeepSpeed user who adds the section expects checkpointing); without the section, or with
   ``policy: null`` (what ``to_dict`` writes for it), the policy stays ``None``: jzero's
@@ -68,9 +67,7 @@ from jzero.config._common import (
 )
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
-from jzero.config._validate_zero import _check_hybrid as _check_hybrid
-from jzero.config._validate_zero import _check_nvme as _check_nvme
-from jzero.config._validate_zero import check_zero, resolve_zero
+from jzero.config._zero_checks import check_zero, resolve_zero
 
 __all__ = ["build_config"]
 
