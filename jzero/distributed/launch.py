@@ -200,13 +200,13 @@ def _forward(
     stream.close()
 
 
-def _signal_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
+def _signal_process_groups(procs: Sequence[subprocess.Popen], sig: int) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, sig)
 
 
-def _group_alive(pgid: int) -> bool:
+def _process_group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -219,21 +219,21 @@ def _stop_all(procs: Sequence[subprocess.Popen], grace_period: float, signals: _
     SIGKILL to what is left after ``grace_period`` or at once on a further signal."""
     received = signals.received
     handled = min(len(received), 1)  # a signal already received beyond the first escalates
-    _signal_groups(procs, _FORWARDED[received[0]] if received else signal.SIGTERM)
+    _signal_process_groups(procs, _FORWARDED[received[0]] if received else signal.SIGTERM)
     deadline = time.monotonic() + grace_period
     while time.monotonic() < deadline:
         if len(received) > handled:
             if handled:
                 break  # a second signal: SIGKILL now
             handled = 1  # the first signal while stopping after a failure: forwarded as well
-            _signal_groups(procs, _FORWARDED[received[0]])
+            _signal_process_groups(procs, _FORWARDED[received[0]])
             continue
         for p in procs:
             p.poll()
-        if all(p.returncode is not None and not _group_alive(p.pid) for p in procs):
+        if all(p.returncode is not None and not _process_group_alive(p.pid) for p in procs):
             return
         time.sleep(_POLL_S)
-    _signal_groups(procs, signal.SIGKILL)
+    _signal_process_groups(procs, signal.SIGKILL)
 
 
 def _check_runnable(argv: Sequence[str], env: Mapping[str, str]) -> None:

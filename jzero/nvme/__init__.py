@@ -1,6 +1,6 @@
 """ZeRO-Infinity's NVMe tier: the file store and format, the state in files, its step.
 
-Import direction: imports :mod:`jzero.plan`, :mod:`jzero.step` and :mod:`jzero.groups`;
+Import direction: imports :mod:`jzero.plan`, :mod:`jzero.step` and :mod:`jzero.subgroups`;
 imported only by :mod:`jzero.engine` (the core step never imports it).
 
 * :mod:`~jzero.nvme.options`: :class:`NvmeOptions`, the tier's settings as one typed value

@@ -7,14 +7,14 @@ moves; :mod:`jzero.nvme.step` runs the step around it.
 
 Decisions:
 
-* Files follow the groups of parameter leaves (:func:`jzero.groups.leaf_groups` of
+* Files follow the groups of parameter leaves (:func:`jzero.subgroups.leaf_groups` of
   ``sub_group_size`` elements, every group two leaves or more): per version ``v`` and group
   ``g``, the file ``(v, g)`` holds this process's distinct shards of the group's masters and
   the optimizer state the group owns, and with parameters on NVMe the file ``("p", v, g)``
   holds its parameter shards (in the parameters' own store, which may be another drive).
   Shared state (step counts, injected hyperparameters) is small and stays in memory.
 * The engine's :class:`~jzero.step.TrainState` keeps zero-size placeholders
-  (:func:`jzero.groups.placeholder`) where the disk has the values. :meth:`NvmeState.materialize`
+  (:func:`jzero.subgroups.placeholder`) where the disk has the values. :meth:`NvmeState.materialize`
   reads them back into a full state, so checkpoints are ordinary jzero checkpoints, restored
   with or without NVMe on any device count; :meth:`NvmeState.spill` writes a full state out
   (after a restore).
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jzero import groups as groups_lib
+from jzero import subgroups
 from jzero.nvme.shards import _from_host, _shard_count, host_shards
 from jzero.nvme.store import NvmeStore
 from jzero.plan import PINNED_HOST, Plan, available_memory_kinds, on_device
@@ -124,16 +124,16 @@ class NvmeState:
         self.params_on_disk = param_store is not None
         self.version: int | None = None  # the version on disk; None before the first write
         self.mixed = plan.precision.mixed
-        self.owner = groups_lib.param_leaf_owner(
+        self.owner = subgroups.param_leaf_owner(
             optimizer, plan.abstract_params, plan.abstract_opt_state
         )
         sizes = [math.prod(leaf.shape) for leaf in plan.leaves]
-        self.groups = groups_lib.merge_single_leaf_groups(
-            groups_lib.leaf_groups(sizes, sub_group_size)
+        self.groups = subgroups.merge_single_leaf_groups(
+            subgroups.leaf_groups(sizes, sub_group_size)
         )
         if len(self.groups) > 1:
-            groups_lib.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
-        self.shared = groups_lib.shared_state(self.owner)
+            subgroups.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
+        self.shared = subgroups.shared_state(self.owner)
         self._abstract_state = jax.tree.leaves(plan.abstract_opt_state)
         self._abstract_params = jax.tree.leaves(plan.abstract_params)
         self._param_def = jax.tree.structure(plan.abstract_params)
@@ -154,7 +154,7 @@ class NvmeState:
         """The leaves of ``group`` in its optimizer file: ("master", param index) under mixed
         precision, then ("state", state index) for the state the group owns."""
         out = [("master", i) for i in group] if self.mixed else []
-        return out + [("state", k) for k in groups_lib.owned_state(self.owner, group)]
+        return out + [("state", k) for k in subgroups.owned_state(self.owner, group)]
 
     def like_of(self, kind: Kind, i: int) -> tuple[Any, Any]:
         """Leaf ``i`` of ``kind`` as it is read back: its shape and dtype, and its sharding."""
@@ -187,17 +187,17 @@ class NvmeState:
         shared optimizer state, when given)."""
         s_leaves, s_def = jax.tree.flatten(state.opt_state)
         out = [
-            groups_lib.placeholder(x) if self.owner[k] is not None else x
+            subgroups.placeholder(x) if self.owner[k] is not None else x
             for k, x in enumerate(s_leaves)
         ]
         for k, v in zip(self.shared, shared or (), strict=False):
             out[k] = v
         master = state.master
         if self.mixed:
-            master = jax.tree.map(groups_lib.placeholder, state.master)
+            master = jax.tree.map(subgroups.placeholder, state.master)
         params = state.params
         if self.params_on_disk:
-            params = jax.tree.map(groups_lib.placeholder, state.params)
+            params = jax.tree.map(subgroups.placeholder, state.params)
         return state._replace(opt_state=s_def.unflatten(out), master=master, params=params)
 
     def restore_shardings(self, shardings: TrainState) -> TrainState:

@@ -13,7 +13,7 @@ Decisions:
   step without its update (:func:`jzero.step.make_gradient_step`: gradients reduced, unscaled and
   clipped, the finiteness flag, the metrics, the next loss scale). Then, for each group of
   parameter leaves, the group's shards are read from the store, one compiled update program per
-  group runs :func:`jzero.groups.update_group_leaves` on them, and the results go back to the
+  group runs :func:`jzero.subgroups.update_group_leaves` on them, and the results go back to the
   store. A last program gathers the parameters at rest from the groups' 16-bit copies;
   ``engine.train_step`` hides all of it.
 * With the parameters on NVMe, the step first reads them (group by group, reading ahead with
@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jzero import groups as groups_lib
+from jzero import subgroups
 from jzero.nvme.state import NvmeState, read_ahead
 from jzero.plan import on_device
 from jzero.step import TrainState, make_gradient_step, params_at_rest
@@ -82,7 +82,7 @@ class NvmeStep:
         """The jitted update of one group: (grads, masters or params, owned state, shared
         state) of the group -> (new masters, new owned state, new shared, 16-bit copies)."""
         plan, optimizer, disk = self.plan, self.optimizer, self.disk
-        owned = groups_lib.owned_state(disk.owner, group)
+        owned = subgroups.owned_state(disk.owner, group)
         compute = plan.precision.compute_dtype
         mixed = disk.mixed
         update_sh = jax.tree.leaves(on_device(plan.update_layout))
@@ -93,7 +93,7 @@ class NvmeStep:
                     jax.lax.with_sharding_constraint(m, update_sh[i])
                     for m, i in zip(master_g, group, strict=True)
                 ]
-            result = groups_lib.update_group_leaves(
+            result = subgroups.update_group_leaves(
                 optimizer,
                 plan.abstract_params,
                 plan.abstract_opt_state,
@@ -156,7 +156,7 @@ class NvmeStep:
             for g, _ in enumerate(read_ahead(store, keys, self.pipeline_read)):
                 group = groups[g]
                 values = disk.read(g)
-                owned = groups_lib.owned_state(disk.owner, group)
+                owned = subgroups.owned_state(disk.owner, group)
                 masters = (
                     [values[("master", i)] for i in group]
                     if disk.mixed

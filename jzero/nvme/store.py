@@ -2,7 +2,7 @@
 
 DeepSpeed's ``offload_optimizer: {device: nvme, nvme_path: ...}`` keeps each process's shard of
 the optimizer state (and the fp32 masters) in files on a local NVMe drive and streams it
-through host memory one sub-group at a time (:mod:`jzero.groups`), prefetching the next
+through host memory one sub-group at a time (:mod:`jzero.subgroups`), prefetching the next
 sub-group while the current one is updated and writing the previous one back behind it. This
 module is the file side of that: :func:`check_nvme_path` and :class:`NvmeStore`.
 

@@ -1,7 +1,7 @@
 """Where every leaf lives: the stage table, leaf rule, precision, memory kinds, Plan, make_plan.
 
 Import direction: imports :mod:`jzero.choices` (the stage table), :mod:`jzero.distributed`
-(the mesh axes) and :mod:`jzero.groups` (which leaves share an update group); imported by the
+(the mesh axes) and :mod:`jzero.subgroups` (which leaves share an update group); imported by the
 step, the engine, the NVMe tier, memory, checkpoint and weights. It runs nothing: a plan is
 data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
 

@@ -359,7 +359,7 @@ def _offloaded_state(
     host_leaves = _offloaded_leaves(leaves, zero.offload_ratio)
     if kind is None or len(host_leaves) == len(leaves):
         return _with_kind(opt_sh, kind), _with_kind(update_sh, kind)
-    from jzero.groups import param_leaf_owner
+    from jzero.subgroups import param_leaf_owner
 
     owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)
     flat_sh, sh_def = jax.tree.flatten(opt_sh)

@@ -16,7 +16,7 @@ Decisions:
   parameters' state (and masters) in host memory first (:func:`jzero.plan.make_plan`).
 * ``sub_group_size``: the step brings the offloaded state into device memory one group of
   leaves at a time and sends each group's results back before the next comes in
-  (:mod:`jzero.groups`), so the device holds one group of it, not all.
+  (:mod:`jzero.subgroups`), so the device holds one group of it, not all.
 * Offload moves state off the device between steps; during the step the offloaded shards are in
   device memory one step at a time, as in DeepSpeed's ZeRO-Offload.
 

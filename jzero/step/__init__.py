@@ -1,7 +1,7 @@
 """The pure jitted step: TrainState, gradients, update, streamed update, make_train_step.
 
 Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm`,
-:mod:`jzero.groups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
+:mod:`jzero.subgroups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
 
 * :mod:`~jzero.step.options`: :class:`StepOptions`, the step's settings as one typed value
   (:mod:`jzero.engine.settings` makes it from a config).

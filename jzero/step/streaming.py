@@ -3,7 +3,7 @@
 With ``offload_optimizer`` the optimizer state (and the float32 masters under mixed precision)
 rest in host memory. Brought into device memory in one piece for the update, they would make
 the step's device peak that of a run without offload. Here the update runs over groups of
-parameter leaves of at most ``sub_group_size`` elements (:func:`jzero.groups.leaf_groups`,
+parameter leaves of at most ``sub_group_size`` elements (:func:`jzero.subgroups.leaf_groups`,
 every group two leaves or more): bring the group's state in, update it, send it back, then the
 next group.
 
@@ -14,7 +14,7 @@ Decisions:
   bring ``g + 1`` in before ``g`` has gone out; the device then holds one group of the state
   (plus the 16-bit params and the gradients). The lowered program shows the order: one barrier
   between consecutive groups, each group's ``annotate_device_placement`` to host before it.
-* Each group's update is :func:`jzero.groups.update_group` (the optax chain unchanged, the
+* Each group's update is :func:`jzero.subgroups.update_group` (the optax chain unchanged, the
   other leaves zero-size placeholders), so a leafwise optimizer gives the bits of the one-call
   update; a skipped step (non-finite gradients) keeps each group's old values, on the device,
   before they go back.
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero import groups as groups_lib
+from jzero import subgroups
 from jzero.plan import Plan, cut_leaf, is_host, on_device, pad_to, unpad_to, update_view
 
 __all__ = ["streamed_groups", "streamed_update"]
@@ -61,7 +61,7 @@ def streamed_groups(
 
     Raises:
       ValueError: when ``optimizer`` is given, there are groups, and its update reads across
-        leaves (:func:`jzero.groups.check_leafwise`, its data-flow part): grouped updates
+        leaves (:func:`jzero.subgroups.check_leafwise`, its data-flow part): grouped updates
         would change the training.
     """
     if not any(is_host(s) for s in jax.tree.leaves(plan.opt_state)):
@@ -69,11 +69,11 @@ def streamed_groups(
     sizes = [math.prod(leaf.shape) for leaf in plan.leaves]
     groups = [list(range(len(sizes)))]
     if sub_group_size:
-        groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub_group_size))
+        groups = subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, sub_group_size))
     if len(groups) < 2:
         return groups if on_host else None
     if optimizer is not None:
-        groups_lib.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
+        subgroups.check_leafwise(optimizer, plan.abstract_params, max_elements=0)
     return groups
 
 
@@ -114,8 +114,8 @@ def streamed_update(
     """
     mixed = plan.precision.mixed
     compute = plan.precision.compute_dtype
-    owner = groups_lib.param_leaf_owner(optimizer, plan.abstract_params, plan.abstract_opt_state)
-    shared = groups_lib.shared_state(owner)
+    owner = subgroups.param_leaf_owner(optimizer, plan.abstract_params, plan.abstract_opt_state)
+    shared = subgroups.shared_state(owner)
     p_abstract = jax.tree.leaves(plan.abstract_params)
     s_abstract, s_def = jax.tree.flatten(plan.abstract_opt_state)
     p_def = jax.tree.structure(plan.abstract_params)
@@ -144,7 +144,7 @@ def streamed_update(
     copies: list[Any] = [None] * len(p_abstract)
     previous: list[Any] = []
     for index, group in enumerate(groups):
-        owned = groups_lib.owned_state(owner, group)
+        owned = subgroups.owned_state(owner, group)
         m_in = [m_rest[i] for i in group]
         s_in = [s_rest[k] for k in owned]
         if (  # the group's state rests in host memory: updated there (masters sent along)
@@ -237,7 +237,7 @@ def _group_update(
 ) -> Any:
     """``(grads, masters, owned state, shared state) -> GroupUpdate`` of ``group``."""
     return functools.partial(
-        groups_lib.update_group_leaves,
+        subgroups.update_group_leaves,
         optimizer,
         plan.abstract_params,
         plan.abstract_opt_state,

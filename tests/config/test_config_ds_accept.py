@@ -16,7 +16,7 @@ from config_checks import error_of, load_quietly
 
 import jzero
 from jzero.config import ConfigError, load_config, resolve_batch_sizes
-from jzero.groups import leaf_groups
+from jzero.subgroups import leaf_groups
 
 DS_BASE = {
     "train_micro_batch_size_per_gpu": 2,

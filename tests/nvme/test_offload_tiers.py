@@ -35,7 +35,7 @@ from offload_runs import (
 from repo import SUPPORT
 
 import jzero
-from jzero import groups as groups_lib
+from jzero import subgroups
 from jzero.config import ConfigError, JzeroConfigWarning
 from jzero.nvme import NvmeIOError
 
@@ -54,7 +54,7 @@ def test_subgroups_stream_the_update_in_order_with_the_same_bits(stage, bf16):
     assert_same_run(run, reference(stage, bf16))
     e = run[3]
     sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
-    groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, PSI // 4))
+    groups = subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, PSI // 4))
     assert len(groups) >= 2
     batch = toy.make_batches(1, BATCH)[0]
     text = main_body(e.lower(batch).as_text())
@@ -99,7 +99,7 @@ def test_host_compute_updates_each_group_where_it_rests_with_the_same_bits(stage
     assert_same_run(run, reference(stage, bf16))
     e = run[3]
     sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
-    groups = groups_lib.merge_single_leaf_groups(groups_lib.leaf_groups(sizes, sub)) if sub else [0]
+    groups = subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, sub)) if sub else [0]
     batch = toy.make_batches(1, BATCH)[0]
     on_host = [
         line

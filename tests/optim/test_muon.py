@@ -15,11 +15,11 @@ import toy
 
 import jzero
 from jzero.config import ConfigError, load_config
-from jzero.groups import check_leafwise
 from jzero.hlo import collectives, loop_collectives
 from jzero.optim import build_optimizer
 from jzero.optim.muon_optimizer import default_dimension_numbers
 from jzero.step import streamed_groups
+from jzero.subgroups import check_leafwise
 
 BATCH, STEPS = 16, 3
 # Rates that float32 holds exactly: the config's learning rate is an injected float32

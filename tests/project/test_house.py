@@ -78,7 +78,7 @@ def _under(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-CORE = ("jzero.plan", "jzero.replay", "jzero.step", "jzero.comm", "jzero.groups")
+CORE = ("jzero.plan", "jzero.replay", "jzero.step", "jzero.comm", "jzero.subgroups")
 
 
 def forbidden_imports(root: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """Which parameter leaves form a group, and which optimizer-state leaves each group owns.
 
-The grouping half of :mod:`jzero.groups` (DeepSpeed's ``sub_group_size``); the update of one
-group is :mod:`jzero.groups.update`.
+The grouping half of :mod:`jzero.subgroups` (DeepSpeed's ``sub_group_size``); the update of one
+group is :mod:`jzero.subgroups.update`.
 
 Decisions:
 
@@ -14,7 +14,7 @@ Decisions:
   injected hyperparameters, RNG keys) is *shared* (:func:`shared_state`): every group's call
   gets its old value, and its new value is taken from the first group's call.
 * A caller that needs the bits of the one-call update keeps every group at two leaves or more
-  (:func:`merge_single_leaf_groups`; see "Bits" in :mod:`jzero.groups.update`).
+  (:func:`merge_single_leaf_groups`; see "Bits" in :mod:`jzero.subgroups.update`).
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def merge_single_leaf_groups(groups: Sequence[Sequence[int]]) -> list[list[int]]
     first). Groups of leaves at ``sub_group_size`` each thus become pairs, not one group.
 
     Compiled, a one-leaf group of an Adam-like optimizer may round its update's last bit
-    differently from the one-call update (see "Bits" in :mod:`jzero.groups.update`); groups of two
-    leaves or more gave the one-call bits. The price: such a group holds one more leaf than
-    ``sub_group_size`` allows.
+    differently from the one-call update (see "Bits" in :mod:`jzero.subgroups.update`); groups
+    of two leaves or more gave the one-call bits. The price: such a group holds one more leaf
+    than ``sub_group_size`` allows.
     """
     out: list[list[int]] = []
     for group in groups:  # one-leaf groups in a row pair up

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jzero
-from jzero import groups as G
+from jzero import subgroups as G
 from jzero.plan import make_plan
 
 SHAPES = {
@@ -234,7 +234,7 @@ def test_grouped_update_under_jit_same_bits_and_one_leaf_groups_differ_by_roundi
     """Groups of two or more leaves: the one-call bits. One-leaf groups: the same bits without a
     scalar division; with one (Adam's bias correction) XLA:CPU rewrites x / s into x * (1 / s)
     when s has a single consumer, so a one-leaf program rounds a few elements differently (see
-    jzero/groups/update.py), within 2 units in the last place."""
+    jzero/subgroups/update.py), within 2 units in the last place."""
     rounding = [SINGLES] if name in ADAM_FAMILY else []
     run_both(name, [MULTI, SINGLES], jit=True, rounding=rounding)
 

@@ -1,8 +1,8 @@
 """One group's optimizer update, and the whole update run one group at a time.
 
-The update half of :mod:`jzero.groups` (DeepSpeed's ``sub_group_size``); which leaves form a
-group is :mod:`jzero.groups.ownership`, and which optimizers this is exact for is
-:func:`jzero.groups.check_leafwise`.
+The update half of :mod:`jzero.subgroups` (DeepSpeed's ``sub_group_size``); which leaves form a
+group is :mod:`jzero.subgroups.ownership`, and which optimizers this is exact for is
+:func:`jzero.subgroups.check_leafwise`.
 
 Decisions:
 
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero.groups.ownership import owned_state, param_leaf_owner, shared_state
+from jzero.subgroups.ownership import owned_state, param_leaf_owner, shared_state
 
 __all__ = [
     "GroupUpdate",
@@ -93,7 +93,7 @@ def update_group(
     closing over abstract trees inside the ``jit`` it calls once per group.
 
     Args:
-      optimizer: a leafwise optax transformation (see :mod:`jzero.groups`).
+      optimizer: a leafwise optax transformation (see :mod:`jzero.subgroups`).
       grads: the gradient tree (the params' structure).
       opt_state: the optimizer state tree.
       params: the parameter tree the update applies to (the fp32 masters under mixed
@@ -217,7 +217,7 @@ def grouped_update(
     optimizers may differ in the update's last bit: see "Bits" in the module docstring).
 
     Args:
-      optimizer: a leafwise optax transformation (see :func:`jzero.groups.check_leafwise`).
+      optimizer: a leafwise optax transformation (see :func:`jzero.subgroups.check_leafwise`).
       grads: the gradient tree.
       opt_state: the optimizer state.
       params: the parameters (fp32 masters under mixed precision).

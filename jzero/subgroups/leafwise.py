@@ -3,15 +3,15 @@
 DeepSpeed's ZeRO-3 runs the optimizer step over sub-groups of its flat partition so that only
 one sub-group's fp32 master weights, gradients and optimizer state need be in fast memory at a
 time (with ``offload_optimizer``/NVMe, the rest waits in host memory or in files). This module
-is that step for any optax transformation that acts leaf by leaf: which leaves form a group
-and which state each owns (:mod:`jzero.groups.ownership`), one group's update and the grouped update
-(:mod:`jzero.groups.update`), and here the check that an optimizer is leafwise. Every public
-name of the three is importable from :mod:`jzero.groups`.
+is that step for any optax transformation that acts leaf by leaf: which leaves form a group and
+which state each owns (:mod:`jzero.subgroups.ownership`), one group's update and the grouped
+update (:mod:`jzero.subgroups.update`), and here the check that an optimizer is leafwise. Every
+public name of the three is importable from :mod:`jzero.subgroups`.
 
 Decisions:
 
 * The grouped update is the one-call update (to the bit, op by op; see "Bits" in
-  :mod:`jzero.groups.update`) exactly when the transformation is leafwise: a leaf's new
+  :mod:`jzero.subgroups.update`) exactly when the transformation is leafwise: a leaf's new
   parameter and state depend only on that leaf's inputs and the shared state, and the new
   shared state depends on no leaf's inputs. Adam, AdamW, SGD with momentum, Lion, Adagrad,
   RMSProp, Adafactor, LAMB and LARS (whose trust ratios use per-leaf norms), per-leaf
@@ -42,10 +42,10 @@ import optax
 from jax.extend import core as jcore
 
 from jzero._util import dotted
-from jzero.groups.ownership import (
+from jzero.subgroups.ownership import (
     param_leaf_owner,
 )
-from jzero.groups.update import (
+from jzero.subgroups.update import (
     grouped_update,
 )
 
@@ -78,7 +78,7 @@ def check_leafwise(
        not zero) computed in one call and with each leaf its own group, both under ``jit``,
        compared up to compiler rounding (8 units in the last place of each leaf's largest
        value: XLA may round a one-leaf program differently, see "Bits" in
-       :mod:`jzero.groups.update`; a cross-leaf effect moves values far more). This also
+       :mod:`jzero.subgroups.update`; a cross-leaf effect moves values far more). This also
        catches what no data flow shows: Python code that reads other leaves' shapes
        (placeholders change them) or masks that change with them.
        Larger trees get only the first check, and a trace of the grouped update at the real
