@@ -3,7 +3,7 @@
 Only this package imports Orbax, and within it only :mod:`~jzero.checkpoint.orbax_io`. The
 modules, each importing only those listed before it:
 
-* ``layout``: what a step holds on disk, its file record (sizes and CRC-32s), restore targets,
+* ``format``: what a step holds on disk, its file record (sizes and CRC-32s), restore targets,
   :class:`CheckpointError`.
 * ``dirs``: whose a directory is, which steps in it are jzero's and which is the latest, the
   writer's lock, :class:`CheckpointWriteError`.
@@ -15,26 +15,31 @@ Only Orbax checkpoints live here: exporting a checkpoint's weights is
 :func:`jzero.weights.export_checkpoint`, which reads through this package (never the reverse).
 
 The names below are the package's public surface; the modules' other names serve the package.
+"Layout" elsewhere is where leaves rest on devices; the module ``layout`` is ``format`` now, and
+``jzero.checkpoint.layout`` still imports for a release, with a ``DeprecationWarning``.
 """
 
+from typing import Any
+
+from jzero._util import renamed_module
 from jzero.checkpoint.checkpointer import Checkpointer as Checkpointer
 from jzero.checkpoint.dirs import TMP_SUFFIX as TMP_SUFFIX
 from jzero.checkpoint.dirs import CheckpointWriteError as CheckpointWriteError
 from jzero.checkpoint.dirs import latest_step as latest_step
 from jzero.checkpoint.dirs import list_steps as list_steps
+from jzero.checkpoint.format import FORMAT_VERSION as FORMAT_VERSION
+from jzero.checkpoint.format import JZERO as JZERO
+from jzero.checkpoint.format import META as META
+from jzero.checkpoint.format import STATE as STATE
+from jzero.checkpoint.format import CheckpointError as CheckpointError
+from jzero.checkpoint.format import PyTree as PyTree
+from jzero.checkpoint.format import StepCheck as StepCheck
+from jzero.checkpoint.format import abstract_target as abstract_target
 from jzero.checkpoint.info import CheckpointInfo as CheckpointInfo
 from jzero.checkpoint.info import LeafInfo as LeafInfo
 from jzero.checkpoint.info import format_info as format_info
 from jzero.checkpoint.info import inspect as inspect
 from jzero.checkpoint.info import read_info as read_info
-from jzero.checkpoint.layout import FORMAT_VERSION as FORMAT_VERSION
-from jzero.checkpoint.layout import JZERO as JZERO
-from jzero.checkpoint.layout import META as META
-from jzero.checkpoint.layout import STATE as STATE
-from jzero.checkpoint.layout import CheckpointError as CheckpointError
-from jzero.checkpoint.layout import PyTree as PyTree
-from jzero.checkpoint.layout import StepCheck as StepCheck
-from jzero.checkpoint.layout import abstract_target as abstract_target
 
 __all__ = [
     "CheckpointError",
@@ -50,3 +55,12 @@ __all__ = [
     "list_steps",
     "read_info",
 ]
+
+_LAYOUT = renamed_module(f"{__name__}.layout", f"{__name__}.format")
+
+
+def __getattr__(name: str) -> Any:
+    """``layout``: the deprecated alias of :mod:`~jzero.checkpoint.format`, whose names warn."""
+    if name == "layout":
+        return _LAYOUT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

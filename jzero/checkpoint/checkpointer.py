@@ -1,7 +1,7 @@
 """The checkpointer: sharded, asynchronous, atomic saves of training state; restore anywhere.
 
 Orbax is reached through :mod:`jzero.checkpoint.orbax_io`; what a step holds on disk, its file
-record and restore targets are in :mod:`jzero.checkpoint.layout`; whose the directory is and
+record and restore targets are in :mod:`jzero.checkpoint.format`; whose the directory is and
 which steps in it are jzero's, in :mod:`jzero.checkpoint.dirs`.
 
 Decisions:
@@ -49,7 +49,7 @@ import numpy as np
 from jzero._util import format_bytes, free_bytes
 from jzero.checkpoint import dirs, orbax_io
 from jzero.checkpoint.dirs import TMP_SUFFIX, CheckpointWriteError, latest_step, list_steps
-from jzero.checkpoint.layout import (
+from jzero.checkpoint.format import (
     FORMAT_VERSION,
     META,
     CheckpointError,

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from jzero._util import write_atomic
-from jzero.checkpoint.layout import JZERO, CheckpointError, first_problem
+from jzero.checkpoint.format import JZERO, CheckpointError, first_problem
 
 __all__ = [
     "CheckpointWriteError",

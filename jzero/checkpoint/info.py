@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jzero.checkpoint import dirs, orbax_io
-from jzero.checkpoint.layout import (
+from jzero.checkpoint.format import (
     JZERO,
     META,
     CheckpointError,

@@ -10,7 +10,7 @@ Decisions:
   :mod:`jzero.checkpoint.dirs`), asynchronously, with a hook that runs after every process has
   written and before Orbax's final rename (the checkpointer seals the step there).
 * Every read goes through :func:`read_or_fail`: an Orbax or TensorStore failure becomes one
-  :class:`~jzero.checkpoint.layout.CheckpointError` naming the step, never a raw traceback.
+  :class:`~jzero.checkpoint.format.CheckpointError` naming the step, never a raw traceback.
 * A single leaf is read as a host numpy array (:func:`leaf_reader`), the others left as
   placeholders, so export holds one leaf at a time.
 * **A failed write is reported once, by jzero.** Orbax logs every failure of its background
@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jzero.checkpoint.layout import JZERO, META, STATE, CheckpointError, PyTree
+from jzero.checkpoint.format import JZERO, META, STATE, CheckpointError, PyTree
 
 __all__ = ["StepWriter", "leaf_reader", "read_json", "read_or_fail", "read_state", "tree_metadata"]
 

@@ -1,4 +1,4 @@
-"""Devices and processes: the mesh, the multi-process runtime, process layout, ``jzero launch``.
+"""Devices and processes: the mesh, the processes of a run and their runtime, ``jzero launch``.
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
 :mod:`jzero._util` and the schedule names of :mod:`jzero.choices`); every other package may
@@ -7,8 +7,10 @@ ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
 ``distributed/``.
 
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
-* :mod:`~jzero.distributed.layout`: the process layout from settings, ``JZERO_*`` variables or
-  a detected Slurm, Open MPI or Kubernetes job (imports no JAX).
+* :mod:`~jzero.distributed.processes`: the processes of a run (how many, which one this is, the
+  coordinator) from settings, ``JZERO_*`` variables or a detected Slurm, Open MPI or Kubernetes
+  job (imports no JAX). It was ``layout``, which still imports for a release with a
+  ``DeprecationWarning``: "layout" is where leaves rest on devices.
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
 * :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
@@ -25,23 +27,13 @@ ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
   stopped together (``python -m jzero.distributed.launch``).
 """
 
+from typing import Any
+
+from jzero._util import renamed_module
 from jzero.distributed import expert as expert
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
 from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
-from jzero.distributed.layout import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
-from jzero.distributed.layout import (
-    DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
-)
-from jzero.distributed.layout import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
-from jzero.distributed.layout import ENV_COORDINATOR as ENV_COORDINATOR
-from jzero.distributed.layout import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
-from jzero.distributed.layout import ENV_PROCESS_ID as ENV_PROCESS_ID
-from jzero.distributed.layout import ENV_REPLICAS as ENV_REPLICAS
-from jzero.distributed.layout import ClusterJob as ClusterJob
-from jzero.distributed.layout import DistributedSpec as DistributedSpec
-from jzero.distributed.layout import detect_cluster as detect_cluster
-from jzero.distributed.layout import resolve_spec as resolve_spec
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
 from jzero.distributed.mesh import EXPERT_AXIS as EXPERT_AXIS
 from jzero.distributed.mesh import PIPE_AXIS as PIPE_AXIS
@@ -52,6 +44,19 @@ from jzero.distributed.pipeline import SCHEDULES as SCHEDULES
 from jzero.distributed.pipeline import Schedule as Schedule
 from jzero.distributed.pipeline import bubble_fraction as bubble_fraction
 from jzero.distributed.pipeline import make_schedule as make_schedule
+from jzero.distributed.processes import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
+from jzero.distributed.processes import (
+    DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
+)
+from jzero.distributed.processes import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
+from jzero.distributed.processes import ENV_COORDINATOR as ENV_COORDINATOR
+from jzero.distributed.processes import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from jzero.distributed.processes import ENV_PROCESS_ID as ENV_PROCESS_ID
+from jzero.distributed.processes import ENV_REPLICAS as ENV_REPLICAS
+from jzero.distributed.processes import ClusterJob as ClusterJob
+from jzero.distributed.processes import DistributedSpec as DistributedSpec
+from jzero.distributed.processes import detect_cluster as detect_cluster
+from jzero.distributed.processes import resolve_spec as resolve_spec
 from jzero.distributed.runtime import any_process as any_process
 from jzero.distributed.runtime import backends_initialized as backends_initialized
 from jzero.distributed.runtime import barrier as barrier
@@ -114,3 +119,13 @@ __all__ = [
     "sequence_parallel_attention",
     "TPChoice",
 ]
+
+_LAYOUT = renamed_module(f"{__name__}.layout", f"{__name__}.processes")
+
+
+def __getattr__(name: str) -> Any:
+    """``layout``: the deprecated alias of :mod:`~jzero.distributed.processes`, whose names
+    warn."""
+    if name == "layout":
+        return _LAYOUT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
-from jzero.distributed.layout import (
+from jzero.distributed.processes import (
     ENV_COORDINATOR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,

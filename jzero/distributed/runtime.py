@@ -3,7 +3,7 @@
 Decisions:
 
 * The process layout (the ``distributed`` settings, the ``JZERO_*`` environment variables, a
-  detected cluster; see :mod:`jzero.distributed.layout`) is resolved by :func:`resolve_spec`,
+  detected cluster; see :mod:`jzero.distributed.processes`) is resolved by :func:`resolve_spec`,
   exported by :mod:`jzero.distributed` with the other names of that module.
 * The runtime must start before any JAX computation creates a backend. When several processes
   are asked for but a backend already exists, the error says to call ``init_distributed()``
@@ -21,7 +21,7 @@ Decisions:
   ``JAX_COORDINATOR_BIND_ADDRESS`` (the user's choice). A JAX without the parameter (read once
   from ``inspect.signature``) gets nothing extra.
 * One log line says how the runtime started: the layout given, or the cluster job detected
-  and its layout (:meth:`~jzero.distributed.layout.ClusterJob.describe`): at INFO from process
+  and its layout (:meth:`~jzero.distributed.processes.ClusterJob.describe`): at INFO from process
   0, at DEBUG from the others.
 * CPU processes exchange collectives through gloo (JAX's CPU default; set if a user unset it).
 * Per-process data: each process passes its own rows of the global batch, process ``p`` rows
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from jzero._util import dotted
-from jzero.distributed.layout import (
+from jzero.distributed.processes import (
     ENV_NUM_PROCESSES,
     ENV_REPLICAS,
     DistributedSpec,

@@ -30,7 +30,7 @@ import numpy as np
 
 from jzero._util import path_parts
 from jzero.checkpoint import dirs, orbax_io
-from jzero.checkpoint.layout import CheckpointError, flat
+from jzero.checkpoint.format import CheckpointError, flat
 from jzero.weights import export as export_lib
 
 __all__ = ["export_checkpoint", "parameter_leaves"]

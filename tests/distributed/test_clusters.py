@@ -14,7 +14,7 @@ from procs import child_env, device_env
 from repo import SUPPORT
 
 from jzero import distributed
-from jzero.distributed import layout, runtime
+from jzero.distributed import processes, runtime
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -64,9 +64,9 @@ def test_detection_asks_what_jax_asks_in_jax_order():
 
 def test_open_mpi_5_and_kubernetes_need_their_package(monkeypatch):
     installed = set()
-    find_spec = layout.importlib.util.find_spec
+    find_spec = processes.importlib.util.find_spec
     monkeypatch.setattr(
-        layout.importlib.util,
+        processes.importlib.util,
         "find_spec",
         lambda name: find_spec("json") if name in installed else None,
     )

@@ -1,5 +1,5 @@
-"""The process layout of a distributed run: how many JAX processes, which one this is, and
-process 0's coordinator address, resolved from the settings and the environment.
+"""The processes of a distributed run (its process layout): how many JAX processes, which one this
+is, and process 0's coordinator address, resolved from the settings and the environment.
 
 Decisions:
 
