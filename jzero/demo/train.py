@@ -66,8 +66,10 @@ Decisions:
   in a cache folder, ``~/.cache/jzero/compile_cache``, never beside the checkpoints:
   :mod:`jzero.distributed.compile_cache`), so a restarted run loads its programs instead of
   compiling them; the summary counts both. A cache that can't be written is one warning.
-* The peak memory per device is the allocator's figure on an accelerator; on CPU, where the
-  allocator keeps none, it is the compiled step's peak (:func:`jzero.memory.memory_report`).
+* The peak memory per device is the engine's figure (:meth:`jzero.Engine.peak_bytes`, the one
+  the monitors' ``peak_bytes`` is): the allocator's on an accelerator; on CPU, where the
+  allocator keeps none, the compiled step's peak. A step's tokens/s and MFU are the monitors'
+  (:class:`jzero.monitor.StepRates`), over the loop's time between steps.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from jzero import config as config_lib
-from jzero import distributed, memory, monitor, profiler
+from jzero import distributed, monitor
 from jzero._util import format_bytes
 from jzero.config import Config, load_config
 from jzero.demo import data as data_lib
@@ -278,16 +280,14 @@ def exit_code(summary: Mapping[str, Any]) -> int:
 
 
 def _peak_bytes(engine: Engine, batches: data_lib.BatchIterator) -> Callable[[], int]:
-    """The measured peak memory per device: the allocator's figure on an accelerator, else
-    (CPU) the compiled step's peak from ``memory_analysis()``, computed once."""
-    device = jax.local_devices()[0]
-    if device.memory_stats() is not None:
-        return lambda: device.memory_stats().get("peak_bytes_in_use", 0)
+    """The measured peak memory per device, the engine's figure (:meth:`Engine.peak_bytes`:
+    the allocator's on an accelerator, else the compiled step's), measured on a real batch
+    (the data position is put back); 0 where the allocator names none."""
     position = batches.state()
-    probe = batches.next()  # a real batch to compile with; the data position is put back
+    probe = batches.next()
     batches.restore(position)
-    compiled = memory.memory_report(engine, probe).rows[0].peak
-    return lambda: compiled
+    measured = engine.peak_bytes(probe)
+    return lambda: measured() or 0
 
 
 def _bar_text(record: Mapping[str, float], peak: int, skipped: int) -> str:
@@ -601,13 +601,11 @@ def _train(
     live = contextlib.ExitStack()  # while the bar is shown, log lines are written above it
     if show_bar:
         live.enter_context(logging_redirect_tqdm())
-    # MFU where the device's peak is known (jzero.profiler): the model's FLOPs of a step over
-    # what the devices could do in the step's time.
-    peak_flops = profiler.peak_flops(engine.mesh.devices.flat[0], cfg.flops_profiler.peak_flops)
-    step_flops = None
-    if peak_flops is not None:
-        shape = (engine.train_batch_size, model_cfg.seq_len + 1)
-        step_flops = engine.model_flops({"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)})
+    # A step's tokens/s, and its MFU where the device's peak is known (jzero.profiler): the
+    # model's FLOPs of a step over what the devices could do in the step's time; the monitors'
+    # rates, their FLOPs traced once (jzero.monitor.step_rates).
+    shape = (engine.train_batch_size, model_cfg.seq_len + 1)
+    rates = monitor.step_rates(engine, {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)})
     mfus: list[float] = []
     t_start = time.perf_counter()
     t_last, done, loss = t_start, first_step - 1, float("nan")
@@ -625,15 +623,13 @@ def _train(
             loss = float(m["loss"])
             now = time.perf_counter()
             record = {k: float(v) for k, v in m.items()}
-            record.update(
-                step=step, time=now - t_start, tokens_per_s=tokens_per_step / (now - t_last)
-            )
-            if step_flops is not None:
-                record["mfu"] = profiler.mfu(
-                    step_flops, now - t_last, engine.mesh.devices.size, peak_flops
-                )
+            seconds = now - t_last
+            record.update(step=step, time=now - t_start, tokens_per_s=rates.tokens_per_s(seconds))
+            mfu = rates.mfu(seconds)
+            if mfu is not None:
+                record["mfu"] = mfu
                 if step > first_step:  # the first step's time holds its compilation
-                    mfus.append(record["mfu"])
+                    mfus.append(mfu)
             t_last, done = now, step
             bad = record.get("nonfinite", 0.0) > 0
             streak = streak + 1 if bad else 0
