@@ -107,7 +107,7 @@ def run_variant(args: argparse.Namespace, stage: int, zero: dict[str, Any]) -> d
     import jzero
     from jzero import hlo
     from jzero.config import JzeroConfigWarning
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     cfg = gpt.GPTConfig(
         seq_len=16,

@@ -112,7 +112,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import optax
 
     import jzero
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     device = jax.devices()[0]
     cfg = gpt.GPTConfig(

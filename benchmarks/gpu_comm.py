@@ -109,7 +109,7 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
     import jzero
     from jzero import hlo
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     n = jax.device_count()
     cfg = gpt.GPTConfig(

@@ -17,7 +17,7 @@ device peak.
 What is measured, per variant (``plain-dp``, ``zero-0`` ... ``zero-3``, and the memory-wall
 variants):
 
-* The model: ``jzero.models.gpt`` with 24 layers, d_model 1024, 16 heads, d_ff 4096, sequence
+* The model: ``jzero.demo.gpt`` with 24 layers, d_model 1024, 16 heads, d_ff 4096, sequence
   512, vocabulary 256, ``dtype="bfloat16"`` (bf16 compute), micro-batch 8 per device; AdamW
   (``optax.adamw(1e-4)``) and gradient clipping 1.0 for every variant.
 * ZeRO: ``jzero.initialize`` with ``bf16: {enabled: true}`` (16-bit parameters and gradients,
@@ -195,7 +195,7 @@ def _plain_dp(cfg: Any, loss: Any, tx: Any, mesh: Any, batch: Any, seed: int) ->
     import jax
     from plain_dp import plain_dp_step  # benchmarks/ is sys.path[0] when run as a script
 
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     # float32, as jzero's init_fn makes them (one jit, not op by op); the GPT computes in bf16
     params = jax.jit(lambda key: gpt.init_params(key, cfg))(jax.random.key(seed))
@@ -210,7 +210,7 @@ def _zero(cfg: Any, loss: Any, tx: Any, variant: str, batch: Any) -> tuple:
     import jax
 
     import jzero
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     config: dict[str, Any] = {
         "train_batch_size": batch["tokens"].shape[0],
@@ -247,8 +247,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import optax
 
     import jzero.hlo.facts
+    from jzero.demo import gpt
     from jzero.distributed import make_mesh
-    from jzero.models import gpt
 
     device = jax.devices()[0]
     n = jax.device_count()

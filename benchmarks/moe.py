@@ -19,7 +19,7 @@ Each row of the table is one (E_p, stage), the same global batch and data for al
   from the compiled program (``jzero.hlo.collectives_by_axes``); ZeRO MiB: every collective
   over ``data`` or ``data`` x ``expert``;
 * ms/step: the median of ``--steps`` timed steps after ``--warmup`` untimed ones;
-* loss: the loss after ``--train`` steps on the standard library's bytes (``jzero.data``),
+* loss: the loss after ``--train`` steps on the standard library's bytes (``jzero.demo.data``),
   with the aux loss and the dropped fraction of the last step. Every E_p and stage computes the
   same model: their losses agree to float32 rounding.
 
@@ -46,9 +46,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero import data, moe  # noqa: E402
+from jzero import moe  # noqa: E402
+from jzero.demo import data, gpt  # noqa: E402
 from jzero.hlo import collectives_by_axes  # noqa: E402
-from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
 

@@ -45,9 +45,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero import data  # noqa: E402
+from jzero.demo import data, gpt  # noqa: E402
 from jzero.hlo import collectives  # noqa: E402
-from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
 ADAMW = {"lr": 3.0e-3, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1}

@@ -44,8 +44,8 @@ import optax  # noqa: E402
 from tensor_parallel import compiled_and_timed  # noqa: E402  (this folder's script)
 
 import jzero  # noqa: E402
+from jzero.demo import gpt  # noqa: E402
 from jzero.distributed import make_schedule  # noqa: E402
-from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
 

@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jzero  # noqa: E402
-from jzero.models import gpt  # noqa: E402
+from jzero.demo import gpt  # noqa: E402
 
 MIB = 1 << 20
 DEVICES = 8

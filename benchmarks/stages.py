@@ -51,13 +51,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jzero  # noqa: E402
+from jzero.demo import gpt  # noqa: E402
 from jzero.hlo import (  # noqa: E402
     collectives,
     collectives_by_axes,
     layout_copies,
     program_text,
 )
-from jzero.models import gpt  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plain_dp import plain_dp_step  # noqa: E402

@@ -53,8 +53,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jzero  # noqa: E402
+from jzero.demo import gpt  # noqa: E402
 from jzero.hlo import collectives_by_axes  # noqa: E402
-from jzero.models import gpt  # noqa: E402
 
 MB = 1 << 20
 KB = 1 << 10

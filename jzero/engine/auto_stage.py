@@ -27,6 +27,7 @@ Decisions:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,9 @@ import jax
 from jzero import config as config_lib
 from jzero._util import format_bytes
 
-__all__ = ["AutoStage", "Candidate", "budget", "candidates", "peak_bytes"]
+__all__ = ["AutoStage", "Candidate", "budget", "candidates", "choose_stage", "peak_bytes"]
+
+logger = logging.getLogger(__name__)
 
 MARGIN = 0.1
 """Fraction of an accelerator's ``bytes_limit`` kept free when no ``device_memory`` is set."""
@@ -173,3 +176,40 @@ def abstract_state(shapes: Any, shardings: Any) -> Any:
         )
 
     return jax.tree.map(place, shardings, shapes)
+
+
+def choose_stage(auto: AutoStage, engine: Any, batch: Any) -> tuple[config_lib.Config, Any, Any]:
+    """The setting ``auto`` chooses for ``engine``'s step on the global ``batch``: each
+    candidate's plan (for the layers the loss's scans consume) and step (built as the engine
+    builds its own, :func:`jzero.engine.steps.build_step`), compiled on the state's shapes in
+    its layout, the first that fits kept; one log line says which, and what was rejected.
+
+    Returns:
+      The chosen config, plan and step (its executable compiled: the step's first call runs it).
+    """
+    from jzero.engine import layout, steps
+    from jzero.step import logical_state, state_shardings, stored_state
+
+    dims, piped = layout.traced_layers(engine, batch)
+    logical = logical_state(engine.plan, engine.state)
+
+    def measure(c: Candidate) -> tuple[int, Any]:
+        cfg = c.config(engine.config)
+        plan = auto.planner(cfg)(layer_dims=dims, **piped)
+        step = steps.build_step(
+            plan,
+            cfg,
+            engine.loss_fn,
+            engine.optimizer,
+            accumulation_steps=engine.accumulation_steps,
+            takes_extra=engine.takes_extra,
+            learning_rate=engine.learning_rate,
+        )
+        shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
+        compiled = step.lower(shapes, batch).compile()
+        host = sum(plan.host_state_bytes(engine.accumulation_steps or 1).values())
+        return peak_bytes(compiled, host), (cfg, plan, step)
+
+    chosen, need, (cfg, plan, step), rejected = auto.choose(measure)
+    logger.info(auto.describe(chosen, need, rejected))
+    return cfg, plan, step

@@ -5,6 +5,11 @@ state directly in their shards (or, under the NVMe tier, in their files) and han
 :class:`jzero.engine.Engine`, which does everything after. ``initialize`` is importable from
 :mod:`jzero` and :mod:`jzero.engine` as before.
 
+``initialize`` reads as the sequence of its steps, each a function below it: load the config,
+gather the model's inputs (a Flax or Equinox model through its adapter), the mesh, the
+parameters' shapes, resolve "auto", the optimizer, the planner and the first plan (checked), the
+batch sizes, the first state, one log line, the :class:`~jzero.engine.Engine`.
+
 Decisions:
 
 * Every "auto" in the config is resolved here, once, from the parameters' shapes and the
@@ -26,6 +31,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -45,7 +51,7 @@ from jzero.engine import settings
 from jzero.engine.checks import _check_mesh_splits
 from jzero.engine.engine import Engine
 from jzero.plan import Plan, make_plan
-from jzero.step import init_train_state
+from jzero.step import TrainState, init_train_state
 
 __all__ = ["initialize"]
 
@@ -205,13 +211,96 @@ def initialize(
     Returns:
       The :class:`Engine`.
     """
-    cfg = config_lib.load_config(config)
-    monitor.check_available(cfg)  # a missing wandb extra is named before anything is built
-    distributed.ensure_initialized(cfg.distributed)  # before any JAX call
+    cfg = _load(config)
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
+    model_in = _model_inputs(params, loss_fn, init_fn, model, init_args, param_specs)
+    mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
+    key = _key(cfg.seed)
+    shapes = model_in.shapes(key)
+    from_first_batch = config_lib.batch_from_first_batch(cfg)
+    auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
+    cfg = _resolve(cfg, shapes, mesh, optimizer_given=optimizer is not None)
+    specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs)
+    tx, schedule = _optimizer(cfg, optimizer)
+    planner = _planner(mesh, shapes, tx, specs, tp_rules)
+    auto = _auto_stage(cfg, auto_keys, mesh, planner)
+    replan = planner(cfg)
+    plan = _first_plan(cfg, replan, mesh, tx, stage_chosen_later=auto is not None)
+    sizes = (
+        None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
+    )
+    init_from = init_from if init_from is not None else cfg.checkpoint.init_from
+    state, nvme = _first_state(cfg, plan, model_in, shapes, key, tx, init_from, name_map, abstract)
+    _log_built(plan, sizes)
+    adapted = model_in.adapted
+    return Engine(
+        config=cfg,
+        plan=plan,
+        state=state,
+        loss_fn=model_in.loss_fn,
+        optimizer=tx,
+        learning_rate=schedule,
+        batch_sizes=sizes,
+        takes_extra=adapted is not None,
+        to_model=None if adapted is None else adapted.to_model,
+        replan=replan,
+        nvme=nvme,
+        auto_stage=auto,
+    )
+
+
+# -- initialize's steps, in the order it takes them ---------------------------------------------
+
+
+def _load(config: str | Mapping[str, Any] | config_lib.Config | None) -> config_lib.Config:
+    """The validated config, its monitors' packages checked (a missing wandb extra is named
+    before anything is built) and the distributed runtime started (before any JAX call)."""
+    cfg = config_lib.load_config(config)
+    monitor.check_available(cfg)
+    distributed.ensure_initialized(cfg.distributed)
+    return cfg
+
+
+@dataclasses.dataclass
+class _ModelInputs:
+    """What the state is made from: the parameters (arrays, or their shapes), the function
+    that creates them, the loss as the engine runs it, the parameter specs, a model's
+    non-trainable state, and the Flax/Equinox adapter (``None`` for a plain pytree)."""
+
+    params: PyTree
+    loss_fn: Callable[..., Any]
+    init_fn: Callable[[jax.Array], PyTree] | None
+    param_specs: PyTree | None
     extra: PyTree = ()
-    adapted = None
+    adapted: Any = None
+
+    def shapes(self, key: Callable[[], jax.Array]) -> PyTree:
+        """The parameters' shapes (from ``init_fn`` when no params were given, which are then
+        those shapes), every leaf checked to be an array."""
+        if self.params is None:
+            self.params = jax.eval_shape(lambda: self.init_fn(key()))
+        _check_array_leaves(self.params)
+        return abstract_tree(self.params)
+
+    @property
+    def made_with_extra(self) -> bool:
+        """A Flax/Equinox model built by its init function, which makes its non-trainable
+        state too (else that state came with the values, or there is none)."""
+        return self.adapted is not None and self.adapted.values is None
+
+
+def _model_inputs(
+    params: PyTree | None,
+    loss_fn: Callable[..., Any],
+    init_fn: Callable[[jax.Array], PyTree] | None,
+    model: Any,
+    init_args: tuple,
+    param_specs: PyTree | None,
+) -> _ModelInputs:
+    """``initialize``'s model arguments as one :class:`_ModelInputs`: a Flax or Equinox
+    ``model`` through its adapter (imported only then), else the params or ``init_fn``."""
+    inputs = _ModelInputs(params, loss_fn, init_fn, param_specs)
     if model is not None:
         from jzero.engine import equinox_adapter, flax_adapter  # only for Flax/Equinox models
 
@@ -222,49 +311,81 @@ def initialize(
             adapted = equinox_adapter.adapt(model, loss_fn, eqx_abstract)
         else:
             adapted = flax_adapter.adapt(model, loss_fn, init_args)
-        params, loss_fn = adapted.abstract_params, adapted.loss_fn
-        param_specs = adapted.param_specs if param_specs is None else param_specs
-        init_fn = (lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None
+        inputs = _ModelInputs(
+            params=adapted.abstract_params,
+            loss_fn=adapted.loss_fn,
+            init_fn=(lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None,
+            param_specs=adapted.param_specs if param_specs is None else param_specs,
+            adapted=adapted,
+        )
         if adapted.values is not None:
-            params, extra = adapted.values
-    if params is None and init_fn is None:
+            inputs.params, inputs.extra = adapted.values
+    if inputs.params is None and inputs.init_fn is None:
         raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
-    mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
-    seed = cfg.seed
+    return inputs
 
-    def key() -> jax.Array:  # made inside the programs that use it: no program of its own
+
+def _key(seed: int) -> Callable[[], jax.Array]:
+    """The config's random key, made inside the programs that use it (no program of its own)."""
+
+    def key() -> jax.Array:
         return jax.random.key(seed)
 
-    if params is None:
-        params = jax.eval_shape(lambda: init_fn(key()))
-    _check_array_leaves(params)
-    shapes = abstract_tree(params)
-    from_first_batch = config_lib.batch_from_first_batch(cfg)
+    return key
+
+
+def _resolve(
+    cfg: config_lib.Config, shapes: PyTree, mesh: jax.sharding.Mesh, *, optimizer_given: bool
+) -> config_lib.Config:
+    """The config with every "auto" resolved from the parameters' shapes and the optimizer
+    given (:func:`jzero.config.resolve_auto`); a config without batch sizes says that the first
+    batch sets them (an "auto" logs its own line)."""
     batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu")
-    if from_first_batch and not any(k in cfg.auto for k in batch_keys):  # "auto" logs its own
+    if config_lib.batch_from_first_batch(cfg) and not any(k in cfg.auto for k in batch_keys):
         logger.info(
             "jzero: the config sets no batch size (train_batch_size, "
             "train_micro_batch_size_per_gpu); the first batch given to train_step sets them."
         )
-    auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
-    cfg = config_lib.resolve_auto(  # "auto" values from the params and the optimizer given
+    return config_lib.resolve_auto(
         cfg,
         shapes,
-        optimizer_given=optimizer is not None,
+        optimizer_given=optimizer_given,
         data_parallel_size=math.prod(mesh.shape.get(a, 1) for a in ("data", "expert", "replica")),
     )
-    param_specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, param_specs)
-    tx, schedule = _optimizer(cfg, optimizer)
+
+
+def _planner(
+    mesh: jax.sharding.Mesh,
+    shapes: PyTree,
+    tx: optax.GradientTransformation,
+    param_specs: PyTree | None,
+    tp_rules: Any,
+) -> Callable[[config_lib.Config], Callable[..., Plan]]:
+    """``planner(cfg)``: ``make_plan`` over these params, optimizer and mesh with config
+    ``cfg``'s options (:func:`jzero.engine.settings.plan_options`; ``stage: auto`` tries
+    several), as a ``functools.partial`` the first step re-plans with ``layer_dims=`` only."""
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
-        """``make_plan`` with config ``c``'s options (``stage: auto`` tries several)."""
         options = settings.plan_options(c, mesh, shapes, param_specs=param_specs, tp_rules=tp_rules)
         return functools.partial(make_plan, shapes, tx, mesh, c.zero_optimization.stage, options)
 
-    auto = _auto_stage(cfg, auto_keys, mesh, planner)
-    replan = planner(cfg)
+    return planner
+
+
+def _first_plan(
+    cfg: config_lib.Config,
+    replan: Callable[..., Plan],
+    mesh: jax.sharding.Mesh,
+    tx: optax.GradientTransformation,
+    *,
+    stage_chosen_later: bool,
+) -> Plan:
+    """The plan before the loss is traced, checked: the mesh's splits (unless ``stage: auto``
+    chooses the stage at the first batch), what sequence parallelism does not compose with,
+    ``optax.contrib.muon``'s collectives, and that ``offload_optimizer.compute: host`` has a
+    leafwise optimizer to stream."""
     plan = replan()
-    if auto is None:  # stage "auto" is chosen at the first batch
+    if not stage_chosen_later:
         _check_mesh_splits(plan, mesh)
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
@@ -274,38 +395,62 @@ def initialize(
     zero = cfg.zero_optimization
     host = zero.offload_optimizer.compute == "host"
     streamed_groups(plan, zero.sub_group_size, tx, host)  # a leafwise optimizer?
-    sizes = (
-        None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
-    )
-    init_from = init_from if init_from is not None else cfg.checkpoint.init_from
-    on_disk = zero.offload_optimizer.device == "nvme"
+    return plan
+
+
+def _first_state(
+    cfg: config_lib.Config,
+    plan: Plan,
+    model_in: _ModelInputs,
+    shapes: PyTree,
+    key: Callable[[], jax.Array],
+    tx: optax.GradientTransformation,
+    init_from: str | Any,
+    name_map: Any,
+    abstract: bool,
+) -> tuple[TrainState, Any]:
+    """The first state, made in its shards (or, under the NVMe tier, in its files, whose
+    stores are returned too and closed if making it fails), or only its shapes (``abstract``).
+    A model built by its init function is built once, in the one init program, unless its
+    weights come from ``init_from`` or go to the NVMe tier's files: its non-trainable state is
+    then made on its own."""
+    on_disk = cfg.zero_optimization.offload_optimizer.device == "nvme"
     values = _initial_values(
-        plan, params, shapes, init_fn, key, init_from, name_map, abstract, nvme=on_disk
+        plan,
+        model_in.params,
+        shapes,
+        model_in.init_fn,
+        key,
+        init_from,
+        name_map,
+        abstract,
+        nvme=on_disk,
     )
-    made_with_extra = adapted is not None and adapted.values is None and init_from is None
+    adapted, extra = model_in.adapted, model_in.extra
     nvme = None if abstract else _nvme_state(settings.nvme_options(cfg), plan, tx)  # paths first
     if abstract:
-        if adapted is not None and adapted.values is None:
+        if model_in.made_with_extra:
             extra = jax.eval_shape(lambda: adapted.init_fn(key()))[1]
-        state = init_train_state(plan, values, tx, extra, abstract=True)
-    elif nvme is None and made_with_extra:  # the model is built once, in the one init program
-        state = init_train_state(plan, lambda: adapted.init_fn(key()), tx, returns_extra=True)
-    else:
-        try:
-            # The weights come from init_from, or go to the NVMe tier's files: the model's
-            # non-trainable state is made on its own.
-            if adapted is not None and adapted.values is None:
-                extra = _init_extra(adapted, key, plan)
-            if nvme is None:
-                state = init_train_state(plan, values, tx, extra)
-            else:
-                from jzero.nvme import first_version
+        return init_train_state(plan, values, tx, extra, abstract=True), None
+    if nvme is None and model_in.made_with_extra and init_from is None:
+        return init_train_state(plan, lambda: adapted.init_fn(key()), tx, returns_extra=True), None
+    try:
+        if model_in.made_with_extra:
+            extra = _init_extra(adapted, key, plan)
+        if nvme is None:
+            return init_train_state(plan, values, tx, extra), None
+        from jzero.nvme import first_version
 
-                state = first_version(nvme, values, extra)
-        except BaseException:
-            if nvme is not None:
-                nvme.close()
-            raise
+        return first_version(nvme, values, extra), nvme
+    except BaseException:
+        if nvme is not None:
+            nvme.close()
+        raise
+
+
+def _log_built(plan: Plan, sizes: tuple[int, int, int] | None) -> None:
+    """The one log line of an engine built: its stage, parameters, data-parallel size and
+    batch arithmetic."""
     total = sum(math.prod(leaf.shape) for leaf in plan.leaves)
     logger.info(
         "jzero: stage %d, %s parameters, data-parallel %d, batch %s",
@@ -315,20 +460,6 @@ def initialize(
         "from the first batch"
         if sizes is None
         else "{} = {} x {} x {}".format(*sizes, plan.data_parallel_size),
-    )
-    return Engine(
-        config=cfg,
-        plan=plan,
-        state=state,
-        loss_fn=loss_fn,
-        optimizer=tx,
-        learning_rate=schedule,
-        batch_sizes=sizes,
-        takes_extra=adapted is not None,
-        to_model=None if adapted is None else adapted.to_model,
-        replan=replan,
-        nvme=nvme,
-        auto_stage=auto,
     )
 
 

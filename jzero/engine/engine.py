@@ -2,8 +2,21 @@
 
 ``jzero.initialize`` (:mod:`jzero.engine.build`) reads the config, builds the mesh and the plan,
 creates the parameters and the optimizer state directly in their shards, and returns an
-:class:`Engine`. Each engine method is a few lines over :mod:`jzero.plan` and :mod:`jzero.step`;
-a user who wants full control calls those directly.
+:class:`Engine`. The engine keeps the state between steps and its bookkeeping (the batch sizes,
+the iteration, the step built, the checkpointer and monitors opened); each method is a few
+lines over :mod:`jzero.plan` and :mod:`jzero.step` and the engine's own modules, which hold
+the work:
+
+* :mod:`~jzero.engine.steps`: the one builder of the train step, whatever the offload tier,
+  and the step ``flops_profiler`` profiles;
+* :mod:`~jzero.engine.layout`: the layers the loss's scans consume, and the leaves a re-plan
+  for them moves; :mod:`~jzero.engine.auto_stage`: ``stage: auto``'s choice;
+* :mod:`~jzero.engine.figures`: the model's FLOPs and the peak memory per device;
+* :mod:`~jzero.engine.saving`: checkpoints written and read back;
+* :mod:`jzero.monitor` (:func:`~jzero.monitor.train_log`): what a step writes to the
+  monitors; :mod:`jzero.weights`: the 16-bit export.
+
+A user who wants full control calls the plan and the step directly.
 """
 
 from __future__ import annotations
@@ -22,20 +35,15 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed
-from jzero.engine import settings
-from jzero.engine.checks import _check_live_parameters, _finite
+from jzero.engine import figures, layout, saving, steps
+from jzero.engine.checks import _check_live_parameters
 from jzero.plan import Plan
 from jzero.step import (
     TrainState,
-    from_logical,
     is_abstract,
-    logical_shardings,
-    logical_state,
     logical_view,
     make_eval_step,
-    make_train_step,
     relayout,
-    state_shardings,
 )
 
 __all__ = ["Engine"]
@@ -93,7 +101,6 @@ class Engine:
         self._ckpt: Any = None
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
         self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
-        self._nvme: Any = None  # the NVMe step (jzero.nvme.step.NvmeStep), from the first step
         self._auto_stage = auto_stage  # stage "auto": chosen at the first batch (auto_stage.py)
         self.flops_profile: Any = None
         """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
@@ -105,6 +112,7 @@ class Engine:
         sequence length); ``None`` leaves it out."""
         self._monitors: Any = None  # jzero.monitor.Monitors, opened at first use
         self._train_log: Any = None  # jzero.monitor.TrainLog, from the first monitored step
+        self._model_flops: dict[Any, float] = {}  # traced once per batch shape (figures.py)
 
     def _full_state(self) -> TrainState:
         """The state with everything in memory: under the NVMe tier, the optimizer state (and
@@ -213,6 +221,11 @@ class Engine:
             f"{self.plan.data_parallel_size})",
         )
 
+    def _global(self, batch: PyTree) -> PyTree:
+        """This process's rows of a train batch, checked, as the global batch the step takes."""
+        self._check_batch(batch)
+        return distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
+
     def fit_layout(self, batch: PyTree) -> None:
         """Finds the stacked-layer dimensions the loss's scans consume, once.
 
@@ -227,82 +240,30 @@ class Engine:
         self._layout_fitted = True
         if not (self.plan.stage.shard_params or self.plan.pipe_axis or self.plan.expert_axis):
             return
-        dims, piped = self._layers(batch)
+        dims, piped = layout.traced_layers(self, batch)
         new = self._replan(layer_dims=dims, **piped)
         _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
-
-        def layout(plan: Plan) -> list[Any]:  # where each leaf is split, and its resting shape
-            return [
-                (x.param_dim, x.state_dim, x.stored_shape(), spec)
-                for x, spec in zip(plan.leaves, plan.base_specs or [()] * len(plan.leaves),
-                                   strict=True)
-            ]  # fmt: skip
-
-        if layout(new) == layout(self.plan):
+        moved = layout.moved_leaves(self.plan, new)
+        if not moved:
             self.plan = new
             if self._disk is not None:
                 self._disk.use_plan(new)
             return
-        moved = [
-            leaf.path
-            for leaf, old, a, b in zip(new.leaves, self.plan.leaves, layout(new),
-                                       layout(self.plan), strict=True)
-            if a != b
-        ]  # fmt: skip
         if self._disk is not None:  # the files too, group by group
             self.state = self._disk.relayout(self.state, new)
         else:
             self.state = relayout(self.state, self.plan, new)
         self.plan = new
         self._step = self._eval = None
-        logger.info(
-            "jzero: %d stacked-layer parameters (%s) are now laid out for their layer scan: "
-            "split into pipeline stages, and at stage 3 sharded beside the dimension the scan "
-            "consumes, so each layer is gathered on its own",
-            len(moved),
-            ", ".join(moved[:4]) + (" ..." if len(moved) > 4 else ""),
-        )
-
-    def _layers(self, batch: PyTree) -> tuple[Any, dict[str, Any]]:
-        """The stacked-layer dimensions the loss's scans consume (traced on a micro-batch of
-        ``batch``'s shapes), and under pipelining the leaves its layer scan splits."""
-        from jzero.replay import layer_dims, split_at_layers
-
-        rows = self.micro_batch_size  # before the first train batch (all "auto"): this one's
-        if rows is None:
-            rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // self.plan.data_parallel_size)
-        micro = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch
-        )
-        args = (self.state.extra, micro) if self.takes_extra else (micro,)
-        dims = layer_dims(self.loss_fn, self.plan.abstract_params, *args)
-        piped = {}
-        if self.plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
-            split = split_at_layers(self.loss_fn, self.plan.compute_params, *args)
-            piped = {"pipe_leaves": split.scanned}
-        return dims, piped
+        layout.log_moved(moved)
 
     def _choose_stage(self, batch: PyTree) -> None:
-        """``zero_optimization.stage: auto``: each candidate's step compiled for this batch,
-        the first that fits kept as the step, the state moved to its layout once."""
+        """``zero_optimization.stage: auto``: the candidate chosen (:mod:`jzero.engine.auto_stage`)
+        becomes this engine's config, plan and step, the state moved to its layout once."""
         from jzero.engine import auto_stage
-        from jzero.step import stored_state
 
         auto, self._auto_stage = self._auto_stage, None
-        dims, piped = self._layers(batch)
-        logical = logical_state(self.plan, self.state)
-
-        def measure(c: auto_stage.Candidate) -> tuple[int, Any]:
-            cfg = c.config(self.config)
-            plan = auto.planner(cfg)(layer_dims=dims, **piped)
-            step = self._make_step(plan, cfg)
-            shapes = auto_stage.abstract_state(stored_state(plan, logical), state_shardings(plan))
-            compiled = step.lower(shapes, batch).compile()
-            host = sum(plan.host_state_bytes(self.accumulation_steps or 1).values())
-            return auto_stage.peak_bytes(compiled, host), (cfg, plan, step)
-
-        chosen, need, (cfg, plan, step), rejected = auto.choose(measure)
-        logger.info(auto.describe(chosen, need, rejected))
+        cfg, plan, step = auto_stage.choose_stage(auto, self, batch)
         self.state = relayout(self.state, self.plan, plan)
         self.plan, self.config, self._step, self._eval = plan, cfg, step, None
         self._replan = auto.planner(cfg)
@@ -312,37 +273,18 @@ class Engine:
         if self._auto_stage is not None:
             self._choose_stage(batch)
         self.fit_layout(batch)
-        if self._step is None and self._disk is not None:
-            self._step = self._nvme = self._nvme_step()
         if self._step is None:  # whether the loss returns aux is read when the step traces
-            self._step = self._make_step(self.plan, self.config)
+            self._step = steps.build_step(
+                self.plan,
+                self.config,
+                self.loss_fn,
+                self.optimizer,
+                accumulation_steps=self.accumulation_steps,
+                takes_extra=self.takes_extra,
+                learning_rate=self.learning_rate,
+                nvme=self._disk,
+            )
         return self._step
-
-    def _make_step(self, plan: Plan, cfg: config_lib.Config) -> Callable[..., Any]:
-        """The jitted train step of ``plan`` under ``cfg``'s step settings."""
-        return make_train_step(
-            plan,
-            self.loss_fn,
-            self.optimizer,
-            settings.step_options(cfg, self.accumulation_steps),
-            takes_extra=self.takes_extra,
-            learning_rate=self.learning_rate,
-        )
-
-    def _nvme_step(self) -> Any:
-        """The step of the NVMe tier (:mod:`jzero.nvme.step`)."""
-        from jzero.nvme import NvmeStep
-
-        tier = settings.nvme_options(self.config)
-        return NvmeStep(
-            self._disk,
-            self.loss_fn,
-            pipeline_read=tier.pipeline_read,
-            pipeline_write=tier.pipeline_write,
-            options=settings.step_options(self.config, self.accumulation_steps),
-            takes_extra=self.takes_extra,
-            learning_rate=self.learning_rate,
-        )
 
     def train_step(self, batch: PyTree) -> dict[str, jax.Array]:
         """Runs one optimizer step on a global batch (leading dim ``train_batch_size``).
@@ -354,11 +296,10 @@ class Engine:
         """
         started = time.perf_counter()  # a monitored step is timed from here
         self._check_concrete("train")
-        self._check_batch(batch)
-        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
+        batch = self._global(batch)
         fp = self.config.flops_profiler
         if fp.enabled and self.iteration + 1 == fp.profile_step:
-            metrics = self._profiled_step(batch)
+            metrics = steps.profiled_step(self, self._step_fn(batch), batch)
         else:
             self.state, metrics = self._step_fn(batch)(self.state, batch)
         self.iteration += 1
@@ -391,39 +332,21 @@ class Engine:
         return self._monitors
 
     def _log_step(self, metrics: dict[str, jax.Array], batch: PyTree, started: float) -> None:
-        """Writes this step's events (:class:`jzero.monitor.TrainLog`), set up at the first."""
+        """Writes this step's events (:func:`jzero.monitor.train_log`, set up at the first)."""
         if self._train_log is None:
-            from jzero import monitor, profiler
+            from jzero import monitor
 
-            device = self.mesh.devices.flat[0]
-            peak = profiler.peak_flops(device, self.config.flops_profiler.peak_flops)
-            self._train_log = monitor.TrainLog(
-                self.monitor,
-                samples_per_step=self.train_batch_size,
-                tokens_per_sample=self.tokens_per_sample,
-                model_flops=self.model_flops(batch) if peak is not None else None,
-                peak_flops=peak,
-                devices=self.mesh.devices.size,
-                peak_bytes=self._peak_bytes(batch),
-            )
+            self._train_log = monitor.train_log(self, batch, figures.peak_bytes(self, batch))
         self._train_log.log(metrics, self.iteration, started)
 
-    def _peak_bytes(self, batch: PyTree) -> Callable[[], int | None]:
-        """The peak memory per device: the allocator's figure on an accelerator; on CPU, which
-        keeps none, the compiled step's peak (``stage: auto``'s measure, of the executable the
-        step runs: not compiled again); ``None`` under the NVMe tier, whose step is several
-        programs."""
-        device = self.mesh.devices.flat[0]
-        if device.memory_stats() is not None:
-            return lambda: device.memory_stats().get("peak_bytes_in_use")
-        step = self._step_fn(batch)
-        if not hasattr(step, "lower"):
-            return lambda: None
-        from jzero.engine import auto_stage
-
-        host = sum(self.plan.host_state_bytes(self.accumulation_steps or 1).values())
-        peak = auto_stage.peak_bytes(step.lower(self.state, batch).compile(), host)
-        return lambda: peak
+    def peak_bytes(self, batch: PyTree) -> Callable[[], int | None]:
+        """The peak memory per device of the step on batches of ``batch``'s shapes (this
+        process's rows, as ``train_step`` takes them), as a function that reads it: the
+        allocator's figure on an accelerator (it moves as the run goes); on CPU, which keeps
+        none, the compiled step's peak, of the executable the step runs (not compiled again).
+        ``None`` where the allocator names no peak. The figure the monitors' ``peak_bytes``
+        and ``jzero train`` report (:mod:`jzero.engine.figures`)."""
+        return figures.peak_bytes(self, self._global(batch))
 
     def step_cost(self, batch: PyTree) -> Any:
         """XLA's cost of the compiled step for this batch's shapes (a
@@ -433,63 +356,12 @@ class Engine:
 
         return profiler.step_cost(self.lower(batch).compile(), self.mesh.devices.size)
 
-    def _traceable_loss(self, batch: PyTree) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        """The loss as ``loss(params, extra, batch)`` and the shapes of ``(extra, batch)``."""
-        shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
-        args = (jax.tree.map(shape, self.state.extra), jax.tree.map(shape, batch))
-        loss = self.loss_fn if self.takes_extra else (lambda p, _, b: self.loss_fn(p, b))
-        return loss, args
-
     def model_flops(self, batch: PyTree) -> float:
         """The model's FLOPs of one step on a global batch of ``batch``'s shapes (arrays or
         ``jax.ShapeDtypeStruct``): 3x the loss's forward matmuls, plus the forward passes
         ``flops_profiler.recompute_fwd_factor`` says activation checkpointing repeats. What MFU
-        is computed from (:mod:`jzero.profiler`); traced, never run."""
-        from jzero import profiler
-
-        loss, args = self._traceable_loss(batch)
-        forward = sum(profiler.module_flops(loss, self.plan.abstract_params, *args).values())
-        return (3.0 + self.config.flops_profiler.recompute_fwd_factor) * forward
-
-    def _profiled_step(self, batch: PyTree) -> dict[str, jax.Array]:
-        """One step under ``flops_profiler``: compiled first (so its time is the step's, not the
-        compilation's), timed to its result, then profiled (:mod:`jzero.profiler`)."""
-        from jzero import profiler
-
-        fp = self.config.flops_profiler
-        step = self._step_fn(batch)
-        if not hasattr(step, "lower"):  # the NVMe tier runs several programs a step
-            logger.warning("jzero: flops_profiler does not profile the NVMe tier's step.")
-            self.state, metrics = step(self.state, batch)
-            return metrics
-        compiled = step.lower(self.state, batch).compile()
-        start = time.perf_counter()
-        self.state, metrics = step(self.state, batch)
-        jax.block_until_ready(metrics)
-        seconds = time.perf_counter() - start
-        loss, args = self._traceable_loss(batch)
-        result = profiler.profile(
-            loss,
-            self.plan.abstract_params,
-            args,
-            compiled,
-            seconds,
-            step=self.iteration + 1,
-            devices=self.mesh.devices.size,
-            device=self.mesh.devices.flat[0],
-            depth=fp.module_depth,
-            peak=fp.peak_flops,
-            recompute_fwd_factor=fp.recompute_fwd_factor,
-        )
-        self.flops_profile = result
-        text = result.format(fp.top_modules, fp.detailed)
-        if jax.process_index() == 0:
-            if fp.output_file:
-                with open(fp.output_file, "w") as f:
-                    f.write(text + "\n")
-            else:
-                logger.info("\n%s", text)
-        return metrics
+        is computed from (:mod:`jzero.profiler`); traced, never run, once per batch shape."""
+        return figures.model_flops(self, batch, self._model_flops)
 
     def _check_concrete(self, what: str) -> None:
         if is_abstract(self.state):
@@ -523,28 +395,13 @@ class Engine:
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:
         """The ``jax.stages.Lowered`` of the step, for ``.compile().memory_analysis()``."""
-        self._check_batch(batch)
-        batch = distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
+        batch = self._global(batch)
         return self._step_fn(batch).lower(self.state, batch)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _checkpointer(self) -> Any:
         if self._ckpt is None:
-            c = self.config.checkpoint
-            if not c.directory:
-                raise ValueError(
-                    "This engine has no checkpoint directory. Set checkpoint.directory in the "
-                    "config, e.g. checkpoint: {directory: runs/ckpt}."
-                )
-            from jzero.checkpoint import Checkpointer  # Orbax is needed only for checkpoints
-
-            self._ckpt = Checkpointer(
-                c.directory,
-                max_to_keep=c.max_to_keep,
-                async_save=c.async_,
-                overwrite=bool(getattr(c, "overwrite", False)),
-                max_consecutive_failures=c.max_consecutive_failures,
-            )
+            self._ckpt = saving.open_checkpointer(self.config)
             _OPEN_ENGINES.add(self)
         return self._ckpt
 
@@ -579,38 +436,17 @@ class Engine:
         if self._unchanged_since == step and step in ckpt.all_steps():
             logger.info("jzero: checkpoint step %d is already on disk and unchanged", step)
             return False
-        state = self._full_state()
-        if not _finite(state.params, state.master):
-            logger.warning(
-                "jzero: NOT saving checkpoint step %d: the parameters hold inf/NaN (a step with "
-                "non-finite gradients was applied). The checkpoints on disk (%s) are kept. Set "
-                "skip_nonfinite: true to skip such steps.",
-                step,
-                ckpt.all_steps() or "none",
-            )
-            return False
-        data = self.data_iterator.state() if self.data_iterator is not None else None
         meta = {
             "config": self.config.to_dict(),
             "iteration": self.iteration,
-            "data": data,
+            "data": self.data_iterator.state() if self.data_iterator is not None else None,
             "stage": self.plan.stage.stage,
             "devices": self.plan.data_parallel_size,
         }
-        # A run resumed from an older step replaces the steps that followed it, as DeepSpeed
-        # overwrites a tag it saves again; the old copy stays until the new one is committed.
-        gather16 = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
-        if gather16:
-            from jzero import weights
-
-            weights.check_step_weights_dir(ckpt.directory)  # refuse before anything is written
-        # Checkpoints hold the logical shapes (no padding), so any device count restores them.
-        state = logical_view(self.plan, state)
-        saved = ckpt.save(step, state, meta=meta, force=True, overwrite=True, periodic=periodic)
+        state = self._full_state()
+        saved = saving.save(ckpt, step, self.config, self.plan, state, meta, periodic=periodic)
         if saved:
             self._unchanged_since = step if step == self.iteration else None
-        if saved and gather16:  # the params in their compute dtype, beside the checkpoints
-            weights.save_step_weights(ckpt.directory, step, state.params, ckpt.all_steps())
         return saved
 
     def save_16bit_model(
@@ -648,21 +484,10 @@ class Engine:
         Returns:
           The checkpoint's meta: ``config``, ``iteration``, ``data``, ``stage``, ``devices``.
         """
-        from jzero.checkpoint import abstract_target
-
-        current = logical_state(self.plan, self.state)
-        shardings = logical_shardings(self.plan, current)
-        if self._disk is not None:  # its leaves are read into host memory, then to the files
-            current = self._disk.abstract_full(self.state)
-            shardings = self._disk.restore_shardings(state_shardings(self.plan))
-        target = abstract_target(current, shardings)
-        state, meta = self._checkpointer().restore(target, step)
-        # The checkpoint holds logical shapes; padded leaves are padded into this plan's.
-        self.state = state if self._disk is not None else from_logical(self.plan, state)
-        if self._disk is not None:  # back to the files (the restore read it all into memory)
-            self.state = self._disk.spill(self.state)
+        ckpt = self._checkpointer()
+        self.state, meta = saving.restore(ckpt, step, self.plan, self.state, self._disk)
         self.iteration = int(meta.get("iteration", self.global_step))
-        restored = self._ckpt.latest_step() if step is None else int(step)
+        restored = ckpt.latest_step() if step is None else int(step)
         self._unchanged_since = restored if restored == self.iteration else None
         if self.data_iterator is not None and meta.get("data") is not None:
             self.data_iterator.restore(meta["data"])
@@ -701,7 +526,7 @@ class Engine:
                     e,
                 )
             self._disk.close()
-            self._disk = self._nvme = self._step = None
+            self._disk = self._step = None
         _OPEN_ENGINES.discard(self)
 
     def __enter__(self) -> Engine:

@@ -1,8 +1,9 @@
-"""Measured memory: a config's built-in GPT at every stage, or one engine, from the compiled step.
+"""Measured memory: a model at every stage, or one engine, from the compiled step.
 
-:func:`plan_report` builds the model as ``jzero train`` builds it, once per stage, and compiles
-its step; :func:`memory_report` reports one existing engine. Both return a
-:class:`~jzero.memory.PlanReport`.
+:func:`measure_stages` builds a model (through the ``model`` it is given: this package imports
+no engine and no model) once per stage, and compiles its step; :func:`memory_report` reports
+one existing engine. Both return a :class:`~jzero.memory.PlanReport`. ``jzero plan``'s
+:func:`~jzero.demo.plan.plan_report` is :func:`measure_stages` with the built-in GPT.
 
 Decisions:
 
@@ -40,14 +41,14 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jzero.memory._format import _check_margin, _positive, _recommend, parse_size
 from jzero.memory._report import PlanReport, StageMemory
 from jzero.plan import HOST_MEMORY_KINDS
 
-__all__ = ["memory_report", "plan_report"]
+__all__ = ["measure_stages", "memory_report", "offload_variants"]
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +237,9 @@ def _with_zero(cfg: Any, stage: int, offload: str, sizes: tuple[int, int, int] |
     return cfg
 
 
-def plan_report(
+def measure_stages(
     config: Any,
+    model: Callable[[Any], tuple[str, Callable[[Any, Any], tuple[Any, Any]]]],
     devices: int | None = None,
     device_memory: int | str | None = None,
     *,
@@ -247,46 +249,38 @@ def plan_report(
     stages: Sequence[int] = (0, 1, 2, 3),
     compare_checkpointing: bool | None = None,
 ) -> PlanReport:
-    """Every ZeRO stage of a config's built-in GPT side by side, measured from the compiled step.
+    """Every ZeRO stage of a config's model side by side, measured from the compiled step.
 
-    The model is built as ``jzero train`` builds it, once per stage, and its step is compiled
-    (``engine.lower(batch).compile().memory_analysis()``).
+    The model is built once per stage (and per activation-checkpointing setting compared), as
+    an abstract engine (``initialize(..., abstract=True)``), and its step compiled
+    (``engine.lower(batch).compile().memory_analysis()``). This package builds no model and
+    imports no engine: ``model`` does both (:func:`jzero.demo.plan.plan_report` passes the
+    built-in GPT).
 
     Args:
-      config: a config (path, mapping or :class:`jzero.Config`) with a ``model`` section.
-      devices: data-parallel devices to plan for; by default the config's mesh. More devices
-        than this machine has: the model state is planned on an abstract mesh and the compiled
-        step is measured on the local devices at the same per-device micro batch.
-      device_memory: the memory of one device (bytes or ``"80GB"``), for the recommendation.
-      overrides: ``"key=value"`` config overrides, as ``--set`` passes them.
-      margin: fraction of device memory kept free.
-      offload: also measure stages with offload to host memory: ``True`` always, ``False``
-        never, ``None`` only when ``device_memory`` is given and no stage fits without.
-      stages: the stages to measure (each costs one compilation).
-      compare_checkpointing: also compile each row with the opposite activation-checkpointing
-        setting (the config has none: ``policy: full``; it has one: ``policy: none``):
-        ``True`` always, ``False`` never, ``None`` always without ``device_memory`` and with it
-        only where it can change the recommendation (see the module docstring). Each costs one
-        more compilation.
+      config: a config (path, mapping or :class:`jzero.Config`).
+      model: ``model(cfg) -> (name, build)``, called once with the loaded config (a bad model
+        section fails there, before anything is built): ``name`` describes the model in the
+        title (``"GPT 2 layers, d_model 32"``); ``build(cfg, mesh) -> (engine, batch)`` makes
+        the abstract engine of a row's config on ``mesh`` (``None``: the config's own) and a
+        global batch of ``jax.ShapeDtypeStruct`` for its step.
+      devices, device_memory, overrides, margin, offload, stages, compare_checkpointing: as
+        :func:`jzero.demo.plan.plan_report` describes them.
 
     Returns:
       A :class:`PlanReport`; ``print(result.table())``.
     """
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from jzero import config as config_lib
     from jzero.distributed import make_mesh
-    from jzero.engine import initialize
-    from jzero.models import gpt
     from jzero.plan import stage_spec
 
     if not stages:
         raise ValueError("stages is empty; pass the ZeRO stages to measure, e.g. (0, 1, 2, 3).")
     stages = tuple(stage_spec(s).stage for s in stages)  # a clear error for a bad stage
     cfg = config_lib.load_config(config, overrides=overrides)
-    model_cfg = gpt.config_for(cfg)
+    model_name, build = model(cfg)
     memory = None if device_memory is None else parse_size(device_memory)
     margin = _check_margin(margin)
     local_n = jax.device_count()
@@ -343,18 +337,7 @@ def plan_report(
         return dataclasses.replace(row, other_temp_bytes=alt.temp_bytes, other_peak_bytes=alt.peak)
 
     def measure(base: Any, stage: int, offload_name: str) -> StageMemory:
-        engine = initialize(
-            model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
-            loss_fn=gpt.nnx_loss_fn,
-            config=_with_zero(base, stage, offload_name, sizes),
-            mesh=mesh,
-            abstract=True,  # shapes only: a stage the model does not fit is planned all the same
-        )
-        batch = {
-            "tokens": jax.ShapeDtypeStruct(
-                (engine.train_batch_size, model_cfg.seq_len + 1), jnp.int32
-            )
-        }
+        engine, batch = build(_with_zero(base, stage, offload_name, sizes), mesh)
         engine.fit_layout(batch)
         seen.setdefault("devices", engine.plan.num_shards)
         seen.setdefault("mesh", dict(engine.mesh.shape))
@@ -374,8 +357,7 @@ def plan_report(
         rows += [measure_row(stage, name) for stage, name in offload_variants(stages)]
     micro, accum = seen["micro"]
     title = (
-        f"jzero plan: GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}, "
-        f"{seen['psi']:,} parameters, {n} devices"
+        f"jzero plan: {model_name}, {seen['psi']:,} parameters, {n} devices"
         + (f" per replica x {seen['replicas']} replicas" if seen["replicas"] > 1 else "")
         + (
             f" of ZeRO's axes in mesh {seen['mesh']}"

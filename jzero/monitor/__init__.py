@@ -1,13 +1,16 @@
 """DeepSpeed's monitors: the training metrics as TensorBoard events, CSV files and a wandb run.
 
 Import direction: imports :mod:`jzero.config` and :mod:`jzero.profiler` only;
-:mod:`jzero.engine` and :mod:`jzero.train` import it.
+:mod:`jzero.engine` and :mod:`jzero.demo.train` import it.
 
 * :mod:`~jzero.monitor.writers`: one writer per backend (``tensorboardX``, ``csv``,
   ``wandb``), each given ``(tag, value, step)`` events as DeepSpeed's ``write_events`` is.
 * :mod:`~jzero.monitor.hub`: :class:`Monitors` (the config's enabled writers, on process 0
-  only) and :class:`TrainLog` (what a train step logs: its metrics, throughput, MFU, peak
-  bytes).
+  only), :class:`TrainLog` (what a train step logs: its metrics, throughput, MFU, peak
+  bytes; :func:`train_log` sets it up for an engine) and :class:`StepRates` (a step's
+  samples/s, tokens/s and MFU from its time, computed only there: the engine's monitors and
+  ``jzero train`` read them; :func:`step_rates` gathers an engine's inputs, tracing the model's
+  FLOPs only where the device's peak is known).
 
 Decisions:
 
@@ -33,9 +36,22 @@ from __future__ import annotations
 
 from jzero.monitor.hub import TAGS as TAGS
 from jzero.monitor.hub import Monitors as Monitors
+from jzero.monitor.hub import StepRates as StepRates
 from jzero.monitor.hub import TrainLog as TrainLog
 from jzero.monitor.hub import check_available as check_available
 from jzero.monitor.hub import open_monitors as open_monitors
+from jzero.monitor.hub import step_rates as step_rates
 from jzero.monitor.hub import tag as tag
+from jzero.monitor.hub import train_log as train_log
 
-__all__ = ["TAGS", "Monitors", "TrainLog", "check_available", "open_monitors", "tag"]
+__all__ = [
+    "TAGS",
+    "Monitors",
+    "StepRates",
+    "TrainLog",
+    "check_available",
+    "open_monitors",
+    "step_rates",
+    "tag",
+    "train_log",
+]

@@ -1,8 +1,11 @@
-"""The config's monitors on process 0 (:class:`Monitors`) and what a train step logs to them
-(:class:`TrainLog`)."""
+"""The config's monitors on process 0 (:class:`Monitors`), what a train step logs to them
+(:class:`TrainLog`, set up for an engine by :func:`train_log`) and a step's throughput
+(:class:`StepRates`: samples/s, tokens/s, MFU, computed here only; ``jzero train`` reads them
+too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +16,17 @@ from jzero import profiler
 from jzero.config import Config, ConfigError
 from jzero.monitor.writers import CsvWriter, Event, TensorBoardWriter, WandbWriter
 
-__all__ = ["TAGS", "Monitors", "TrainLog", "check_available", "open_monitors", "tag"]
+__all__ = [
+    "TAGS",
+    "Monitors",
+    "StepRates",
+    "TrainLog",
+    "check_available",
+    "open_monitors",
+    "step_rates",
+    "tag",
+    "train_log",
+]
 
 TAGS: Mapping[str, str] = {
     "loss": "Train/Samples/train_loss",
@@ -110,6 +123,75 @@ def open_monitors(
     return Monitors(writers)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRates:
+    """A step's throughput from its time: the one place samples/s, tokens/s and MFU are
+    computed (the monitors' :class:`TrainLog` and ``jzero train``'s metrics lines read them).
+
+    Attributes:
+      samples_per_step: the global batch.
+      tokens_per_sample: tokens in a sample, for tokens/s; ``None``: no tokens/s.
+      model_flops: the model's FLOPs of a step, for MFU; ``None``: no MFU.
+      peak_flops: the device's peak FLOP/s, for MFU.
+      devices: the devices the step runs on, for MFU.
+    """
+
+    samples_per_step: int
+    tokens_per_sample: int | None = None
+    model_flops: float | None = None
+    peak_flops: float | None = None
+    devices: int = 1
+
+    def samples_per_s(self, seconds: float) -> float:
+        """Samples a second, for a step of ``seconds``."""
+        return self.samples_per_step / seconds
+
+    def tokens_per_s(self, seconds: float) -> float | None:
+        """Tokens a second, for a step of ``seconds``; ``None`` without ``tokens_per_sample``."""
+        if not self.tokens_per_sample:
+            return None
+        return self.samples_per_step * self.tokens_per_sample / seconds
+
+    def mfu(self, seconds: float) -> float | None:
+        """Model FLOPs utilisation of a step of ``seconds`` (:func:`jzero.profiler.mfu`);
+        ``None`` without the model's FLOPs or the device's peak."""
+        if not self.model_flops:
+            return None
+        return profiler.mfu(self.model_flops, seconds, self.devices, self.peak_flops)
+
+    def of(self, seconds: float) -> dict[str, float]:
+        """The figures that exist for a step of ``seconds``, by metric name
+        (``samples_per_s``, ``tokens_per_s``, ``mfu``); none for a step of no measurable time."""
+        if seconds <= 0:
+            return {}
+        values = {
+            "samples_per_s": self.samples_per_s(seconds),
+            "tokens_per_s": self.tokens_per_s(seconds),
+            "mfu": self.mfu(seconds),
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
+
+def step_rates(engine: Any, batch: Any) -> StepRates:
+    """The :class:`StepRates` of ``engine``'s step (a :class:`jzero.Engine`) on global batches
+    of ``batch``'s shapes (arrays or ``jax.ShapeDtypeStruct``).
+
+    The samples are its ``train_batch_size``, the tokens its ``tokens_per_sample``. Where the
+    device's peak FLOP/s is known (:func:`jzero.profiler.peak_flops`: its table, or
+    ``flops_profiler.peak_flops``), the model's FLOPs of a step come from
+    ``engine.model_flops(batch)`` (traced once per batch shape); elsewhere (CPU) there is no MFU
+    and nothing is traced.
+    """
+    peak = profiler.peak_flops(engine.mesh.devices.flat[0], engine.config.flops_profiler.peak_flops)
+    return StepRates(
+        samples_per_step=engine.train_batch_size,
+        tokens_per_sample=engine.tokens_per_sample,
+        model_flops=engine.model_flops(batch) if peak is not None else None,
+        peak_flops=peak,
+        devices=engine.mesh.devices.size,
+    )
+
+
 class TrainLog:
     """What a train step writes to the monitors: its metrics under their tags, and the
     throughput (samples/s, tokens/s), MFU and peak bytes per device of the step.
@@ -117,7 +199,7 @@ class TrainLog:
     The step's time runs from its call to its values on the host (the first step's holds its
     compilation). The previous step's values were read too, so the devices were idle at the
     call: it is the step's own time, without the loop's work between steps (data, evaluation),
-    as DeepSpeed's throughput timer counts it.
+    as DeepSpeed's throughput timer counts it. The rates are :class:`StepRates`'.
 
     Args:
       monitors: where to write.
@@ -141,11 +223,9 @@ class TrainLog:
         peak_bytes: Callable[[], int | None] = lambda: None,
     ):
         self.monitors = monitors
-        self.samples_per_step = samples_per_step
-        self.tokens_per_sample = tokens_per_sample
-        self.model_flops = model_flops
-        self.peak_flops = peak_flops
-        self.devices = devices
+        self.rates = StepRates(
+            samples_per_step, tokens_per_sample, model_flops, peak_flops, devices
+        )
         self.peak_bytes = peak_bytes
 
     def log(self, metrics: Mapping[str, Any], step: int, started: float) -> dict[str, float]:
@@ -154,18 +234,18 @@ class TrainLog:
         ``started``: when the step was called (``time.perf_counter()``).
         """
         values = {name: float(v) for name, v in metrics.items()}
-        seconds = time.perf_counter() - started
-        if seconds > 0:
-            values["samples_per_s"] = self.samples_per_step / seconds
-            if self.tokens_per_sample:
-                values["tokens_per_s"] = self.samples_per_step * self.tokens_per_sample / seconds
-            if self.model_flops:
-                mfu = profiler.mfu(self.model_flops, seconds, self.devices, self.peak_flops)
-                if mfu is not None:
-                    values["mfu"] = mfu
+        values.update(self.rates.of(time.perf_counter() - started))
         peak = self.peak_bytes()
         if peak is not None:
             values["peak_bytes"] = float(peak)
-        samples = step * self.samples_per_step
+        samples = step * self.rates.samples_per_step
         self.monitors.write_events([(tag(k), v, samples) for k, v in values.items()])
         return values
+
+
+def train_log(engine: Any, batch: Any, peak_bytes: Callable[[], int | None]) -> TrainLog:
+    """The :class:`TrainLog` of ``engine``'s monitors (``engine.monitor``), set up at its first
+    monitored step on the global ``batch``: its :func:`step_rates` and ``peak_bytes``
+    (the engine's figure, :mod:`jzero.engine.figures`)."""
+    rates = step_rates(engine, batch)
+    return TrainLog(engine.monitor, **dataclasses.asdict(rates), peak_bytes=peak_bytes)

@@ -21,7 +21,8 @@ import pytest
 from procs import child_env, device_env, gone, launcher
 from repo import ROOT, SUPPORT
 
-from jzero import data, distributed
+from jzero import distributed
+from jzero.demo import data
 from jzero.distributed import launch
 
 

@@ -19,10 +19,10 @@ import pytest
 from numerics import max_rel_error, needs_float16
 
 import jzero
+from jzero.demo import gpt
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE
 from jzero.hlo import collectives_by_axes, source_target_pairs
-from jzero.models import gpt
 from jzero.replay import NoLayerScan
 
 V, D, F, L, T = 32, 16, 32, 4, 8
@@ -389,7 +389,7 @@ def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path, tiny_gpt):
     layers, the optimizer state sharded over 4 instead of 8)."""
     import json
 
-    from jzero import train
+    from jzero.demo import train
 
     steps = 3
     model = ", ".join(f"{k}: {v}" for k, v in tiny_gpt.items())

@@ -17,8 +17,8 @@ import optax
 import pytest
 
 import jzero
+from jzero.demo import gpt
 from jzero.hlo import collectives_by_axes
-from jzero.models import gpt
 
 CFG = gpt.GPTConfig(
     vocab_size=64, seq_len=16, num_layers=2, num_heads=4, d_model=32, d_ff=64, dtype="float64"

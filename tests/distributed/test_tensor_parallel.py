@@ -431,7 +431,7 @@ def test_jzero_train_runs_the_gpt_split_over_model_and_seq(tmp_path, tiny_gpt):
     """`jzero train --set tensor_parallel.autotp_size=2 --set sequence_parallel_size=2` on 8
     devices, 4 heads: 2 a model device, split again over seq. Its checkpoint restores at
     other tensor-parallel sizes: test_checkpoints_move_between_tensor_parallel_sizes."""
-    from jzero import train
+    from jzero.demo import train
 
     model = ", ".join(f"{k}: {v}" for k, v in {**tiny_gpt, "num_heads": 4}.items())
     tiny = [
@@ -454,7 +454,7 @@ def test_jzero_train_runs_the_gpt_split_over_model_and_seq(tmp_path, tiny_gpt):
 def test_the_built_in_gpt_splits_its_attention_heads_over_model():
     """4 heads on T=2: each device's attention scores hold 2 heads, and the fused qkv rests
     split per head group."""
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=4, d_model=32,
                         d_ff=64)  # fmt: skip

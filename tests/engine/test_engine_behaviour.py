@@ -13,7 +13,7 @@ import toy
 
 import jzero
 from jzero.config import JzeroMeshWarning
-from jzero.data import BatchIterator
+from jzero.demo.data import BatchIterator
 from jzero.distributed import make_mesh
 
 BATCH = 32

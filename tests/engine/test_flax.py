@@ -21,7 +21,7 @@ from flax import linen, nnx
 from numerics import EPS
 
 import jzero
-from jzero.models import gpt
+from jzero.demo import gpt
 
 TINY = gpt.GPTConfig(
     vocab_size=256, seq_len=16, num_layers=2, num_heads=2, d_model=32, d_ff=64, dtype="float64"

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jzero.models import GPT, GPTConfig, apply, init_params, loss_fn, nnx_loss_fn
+from jzero.demo.gpt import GPT, GPTConfig, apply, init_params, loss_fn, nnx_loss_fn
 
 CFG = GPTConfig(seq_len=16, num_layers=2, num_heads=2, d_model=32, d_ff=64)
 # The training and the two forms' agreement run in float64 (parameters cast from the float32

@@ -22,8 +22,8 @@ import pytest
 from flax import nnx
 
 import jzero
-from jzero.models import gpt
-from jzero.models.gpt import GPT, GPTConfig, init_params, loss_fn, nnx_loss_fn
+from jzero.demo import gpt
+from jzero.demo.gpt import GPT, GPTConfig, init_params, loss_fn, nnx_loss_fn
 from jzero.replay import gather
 
 TINY = {"vocab_size": 32, "seq_len": 8, "num_layers": 2, "num_heads": 2, "d_model": 16, "d_ff": 32}

@@ -138,7 +138,7 @@ def test_gspmd_alone_pays_collectives_in_every_iteration(caplog):
 
 
 def test_the_default_leaves_embeddings_heads_biases_and_norms_to_adamw():
-    from jzero.models import gpt
+    from jzero.demo import gpt
 
     cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, d_ff=128, num_heads=2)
     params = jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg))

@@ -10,9 +10,8 @@ import pytest
 import toy
 
 import jzero
-from jzero import data
 from jzero.config import ConfigError, load_config
-from jzero.models import gpt
+from jzero.demo import data, gpt
 from jzero.optim import low_precision_state
 
 # The GPT's init compiled once (op by op its random draws are one compilation per shape).

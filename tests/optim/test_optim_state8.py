@@ -13,7 +13,7 @@ import toy
 import jzero
 from jzero import hlo
 from jzero.config import ConfigError, load_config, resolve_optimizer
-from jzero.models import gpt
+from jzero.demo import gpt
 from jzero.optim import quantized_adam_state
 from jzero.optim.quantized import (
     MU_TOP,

@@ -19,8 +19,8 @@ from repo import FIXTURES, ROOT
 import jzero
 from jzero import config as config_lib
 from jzero.checkpoint import Checkpointer, abstract_target
+from jzero.demo import gpt
 from jzero.hlo import layout_copies
-from jzero.models import gpt
 from jzero.plan import is_contiguous, make_plan, shard_dim
 from jzero.replay import layer_dims
 from jzero.step import (

@@ -11,11 +11,10 @@ import pytest
 import toy
 
 import jzero
-from jzero import data
 from jzero.config import ConfigError, load_config
+from jzero.demo import data, gpt
 from jzero.engine import settings
 from jzero.hlo import collectives_by_dtype, program_text
-from jzero.models import gpt
 from jzero.optim import float32_update, low_precision_state, stochastic_round
 from jzero.optim.master16 import apply_rounded, rounding_key
 from jzero.plan import to_logical

@@ -11,7 +11,7 @@ import pytest
 import jzero
 from jzero import profiler
 from jzero.config import ConfigError, load_config
-from jzero.models import gpt
+from jzero.demo import gpt
 
 LAYERS, D, TOKENS = 12, 128, 256
 

@@ -15,14 +15,22 @@ import jzero
 from jzero.engine import settings
 
 ALIASES = {
+    "jzero.data": ("jzero.demo.data", "BatchIterator"),
     "jzero.engine_init": ("jzero.engine", "initialize"),
     "jzero.export": ("jzero.weights", "load_exported"),
     "jzero.gather": ("jzero.replay", "gathered"),
+    "jzero.models": ("jzero.demo.gpt", "GPT"),
+    "jzero.models.gpt": ("jzero.demo.gpt", "config_for"),
     "jzero.overlap": ("jzero.comm", "compiler_options"),
+    "jzero.train": ("jzero.demo.train", "run"),
 }
 
 
 def _import_fresh(name):
+    parent = name.rpartition(".")[0]
+    with warnings.catch_warnings():  # an alias package's own warning is its own test's
+        warnings.simplefilter("ignore", DeprecationWarning)
+        importlib.import_module(parent)
     sys.modules.pop(name, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

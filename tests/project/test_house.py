@@ -1,7 +1,8 @@
 """The house rules, read from the source with ``ast``: no module imports a private name from
 another package, every package's ``__init__`` states its responsibility and curates its names, and
 the config is read once: the core imports nothing of the config (nor the engine, which translates
-it), and the config nothing of the core.
+it), and the config nothing of the core; the memory estimator imports neither the engine nor
+the demo's model.
 
 A private name (``_x``) may be imported within its own package (``jzero.nvme.store`` from
 ``jzero.nvme.file_format``), never from another one: a name another package needs is public API
@@ -98,6 +99,47 @@ def forbidden_imports(root: Path) -> list[str]:
         if _under(module, config_side) and not _under(source, (*config_side, f"{name}._util")):
             found.append(f"{where} {source}")
     return found
+
+
+ABOVE_MEMORY = ("jzero.engine", "jzero.demo", "jzero.models", "jzero.train", "jzero.data")
+
+
+def memory_imports_above(root: Path) -> list[str]:
+    """The imports that lift the memory estimator above what it measures: ``jzero.memory``
+    importing the engine or the demo's model, data or loop (or their deprecated aliases).
+    Its measured report takes an engine, and :func:`jzero.memory.measure_stages` a model, from
+    the caller; ``plan_report`` (the built-in GPT's) is reached by name, adding no import."""
+    name = root.name
+    memory = f"{name}.memory"
+    above = tuple(p.replace("jzero", name, 1) for p in ABOVE_MEMORY)
+    found = []
+    for where, source in jzero_imports(root):
+        module = _module_name(root.parent / where.split(":")[0], root)
+        if _under(module, (memory,)) and _under(source, above):
+            found.append(f"{where} {source}")
+    return found
+
+
+def test_the_memory_estimator_imports_no_engine_and_no_model():
+    assert memory_imports_above(JZERO) == []
+
+
+def test_the_memory_check_finds_an_engine_or_a_model_imported(tmp_path):
+    pkg = tmp_path / "jzero"
+    for sub in ("memory", "engine", "demo", "plan"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
+    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "memory" / "a.py").write_text(
+        "from jzero.plan import make_plan\n\n\ndef f():\n    from jzero.engine import initialize\n"
+    )
+    (pkg / "memory" / "b.py").write_text("import jzero.models.gpt\nfrom ..demo import gpt\n")
+    (pkg / "engine" / "c.py").write_text("from jzero.memory import estimate\n")
+    assert memory_imports_above(pkg) == [
+        "jzero/memory/a.py:5 jzero.engine",
+        "jzero/memory/b.py:1 jzero.models.gpt",
+        "jzero/memory/b.py:2 jzero.demo",
+    ]
 
 
 def test_the_core_and_the_config_import_nothing_of_each_other():

@@ -18,8 +18,8 @@ import toy
 from numerics import EPS, max_rel_error, needs_float16
 
 import jzero
-from jzero.models import GPTConfig, init_params
-from jzero.models import loss_fn as gpt_loss
+from jzero.demo.gpt import GPTConfig, init_params
+from jzero.demo.gpt import loss_fn as gpt_loss
 from jzero.step import logical_view
 
 BATCH = 32

@@ -11,7 +11,7 @@ import optax
 
 import jzero
 from jzero.config import JzeroConfigWarning
-from jzero.models import GPTConfig, init_params, loss_fn
+from jzero.demo.gpt import GPTConfig, init_params, loss_fn
 
 GPT = GPTConfig(seq_len=16, num_layers=2, num_heads=2, d_model=64, d_ff=128)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jzero.data import (
+from jzero.demo.data import (
     BatchIterator,
     eval_batches,
     load_tokens,

@@ -11,8 +11,8 @@ import threading
 import pytest
 from cli_runs import shared_compile_cache
 
-from jzero import train
 from jzero.checkpoint import list_steps
+from jzero.demo import train
 from jzero.engine import Engine
 
 TINY = [

@@ -1,0 +1,94 @@
+"""``jzero plan``'s measurement: the built-in GPT of a config at every ZeRO stage.
+
+:func:`plan_report` is :func:`jzero.memory.measure_stages` given the built-in GPT: the model
+is built as ``jzero train`` builds it (:mod:`jzero.demo.gpt`, a Flax NNX module made in its
+shards), here as an abstract engine (``initialize(..., abstract=True)``, shapes only, so a
+stage the model does not fit is planned all the same), and its step compiled for a global
+batch of ``model.seq_len + 1`` int32 tokens. What is measured and how the rows are chosen is
+:mod:`jzero.memory`'s (its ``_measure`` decisions); this module only knows the model, so the
+estimator package imports neither the engine nor a model. ``jzero.memory.plan_report`` is
+this function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jzero import memory
+from jzero.demo import gpt
+from jzero.engine import initialize
+
+__all__ = ["plan_report"]
+
+
+def _gpt(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
+    """The built-in GPT of ``cfg``'s ``model`` section, as :func:`jzero.memory.measure_stages`
+    takes a model: its name for the title, and how to build a row's engine and batch."""
+    model_cfg = gpt.config_for(cfg)
+
+    def build(row: Any, mesh: Any) -> tuple[Any, Any]:
+        engine = initialize(
+            model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
+            loss_fn=gpt.nnx_loss_fn,
+            config=row,
+            mesh=mesh,
+            abstract=True,  # shapes only: a stage the model does not fit is planned all the same
+        )
+        shape = (engine.train_batch_size, model_cfg.seq_len + 1)
+        return engine, {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
+
+    return f"GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}", build
+
+
+def plan_report(
+    config: Any,
+    devices: int | None = None,
+    device_memory: int | str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    margin: float = 0.1,
+    offload: bool | None = None,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    compare_checkpointing: bool | None = None,
+) -> memory.PlanReport:
+    """Every ZeRO stage of a config's built-in GPT side by side, measured from the compiled step.
+
+    The model is built as ``jzero train`` builds it, once per stage, and its step is compiled
+    (``engine.lower(batch).compile().memory_analysis()``).
+
+    Args:
+      config: a config (path, mapping or :class:`jzero.Config`) with a ``model`` section.
+      devices: data-parallel devices to plan for; by default the config's mesh. More devices
+        than this machine has: the model state is planned on an abstract mesh and the compiled
+        step is measured on the local devices at the same per-device micro batch.
+      device_memory: the memory of one device (bytes or ``"80GB"``), for the recommendation.
+      overrides: ``"key=value"`` config overrides, as ``--set`` passes them.
+      margin: fraction of device memory kept free.
+      offload: also measure stages with offload to host memory: ``True`` always, ``False``
+        never, ``None`` only when ``device_memory`` is given and no stage fits without.
+      stages: the stages to measure (each costs one compilation).
+      compare_checkpointing: also compile each row with the opposite activation-checkpointing
+        setting (the config has none: ``policy: full``; it has one: ``policy: none``):
+        ``True`` always, ``False`` never, ``None`` always without ``device_memory`` and with it
+        only where it can change the recommendation (see :mod:`jzero.memory`'s measured
+        report). Each costs one more compilation.
+
+    Returns:
+      A :class:`jzero.memory.PlanReport`; ``print(result.table())``.
+    """
+    return memory.measure_stages(
+        config,
+        _gpt,
+        devices,
+        device_memory,
+        overrides=overrides,
+        margin=margin,
+        offload=offload,
+        stages=stages,
+        compare_checkpointing=compare_checkpointing,
+    )

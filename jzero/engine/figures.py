@@ -1,0 +1,82 @@
+"""What the engine's step costs: the model's FLOPs of a step and the peak memory per device.
+
+Each figure is computed here only: the engine's methods (``model_flops``, ``peak_bytes``), the
+monitors' :class:`~jzero.monitor.TrainLog` (through :func:`jzero.monitor.step_rates`) and
+``jzero train``'s lines and summary (:mod:`jzero.demo.train`) all read them from here.
+
+Decisions:
+
+* **The model's FLOPs are traced, never run**: 3x the loss's forward matmuls
+  (:func:`jzero.profiler.module_flops`), plus the forward passes
+  ``flops_profiler.recompute_fwd_factor`` says activation checkpointing repeats. They are
+  traced once per batch shape: the engine keeps them (``jzero train`` asks before its first
+  step, the monitors at it, and both get the one trace).
+* **The peak memory per device** is the allocator's figure on an accelerator (it moves as the
+  run goes, so it is handed out as a function to read it). On CPU, which keeps none, it is
+  the compiled step's peak (``stage: auto``'s measure, :func:`jzero.engine.auto_stage.peak_bytes`:
+  the arguments, less the state a CPU counts among them though it rests in host memory, plus
+  the temporaries and the outputs not aliased to an input), of the executable the step runs:
+  not compiled again. Under the NVMe tier that is its gradient program (the update programs
+  hold one group each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["model_flops", "peak_bytes", "traceable_loss"]
+
+PyTree = Any
+
+
+def _shapes(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def traceable_loss(engine: Any, batch: PyTree) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The engine's loss as ``loss(params, extra, batch)`` and the shapes of ``(extra, batch)``."""
+    args = (_shapes(engine.state.extra), _shapes(batch))
+    loss = engine.loss_fn if engine.takes_extra else (lambda p, _, b: engine.loss_fn(p, b))
+    return loss, args
+
+
+def _key(tree: PyTree) -> tuple[Any, ...]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, *((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves))
+
+
+def model_flops(engine: Any, batch: PyTree, traced: dict[Any, float]) -> float:
+    """The model's FLOPs of one step of ``engine`` on a global batch of ``batch``'s shapes
+    (arrays or ``jax.ShapeDtypeStruct``), kept in ``traced`` by the shapes they were traced at
+    (see the module's decisions)."""
+    from jzero import profiler
+
+    factor = engine.config.flops_profiler.recompute_fwd_factor
+    params = engine.plan.abstract_params
+    key = (_key(params), _key(engine.state.extra), _key(batch), factor)
+    if key not in traced:
+        loss, args = traceable_loss(engine, batch)
+        forward = sum(profiler.module_flops(loss, params, *args).values())
+        traced[key] = (3.0 + factor) * forward
+    return traced[key]
+
+
+def peak_bytes(engine: Any, batch: PyTree) -> Callable[[], int | None]:
+    """A function that reads the peak memory per device of ``engine``'s step on the global
+    batch ``batch`` (as the step takes it): see the module's decisions. ``None`` where the
+    allocator's statistics name no peak."""
+    device = engine.mesh.local_devices[0]
+    if device.memory_stats() is not None:
+        return lambda: device.memory_stats().get("peak_bytes_in_use")
+    step = engine._step_fn(batch)  # the step it runs, built (and its layout fitted) once
+    if not hasattr(step, "lower"):
+        return lambda: None
+    from jzero.engine import auto_stage
+
+    host = sum(engine.plan.host_state_bytes(engine.accumulation_steps or 1).values())
+    peak = auto_stage.peak_bytes(step.lower(engine.state, batch).compile(), host)
+    return lambda: peak
