@@ -448,8 +448,6 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
             f"is {accum}; set it to {stages} or more ({2 * stages} keeps the bubble smaller)."
         )
     others = {
-        "tensor_parallel.autotp_size > 1": cfg.autotp_size() > 1 or bool(cfg.tp_plan()),
-        "sequence_parallel_size > 1": cfg.sequence_parallel_size > 1,
         "offload_optimizer.device: nvme": cfg.zero_optimization.offload_optimizer.device == "nvme",
         "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": cfg.zero_optimization.zero_hpz_partition_size
         > 1,
@@ -587,9 +585,6 @@ def _expert_errors(cfg: Config) -> list[str]:
         )
     zero = cfg.zero_optimization
     others = {
-        "pipeline.stages > 1": cfg.pipeline_stages() > 1,
-        "tensor_parallel.autotp_size > 1": cfg.autotp_size() > 1 or bool(cfg.tp_plan()),
-        "sequence_parallel_size > 1": cfg.sequence_parallel_size > 1,
         "offload_optimizer.device: nvme": zero.offload_optimizer.device == "nvme",
         "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": zero.zero_hpz_partition_size > 1,
         "zero_quantized_weights / zero_quantized_gradients (ZeRO++)": bool(

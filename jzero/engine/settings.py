@@ -302,9 +302,14 @@ def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree
     size = cfg.sequence_parallel_size
     _require_axis("sequence_parallel_size", size, SEQ_AXIS, mesh)
     _require_axis("expert_parallel.autoep_size", cfg.autoep_size(), EXPERT_AXIS, mesh)
+    seq = mesh.shape.get(SEQ_AXIS, 1) > 1
     if mesh.shape.get(EXPERT_AXIS, 1) > 1:
-        return _experts(cfg, mesh, abstract)
-    if mesh.shape.get(SEQ_AXIS, 1) <= 1:
+        out = _experts(cfg, mesh, abstract)
+        if seq:  # the experts' groups inside each sequence group's tokens, as the mesh orders
+            out["axis"] = tuple(a for a in mesh.axis_names if a in (*out["axis"], SEQ_AXIS))
+            out["seq_axis"] = SEQ_AXIS
+        return out
+    if not seq:
         return {}
     return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
 

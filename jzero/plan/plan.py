@@ -473,6 +473,12 @@ class Plan:
             for leaf, b in zip(self.leaves, self._bases(), strict=True)
         )
 
+    def entries_beside(self, *manual: str) -> tuple[tuple[Any, ...], ...]:
+        """:attr:`other_entries` with ``manual`` axes dropped too: what the compiler still
+        splits inside a region that makes them manual (a pipeline stage's ``pipe``)."""
+        drop = set(manual)
+        return tuple(tuple(_drop(e, drop) for e in entries) for entries in self.other_entries)
+
     def _bases(self) -> tuple[P, ...]:
         return self.base_specs or tuple(P() for _ in self.leaves)
 

@@ -19,10 +19,17 @@ Decisions:
   most parameter leaves as scanned operands. A loss with none (a Python loop over layers, no
   stacked parameters) is refused: a loop's layers are separate parameters, and the pipeline
   splits one stacked dimension.
+* **Per-layer outputs travel with the activations.** A scan output used after the scan (an
+  MoE layer's load-balancing loss and dropped fraction, one per layer) is gathered into a
+  buffer of all ``L`` layers' rows that rides in the carry from stage to stage: each stage
+  rolls the buffer up by its ``L / P`` rows and writes its own rows last, so after the last
+  stage the buffer holds every layer's in order, and the part after the scan reads it as the
+  whole model's. Its gradient goes back through the stages as the activations' does. The
+  buffer costs ``L`` rows of each such output per message (scalars per layer for an auxiliary
+  loss).
 * **Refused rather than wrong:** per-layer inputs that are not parameters (a layer index, one
-  dropout key per layer: each stage would see the first ``L / P`` of them), and per-layer
-  outputs used after the scan (each stage has only its own layers'). The messages say what to
-  change.
+  dropout key per layer: each stage would see the first ``L / P`` of them). The message says
+  what to change.
 """
 
 from __future__ import annotations
@@ -52,8 +59,10 @@ class LayerSplit:
       closed: the trace (nested calls inlined).
       index: the layer scan's position in ``closed.jaxpr.eqns``.
       scanned: per parameter leaf, whether the layer scan consumes it (its stacked dimension 0).
-      carry: the scan's carry, what passes between stages.
+      carry: what passes between stages: the scan's carry, then one buffer of all ``L``
+        layers' rows per per-layer output used after the scan (:attr:`layer_outputs`).
       out_tree: the tree of what the loss returns.
+      layer_outputs: the positions (among the scan's per-layer outputs) of those used after it.
     """
 
     closed: Any
@@ -61,6 +70,7 @@ class LayerSplit:
     scanned: tuple[bool, ...]
     carry: tuple[jax.ShapeDtypeStruct, ...]
     out_tree: Any
+    layer_outputs: tuple[int, ...] = ()
 
     @property
     def eqn(self) -> Any:
@@ -71,13 +81,15 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
     return v.val if isinstance(v, jex_core.Literal) else env[v]
 
 
-def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any) -> LayerSplit:
+def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int = 1) -> LayerSplit:
     """Traces ``fn(params, *args)`` (abstract values) and finds its layer scan.
+
+    ``params`` hold one stage's share of the stacked layers; ``stages`` is how many stages
+    share them (the per-layer outputs' buffers hold ``stages`` times a stage's rows).
 
     Raises:
       NoLayerScan: no top-level scan consumes a parameter.
-      ValueError: the layer scan reads per-layer inputs that are not parameters, or its
-        per-layer outputs are used after it.
+      ValueError: the layer scan reads per-layer inputs that are not parameters.
     """
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, *args)
     closed = inline_calls(closed)
@@ -115,18 +127,22 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any) -> LayerSpl
                 "carry, or pass it as a parameter with a leading layer dimension."
             )
         scanned[i] = True
-    ys = set(eqn.outvars[ncarry:])
-    later = [v for e in jaxpr.eqns[best + 1 :] for v in e.invars] + list(jaxpr.outvars)
-    if any(not isinstance(v, jex_core.Literal) and v in ys for v in later):
-        raise ValueError(
-            "pipeline: the loss uses the layer scan's per-layer outputs after it (an auxiliary "
-            "loss per layer?); each stage holds only its own layers'. Add them up in the scan's "
-            "carry instead, or set pipeline.stages: 1."
-        )
+    later = {
+        v
+        for v in [u for e in jaxpr.eqns[best + 1 :] for u in e.invars] + list(jaxpr.outvars)
+        if not isinstance(v, jex_core.Literal)
+    }
+    used = tuple(j for j, v in enumerate(eqn.outvars[ncarry:]) if v in later)
     carry = tuple(
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[nc : nc + ncarry]
     )
-    return LayerSplit(closed, best, tuple(scanned), carry, jax.tree.structure(out_shape))
+    buffers = tuple(
+        jax.ShapeDtypeStruct((v.aval.shape[0] * stages, *v.aval.shape[1:]), v.aval.dtype)
+        for v in (eqn.outvars[ncarry + j] for j in used)
+    )
+    return LayerSplit(
+        closed, best, tuple(scanned), carry + buffers, jax.tree.structure(out_shape), used
+    )
 
 
 def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
@@ -158,11 +174,19 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
         for e in jaxpr.eqns[:k]:
             env.update(zip(e.outvars, bind(e, [_read(env, v) for v in e.invars]), strict=True))
         invals = [_read(env, v) for v in eqn.invars]
-        for j, c in enumerate(carry_in):
+        for j, c in enumerate(carry_in[:ncarry]):
             init = invals[nc + j]
             invals[nc + j] = jnp.where(first, init, c.astype(init.dtype))
         outs = bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
+        buffers = []  # each per-layer output used later: the earlier stages' rows, then ours
+        for j, b in zip(split.layer_outputs, carry_in[ncarry:], strict=True):
+            mine = outs[ncarry + j]
+            b = jnp.where(first, jnp.zeros_like(b), b.astype(mine.dtype))
+            rows = mine.shape[0]
+            b = jnp.concatenate([b[rows:], mine], axis=0)
+            env[eqn.outvars[ncarry + j]] = b
+            buffers.append(b)
 
         def run_post(vals: list[Any]) -> list[Any]:
             local = dict(zip(needed, vals, strict=True))
@@ -176,6 +200,6 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
             return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]
 
         results = jax.lax.cond(last, run_post, zeros, [env[v] for v in needed])
-        return list(outs[:ncarry]), results
+        return [*outs[:ncarry], *buffers], results
 
     return unit

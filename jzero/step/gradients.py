@@ -133,9 +133,9 @@ def _local_loss(
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
     and checkpoints each scan body by ``policy`` (:mod:`jzero.replay.remat`).
 
-    ``stage_shapes``: one pipeline stage's compute params (its ``L / P`` layers), for the stage
-    unit run with ``pipe`` manual: there no other mesh axis splits a leaf, and activations are
-    not partitioned over the others (``pipe`` among them)."""
+    ``stage_shapes``: one pipeline stage's compute params (its ``L / P`` layers, its experts),
+    for the stage unit run with ``pipe`` manual: the compiler's axes (``model``) split a leaf as
+    :meth:`Plan.entries_beside` says, and activations are not partitioned over them."""
     if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
         staged = stage_shapes is not None
         return gathered(
@@ -153,7 +153,7 @@ def _local_loss(
             bits=plan.quantized_weights,
             grad_bits=plan.quantized_gradients,
             overlap=plan.overlap_comm,
-            specs=None if staged else plan.other_entries,
+            specs=plan.entries_beside(plan.pipe_axis) if staged else plan.other_entries,
             axes=[plan.leaf_axes(i) for i in range(len(plan.leaves))],
         )
     return loss_fn
@@ -296,13 +296,14 @@ def _local_grads(
 
 
 def _stage_shapes(plan: Plan) -> PyTree:
-    """The compute params one pipeline stage holds: ``L / P`` layers of each split leaf."""
+    """The compute params one pipeline stage holds inside the step: ``L / P`` layers of each
+    split leaf, and of an expert leaf its ``E / E_p`` experts."""
     p = plan.pipe_size
     return jax.tree.map(
         lambda x, piped: (
             jax.ShapeDtypeStruct((x.shape[0] // p, *x.shape[1:]), x.dtype) if piped else x
         ),
-        plan.compute_params,
+        plan.local_compute_params,
         jax.tree.structure(plan.abstract_params).unflatten(list(plan.pipelined)),
     )
 
@@ -344,7 +345,7 @@ def _pipelined_grads(
 
         def region(params: PyTree, extra: PyTree, scale: jax.Array, mbs: PyTree) -> Any:
             # Traced here, with `pipe` manual, so the replayed equations see this mesh.
-            split = split_at_layers(loss_only, stage_shapes, extra, mb)
+            split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=plan.pipe_size)
             unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
             trees["aux"] = jax.tree_util.treedef_children(split.out_tree)[1]
 

@@ -180,17 +180,23 @@ def test_deepspeed_sections_without_an_effect_are_listed_not_refused():
             {
                 "pipeline": {"stages": 2},
                 "gradient_accumulation_steps": 2,
-                "sequence_parallel_size": 2,
+                "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2},
             },
-            "pipeline.stages: 2 does not compose with sequence_parallel_size > 1 yet",
+            "pipeline.stages: 2 does not compose with zero_hpz_partition_size > 1 (ZeRO++ hpZ) yet",
         ),
         (
             {"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}},
             "tensor_parallel.tp.tp_size: 4 does not match the 2 devices of",
         ),
         (
-            {"expert_parallel": {"enabled": True, "autoep_size": 2}, "sequence_parallel_size": 2},
-            "expert_parallel.autoep_size: 2 does not compose with sequence_parallel_size > 1 yet",
+            {
+                "expert_parallel": {"enabled": True, "autoep_size": 2},
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"},
+                },
+            },
+            "expert_parallel.autoep_size: 2 does not compose with offload_optimizer.device: nvme",
         ),
         (
             {"compression_training": {"sparse_pruning": {"shared_parameters": {"enabled": True}}}},
