@@ -60,6 +60,7 @@ from jzero.distributed.processes import resolve_spec as resolve_spec
 from jzero.distributed.runtime import any_process as any_process
 from jzero.distributed.runtime import backends_initialized as backends_initialized
 from jzero.distributed.runtime import barrier as barrier
+from jzero.distributed.runtime import batch_share as batch_share
 from jzero.distributed.runtime import check_batch as check_batch
 from jzero.distributed.runtime import ensure_initialized as ensure_initialized
 from jzero.distributed.runtime import global_batch as global_batch
@@ -67,6 +68,7 @@ from jzero.distributed.runtime import init_distributed as init_distributed
 from jzero.distributed.runtime import is_main_process as is_main_process
 from jzero.distributed.runtime import launcher_replicas as launcher_replicas
 from jzero.distributed.runtime import local_batch_size as local_batch_size
+from jzero.distributed.runtime import process_rows as process_rows
 from jzero.distributed.sequence import sequence_chunk as sequence_chunk
 from jzero.distributed.sequence import sequence_offset as sequence_offset
 from jzero.distributed.sequence import (
@@ -82,6 +84,7 @@ __all__ = [
     "backends_initialized",
     "barrier",
     "bubble_fraction",
+    "batch_share",
     "check_batch",
     "ClusterJob",
     "compile_cache_dir",
@@ -105,6 +108,7 @@ __all__ = [
     "is_main_process",
     "launcher_replicas",
     "local_batch_size",
+    "process_rows",
     "make_mesh",
     "make_schedule",
     "MODEL_AXIS",

@@ -38,7 +38,7 @@ import inspect
 import ipaddress
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -258,29 +258,67 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // count
 
 
-def check_batch(batch: Any, global_batch_size: int, explain: str = "") -> None:
+def process_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> range:
+    """The rows of a global batch of ``global_batch_size`` that this process's devices hold
+    under the batch ``sharding``: ``p*b : (p+1)*b`` when the processes split the batch's axes,
+    every row when a process holds a whole data group of each (a ``pipe`` axis across
+    processes: every stage reads every row).
+
+    Raises:
+      ValueError: the rows are not one contiguous block (a mesh not in process order).
+    """
+    index = jax.process_index()
+    rows: set[int] = set()
+    for device, idx in sharding.devices_indices_map((global_batch_size,)).items():
+        if device.process_index == index:
+            rows.update(range(*idx[0].indices(global_batch_size)) if idx else ())
+    if not rows or rows != set(range(min(rows), max(rows) + 1)):
+        raise ValueError(
+            f"The batch sharding puts process {index}'s devices on rows "
+            f"{sorted(rows)[:4]}... of the global batch of {global_batch_size}, which are not one "
+            "block. Build the mesh with jzero.make_mesh (devices in process order) so each "
+            "process holds a contiguous block of the data axis."
+        )
+    return range(min(rows), max(rows) + 1)
+
+
+def batch_share(sharding: jax.sharding.Sharding) -> float:
+    """The fraction of a global batch's rows this process passes (:func:`process_rows`)."""
+    n = sharding.num_devices
+    return len(process_rows(sharding, n)) / n
+
+
+def check_batch(
+    batch: Any, global_batch_size: int, explain: str = "", rows: int | None = None
+) -> None:
     """Every leaf of this process's ``batch`` has its rows of the global batch: leading dim
-    ``global_batch_size / jax.process_count()``; else a clear error naming the leaf.
+    ``rows`` (default ``global_batch_size / jax.process_count()``); else a clear error naming
+    the leaf.
 
     Args:
       batch: this process's batch (a pytree of arrays).
       global_batch_size: the global batch's leading dim.
       explain: where that size comes from, for the one-process message (e.g. ``" (=
         train_micro_batch_size_per_gpu 4 x ...)"``).
+      rows: the rows this process passes (:func:`process_rows` of the batch sharding).
     """
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not flat:
         raise ValueError("The batch is empty; pass a pytree of arrays with a leading batch dim.")
-    expected = local_batch_size(global_batch_size)
+    expected = local_batch_size(global_batch_size) if rows is None else rows
     for path, x in flat:
         lead = np.shape(x)[0] if np.ndim(x) else None
         if lead == expected:
             continue
         name = dotted(path) or "<batch>"
         if expected != global_batch_size:  # several processes: each passes its rows
+            whose = (
+                f"each of the {jax.process_count()} processes passes its {expected} rows"
+                if expected * jax.process_count() == global_batch_size
+                else f"process {jax.process_index()} passes the {expected} rows its devices hold"
+            )
             raise ValueError(
-                f"Batch leaf {name!r} has leading dim {lead}, but each of the "
-                f"{jax.process_count()} processes passes its {expected} rows of the global "
+                f"Batch leaf {name!r} has leading dim {lead}, but {whose} of the global "
                 f"train_batch_size {global_batch_size}. Pass this process's slice of {expected} "
                 "rows (jzero.data.BatchIterator with process_index/process_count yields it)."
             )
@@ -288,24 +326,6 @@ def check_batch(batch: Any, global_batch_size: int, explain: str = "") -> None:
             f"Batch leaf {name!r} has leading dim {lead} but train_batch_size is "
             f"{global_batch_size}{explain}. Pass a global batch of that size, or change the "
             "config's batch keys."
-        )
-
-
-def _check_rows(sharding: jax.sharding.Sharding, global_shape: Sequence[int]) -> None:
-    """Process ``p``'s devices must hold rows ``p*b : (p+1)*b`` of the global batch."""
-    count, index = jax.process_count(), jax.process_index()
-    b = global_shape[0] // count
-    rows = set()
-    for device, idx in sharding.devices_indices_map(tuple(global_shape)).items():
-        if device.process_index == index:
-            rows.update(range(*idx[0].indices(global_shape[0])) if idx else ())
-    if rows != set(range(index * b, (index + 1) * b)):
-        raise ValueError(
-            f"The batch sharding puts process {index}'s devices on rows "
-            f"{sorted(rows)[:4]}... of the global batch of {global_shape[0]}, but process "
-            f"{index} passes rows {index * b}..{(index + 1) * b - 1}. Build the mesh with "
-            "jzero.make_mesh (devices in process order) so each process holds a contiguous "
-            "block of the data axis."
         )
 
 
@@ -317,8 +337,9 @@ def global_batch(
     On one process the batch is returned unchanged (the jitted step places it).
 
     Args:
-      local_batch: this process's rows of the global batch: every leaf has leading dim
-        ``global_batch_size / jax.process_count()``; process ``p`` passes rows ``p*b:(p+1)*b``.
+      local_batch: this process's rows of the global batch (:func:`process_rows`): process
+        ``p`` passes rows ``p*b:(p+1)*b`` of ``b = global_batch_size / jax.process_count()``
+        when the processes split the batch's axes, the whole batch when each holds every row.
       sharding: the batch sharding (``plan.batch``), leading dim over the data axis.
       global_batch_size: the leading dim of the global batch.
 
@@ -327,23 +348,23 @@ def global_batch(
     """
     if jax.process_count() == 1:
         return local_batch
-    checked: set[tuple[int, ...]] = set()
     local = {
         id(x): x
         for x in jax.tree.leaves(local_batch)
         if not (isinstance(x, jax.Array) and not x.is_fully_addressable)  # already global
     }
     if local:
-        check_batch(list(local.values()), global_batch_size)
+        check_batch(
+            list(local.values()),
+            global_batch_size,
+            rows=len(process_rows(sharding, global_batch_size)),
+        )
 
     def one(x: Any) -> jax.Array:
         if id(x) not in local:
             return x
         x = np.asarray(x)
         shape = (global_batch_size, *x.shape[1:])
-        if shape not in checked:
-            _check_rows(sharding, shape)
-            checked.add(shape)
         return jax.make_array_from_process_local_data(sharding, x, shape)
 
     return jax.tree.map(one, local_batch)

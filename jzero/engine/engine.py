@@ -219,6 +219,7 @@ class Engine:
             f" (= train_micro_batch_size_per_gpu {self.micro_batch_size} x "
             f"gradient_accumulation_steps {self.accumulation_steps} x data-parallel size "
             f"{self.plan.data_parallel_size})",
+            rows=len(distributed.process_rows(self.plan.batch, self.train_batch_size)),
         )
 
     def _global(self, batch: PyTree) -> PyTree:
@@ -380,14 +381,15 @@ class Engine:
         self._check_concrete("evaluate")
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
         count = jax.process_count()  # several processes: each passes its rows
-        if len(lead) != 1 or (next(iter(lead)) * count) % self.plan.data_parallel_size:
+        total = round(next(iter(lead)) / distributed.batch_share(self.plan.batch)) if lead else 0
+        if len(lead) != 1 or total % self.plan.data_parallel_size:
             raise ValueError(
                 "An evaluation batch needs one leading dim divisible by the data-parallel "
                 f"size {self.plan.data_parallel_size} (over all {count} process(es)), but its "
                 f"leaves have leading dims {sorted(lead)} on this process. Pass a batch of that "
                 "size."
             )
-        batch = distributed.global_batch(batch, self.plan.batch, next(iter(lead)) * count)
+        batch = distributed.global_batch(batch, self.plan.batch, total)
         self.fit_layout(batch)
         if self._eval is None:
             self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)

@@ -203,3 +203,22 @@ def test_two_processes_each_keep_their_shards_in_files(session):
     counts = list(record["files"].values())
     assert len(counts) == 2 and counts[0] == counts[1] > 0, record["files"]
     assert not os.listdir(session["dir"] / "nvme")  # both stores removed at close
+
+
+# -- 3-D parallelism, the pipe axis across the processes -------------------------------------------
+def test_two_processes_one_pipeline_stage_each_split_over_model_within(session):
+    """{pipe: 2, data: 2, model: 2} at stage 3: each process holds one stage, its layers split
+    over its own model devices; both pass every row (the stages read the same rows)."""
+    import compositions
+    import dist_pipe_tp
+
+    record = session["records"]["pipe_tp"]
+    assert record["mesh"] == {"pipe": 2, "data": 2, "model": 2}
+    assert record["processes"] == [[0], [1]]  # stage s on process s only
+    with jax.enable_x64(True):
+        want, _ = compositions.reference(
+            compositions.model_config(dist_pipe_tp.AXES), compositions.BATCH
+        )
+    for (loss, norm), (ref_loss, ref_norm) in zip(record["metrics"], want, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=LOSS_RTOL)
+        assert norm == pytest.approx(ref_norm, rel=LOSS_RTOL)

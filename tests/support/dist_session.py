@@ -9,6 +9,8 @@ task, ``{"task": name, ...}``:
 * ``flat2``, ``flat3``: the toy at stages 2 and 3 on ``{data: 8}`` (:mod:`dist_train`);
 * ``hybrid_stage1``, ``hybrid_hpz``: a replica per process (:mod:`dist_hybrid`);
 * ``moe``: the MoE toy with starved experts (:mod:`dist_moe`);
+* ``pipe_tp``: the GPT on ``{pipe: 2, data: 2, model: 2}``, a stage per process
+  (:mod:`dist_pipe_tp`);
 * ``ckpt_save``: trains and saves into ``DIR/ckpt_two``; ``ckpt_resume``: restores what this
   process saved into ``DIR/ckpt_one`` and trains on (:mod:`dist_ckpt`);
 * ``nvme``: the optimizer state and the parameters on NVMe under ``DIR/nvme``
@@ -39,6 +41,7 @@ import dist_ckpt  # noqa: E402
 import dist_hybrid  # noqa: E402
 import dist_moe  # noqa: E402
 import dist_nvme  # noqa: E402
+import dist_pipe_tp  # noqa: E402
 import dist_train  # noqa: E402
 import dist_weights  # noqa: E402
 
@@ -50,6 +53,7 @@ def tasks(directory: Path) -> dict:
     out = {f"flat{s}": functools.partial(dist_train.train, s) for s in dist_train.STAGES}
     out |= {f"hybrid_{n}": functools.partial(dist_hybrid.train, n) for n in dist_hybrid.RUNS}
     out["moe"] = dist_moe.train
+    out["pipe_tp"] = dist_pipe_tp.train
     out["ckpt_save"] = functools.partial(dist_ckpt.run, "save", str(directory / "ckpt_two"))
     out["ckpt_resume"] = functools.partial(dist_ckpt.run, "resume", str(directory / "ckpt_one"))
     out["nvme"] = functools.partial(dist_nvme.run, str(directory / "nvme"))
