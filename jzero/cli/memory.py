@@ -56,9 +56,9 @@ expert data-parallel groups shard them. A device holds E/E_p experts (Psi_e/E_p 
 whose states ZeRO shards only over the N/E_p devices of its group; the dense Psi - Psi_e is
 sharded over all N. Each formula above then holds for the dense part with Psi - Psi_e over N
 plus the expert part with Psi_e/E_p over N/E_p (stage 3: 16 Psi_e/N); the table shows both
-as columns (expert GB, dense GB). DeepSpeed's estimators have no expert term. Expert
-parallelism does not compose with --tensor-parallel, --sequence-parallel or --pipeline yet,
-and lists no nvme rows.
+as columns (expert GB, dense GB). DeepSpeed's estimators have no expert term. Beside
+--tensor-parallel the experts stay whole on each model-axis device (the dense part is split);
+--sequence-parallel and --pipeline divide as without experts. No nvme rows with E_p > 1.
 16-bit optimizer state, with --optimizer-dtype bf16 (bf16.bf16_optimizer_states: true): Adam's
 moments rest in bfloat16 (2 bytes each), the master weights stay fp32, so K = 4 + 2 + 2 = 8
 instead of 12: stage 0 12 Psi, stage 1 4 Psi + 8 Psi/N, stage 2 2 Psi + 10 Psi/N, stage 3

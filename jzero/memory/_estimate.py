@@ -57,10 +57,13 @@ Decisions:
   at stage 3 is counted with the dense part. With E_p = 1 the experts are plain parameters
   sharded over all N, and the totals are those of Psi without experts. DeepSpeed's own
   estimators have no expert term (they count every parameter as dense, which overstates
-  stage 0-2's model states when E_p > 1). Expert parallelism does not compose with tensor,
-  sequence or pipeline parallelism or the NVMe tier in jzero yet (the config refuses them),
-  so the estimate refuses the first three and lists no NVMe rows with E_p > 1. The tokens'
-  all-to-alls and the MoE layers' dispatch buffers are not counted.
+  stage 0-2's model states when E_p > 1). Beside tensor parallelism the experts stay whole on
+  each device of the ``model`` axis (AutoTP splits the dense layers only), so the dense part
+  is Psi_d / (T P) a device and the experts' Psi_e / (E_p P); beside sequence parallelism N
+  counts the ``seq`` devices too; beside a pipeline each stage holds its layers' experts.
+  Expert parallelism does not compose with the NVMe tier in jzero yet (the config refuses it),
+  so the estimate lists no NVMe rows with E_p > 1. The tokens' all-to-alls and the MoE
+  layers' dispatch buffers are not counted.
 * 16-bit optimizer state (``optimizer_dtype="bf16"``, jzero's ``bf16: {enabled: true,
   bf16_optimizer_states: true}``, :mod:`jzero.optim.low_precision`): Adam's two moments rest
   in bfloat16 (2 bytes each instead of 4) while the master weights stay fp32, so K = 4 + 2 + 2
@@ -400,9 +403,14 @@ class Estimate:
         if self.tensor_parallel > 1 or self.sequence_parallel > 1:
             hybrid += (
                 f", tensor_parallel T = {self.tensor_parallel}, sequence_parallel S = "
-                f"{self.sequence_parallel}: each device holds Psi/T = "
-                f"{self.params / self.tensor_parallel:.4g} parameters, ZeRO-sharded over N = "
-                f"{self.shards} (data x seq)"
+                f"{self.sequence_parallel}: each device holds "
+                + (
+                    f"Psi_d/T = {(self.params - self.expert_params) / self.tensor_parallel:.4g} "
+                    "dense parameters (the experts whole)"
+                    if moe
+                    else f"Psi/T = {self.params / self.tensor_parallel:.4g} parameters"
+                )
+                + f", ZeRO-sharded over N = {self.shards} (data x seq)"
             )
         if self.pipeline > 1:
             p, m = self.pipeline, self.micro_batches
@@ -625,8 +633,8 @@ def estimate(
       experts: the experts E of each MoE layer; 0 (default): no mixture of experts.
       expert_parallel: the expert axis E_p (``expert_parallel.autoep_size``; the mesh
         ``{data: N/E_p, expert: E_p}``); it divides ``devices`` (per replica group) and
-        ``experts``. Does not compose with ``tensor_parallel``, ``sequence_parallel`` or
-        ``pipeline`` yet (as the config refuses them), and lists no NVMe rows.
+        ``experts``; composes with ``tensor_parallel`` (the experts stay whole over ``model``),
+        ``sequence_parallel`` and ``pipeline``; lists no NVMe rows.
       expert_params: Psi_e, the parameters of all the experts of all MoE layers, part of
         ``params`` (a count as ``params``, e.g. ``6e9`` or ``"6B"``); needed with ``experts``.
         They are counted apart from the dense Psi_d = Psi - Psi_e, as DeepSpeed shards them:
@@ -714,6 +722,17 @@ def estimate(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
             f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
         )
+    if (  # beside other axes (alone, _check_experts names the divisors)
+        tp * sp * pp > 1
+        and isinstance(expert_parallel, int)
+        and expert_parallel > 1
+        and n % (r * tp * sp * pp * expert_parallel)
+    ):
+        raise ValueError(
+            f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
+            f"sequence_parallel={sp} x pipeline={pp} x expert_parallel={expert_parallel}; pass "
+            f"sizes whose product divides {n}."
+        )
     if optimizer_dtype not in _OPTIMIZER_DTYPES:
         raise ValueError(
             f"optimizer_dtype: {optimizer_dtype!r} is not allowed; it must be one of "
@@ -731,15 +750,6 @@ def estimate(
     master = _OPTIMIZER_DTYPES[master_dtype]
     k = _OPTIMIZER_K[opt_dtype] - 4 + _MASTER_BYTES[master]
     n_experts, ep, psi_e = _check_experts(experts, expert_parallel, expert_params, psi, n, r)
-    if ep > 1:
-        for what, size in (("tensor_parallel", tp), ("sequence_parallel", sp), ("pipeline", pp)):
-            if size > 1:
-                raise ValueError(
-                    f"expert_parallel: {ep} does not compose with {what}={size} yet (jzero's "
-                    "config refuses autoep_size > 1 beside it); pass expert_parallel=1 (the "
-                    f"experts then count as dense parameters, sharded over all devices) or "
-                    f"{what}=1."
-                )
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
     given.update(layers=layers, heads=heads)
@@ -783,9 +793,10 @@ def estimate(
         seq_bytes = 8 * (sp - 1) / sp * sbh / tp * width
         if pp > 1:  # each micro-batch forward to the next stage and its gradient back
             pipe_bytes = 2 * mb * sbh * _DTYPE_BYTES[activation_dtype]
-    # Each device holds Psi / T of the model; ZeRO shards it over its data (x seq) group.
-    psi_all, psi, ll = psi, psi / tp / pp, ll / tp
-    pe = psi_e / tp / pp  # the experts' share of a device's Psi/(T P) (T = P = 1 when E_p > 1)
+    # Each device holds Psi / (T P) of the dense model and Psi_e / P of the experts (AutoTP
+    # leaves them whole over `model`); ZeRO shards it over its data (x seq x expert) group.
+    psi_all, psi, ll = psi, (psi - psi_e) / tp / pp + psi_e / pp, ll / tp
+    pe = psi_e / pp  # the experts' share of a device's parameters
     shards = n // r // tp // pp
     buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
 

@@ -155,7 +155,7 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
                   for s in stats.values())
         if name in engine.mesh.shape
         else None
-        for name in ("model", "seq")
+        for name in ("model", "seq", "pipe", "expert")
     }  # fmt: skip
     local_device = _state_bytes(local, "model_state_bytes", accum)
     resident = sum(v for k, v in local_device.items() if k != "grads")
@@ -179,6 +179,8 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
         cross_replica_bytes=cross,
         model_axis_bytes=within["model"],
         seq_axis_bytes=within["seq"],
+        pipe_axis_bytes=within["pipe"],
+        expert_axis_bytes=within["expert"],
     )
 
 

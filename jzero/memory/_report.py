@@ -73,6 +73,11 @@ class StageMemory:
         activation all-reduces); ``None`` without that axis.
       seq_axis_bytes: the part whose groups span the ``seq`` axis only (sequence
         parallelism's all-to-alls); ``None`` without that axis.
+      pipe_axis_bytes: the part whose groups span the ``pipe`` axis only (the activations and
+        their gradients between neighbouring stages, the shared leaves' gradient sums);
+        ``None`` without that axis.
+      expert_axis_bytes: the part whose groups span the ``expert`` axis only (the tokens'
+        all-to-alls to their experts and back); ``None`` without that axis.
     """
 
     stage: int
@@ -94,6 +99,8 @@ class StageMemory:
     cross_replica_bytes: int | None = None
     model_axis_bytes: int | None = None
     seq_axis_bytes: int | None = None
+    pipe_axis_bytes: int | None = None
+    expert_axis_bytes: int | None = None
 
     @property
     def measured(self) -> bool:
@@ -183,8 +190,11 @@ class PlanReport:
         cross = any(r.cross_replica_bytes is not None for r in self.rows)
         model = any(r.model_axis_bytes is not None for r in self.rows)
         seq = any(r.seq_axis_bytes is not None for r in self.rows)
+        pipe = any(r.pipe_axis_bytes is not None for r in self.rows)
+        expert = any(r.expert_axis_bytes is not None for r in self.rows)
         header += (["comm/step"] if comm else []) + (["x-replica/step"] if cross else [])
         header += (["model/step"] if model else []) + (["seq/step"] if seq else [])
+        header += (["pipe/step"] if pipe else []) + (["expert/step"] if expert else [])
         header += ["args", "temp", "peak"]
         header += [f"temp {alt}", f"peak {alt}"] if compare else []
         header += ["fits"] if usable is not None else []
@@ -197,6 +207,8 @@ class PlanReport:
                 (cross, r.cross_replica_bytes),
                 (model, r.model_axis_bytes),
                 (seq, r.seq_axis_bytes),
+                (pipe, r.pipe_axis_bytes),
+                (expert, r.expert_axis_bytes),
             ):
                 if shown:
                     cells.append("-" if v is None else _fmt(v, unit))
@@ -237,12 +249,16 @@ class PlanReport:
                     else "."
                 )
             )
-        if model or seq:
-            lines.append(
-                "model/step: the part within the model axis (tensor parallelism's activation "
-                "all-reduces); seq/step: within the seq axis (sequence parallelism's "
-                "all-to-alls)."
-            )
+        within = {
+            "model/step: the part within the model axis (tensor parallelism's activation "
+            "all-reduces)": model,
+            "seq/step: within the seq axis (sequence parallelism's all-to-alls)": seq,
+            "pipe/step: within the pipe axis (activations and their gradients between "
+            "neighbouring stages)": pipe,
+            "expert/step: within the expert axis (the tokens' all-to-alls)": expert,
+        }
+        if any(within.values()):
+            lines.append("; ".join(text for text, shown in within.items() if shown) + ".")
         if compare and usable is not None:
             lines.append("fits: yes (without activation checkpointing), AC (only with it), no.")
         if self.recommendation is not None:

@@ -96,13 +96,15 @@ def test_offload_rows_split_the_same_way():
         {},
         {"largest_layer_params": 50_000_000},
         {"replicas": 2},
-        {"tensor_parallel": 2},
+        {"pipeline": 2},
         {"devices_per_node": 4, "offload": "cpu"},
     ],
 )
 def test_one_expert_group_is_todays_estimate(kw):
     """E_p = 1 shards the experts over all N, as any parameter: the split adds up to the
-    totals of the same Psi without experts, row for row (offload, host, disk too)."""
+    totals of the same Psi without experts, row for row (offload, host, disk too). (Beside
+    tensor parallelism it does not: the experts stay whole over ``model``, as AutoTP leaves
+    them, where dense parameters are split.)"""
     split, plain = moe(1, **kw), memory.estimate(PSI, N, **kw)
     assert [(r.stage, r.offload) for r in split.rows] == [(r.stage, r.offload) for r in plain.rows]
     for a, b in zip(split.rows, plain.rows, strict=True):
@@ -216,12 +218,18 @@ def test_bad_expert_arguments_are_clear_errors():
     assert error(expert_params="many") == (
         "expert_params: 'many' is not allowed; it must be a positive number, e.g. 6e9."
     )
-    for what in ("tensor_parallel", "sequence_parallel", "pipeline"):
-        assert error(expert_parallel=2, **{what: 2}) == (
-            f"expert_parallel: 2 does not compose with {what}=2 yet (jzero's config refuses "
-            "autoep_size > 1 beside it); pass expert_parallel=1 (the experts then count as "
-            f"dense parameters, sharded over all devices) or {what}=1."
-        )
-    # E_p = 1 composes with all of them: the experts are then dense parameters.
-    # (each device holds Psi_e / (T P) of them, sharded over N / (T P) = 2 devices)
-    assert moe(1, tensor_parallel=2, pipeline=2).row(3).expert_bytes == 16 * (PSI_E // 4) // 2
+    assert error(expert_parallel=2, tensor_parallel=2, pipeline=2, sequence_parallel=2) == (
+        "devices=8 can't be split into 1 replica group(s) x tensor_parallel=2 x "
+        "sequence_parallel=2 x pipeline=2 x expert_parallel=2; pass sizes whose product "
+        "divides 8."
+    )
+    # E_p = 2 beside T = 2 and P = 2 (the mesh {pipe: 2, data: 1, expert: 2, model: 2}): the
+    # experts stay whole over `model`, so a device holds Psi_e / (P E_p) of them, sharded over
+    # its expert data-parallel group of N / (T P E_p) = 1 device; the dense Psi_d / (T P) over
+    # the N / (T P) = 2 devices of data x expert.
+    composed = moe(2, tensor_parallel=2, pipeline=2).row(3)
+    assert composed.expert_bytes == 16 * (PSI_E // 2 // 2)
+    assert composed.device["params"] == 2 * (PSI_D // 4) // 2
+    # E_p = 1 beside T = 2 and P = 2: each device holds its stage's experts whole, Psi_e / P,
+    # sharded over N / (T P) = 2 devices.
+    assert moe(1, tensor_parallel=2, pipeline=2).row(3).expert_bytes == 16 * (PSI_E // 2) // 2
