@@ -233,3 +233,25 @@ def test_training_curves_benchmark_draws_the_monitors_series(tmp_path):
     assert all(r[1] and float(r[3]) > 0 for r in rows[1:])
     assert "measured f32 matmul rate" in proc.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_composition_benchmark_prints_state_temporaries_and_bytes_per_axis():
+    # Each layout's exactness, its axes' collectives and its checkpoint are
+    # tests/distributed/test_compose_two.py's and test_compose_three.py's.
+    out = _run("composition", "--smoke").stdout.splitlines()
+    head = next(i for i, ln in enumerate(out) if ln.startswith("layout"))
+    names = [n.strip() for n in out[head].split("  ") if n.strip()]
+    starts = [out[head].index(n) for n in names]
+    rows = {}
+    for line in out[head + 2 : head + 5]:
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+        rows[cells[0]] = dict(zip(names, cells, strict=True))
+    assert list(rows) == ["data only", "model x pipe", "pipe x expert"]
+    plain, tp_pp, pp_ep = rows.values()
+    assert plain["mesh"] == "{data: 8}" and plain["model MiB"] == plain["pipe MiB"] == "-"
+    assert float(tp_pp["model MiB"]) > 0 and float(tp_pp["pipe MiB"]) > 0
+    assert float(pp_ep["expert MiB"]) > 0 and pp_ep["model MiB"] == "-"
+    for row in rows.values():
+        assert float(row["state MiB"]) > 0 and float(row["temp MiB"]) > 0
+    # Two axes split the model state further than ZeRO over all 8 devices alone does.
+    assert float(tp_pp["state MiB"]) < float(plain["state MiB"])
