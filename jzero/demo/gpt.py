@@ -36,9 +36,10 @@ Decisions:
   scales are one.
 * No dropout: the model is deterministic, so forward passes need no RNG.
 * Mixture of experts (``num_experts`` > 0): every ``moe_every``-th block's MLP is a top-k
-  routed MoE (:func:`jzero.moe.moe_layer`: token choice, capacity, Switch's load-balancing
-  loss; under ``expert_parallel`` the step's all-to-alls carry the tokens to the devices
-  holding their experts). The layers stay **one** top-level scan, over *units*: with
+  routed MoE (:func:`jzero.moe.moe_layer`: token choice, capacity or dropless
+  (``drop_tokens``), dispatch by sorting, Switch's load-balancing loss; under
+  ``expert_parallel`` the step's all-to-alls carry the tokens to the devices holding their
+  experts). The layers stay **one** top-level scan, over *units*: with
   ``moe_every = 1`` a unit is one MoE block, with ``moe_every = k > 1`` it is ``k - 1`` dense
   blocks then one MoE block (layers ``k-1, 2k-1, ...`` are the MoE ones), and the scan runs
   ``num_layers / k`` units. A unit's leaves (``blocks.*``, all with leading dim ``L / k``):
@@ -126,6 +127,9 @@ class GPTConfig:
     capacity_factor: float = 1.25
     """Slots per expert as a multiple of its even share of a device's token choices; a choice
     past them is dropped (the token's residual stream carries it)."""
+    drop_tokens: bool = True
+    """``False`` for dropless MoE (DeepSpeed's ``drop_tokens``): no capacity, every choice
+    reaches its expert, each expert's buffer sized for all of a device's tokens."""
     moe_every: int = 1
     """An MoE MLP in every ``moe_every``-th block (the others dense); divides ``num_layers``."""
     moe_aux_loss_coef: float = 0.01
@@ -159,6 +163,10 @@ class GPTConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.drop_tokens, bool):
+            raise ValueError(
+                f"GPTConfig.drop_tokens must be true or false, got {self.drop_tokens!r}."
+            )
         for name in ("capacity_factor", "moe_aux_loss_coef"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
@@ -379,6 +387,7 @@ def _moe_block(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.
         experts_per_token=cfg.experts_per_token,
         capacity_factor=cfg.capacity_factor,
         min_capacity=_MIN_CAPACITY,
+        drop_tokens=cfg.drop_tokens,
     )
     return x + y.astype(x.dtype), stats
 

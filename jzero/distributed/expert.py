@@ -2,8 +2,8 @@
 ``expert`` mesh axis by one all-to-all each way (DeepSpeed-MoE's expert parallelism).
 
 A user's MoE layer is one call, ``y, stats = moe_layer(router_logits, expert_fn, x)``, or the
-three steps it is made of: :func:`route` (who goes where), :func:`dispatch` (tokens to their
-experts' slots, and over the expert axis to the experts' devices), :func:`combine` (back,
+three steps it is made of: :func:`route_sorted` (who goes where), :func:`dispatch` (tokens to
+their experts' rows, and over the expert axis to the experts' devices), :func:`combine` (back,
 weighted by the gates). ``jzero.moe`` is this module.
 
 Decisions:
@@ -15,28 +15,48 @@ Decisions:
   tokens; slots are given to all first choices before any second choice (GShard's priority),
   in token order within each, and a choice past the capacity is dropped (its share of the
   output is 0; the token's residual stream carries it). ``dropped_fraction`` counts them.
+* **Dropless** (``drop_tokens=False``, DeepSpeed's argument): no capacity, no choice ever
+  dropped. An expert gets each token at most once, so ``T`` rows per expert hold any routing.
 * **The load-balancing loss** is Switch's and GShard's ``E * sum_e f_e * P_e``: ``f_e`` the
   fraction of the device's token choices routed to expert ``e`` (all ``k`` of them), ``P_e``
   the mean router probability of ``e``. It is 1 when routing is uniform. Routing, capacity and
   this loss are per device, over its own tokens, as DeepSpeed computes them per rank: the
   step's loss averages the devices' losses.
-* **Dispatch is dense one-hot einsums** (GShard's): ``[T, E, C]`` masks place each token in
-  its slot and weight it back. Exact in any precision (each output element is one product
-  with 1 plus zeros), shapes static whatever the router does. Its cost, ``T * E * C``, is small
-  beside the experts' own for the token counts one device holds.
+* **Dispatch by sorting** (MegaBlocks' and DeepSpeed-TED's): the ``k * T`` choices, in
+  priority order, are stably sorted by expert (``argsort``); each choice's rank within its
+  expert's segment (its index minus the segment's offset) is its position, the one the
+  first-choices-first cumulative count gave, so capacity drops the same choices as before.
+  Each expert's kept tokens are gathered into contiguous rows of an ``[E, N, d]`` buffer,
+  ``N = min(capacity, T)`` (``T`` dropless); the outputs come back by one gather per choice,
+  weighted by its gate. Memory and work grow linearly with ``T``: the dense one-hot
+  ``[T, E, C]`` masks this replaced (GShard's einsums; :func:`route` still builds them, for
+  :func:`dense_reference` and inspection) grew with ``T * C``, the square of the tokens, and
+  the built-in GPT's step temporaries went 6.6x for 4x the tokens. Exact in any precision:
+  every output element is the same products, a gather moves values unchanged.
+* **Experts as a batched matmul over padded rows, not ``jax.lax.ragged_dot``.** The experts
+  run on the ``[E, N, d]`` buffer (``expert_fn``, a ``vmap`` or einsum over the experts
+  dimension). ``ragged_dot`` on the ``k * T`` sorted rows alone would skip the padding, and is
+  exact in float64 with its gradient, but this JAX lowers it on CPU and GPU by expanding the
+  rows to ``[E, k * T, d]`` under a mask: ``E`` times the rows' work and memory. Measured
+  (``benchmarks/moe.py``: a GELU MLP's forward and backward, ``E = 8``, top-2, d 128, d_ff
+  256, float32, 4096 tokens) it took 202 MiB and 436 ms against 40 MiB and 85 ms for the
+  padded buffer at capacity factor 1.25 and 128 MiB and 242 ms for the dropless one
+  (``N = T``). Only TPU lowers it to a grouped matmul; where it does, a grouped
+  ``expert_fn`` over sorted rows would beat the dropless buffer's ``E / k`` padding.
 * **One all-to-all each way.** Inside the step's ``shard_map`` (``expert`` manual), the
-  ``[E, C, d]`` slots are split into ``E_p`` groups of ``E / E_p`` experts and device ``j`` of
-  the expert axis receives group ``j`` from every device: ``[E / E_p, E_p * C, d]``, its own
-  experts' slots from all of its group. ``expert_fn`` runs on those with the device's own
+  ``[E, N, d]`` buffer is split into ``E_p`` groups of ``E / E_p`` experts and device ``j`` of
+  the expert axis receives group ``j`` from every device: ``[E / E_p, E_p * N, d]``, its own
+  experts' rows from all of its group. ``expert_fn`` runs on those with the device's own
   experts (an expert parameter rests split over ``expert`` on its experts dimension, so the
   loss sees ``E / E_p`` of them), and one all-to-all brings the outputs home. The backward
-  pass is the same two the other way.
+  pass is the same two the other way. all-to-all needs static shapes: the buffers are
+  ``E * N * d`` per device, linear in ``T`` (``E * T * d`` dropless, the worst case).
 * **No hang, whatever the router does.** Both all-to-alls run on every device with the same
   static shapes every step: a device whose experts get no token sends and receives zeros. The
   collectives are in one SPMD program, never in per-expert hooks (DeepSpeed's ZeRO-3 MoE hang).
 * **One model code with and without expert parallelism.** Where ``axis`` is not bound (a
   plain call, ``jax.jit`` alone) or has one device, there is no all-to-all and ``expert_fn``
-  gets all ``E`` experts' slots, as the parameters then hold all ``E`` experts.
+  gets all ``E`` experts' rows, as the parameters then hold all ``E`` experts.
 """
 
 from __future__ import annotations
@@ -57,13 +77,16 @@ __all__ = [
     "EXPERT_AXIS",
     "MoEStats",
     "Routing",
+    "SortedRouting",
     "capacity",
     "combine",
     "dense_reference",
     "dispatch",
     "expert_leaves",
+    "expert_rows",
     "moe_layer",
     "route",
+    "route_sorted",
 ]
 
 
@@ -76,11 +99,30 @@ class MoEStats(NamedTuple):
 
 
 class Routing(NamedTuple):
-    """Where each of ``T`` tokens goes: ``dispatch_mask`` ``[T, E, C]`` (1 at a kept choice's
-    expert and slot), ``combine_weights`` (the same, times the gate), and the layer's stats."""
+    """Where each of ``T`` tokens goes, as dense masks (:func:`route`): ``dispatch_mask``
+    ``[T, E, C]`` (1 at a kept choice's expert and slot), ``combine_weights`` (the same, times
+    the gate), and the layer's stats. ``T * E * C`` elements: the square of the tokens."""
 
     dispatch_mask: jax.Array
     combine_weights: jax.Array
+    stats: MoEStats
+
+
+class SortedRouting(NamedTuple):
+    """Where each of ``T`` tokens goes, by index (:func:`route_sorted`); every array is linear
+    in ``T``. Choice ``j`` of token ``t`` is ``[j, t]`` (read flat: the priority order).
+
+    * ``source`` ``[E, N]`` int32: the token in each of expert ``e``'s ``N`` rows, its kept
+      choices in priority order, then ``T`` (an empty row, zeros) in the rest;
+    * ``row`` ``[k, T]`` int32: each choice's row in the flattened ``[E * N]`` buffer, ``E * N``
+      where it was dropped;
+    * ``gates`` ``[k, T]``: each choice's gate, 0 where it was dropped;
+    * ``stats``: the layer's :class:`MoEStats`.
+    """
+
+    source: jax.Array
+    row: jax.Array
+    gates: jax.Array
     stats: MoEStats
 
 
@@ -95,6 +137,26 @@ def capacity(
     ``max(min_capacity, ceil(experts_per_token * tokens * capacity_factor / num_experts))``."""
     need = math.ceil(experts_per_token * tokens * capacity_factor / num_experts)
     return max(int(min_capacity), need)
+
+
+def expert_rows(
+    tokens: int,
+    num_experts: int,
+    experts_per_token: int = 2,
+    capacity_factor: float = 1.25,
+    min_capacity: int = 4,
+    *,
+    drop_tokens: bool = True,
+    slots: int | None = None,
+) -> int:
+    """``N``, the rows each expert has in :func:`route_sorted`'s buffer for one device's
+    ``tokens``: the capacity (``slots`` if given, else :func:`capacity`), at most ``tokens``
+    (an expert gets a token at most once, so rows past it would stay empty); ``tokens`` when
+    ``drop_tokens`` is false."""
+    if not drop_tokens:
+        return int(tokens)
+    c = capacity(tokens, num_experts, experts_per_token, capacity_factor, min_capacity)
+    return min(int(tokens), c if slots is None else int(slots))
 
 
 def _check_route(num_experts: int, experts_per_token: int, capacity_factor: float) -> None:
@@ -148,11 +210,58 @@ def route(
     return Routing(dispatch_mask, combine_weights, MoEStats(aux, dropped))
 
 
-def dispatch(x: jax.Array, routing: Routing, axis: str = EXPERT_AXIS) -> jax.Array:
-    """Tokens ``x`` ``[T, d]`` into their experts' slots: ``[E, C, d]`` where ``axis`` is not
-    bound, else ``[E / E_p, E_p * C, d]`` on each device, its own experts' slots from every
-    device of its expert group (one all-to-all)."""
-    slots = jnp.einsum("tec,td->ecd", routing.dispatch_mask.astype(x.dtype), x)
+def route_sorted(
+    router_logits: jax.Array,
+    *,
+    experts_per_token: int = 2,
+    capacity_factor: float = 1.25,
+    min_capacity: int = 4,
+    slots: int | None = None,
+    drop_tokens: bool = True,
+) -> SortedRouting:
+    """Top-k routing of ``router_logits`` ``[T, E]`` (one device's tokens) by sorting the
+    choices by expert: the same choices kept, gates and stats as :func:`route`, as indices.
+
+    ``slots`` overrides :func:`capacity`; ``drop_tokens=False`` keeps every choice (no
+    capacity, ``T`` rows per expert). The gates are in ``router_logits``' dtype."""
+    tokens, num_experts = router_logits.shape
+    k = int(experts_per_token)
+    _check_route(num_experts, k, capacity_factor)
+    n = expert_rows(
+        tokens, num_experts, k, capacity_factor, min_capacity, drop_tokens=drop_tokens, slots=slots
+    )
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top, idx = jax.lax.top_k(probs, k)  # [T, k]
+    gates = top / jnp.sum(top, axis=-1, keepdims=True) if k > 1 else top
+    expert = jnp.swapaxes(idx, 0, 1).reshape(k * tokens).astype(jnp.int32)  # 1st choices first
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)  # by expert, priority kept
+    by_expert = expert[order]
+    counts = jnp.zeros(num_experts, jnp.int32).at[expert].add(1)
+    offsets = jnp.cumsum(counts) - counts  # each expert's first index in the sorted order
+    rank = jnp.arange(k * tokens, dtype=jnp.int32) - offsets[by_expert]  # its position there
+    empty = num_experts * n
+    sorted_row = jnp.where(rank < n, by_expert * n + rank, empty)  # rank < n iff < capacity
+    source = jnp.full(empty, tokens, jnp.int32).at[sorted_row].set(order % tokens, mode="drop")
+    row = jnp.zeros(k * tokens, jnp.int32).at[order].set(sorted_row)  # back in priority order
+    row = row.reshape(k, tokens)
+    kept = row < empty
+    gate = jnp.where(kept, jnp.swapaxes(gates, 0, 1), 0)
+    routed = counts.astype(probs.dtype) / tokens / k  # f_e
+    aux = num_experts * jnp.sum(routed * jnp.mean(probs, axis=0))
+    dropped = 1.0 - jnp.sum(kept.astype(jnp.float32)) / (k * tokens)
+    return SortedRouting(source.reshape(num_experts, n), row, gate, MoEStats(aux, dropped))
+
+
+def dispatch(x: jax.Array, routing: Routing | SortedRouting, axis: str = EXPERT_AXIS) -> jax.Array:
+    """Tokens ``x`` ``[T, d]`` into their experts' rows: ``[E, N, d]`` where ``axis`` is not
+    bound, else ``[E / E_p, E_p * N, d]`` on each device, its own experts' rows from every
+    device of its expert group (one all-to-all). ``N`` is :func:`expert_rows` for a
+    :class:`SortedRouting` (a gather), the capacity ``C`` for a :class:`Routing` (an einsum
+    with its dense mask)."""
+    if isinstance(routing, SortedRouting):
+        slots = jnp.take(x, routing.source, axis=0, mode="fill", fill_value=0)
+    else:
+        slots = jnp.einsum("tec,td->ecd", routing.dispatch_mask.astype(x.dtype), x)
     size = _bound_axis_size(axis)
     if size is None or size == 1:
         return slots
@@ -165,13 +274,17 @@ def dispatch(x: jax.Array, routing: Routing, axis: str = EXPERT_AXIS) -> jax.Arr
     return jax.lax.all_to_all(slots, axis, split_axis=0, concat_axis=1, tiled=True)
 
 
-def combine(y: jax.Array, routing: Routing, axis: str = EXPERT_AXIS) -> jax.Array:
+def combine(y: jax.Array, routing: Routing | SortedRouting, axis: str = EXPERT_AXIS) -> jax.Array:
     """The experts' outputs (:func:`dispatch`'s layout) back to the tokens, ``[T, d]``,
     each the gate-weighted sum of its kept choices (one all-to-all where ``axis`` is bound)."""
     size = _bound_axis_size(axis)
     if size is not None and size > 1:
         y = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
-    return jnp.einsum("tec,ecd->td", routing.combine_weights.astype(y.dtype), y)
+    if not isinstance(routing, SortedRouting):
+        return jnp.einsum("tec,ecd->td", routing.combine_weights.astype(y.dtype), y)
+    flat = y.reshape(-1, y.shape[-1])  # [E * N, d]
+    picked = jnp.take(flat, routing.row, axis=0, mode="fill", fill_value=0)  # [k, T, d]
+    return jnp.sum(picked * routing.gates.astype(y.dtype)[..., None], axis=0)
 
 
 def moe_layer(
@@ -182,10 +295,11 @@ def moe_layer(
     experts_per_token: int = 2,
     capacity_factor: float = 1.25,
     min_capacity: int = 4,
+    drop_tokens: bool = True,
     axis: str = EXPERT_AXIS,
 ) -> tuple[jax.Array, MoEStats]:
-    """One MoE layer: route ``x``'s tokens by ``router_logits``, run ``expert_fn`` on each
-    expert's slots, combine.
+    """One MoE layer: route ``x``'s tokens by ``router_logits`` (:func:`route_sorted`), run
+    ``expert_fn`` on each expert's rows, combine.
 
     Args:
       router_logits: ``[..., E]``, the router's scores of each token.
@@ -195,6 +309,8 @@ def moe_layer(
         parameters hold them.
       x: ``[..., d]`` tokens (leading dimensions as ``router_logits``').
       experts_per_token, capacity_factor, min_capacity: see :func:`route`.
+      drop_tokens: ``False`` for dropless: every choice reaches its expert (``capacity_factor``
+        and ``min_capacity`` then play no part; ``N = T`` rows per expert).
       axis: the expert-parallel mesh axis.
 
     Returns:
@@ -207,11 +323,12 @@ def moe_layer(
             "same leading (token) dimensions."
         )
     flat = x.reshape(-1, x.shape[-1])
-    routing = route(
+    routing = route_sorted(
         router_logits.reshape(-1, router_logits.shape[-1]),
         experts_per_token=experts_per_token,
         capacity_factor=capacity_factor,
         min_capacity=min_capacity,
+        drop_tokens=drop_tokens,
     )
     y = combine(expert_fn(dispatch(flat, routing, axis)), routing, axis)
     return y.reshape(*lead, y.shape[-1]), routing.stats
@@ -225,10 +342,12 @@ def dense_reference(
     experts_per_token: int = 2,
     capacity_factor: float = 1.25,
     min_capacity: int = 4,
+    drop_tokens: bool = True,
     groups: int = 1,
 ) -> tuple[jax.Array, MoEStats]:
     """:func:`moe_layer` computed without slots: every expert runs on every token and the
-    output is masked by the router's kept choices. ``groups`` contiguous groups of the tokens
+    output is masked by the router's kept choices (:func:`route`'s dense masks; with
+    ``drop_tokens=False`` a slot for every token). ``groups`` contiguous groups of the tokens
     are routed each on its own, as ``groups`` devices do (stats averaged over them); no
     all-to-all. For tests and for checking a model's MoE layer; ``E`` times the compute."""
     lead = x.shape[:-1]
@@ -247,6 +366,7 @@ def dense_reference(
             experts_per_token=experts_per_token,
             capacity_factor=capacity_factor,
             min_capacity=min_capacity,
+            slots=None if drop_tokens else n,
         )
         weight = jnp.sum(r.combine_weights, axis=-1)  # [n, E]: gate where kept, else 0
         outs.append(jnp.einsum("te,etd->td", weight.astype(every.dtype), every[:, part]))
