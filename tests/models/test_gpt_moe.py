@@ -1,6 +1,7 @@
 """Mixture of experts in the built-in GPT (``GPTConfig.num_experts``): the slot-based MoE MLP
 equals a dense reference written here (every expert on every token, masked by the router:
-``jzero.moe.dense_reference``), with and without capacity drops, for ``moe_every`` 1 and 2;
+``jzero.moe.dense_reference``), with and without capacity drops and dropless
+(``drop_tokens=False``), for ``moe_every`` 1 and 2;
 the functional, unrolled and NNX forms agree; under ``expert_parallel`` at ZeRO stage 3 on 8
 devices the first step's loss, metrics and update equal the single-device computation, the
 ``blocks.experts.*`` leaves (and only they) rest split over ``expert``; ``num_experts=0`` is
@@ -118,6 +119,7 @@ def reference_loss(params: dict, batch: dict, cfg: GPTConfig) -> tuple[jax.Array
             experts_per_token=cfg.experts_per_token,
             capacity_factor=cfg.capacity_factor,
             min_capacity=4,
+            drop_tokens=cfg.drop_tokens,
         )
         x = x + y
         aux.append(stats.aux_loss)
@@ -132,14 +134,16 @@ def reference_loss(params: dict, batch: dict, cfg: GPTConfig) -> tuple[jax.Array
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["moe_every=1", "moe_every=2"])
 def forms(request) -> tuple[int, dict]:
-    """Every form's ``(loss, aux)`` on the same weights and batch, at a capacity with no drop
-    and at the default one (1.25, which drops), in one compiled program per ``moe_every``."""
+    """Every form's ``(loss, aux)`` on the same weights and batch, at a capacity with no drop,
+    at the default one (1.25, which drops) and dropless, in one compiled program per
+    ``moe_every``."""
     moe_every = request.param
     params = params64(moe_every)
     batch = {"tokens": tokens(ROWS)}
     configs = {
         "no_drop": moe_cfg(moe_every, capacity_factor=NO_DROP),
         "default": moe_cfg(moe_every),
+        "dropless": moe_cfg(moe_every, drop_tokens=False),
     }
 
     @jax.jit
@@ -179,6 +183,15 @@ def test_moe_gpt_drops_as_the_dense_reference(forms):
     assert float(aux["moe_dropped_fraction"]) == float(want_aux["moe_dropped_fraction"]) > 0.0
     assert rel(loss, want) <= 1e-12, (loss, want)
     assert rel(loss, out["no_drop"]["functional"][0]) > 1e-6  # the drops change the loss
+
+
+def test_dropless_moe_gpt_equals_the_reference_and_a_capacity_that_drops_nothing(forms):
+    _, out = forms
+    (loss, aux), (want, want_aux) = out["dropless"]["functional"], out["dropless"]["reference"]
+    assert float(aux["moe_dropped_fraction"]) == float(want_aux["moe_dropped_fraction"]) == 0.0
+    assert rel(loss, want) <= 1e-12, (loss, want)
+    # a slot for every token at capacity_factor E / k: the same model, the same numbers
+    assert rel(loss, out["no_drop"]["functional"][0]) <= 1e-12
 
 
 def test_functional_unrolled_and_nnx_forms_agree(forms):
