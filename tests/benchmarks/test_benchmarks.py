@@ -182,15 +182,19 @@ def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
     assert all(float(f1b[k]) > 0 for k in ("model state MiB", "temp MiB", "ms/step"))
 
 
-def test_moe_benchmark_prints_expert_bytes_and_the_all_to_alls():
+def test_moe_benchmark_prints_expert_bytes_the_all_to_alls_and_tokens_per_device():
     # E_p = 2 alone, and the dense twin: the expert leaves split over the expert axis, the
     # all-to-alls and E_p = 2 training as E_p = 1 are tests/distributed/test_moe.py's
     # (test_expert_leaves_rest_split_over_expert_and_at_stage_3_over_data_too,
     # test_the_compiled_step_holds_two_all_to_alls_per_layer_each_way,
     # test_moe_toy_equals_the_dense_reference) and tests/models/test_gpt_moe.py's
-    # test_expert_parallel_stage3_step_equals_one_device.
+    # test_expert_parallel_stage3_step_equals_one_device; the temporaries' linear growth
+    # with the tokens tests/distributed/test_moe_dispatch.py's
+    # test_step_temporaries_grow_linearly_with_the_tokens.
     proc = _run("moe", "--smoke", "--ep", "2")
-    rows = _rows(proc.stdout)
+    by_ep, rest = proc.stdout.split("Tokens per device")
+    scaled, grouped = rest.split("Experts' MLP")
+    rows = _rows(by_ep)
     assert [(r["E_p"], r["stage"], r["mesh"]) for r in rows] == [("2", "1", "{data: 4, expert: 2}")]
     (two,) = rows
     # Tokens reach their experts by all-to-all where there is an expert axis.
@@ -198,7 +202,20 @@ def test_moe_benchmark_prints_expert_bytes_and_the_all_to_alls():
     assert float(two["expert MiB"]) > 0 and float(two["dense MiB"]) > 0
     assert float(two["ZeRO MiB"]) > 0 and float(two["ms/step"]) > 0
     assert math.isfinite(float(two["loss"])) and float(two["loss"]) > 0
-    assert "dense twin" in proc.stdout
+    assert "dense twin" in by_ep
+    # 1x and 4x the tokens per device, with a capacity and dropless
+    cells = {(r["mode"], int(r["tokens/device"])): r for r in _rows(scaled)}
+    assert set(cells) == {(m, t) for m in ("capacity", "dropless") for t in (16, 64)}
+    for mode in ("capacity", "dropless"):
+        one, four = cells[(mode, 16)], cells[(mode, 64)]
+        # buffers linear in the tokens (printed to 3 decimals)
+        a2a = float(four["all-to-all MiB"]), float(one["all-to-all MiB"])
+        assert math.isclose(a2a[0], 4 * a2a[1], rel_tol=0.02) and a2a[1] > 0
+        assert float(four["temp MiB"]) > float(one["temp MiB"]) > 0
+    assert all(float(cells[("dropless", t)]["dropped"]) == 0 for t in (16, 64))
+    forms = [(r["tokens"], r["form"]) for r in _rows(grouped)]
+    names = ["padded, capacity 1.25", "padded, dropless", "ragged_dot"]
+    assert forms == [(t, f) for t in ("16", "64") for f in names]
 
 
 def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic():
