@@ -22,27 +22,29 @@ Decisions:
   the mean router probability of ``e``. It is 1 when routing is uniform. Routing, capacity and
   this loss are per device, over its own tokens, as DeepSpeed computes them per rank: the
   step's loss averages the devices' losses.
-* **Dispatch by sorting** (MegaBlocks' and DeepSpeed-TED's): the ``k * T`` choices, in
+* **Dispatch by sorting** (MegaBlocks' and Megatron-Core's token permutation): the ``k * T`` choices, in
   priority order, are stably sorted by expert (``argsort``); each choice's rank within its
   expert's segment (its index minus the segment's offset) is its position, the one the
   first-choices-first cumulative count gave, so capacity drops the same choices as before.
   Each expert's kept tokens are gathered into contiguous rows of an ``[E, N, d]`` buffer,
   ``N = min(capacity, T)`` (``T`` dropless); the outputs come back by one gather per choice,
-  weighted by its gate. Memory and work grow linearly with ``T``: the dense one-hot
+  weighted by its gate. Memory and work grow linearly with ``T``. The dense one-hot
   ``[T, E, C]`` masks this replaced (GShard's einsums; :func:`route` still builds them, for
-  :func:`dense_reference` and inspection) grew with ``T * C``, the square of the tokens, and
-  the built-in GPT's step temporaries went 6.6x for 4x the tokens. Exact in any precision:
-  every output element is the same products, a gather moves values unchanged.
+  :func:`dense_reference` and inspection) grew with ``T * C``, the square of the tokens: the
+  built-in GPT's step temporaries (``benchmarks/moe.py``'s second table, E_p 2) went 44x
+  for 16x the tokens under them; they go 11x now. Exact in any precision: a gather moves values unchanged, and each output
+  is the same products.
 * **Experts as a batched matmul over padded rows, not ``jax.lax.ragged_dot``.** The experts
   run on the ``[E, N, d]`` buffer (``expert_fn``, a ``vmap`` or einsum over the experts
   dimension). ``ragged_dot`` on the ``k * T`` sorted rows alone would skip the padding, and is
-  exact in float64 with its gradient, but this JAX lowers it on CPU and GPU by expanding the
-  rows to ``[E, k * T, d]`` under a mask: ``E`` times the rows' work and memory. Measured
-  (``benchmarks/moe.py``: a GELU MLP's forward and backward, ``E = 8``, top-2, d 128, d_ff
-  256, float32, 4096 tokens) it took 202 MiB and 436 ms against 40 MiB and 85 ms for the
-  padded buffer at capacity factor 1.25 and 128 MiB and 242 ms for the dropless one
-  (``N = T``). Only TPU lowers it to a grouped matmul; where it does, a grouped
-  ``expert_fn`` over sorted rows would beat the dropless buffer's ``E / k`` padding.
+  exact in float64 with its gradient, but on CPU this JAX lowers it by expanding the rows to
+  ``[E, k * T, d]`` under a mask: ``E`` times the rows' work and memory. Measured
+  (``benchmarks/moe.py``'s third table: a GELU MLP's forward and backward, 8 experts, top-2,
+  d 128, d_ff 256, float32, 2048 tokens) it took 102 MiB and 128 ms, the padded buffer 20 MiB
+  and 18 ms at capacity factor 1.25 and 64 MiB and 72 ms dropless (``N = T``, ``E / k`` times
+  the rows it needs). GPU and TPU hand XLA a ragged-dot instruction instead (not measured
+  here); where that is a grouped matmul, a grouped ``expert_fn`` over the sorted rows would
+  beat the dropless buffer's padding.
 * **One all-to-all each way.** Inside the step's ``shard_map`` (``expert`` manual), the
   ``[E, N, d]`` buffer is split into ``E_p`` groups of ``E / E_p`` experts and device ``j`` of
   the expert axis receives group ``j`` from every device: ``[E / E_p, E_p * N, d]``, its own
@@ -180,7 +182,9 @@ def route(
     min_capacity: int = 4,
     slots: int | None = None,
 ) -> Routing:
-    """Top-k routing of ``router_logits`` ``[T, E]`` (one device's tokens): masks and stats.
+    """Top-k routing of ``router_logits`` ``[T, E]`` (one device's tokens) as dense masks and
+    stats: :func:`dense_reference`'s, and a readable form of what :func:`route_sorted` keeps
+    (``T * E * C`` elements: :func:`moe_layer` uses :func:`route_sorted`).
 
     ``slots`` overrides :func:`capacity`. The masks are in ``router_logits``' dtype."""
     tokens, num_experts = router_logits.shape
