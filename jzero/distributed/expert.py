@@ -22,18 +22,18 @@ Decisions:
   the mean router probability of ``e``. It is 1 when routing is uniform. Routing, capacity and
   this loss are per device, over its own tokens, as DeepSpeed computes them per rank: the
   step's loss averages the devices' losses.
-* **Dispatch by sorting** (MegaBlocks' and Megatron-Core's token permutation): the ``k * T`` choices, in
-  priority order, are stably sorted by expert (``argsort``); each choice's rank within its
-  expert's segment (its index minus the segment's offset) is its position, the one the
-  first-choices-first cumulative count gave, so capacity drops the same choices as before.
-  Each expert's kept tokens are gathered into contiguous rows of an ``[E, N, d]`` buffer,
-  ``N = min(capacity, T)`` (``T`` dropless); the outputs come back by one gather per choice,
-  weighted by its gate. Memory and work grow linearly with ``T``. The dense one-hot
+* **Dispatch by sorting** (MegaBlocks' and Megatron-Core's token permutation): the ``k * T``
+  choices, in priority order, are stably sorted by expert (``argsort``); each choice's rank
+  within its expert's segment (its index minus the segment's offset) is its position, the one
+  the first-choices-first cumulative count gave, so capacity drops the same choices as
+  before. Each expert's kept tokens are gathered into contiguous rows of an ``[E, N, d]``
+  buffer, ``N = min(capacity, T)`` (``T`` dropless); the outputs come back by one gather per
+  choice, weighted by its gate. Memory and work grow linearly with ``T``. The dense one-hot
   ``[T, E, C]`` masks this replaced (GShard's einsums; :func:`route` still builds them, for
   :func:`dense_reference` and inspection) grew with ``T * C``, the square of the tokens: the
   built-in GPT's step temporaries (``benchmarks/moe.py``'s second table, E_p 2) went 44x
-  for 16x the tokens under them; they go 11x now. Exact in any precision: a gather moves values unchanged, and each output
-  is the same products.
+  for 16x the tokens under them; they go 11x now. Exact in any precision: a gather moves
+  values unchanged, and each output is the same products.
 * **Experts as a batched matmul over padded rows, not ``jax.lax.ragged_dot``.** The experts
   run on the ``[E, N, d]`` buffer (``expert_fn``, a ``vmap`` or einsum over the experts
   dimension). ``ragged_dot`` on the ``k * T`` sorted rows alone would skip the padding, and is
