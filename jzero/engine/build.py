@@ -66,9 +66,11 @@ def _is_abstract(tree: PyTree) -> bool:
 def _optimizer(
     cfg: config_lib.Config, optimizer: optax.GradientTransformation | None
 ) -> tuple[optax.GradientTransformation, Callable[[jax.Array], jax.Array] | None]:
-    """The optimizer and its schedule (none for one passed in code); its state kept in bfloat16
-    under ``bf16.bf16_optimizer_states``, whichever optimizer it is, as DeepSpeed does, and run
-    in float32 on the bfloat16 params under ``bf16.bf16_master_weights_and_grads``
+    """The optimizer and its schedule (none for one passed in code, in which an
+    ``optax.contrib.muon`` is made to orthogonalise once: :func:`jzero.optim.from_optax_muon`);
+    its state kept in bfloat16 under ``bf16.bf16_optimizer_states``, whichever optimizer it
+    is, as DeepSpeed does, and run in float32 on the bfloat16 params under
+    ``bf16.bf16_master_weights_and_grads``
     (:func:`jzero.optim.float32_update`). That both need ``bf16.enabled`` is the config's rule,
     checked at load and once ``"auto"`` is resolved."""
     schedule = None
@@ -79,6 +81,8 @@ def _optimizer(
                 "add an 'optimizer' section to the config, e.g. {type: AdamW, params: {lr: 0.001}}."
             )
         optimizer, schedule = optim.build_optimizer(cfg), optim.build_lr_schedule(cfg)
+    else:  # optax's Muon orthogonalises each matrix once, whole, as jzero's does
+        optimizer = optim.from_optax_muon(optimizer)
     if cfg.bf16.bf16_optimizer_states:
         optimizer = optim.low_precision_state(optimizer)
     if cfg.bf16.bf16_master_weights_and_grads:  # bf16 params are the masters: update in fp32
@@ -144,18 +148,21 @@ def _mesh_sizes(cfg: config_lib.Config) -> dict[str, int]:
     return sizes
 
 
-def _note_optax_muon(plan: Any) -> None:
-    """Logs, for an ``optax.contrib.muon`` passed in code at a stage that shards its state, that
-    it runs collectives in every Newton-Schulz iteration and ``jzero.optim.muon`` does not."""
+def _note_optax_muon(plan: Any, tx: optax.GradientTransformation) -> None:
+    """Logs, for an ``optax.contrib.muon`` passed in code that jzero could not find inside the
+    optimizer (:func:`jzero.optim.from_optax_muon`, which ``initialize`` applies, rewrites the
+    ones it finds) at a stage that shards its state, that it runs collectives in every
+    Newton-Schulz iteration and ``jzero.optim.muon`` does not."""
     contrib = getattr(optax, "contrib", None)
     kind = getattr(contrib, "MuonState", None)
     if kind is None or not plan.stage.shard_opt_state:
         return
     nodes = jax.tree.leaves(plan.abstract_opt_state, is_leaf=lambda x: isinstance(x, kind))
-    if any(isinstance(x, kind) for x in nodes):
+    if any(isinstance(x, kind) for x in nodes) and not optim.exchanges_once(tx):
         logger.warning(
-            "jzero: optax.contrib.muon updates the sharded matrices where they rest, so under "
-            "ZeRO stage %d every Newton-Schulz iteration runs collectives; "
+            "jzero: an optax.contrib.muon that jzero cannot see into (a transformation of "
+            "your own class?) updates the sharded matrices where they rest, so under ZeRO "
+            "stage %d every Newton-Schulz iteration runs collectives; "
             "jzero.optim.muon(...) takes the same arguments and orthogonalises each matrix "
             "once, whole (one exchange in and one out).",
             plan.stage.stage,
@@ -389,7 +396,7 @@ def _first_plan(
         _check_mesh_splits(plan, mesh)
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
-    _note_optax_muon(plan)
+    _note_optax_muon(plan, tx)
     from jzero.step import streamed_groups
 
     zero = cfg.zero_optimization

@@ -8,12 +8,13 @@ norm gains) is updated by AdamW, as Muon's users do. The update rule is
 
 Decisions:
 
-* **Why not just optax's.** ``optax.contrib.muon`` trains correctly under jzero at every stage:
-  the update runs on sharded global arrays and GSPMD partitions each Newton-Schulz matmul. But
-  then every iteration of every matrix needs collectives (``X X^T`` of a row-sharded ``X`` is an
-  all-reduce, the next product an all-gather): a toy of three matrices compiles to 15 more
-  all-gathers and 10 more all-reduces than AdamW's step. DeepSpeed instead gathers a matrix's
-  update once, orthogonalises it on one rank and scatters the result.
+* **Why not just optax's update.** ``optax.contrib.muon`` as optax wrote it trains correctly
+  under jzero at every stage: the update runs on sharded global arrays and GSPMD partitions
+  each Newton-Schulz matmul. But then every iteration of every matrix needs collectives
+  (``X X^T`` of a row-sharded ``X`` is an all-reduce, the next product an all-gather): the
+  tests' toy (four 2-D leaves, stage 3) compiles to 15 more all-gathers and 15 more
+  all-reduces than AdamW's step. DeepSpeed instead gathers a matrix's update once,
+  orthogonalises it on one rank and scatters the result.
 * **One exchange in, one out.** Inside jzero's step (which says where each leaf of the update rests:
   :mod:`jzero.optim.update_context`) the matrices are grouped by shape, stacked (transposed to rows
   <= columns, as the iteration itself does) into ``[B, rows, cols]``, padded with zero matrices to a
@@ -31,6 +32,17 @@ Decisions:
   :mod:`jzero.plan`'s merged leading dimensions); gathering it is an all-gather of the leaf
   and a few permutes (GSPMD's way between those tilings), still none in the iterations.
 * **Zero padding is free of NaNs.** A zero matrix is scaled by ``1 / (0 + eps)`` and stays zero.
+* **optax's Muon passed in code** (:func:`from_optax_muon`, which ``jzero.initialize``
+  applies) goes through the same exchange: optax's transformations are closures over the
+  ones they combine, so jzero finds ``optax.contrib.scale_by_muon``'s update by its code
+  object (shared by every instance; an optax whose update reads other variables is left
+  alone) and rebuilds the closures above it with an update that reads the same
+  hyperparameters and state and runs optax's own Newton-Schulz on each whole matrix. The
+  caller's transformation is not modified, the state stays optax's ``MuonState`` (checkpoints
+  and code that read it are unaffected), and the rest (labels, shape scaling, weight decay,
+  AdamW) stays optax's code. Rebuilding from hyperparameters would need every factory's
+  closure read and would change the state; a transformation of the user's own class (methods,
+  not closures) is not rewritten, and ``initialize`` then warns as before.
 * **Outside jzero's step** (a plain ``jax.jit`` on one device, the leafwise check, the streamed
   update of ``sub_group_size``) there is no layout: each leaf is orthogonalised where it is.
   The update is leafwise over whole leaves either way, so grouped updates stay exact.
@@ -51,8 +63,10 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
+import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -69,6 +83,8 @@ __all__ = [
     "DEFAULT_NS_COEFFS",
     "MuonState",
     "default_dimension_numbers",
+    "exchanges_once",
+    "from_optax_muon",
     "muon",
     "newton_schulz",
     "scale_by_muon",
@@ -409,3 +425,214 @@ def muon(
         nesterov=nesterov,
     )
     return optax.partition({"muon": matrices, "adam": others}, labels)
+
+
+# -- optax.contrib.muon passed in code ---------------------------------------------------------
+
+# The free variables of optax.contrib.scale_by_muon's update (optax 0.2.8): what its rule reads.
+# An optax whose update reads others is not recognised (its Muon then runs as optax wrote it).
+_OPTAX_UPDATE_VARS = frozenset(
+    {
+        "adaptive",
+        "beta",
+        "eps",
+        "mu_dtype",
+        "nesterov",
+        "ns_steps",
+        "preconditioning",
+        "weight_dimension_numbers",
+    }
+)
+_MAX_DEPTH = 64
+_MARK = "_jzero_exchanges_once"  # on the functions from_optax_muon puts in optax's place
+
+
+@functools.cache
+def _optax_muon() -> tuple[Any, tuple[Callable[..., Any], ...]]:
+    """The code of ``optax.contrib.scale_by_muon``'s update (every instance shares it) and
+    optax's Muon factories, or ``(None, ())`` for an optax without them."""
+    contrib = getattr(optax, "contrib", None)
+    factory = getattr(contrib, "scale_by_muon", None)
+    if factory is None:
+        return None, ()
+    code = factory().update.__code__
+    if frozenset(code.co_freevars) != _OPTAX_UPDATE_VARS:
+        return None, ()
+    return code, (factory, contrib.muon)
+
+
+def _exchange_once_update(optax_update: types.FunctionType) -> Callable[..., Any]:
+    """``optax.contrib.scale_by_muon``'s update, reading the same hyperparameters and state
+    (optax's ``MuonState(count, mu, ns_coeffs)``), with each matrix orthogonalised by optax's
+    own Newton-Schulz (``orthogonalize_via_newton_schulz``, every preconditioning) once, whole,
+    where :func:`_orthogonalize` deals it (one exchange in and one out inside jzero's step)."""
+    hp = dict(
+        zip(
+            optax_update.__code__.co_freevars,
+            (c.cell_contents for c in optax_update.__closure__ or ()),
+            strict=True,
+        )
+    )
+    orthogonalize = optax_update.__globals__["orthogonalize_via_newton_schulz"]
+    beta, nesterov = hp["beta"], hp["nesterov"]
+
+    def update(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        del params
+        dims = hp["weight_dimension_numbers"]
+        dims = dims(updates) if callable(dims) else dims
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count = optax.safe_increment(state.count)
+        if nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: beta * m + (1 - beta) * g,
+                optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+                optax.tree.bias_correction(updates, beta, count),
+            )
+        else:
+            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
+        leaves = []
+        for (path, x), d in zip(flat, treedef.flatten_up_to(dims), strict=True):
+            if x.ndim == 2:  # optax orthogonalises a 2-D leaf as (rows, columns) whatever d says
+                d = MuonDimensionNumbers(0, 1)
+            elif not isinstance(d, MuonDimensionNumbers):
+                raise ValueError(
+                    f"optax.contrib.muon was given {jax.tree_util.keystr(path)} of shape "
+                    f"{tuple(x.shape)} with no MuonDimensionNumbers; give it dimension numbers "
+                    "(muon_weight_dimension_numbers) or leave it to Adam."
+                )
+            leaves.append((jax.tree_util.keystr(path), x, d))
+        coeffs = state.ns_coeffs
+
+        def ns(m: jax.Array) -> jax.Array:
+            return orthogonalize(m, coeffs, hp["ns_steps"], hp["preconditioning"], hp["eps"])
+
+        out = treedef.unflatten(_orthogonalize(leaves, ns))
+        if hp["adaptive"]:  # scaled by the dual norm of the momentum, as optax does
+            out = jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
+        return out, state._replace(count=count, mu=optax.tree.cast(mu, hp["mu_dtype"]))
+
+    setattr(update, _MARK, True)
+    return update
+
+
+def _exchanging(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory`` (``optax.contrib.muon`` or ``scale_by_muon``, as ``optax.inject_hyperparams``
+    holds it) whose transformations orthogonalise once (:func:`from_optax_muon`)."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> optax.GradientTransformation:
+        return from_optax_muon(factory(*args, **kwargs))
+
+    setattr(make, _MARK, True)
+    return make
+
+
+class _Rebuild:
+    """A transformation rebuilt with ``swap(obj)`` (not ``None``) in place of ``obj`` wherever
+    it occurs: in the closures of its functions (optax's transformations are closures over the
+    transformations they combine), in tuples (``GradientTransformation``), lists, dicts and
+    ``functools.partial``. What holds nothing swapped is the same object; what does is a copy
+    (a function with new cells for the changed variables and its other cells shared), so the
+    caller's transformation is never modified."""
+
+    def __init__(self, swap: Callable[[Any], Any]):
+        self.swap = swap
+        self._done: dict[int, Any] = {}
+
+    def __call__(self, obj: Any, depth: int = 0) -> Any:
+        key = id(obj)
+        if key in self._done:
+            return self._done[key]
+        self._done[key] = obj  # a cycle meets the object itself
+        new = self.swap(obj)
+        if new is None:
+            new = obj if depth > _MAX_DEPTH else self._inside(obj, depth + 1)
+        self._done[key] = new
+        return new
+
+    def _inside(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, types.FunctionType):
+            cells = list(obj.__closure__ or ())
+            changed = False
+            for i, cell in enumerate(cells):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # a variable not yet bound
+                    continue
+                new = self(value, depth)
+                if new is not value:
+                    cells[i], changed = types.CellType(new), True
+            if not changed:
+                return obj
+            fn = types.FunctionType(
+                obj.__code__, obj.__globals__, obj.__name__, obj.__defaults__, tuple(cells)
+            )
+            for name in ("__kwdefaults__", "__qualname__", "__doc__", "__module__"):
+                setattr(fn, name, getattr(obj, name))
+            fn.__dict__.update(obj.__dict__)
+            return fn
+        if isinstance(obj, functools.partial):
+            parts = (obj.func, obj.args, obj.keywords)
+            new = tuple(self(p, depth) for p in parts)
+            if all(a is b for a, b in zip(new, parts, strict=True)):
+                return obj
+            return functools.partial(new[0], *new[1], **new[2])
+        if type(obj) in (tuple, list) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+            items = [self(x, depth) for x in obj]
+            if all(a is b for a, b in zip(items, obj, strict=True)):
+                return obj
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if type(obj) is dict:
+            items = {k: self(v, depth) for k, v in obj.items()}
+            return obj if all(items[k] is v for k, v in obj.items()) else items
+        return obj
+
+
+def from_optax_muon(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` with every ``optax.contrib.muon`` (or ``scale_by_muon``) inside it orthogonalising
+    each matrix once, whole, as :func:`muon` does; ``tx`` itself when it holds none.
+
+    ``jzero.initialize`` applies it to the optimizer it is given, so passing optax's Muon just
+    works: under ZeRO each matrix is gathered (dealt out whole) once and its update scattered
+    once, where optax's own update of the sharded matrix runs collectives in every Newton-Schulz
+    iteration. The update is optax's: the same hyperparameters, the same state
+    (``optax.contrib.MuonState``), optax's own Newton-Schulz on each whole matrix (every
+    ``preconditioning`` and coefficient table), the same labels, scaling, weight decay and
+    AdamW for the other leaves (equal in float64 to 1e-10, ``tests/optim/test_muon.py``).
+
+    Found wherever optax keeps it: ``optax.contrib.muon(...)`` itself, inside ``optax.chain``,
+    ``optax.partition``, ``optax.masked``, ``optax.MultiSteps`` and the like (their closures),
+    and under ``optax.inject_hyperparams(optax.contrib.muon)``. Not found in a transformation
+    of your own class, whose methods jzero does not rewrite: pass :func:`muon` there.
+
+    Example:
+      >>> tx = from_optax_muon(optax.contrib.muon(0.02))
+      >>> exchanges_once(tx), exchanges_once(optax.contrib.muon(0.02))
+      (True, False)
+    """
+    code, factories = _optax_muon()
+    if code is None:
+        return tx
+
+    def swap(obj: Any) -> Any:
+        if isinstance(obj, types.FunctionType) and obj.__code__ is code:
+            return _exchange_once_update(obj)
+        if any(obj is f for f in factories):
+            return _exchanging(obj)
+        return None
+
+    return _Rebuild(swap)(tx)
+
+
+def exchanges_once(tx: optax.GradientTransformation) -> bool:
+    """Whether ``tx`` holds an ``optax.contrib.muon`` that :func:`from_optax_muon` made
+    orthogonalise once (what ``jzero.initialize`` checks before warning about optax's Muon)."""
+    found: list[Any] = []
+
+    def mark(obj: Any) -> None:
+        if getattr(obj, _MARK, False) and isinstance(obj, types.FunctionType):
+            found.append(obj)
+
+    _Rebuild(mark)(tx)
+    return bool(found)

@@ -1,4 +1,5 @@
-"""Muon under ZeRO (``optimizer: {type: Muon}``, :func:`jzero.optim.muon`): the update is
+"""Muon under ZeRO (``optimizer: {type: Muon}``, :func:`jzero.optim.muon`, and
+``optax.contrib.muon`` passed in code, :func:`jzero.optim.from_optax_muon`): the update is
 ``optax.contrib.muon``'s at every stage and with a ``replica`` axis, and each matrix is
 orthogonalised once, whole: the compiled step adds one all-to-all in and one out per group of
 matrices to AdamW's collectives, none of them in a loop, where GSPMD left to itself needs
@@ -51,30 +52,39 @@ def matrix_dims(params):
     )
 
 
+def optax_muon(params=None):
+    """``optax.contrib.muon`` with the tests' rates: on jzero's matrices (``params`` given: its
+    default dimension numbers), else on optax's (every 2-D leaf; here ``embed``, ``blocks.b``,
+    ``head.w`` and ``odd``)."""
+    dims = None if params is None else matrix_dims(params)
+    return optax.contrib.muon(
+        LR,
+        adam_learning_rate=ADAM_LR,
+        weight_decay=WD,
+        adam_weight_decay=WD,
+        muon_weight_dimension_numbers=dims,
+    )
+
+
 @functools.cache
-def optax_reference():
-    """The single-device ``optax.contrib.muon`` loop in float64, on the same leaves."""
+def optax_reference(optax_dims=False):
+    """The single-device ``optax.contrib.muon`` loop in float64, on jzero's matrices (or, with
+    ``optax_dims``, on optax's default ones)."""
     with jax.enable_x64(True):
         params = make_params()
-        tx = optax.contrib.muon(
-            LR,
-            adam_learning_rate=ADAM_LR,
-            weight_decay=WD,
-            adam_weight_decay=WD,
-            muon_weight_dimension_numbers=matrix_dims(params),
-        )
+        tx = optax_muon(None if optax_dims else params)
         batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
         losses, final = toy.reference_run(params, batches, tx, clip=0.0)
         return losses, jax.device_get(final)
 
 
-def assert_trains_like_optax(engine):
+def assert_trains_like_optax(engine, optax_dims=False):
     """STEPS float64 steps of ``engine`` give the single-device optax loop's losses and params."""
     with jax.enable_x64(True):
         batches = toy.make_batches(STEPS, BATCH, dtype=np.float64)
         losses = [float(engine.train_step(b)["loss"]) for b in batches]
         final = jax.device_get(engine.params)
-    want_losses, want = optax_reference()
+    want_losses, want = optax_reference(optax_dims)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-12)
     for got, ref in zip(jax.tree.leaves(final), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-10)
@@ -124,17 +134,105 @@ def test_muon_equals_optax_and_orthogonalises_each_matrix_once(case):
     assert_trains_like_optax(engine)
 
 
-def test_gspmd_alone_pays_collectives_in_every_iteration(caplog):
-    """The contrast the design answers: optax's Muon on the same sharded step (stage 3) needs
-    all-reduces and all-gathers per Newton-Schulz iteration, jzero's none beyond AdamW's; passing
-    it says so, naming jzero's."""
+def test_optax_muon_passed_in_code_is_orthogonalised_once_and_equals_optax(caplog):
+    """``optax.contrib.muon(...)`` passed to ``jzero.initialize`` at stage 3 (every leaf sharded)
+    runs through the same exchange as jzero's Muon: at most one exchange in and one out per 2-D
+    leaf (optax's matrices: embed, blocks.b, head.w, odd) beyond AdamW's collectives, loops
+    included, no warning, and optax's single-device update in float64."""
     with caplog.at_level("WARNING", logger="jzero"):
-        counts, _, _ = step_collectives(config(3, optimizer=None), optax.contrib.muon(LR))
+        counts, compiled, engine = step_collectives(config(3, optimizer=None), optax_muon())
+    assert not [r for r in caplog.records if "optax.contrib.muon" in r.getMessage()]
+    assert jzero.optim.exchanges_once(engine.optimizer)
+    adamw = {"type": "AdamW", "params": {"lr": LR}}
+    baseline, adamw_compiled, _ = step_collectives(config(3, optimizer=adamw))
+    extra = {k: counts.get(k, 0) - baseline.get(k, 0) for k in set(counts) | set(baseline)}
+    matrices = sum(x.ndim == 2 for x in jax.tree.leaves(engine.plan.abstract_params))
+    assert matrices == 4
+    assert all(v >= 0 for v in extra.values()) and extra.get("all-reduce", 0) == 0, extra
+    assert sum(extra.values()) <= 2 * matrices, (counts, baseline)
+    # Nothing of Muon's in a loop: the loops' collectives are AdamW's (stage 3's layer gathers).
+    in_loops = [c.kind for c in loop_collectives(compiled)]
+    assert sorted(in_loops) == sorted(c.kind for c in loop_collectives(adamw_compiled))
+    assert_trains_like_optax(engine, optax_dims=True)
+
+
+class OpaqueTransform:
+    """A transformation of the user's own class: jzero does not rewrite its methods."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def init(self, params):
+        return self.inner.init(params)
+
+    def update(self, updates, state, params=None):
+        return self.inner.update(updates, state, params)
+
+
+def test_an_optax_muon_jzero_cannot_see_into_warns_and_pays_collectives_in_every_iteration(caplog):
+    """The contrast the design answers: optax's own update of the sharded matrices (stage 3),
+    hidden in a class jzero does not rewrite, needs all-reduces and all-gathers per
+    Newton-Schulz iteration, and initialize says so, naming jzero's Muon."""
+    opaque = OpaqueTransform(optax.contrib.muon(LR))
+    tx = optax.GradientTransformation(opaque.init, opaque.update)
+    with caplog.at_level("WARNING", logger="jzero"):
+        counts, _, _ = step_collectives(config(3, optimizer=None), tx)
     notes = [r.getMessage() for r in caplog.records if "optax.contrib.muon" in r.getMessage()]
     assert len(notes) == 1 and "jzero.optim.muon(...) takes the same arguments" in notes[0]
     adamw, _, _ = step_collectives(config(3, optimizer={"type": "AdamW", "params": {"lr": LR}}))
-    # Five iterations on two matrices: more than one extra all-reduce per iteration.
+    # Five iterations on four matrices: more than one extra all-reduce per iteration.
     assert counts["all-reduce"] - adamw.get("all-reduce", 0) >= 5
+
+
+MDN = optax.contrib.MuonDimensionNumbers
+# Where optax keeps its Muon, and its options: each found by from_optax_muon.
+OPTAX_FORMS = {
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.contrib.muon)(learning_rate=LR),
+    "chain-nesterov-off-adaptive-aol": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.contrib.muon(LR, nesterov=False, adaptive=True, preconditioning="aol"),
+    ),
+    "dion-table-consistent-rms-decay-mask": lambda: optax.contrib.muon(
+        LR, ns_coeffs="dion", consistent_rms=0.2, weight_decay=WD, weight_decay_mask=None
+    ),
+    "dims-tree-stacked": lambda: optax.contrib.muon(
+        LR, muon_weight_dimension_numbers={"s": MDN(1, 2), "w": MDN(), "v": MDN(), "b": None}
+    ),
+    "masked-scale-by-muon": lambda: optax.masked(
+        optax.chain(
+            optax.contrib.scale_by_muon(
+                beta=0.9,
+                weight_dimension_numbers=lambda p: jax.tree.map(
+                    lambda x: MDN(x.ndim - 2, x.ndim - 1), p
+                ),
+            ),
+            optax.scale(-LR),
+        ),
+        {"s": False, "w": True, "v": True, "b": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(OPTAX_FORMS))
+def test_from_optax_muon_finds_it_wherever_optax_keeps_it(form):
+    """Inside chains, masks, partitions and inject_hyperparams, with every option of its rule:
+    found (the caller's transformation untouched), and optax's updates on one device, float64."""
+    rng = np.random.default_rng(0)
+    shapes = {"s": (3, 4, 7), "w": (6, 10), "v": (9, 4), "b": (10,)}
+    with jax.enable_x64(True):
+        params = {k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()}
+        tx = OPTAX_FORMS[form]()
+        ours = jzero.optim.from_optax_muon(tx)
+        assert jzero.optim.exchanges_once(ours) and not jzero.optim.exchanges_once(tx)
+        states, got = [tx.init(params), ours.init(params)], [params, params]
+        assert jax.tree.structure(states[0]) == jax.tree.structure(states[1])
+        for _ in range(STEPS):
+            grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+            for i, t in enumerate((tx, ours)):
+                updates, states[i] = jax.jit(t.update)(grads, states[i], got[i])
+                got[i] = optax.apply_updates(got[i], updates)
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(got[0]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-10)
 
 
 def test_the_default_leaves_embeddings_heads_biases_and_norms_to_adamw():
