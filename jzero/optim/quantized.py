@@ -21,11 +21,12 @@ Decisions:
   shape ``(..., ceil(L / block_size))``, the absolute maximum of each run of ``block_size``
   elements of a row (the last block of a row shorter, a row shorter than a block one block).
   A shard of rows (ZeRO splits the leading dimension) therefore carries its rows' scales and
-  encodes them without reading another device's elements; the plan splits the scales on a
-  dimension the shard count divides, else keeps them whole (they are small). The price of a
-  short last dimension is one scale per row: 4 / L bytes a parameter and moment. A 0-d leaf is
-  one block of one element with a 0-d scale (stored exactly: code 127 or 255 times |x|); a leaf
-  with no elements has codes and scales with no elements.
+  encodes them without reading another device's elements; the plan splits the scales as
+  their moments are split where they share the dimension (an expert leaf's over ``expert``
+  too), else on a dimension the shard count divides, else keeps them whole (they are small).
+  The price of a short last dimension is one scale per row: 4 / L bytes a parameter and
+  moment. A 0-d leaf is one block of one element with a 0-d scale (stored exactly: code 127
+  or 255 times |x|); a leaf with no elements has codes and scales with no elements.
 * **A logarithmic ("dynamic") code, closed form.** Like bitsandbytes' dynamic map, most
   resolution lies near zero, but here every step is the same ratio: with scale ``s`` (the
   block's absmax) code ``k >= 1`` stands for ``s * 2**((k - K) / 8)`` (eight codes an octave),
@@ -57,7 +58,8 @@ Decisions:
   runs independent collectives in any order on each device, so devices met in different
   collectives and the step aborted (a rendezvous timeout on the demo's GPT at stage 3). The
   update therefore adds to every decoded level and scale an exact zero computed from the first
-  element of every gradient: each decode waits for the whole backward pass, and
+  element of every gradient (``g[0, ..., 0]``, one scalar; ``ravel(g)[0]`` gathered a leaf
+  split on two dimensions whole): each decode waits for the whole backward pass, and
   ``jzero.hlo.unordered_collectives`` of the step is empty (``tests/optim/test_optim_state8.py``).
 * **Computed wide.** The inner update sees float32 moments and returns float32 updates; only
   the stored moments are quantised. The step count and any other state (an injected learning
@@ -193,7 +195,9 @@ def _is_quantized(x: Any) -> bool:
 def _zero_after(updates: Any) -> jax.Array | None:
     """An exact float32 zero computed from the first element of every gradient leaf: what the
     decoding waits for (see the module's decisions); ``None`` without gradient elements."""
-    firsts = [jnp.ravel(g)[0] for g in jax.tree.leaves(updates) if jnp.size(g)]
+    # g[0, ..., 0], not ravel(g)[0]: a ravel of a leaf split on two dimensions (an expert leaf
+    # over expert x data) gathers it whole; indexing reads one element (a scalar all-reduce).
+    firsts = [g[(0,) * jnp.ndim(g)] for g in jax.tree.leaves(updates) if jnp.size(g)]
     if not firsts:
         return None
     # isnan(..) is 0 or 1, never NaN, and XLA does not fold a float times 0.0 away.

@@ -17,11 +17,16 @@ Decisions:
   count where that does not divide it (:mod:`jzero.plan.padding`), a stacked-layer dimension a
   ``scan`` consumes stays whole at stage 3, small parameters persist whole at stage 3, and a
   user's own ``PartitionSpec`` is kept (see :mod:`jzero.plan.leaf_rule` for the reasons).
-* Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works;
-  a state leaf whose shape differs from its parameter's (e.g. factored moments) is split on its
-  leading dimension that the shard count divides (else whole), and non-parameter state
-  (counts) is replicated. A parameter's mirrors (Adam's moments) rest padded like it
-  (``Plan.stored_opt_state``).
+* Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works,
+  and every state leaf rests in the layout its update computes it in (no resharding of the
+  state in the step): a parameter's mirror (Adam's moments) exactly as the parameter's
+  gradient; a state leaf of its own shape (8-bit Adam's block scales, factored moments) keeps
+  the parameter's own axes (``expert``, ``model``, ``pipe``) on the leading dimensions it
+  shares with it and is split over the remaining state axes on the parameter's state
+  dimension (else a dimension they divide, else whole); non-parameter state (counts) is
+  replicated. Mirrors rest padded like their parameter (``Plan.stored_opt_state``). An expert
+  leaf's scales resting over ``data`` x ``expert`` (the dense layout) while its moments
+  computed over ``expert`` then ``data`` made XLA reshard the experts' state every step.
 * The stage decides which category is sharded by reading :mod:`jzero.plan.stages`; nothing here
   branches on the stage number.
 * Hybrid sharding (a ``replica`` axis beside ``data``, FSDP's HSDP and DeepSpeed's MiCS): the
@@ -155,7 +160,6 @@ def make_plan(
     _check_comm(spec, comm)
     buckets = bool(comm.overlap_comm) and not spec.shard_params
     state_axes = (*zero_axes, replica) if hpz else zero_axes
-    n = math.prod(int(mesh.shape[a]) for a in state_axes)
 
     def shards(b: P) -> int:  # a leaf's ZeRO shard count: over the state axes its spec leaves
         own = spec_axis_names(b)
@@ -188,11 +192,11 @@ def make_plan(
             return state_leaf
         if tuple(state_leaf.shape) == leaves[index].shape:
             return sharding
-        if not spec.shard_opt_state:
-            return replicated
-        # A state leaf of its own shape (a factored moment) is split where it divides evenly.
-        d = divisible_dim(tuple(state_leaf.shape), n)
-        return NamedSharding(mesh, _spec_with(P(), len(state_leaf.shape), d, state_axes))
+        # A state leaf of its own shape (8-bit Adam's scales, a factored moment) rests where its
+        # update computes it, from its parameter's layout.
+        shape, leaf = tuple(state_leaf.shape), leaves[index]
+        axes = state_axes if spec.shard_opt_state else ()
+        return NamedSharding(mesh, _own_shape_spec(shape, leaf, bases[index], mesh, axes))
 
     def stored(state_leaf: Any, _: Any, index: int) -> Any:
         """The state leaf as it rests: a parameter's mirror padded like the parameter's
@@ -340,6 +344,30 @@ def _parallel_bases(
         )  # fmt: skip
     _check_axes_used(mesh, (*zero_axes, *((par.pipe_axis,) if par.pipe_axis else ())), bases)
     return bases
+
+
+def _own_shape_spec(
+    shape: tuple[int, ...], leaf: Any, base: P, mesh: Mesh, state_axes: tuple[str, ...]
+) -> P:
+    """The spec of an optimizer-state leaf whose shape is not its parameter's (8-bit Adam's
+    block scales ``shape[:-1] + (blocks,)``, a factored moment): the layout its update computes
+    it in, from the parameter's. It keeps the parameter's own axes (``expert``, ``model``,
+    ``pipe``) on the leading dimensions it shares with the parameter, and goes over the state
+    axes the parameter's spec leaves free (``state_axes``; none at stage 0) on the parameter's
+    state dimension when it shares that and they divide it, else on its leading dimension they
+    divide, else on none (it is small)."""
+    common = 0
+    while common < min(len(shape), len(leaf.shape)) and shape[common] == leaf.shape[common]:
+        common += 1
+    entries = [base[d] if d < min(len(base), common) else None for d in range(len(shape))]
+    own = spec_axis_names(entries)
+    axes = tuple(a for a in state_axes if a not in own)
+    count = math.prod(int(mesh.shape[a]) for a in axes)
+    free = [e is None for e in entries]
+    d = leaf.state_dim
+    if d is None or d >= common or leaf.merged > 1 or not free[d] or shape[d] % count:
+        d = divisible_dim(shape, count, free)
+    return _spec_with(P(*entries), len(shape), d, axes)
 
 
 def _offloaded_state(
