@@ -18,8 +18,8 @@ Beside the numbers, each run asserts from the plan that every axis splits someth
 parameter, the batch's rows or tokens), and from the compiled step that each collective stays
 on its axis: ZeRO's gathers and reduce-scatters within ZeRO's axes (never a weight gathered over
 ``model`` first), the pipeline's transfers between neighbouring stages only, the all-to-alls
-within their ``seq`` or ``expert`` groups. A checkpoint written in each layout restores into
-plain data parallelism bit for bit.
+within their ``seq`` or ``expert`` groups. A checkpoint written in each layout (at stage 3,
+where its state is split the most) restores into plain data parallelism bit for bit.
 """
 
 import optax

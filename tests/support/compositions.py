@@ -221,4 +221,5 @@ def check_layout(axes, stage, tmp_path_factory):
     assert_trains_like_the_single_device_loop(engine, metrics, axes)
     assert_every_axis_splits_something(engine, axes)
     assert_collectives_stay_on_their_axes(engine, axes)
-    assert_restores_into_data_parallelism(engine, axes, directory)
+    if stage == 3:  # each layout's checkpoint once, from the stage whose state is most split
+        assert_restores_into_data_parallelism(engine, axes, directory)
