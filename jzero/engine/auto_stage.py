@@ -36,6 +36,7 @@ import jax
 
 from jzero import config as config_lib
 from jzero._util import format_bytes
+from jzero.engine.figures import compiled_peak_bytes as peak_bytes
 
 __all__ = ["AutoStage", "Candidate", "budget", "candidates", "choose_stage", "peak_bytes"]
 
@@ -107,16 +108,6 @@ def budget(cfg: config_lib.Config, device: Any) -> int:
             "device_memory (e.g. device_memory: 12GB) to the memory one device may use."
         )
     return int(limit * (1 - MARGIN))
-
-
-def peak_bytes(compiled: Any, host_state_bytes: int) -> int:
-    """A compiled step's peak bytes per device (see the module's decisions)."""
-    mem = compiled.memory_analysis()
-    args = mem.argument_size_in_bytes
-    if host_state_bytes and not getattr(mem, "host_argument_size_in_bytes", 0):
-        args -= host_state_bytes  # one memory space: the host state is among the arguments
-    fresh = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)
-    return int(args + mem.temp_size_in_bytes + fresh)
 
 
 @dataclass

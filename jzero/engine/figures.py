@@ -13,8 +13,8 @@ Decisions:
   step, the monitors at it, and both get the one trace).
 * **The peak memory per device** is the allocator's figure on an accelerator (it moves as the
   run goes, so it is handed out as a function to read it). On CPU, which keeps none, it is
-  the compiled step's peak (``stage: auto``'s measure, :func:`jzero.engine.auto_stage.peak_bytes`:
-  the arguments, less the state a CPU counts among them though it rests in host memory, plus
+  the compiled step's peak (:func:`compiled_peak_bytes`, ``stage: auto``'s measure too: the
+  arguments, less the state a CPU counts among them though it rests in host memory, plus
   the temporaries and the outputs not aliased to an input), of the executable the step runs:
   not compiled again. Under the NVMe tier that is its gradient program (the update programs
   hold one group each).
@@ -65,6 +65,16 @@ def model_flops(engine: Any, batch: PyTree, traced: dict[Any, float]) -> float:
     return traced[key]
 
 
+def compiled_peak_bytes(compiled: Any, host_state_bytes: int) -> int:
+    """A compiled step's peak bytes per device (see the module's decisions)."""
+    mem = compiled.memory_analysis()
+    args = mem.argument_size_in_bytes
+    if host_state_bytes and not getattr(mem, "host_argument_size_in_bytes", 0):
+        args -= host_state_bytes  # one memory space: the host state is among the arguments
+    fresh = max(mem.output_size_in_bytes - mem.alias_size_in_bytes, 0)
+    return int(args + mem.temp_size_in_bytes + fresh)
+
+
 def peak_bytes(engine: Any, batch: PyTree) -> Callable[[], int | None]:
     """A function that reads the peak memory per device of ``engine``'s step on the global
     batch ``batch`` (as the step takes it): see the module's decisions. ``None`` where the
@@ -75,8 +85,6 @@ def peak_bytes(engine: Any, batch: PyTree) -> Callable[[], int | None]:
     step = engine._step_fn(batch)  # the step it runs, built (and its layout fitted) once
     if not hasattr(step, "lower"):
         return lambda: None
-    from jzero.engine import auto_stage
-
     host = sum(engine.plan.host_state_bytes(engine.accumulation_steps or 1).values())
-    peak = auto_stage.peak_bytes(step.lower(engine.state, batch).compile(), host)
+    peak = compiled_peak_bytes(step.lower(engine.state, batch).compile(), host)
     return lambda: peak
