@@ -283,6 +283,24 @@ def _spec_axes(spec: P) -> tuple[str, ...]:
     return tuple(a for entry in spec for a in _entry_axes(entry))
 
 
+def _momentum(
+    updates: PyTree, state: Any, beta: float, nesterov: bool
+) -> tuple[PyTree, jax.Array, PyTree]:
+    """Muon's momentum step, as optax's: the new moment, the new count, and the bias-corrected
+    (Nesterov when asked) direction that is orthogonalised."""
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+        mu_hat = jax.tree.map(
+            lambda m, g: beta * m + (1 - beta) * g,
+            optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+            optax.tree.bias_correction(updates, beta, count),
+        )
+    else:
+        mu_hat = optax.tree.bias_correction(mu, beta, count)
+    return mu, count, mu_hat
+
+
 def scale_by_muon(
     beta: float = 0.95,
     ns_steps: int = 5,
@@ -313,16 +331,7 @@ def scale_by_muon(
 
     def update(updates: PyTree, state: MuonState, params: PyTree = None):
         del params
-        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
-        count = optax.safe_increment(state.count)
-        if nesterov:
-            mu_hat = jax.tree.map(
-                lambda m, g: beta * m + (1 - beta) * g,
-                optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
-                optax.tree.bias_correction(updates, beta, count),
-            )
-        else:
-            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        mu, count, mu_hat = _momentum(updates, state, beta, nesterov)
         flat, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
         leaves = []
         for path, x in flat:
@@ -480,16 +489,7 @@ def _exchange_once_update(optax_update: types.FunctionType) -> Callable[..., Any
         del params
         dims = hp["weight_dimension_numbers"]
         dims = dims(updates) if callable(dims) else dims
-        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
-        count = optax.safe_increment(state.count)
-        if nesterov:
-            mu_hat = jax.tree.map(
-                lambda m, g: beta * m + (1 - beta) * g,
-                optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
-                optax.tree.bias_correction(updates, beta, count),
-            )
-        else:
-            mu_hat = optax.tree.bias_correction(mu, beta, count)
+        mu, count, mu_hat = _momentum(updates, state, beta, nesterov)
         flat, treedef = jax.tree_util.tree_flatten_with_path(mu_hat)
         leaves = []
         for (path, x), d in zip(flat, treedef.flatten_up_to(dims), strict=True):
