@@ -258,6 +258,7 @@ def local_batch_size(global_batch_size: int) -> int:
     return global_batch_size // count
 
 
+@functools.lru_cache(maxsize=64)  # asked twice a step (the check, the global batch)
 def process_rows(sharding: jax.sharding.Sharding, global_batch_size: int) -> range:
     """The rows of a global batch of ``global_batch_size`` that this process's devices hold
     under the batch ``sharding``: ``p*b : (p+1)*b`` when the processes split the batch's axes,
