@@ -17,9 +17,16 @@ row trains the same model on the same tokens. Each row of the table is one (P, s
 * model state: the sum of ``engine.plan.model_state_bytes()`` per device;
 * temp: the compiled step's temporaries per device (``memory_analysis()``), where 1F1B keeps
   ``P`` micro-batches of saved activations and GPipe all ``M``;
+* in flight: the micro-batches a stage holds saved activations of at once (``P`` under 1F1B,
+  ``M`` under GPipe), read from the schedule's table;
 * pipe: the full-buffer bytes a step of the collective-permutes between neighbouring stages
-  (``jzero.hlo.collectives_by_axes``, loops counted by trip count), and ZeRO: those of the
-  collectives within the ``data`` groups;
+  (``jzero.hlo.collectives_by_axes``, loops counted by trip count, the schedule table's
+  permute by how often the table runs each branch), and ZeRO: those of the collectives
+  within the ``data`` groups;
+* sent/need: the most bytes one device sends by permute in a step
+  (``jzero.hlo.permute_sends``) over what the schedule needs from it: each micro-batch's
+  activations forward once and its gradient back once per stage boundary it has (one
+  micro-batch's carry, ``2 M`` of them from an interior stage). 1.00 is the minimum;
 * ms/step: the median of ``--steps`` timed steps after ``--warmup`` untimed ones.
 
 On one CPU host the devices share its cores, so the stages cannot run at the same time: the
@@ -46,6 +53,7 @@ from tensor_parallel import compiled_and_timed  # noqa: E402  (this folder's scr
 import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
 from jzero.distributed import make_schedule  # noqa: E402
+from jzero.hlo import permute_sends  # noqa: E402
 
 MB = 1 << 20
 
@@ -68,13 +76,24 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
         config["bf16"] = {"enabled": True}
     engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
     compiled, by_axes, seconds = compiled_and_timed(engine, batch, steps, warmup)
-    bubble = make_schedule(schedule, stages, micro).bubble if stages > 1 else 0.0
+    table = make_schedule(schedule, stages, micro) if stages > 1 else None
+    sent, need = 0.0, 0.0
+    if table is not None:
+        rows = batch["tokens"].shape[0] // micro // (jax.device_count() // stages)
+        tokens = batch["tokens"].shape[1] - 1
+        table_leaf = params["embed"]["tokens"]  # [V, D]: the carry is rows x tokens x D
+        carry = rows * tokens * table_leaf.shape[1] * table_leaf.dtype.itemsize
+        sends = permute_sends(compiled)
+        sent = max(sends.values(), default=0)
+        need = int(table.transfers.max()) * carry
     return {
         "P": stages,
         "schedule": schedule if stages > 1 else "-",
         "stage": stage,
         "mesh": dict(engine.mesh.shape),
-        "bubble": bubble,
+        "bubble": table.bubble if table else 0.0,
+        "in_flight": table.slots if table else 1,
+        "sent_over_need": sent / need if need else 0.0,
         "state": sum(engine.plan.model_state_bytes().values()),
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "pipe": axis_bytes(by_axes, ("pipe",), "collective-permute"),
@@ -85,7 +104,7 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, help="layers (default 8; smoke: the largest P, >= 2)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -109,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny GPT, P in 1,2, 1 step")
     args = ap.parse_args(argv)
     if args.smoke:  # the sizes; --pipeline where given wins
-        args.layers, args.d_model, args.heads = 2, 32, 4
+        args.d_model, args.heads = 32, 4
         args.seq_len, args.vocab, args.batch, args.micro = 16, 64, 32, 4
         args.micro_batch = None
         args.steps, args.warmup = 1, 0
@@ -118,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.micro_batch is not None:
         args.batch = args.micro_batch * jax.device_count() * args.micro
     sizes = [int(p) for p in args.pipeline.split(",")]
+    if args.layers is None:
+        args.layers = max(2, *sizes) if args.smoke else 8
     schedules = args.schedules.split(",")
     cfg = gpt.GPTConfig(
         vocab_size=args.vocab,
@@ -142,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     head = (
-        "| P | schedule | mesh | bubble | model state MiB | temp MiB | pipe MiB | ZeRO MiB "
-        "| ms/step |"
+        "| P | schedule | mesh | bubble | in flight | model state MiB | temp MiB | pipe MiB "
+        "| sent/need | ZeRO MiB | ms/step |"
     )
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
@@ -155,9 +176,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(r)
             mesh = "{" + ", ".join(f"{k}: {v}" for k, v in r["mesh"].items()) + "}"
             print(
-                f"| {p} | {r['schedule']} | {mesh} | {r['bubble']:.3f} | {r['state'] / MB:.2f} | "
-                f"{r['temp'] / MB:.2f} | {r['pipe'] / MB:.2f} | {r['zero'] / MB:.2f} | "
-                f"{r['seconds'] * 1e3:.1f} |",
+                f"| {p} | {r['schedule']} | {mesh} | {r['bubble']:.3f} | {r['in_flight']} | "
+                f"{r['state'] / MB:.2f} | {r['temp'] / MB:.2f} | {r['pipe'] / MB:.2f} | "
+                f"{r['sent_over_need']:.2f} | {r['zero'] / MB:.2f} | {r['seconds'] * 1e3:.1f} |",
                 flush=True,
             )
             if args.json:

@@ -25,11 +25,17 @@ Decisions:
   ``K`` is the most micro-batches in flight on a stage (forward done, backward not):
   ``M`` under GPipe, ``P`` under 1F1B. That is the whole difference in activation memory
   between the two schedules, and the compiled program's temporaries show it.
-* **Neighbours only.** Every slot each stage sends what its forward pass produced to the next
-  stage and what its backward pass produced (the gradient of its input) to the previous one:
-  two ``ppermute`` of one micro-batch's activations (the layer scan's carry), outside the
-  ``switch`` so every device takes part. A received message waits in a buffer of ``K + 1``
-  slots (the last one a sink for a slot that received nothing) until its pass runs.
+* **Only the transfers the schedule needs.** A forward pass's activations go to the next
+  stage, a backward pass's input gradient to the previous one, and nothing else moves: each
+  micro-batch crosses each stage boundary once forward and once back, ``2 M (P - 1)``
+  messages a step. A stage runs one pass a slot, so it sends at most one message, and no two
+  stages send to the same one in a slot (checked when the table is built), so one
+  ``ppermute`` a slot carries them all, with exactly that slot's ``(source, target)`` pairs.
+  The pairs differ from slot to slot while a permute's pairs are fixed in the program, so the
+  distinct pair sets (``3P`` or so) are the branches of one ``lax.switch`` indexed by the slot
+  number: every device takes the same branch, so the collective matches, and a slot where no
+  stage sends runs none. A received message waits in a buffer of ``K + 1`` slots (the last
+  one a sink for a slot that received nothing) until its pass runs.
 * **The loss runs on the last stage only** (the unit's ``lax.cond``), its gradient seeded
   there; the embedding before the layer scan runs on every stage (it also makes what the
   layers read besides their carry: positions, masks) but only the first stage's result enters
@@ -68,6 +74,10 @@ class Schedule:
         stage at the start of the slot, or -1.
       recv_backward: ``[T, P]``: likewise the gradient from the next stage, or -1.
       slots: ``K``, the buffer slots per stage (the most micro-batches in flight).
+      patterns: the distinct sets of ``(source, target)`` stages that send in one slot (the
+        empty set first).
+      pattern: ``[T]``: per slot, the index in :attr:`patterns` of the stages that send what
+        the slot's passes produced (delivered at the start of the next slot).
     """
 
     kind: str
@@ -78,11 +88,22 @@ class Schedule:
     recv_forward: np.ndarray
     recv_backward: np.ndarray
     slots: int
+    patterns: tuple[tuple[tuple[int, int], ...], ...] = ((),)
+    pattern: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def num_slots(self) -> int:
         """``T``, the time slots of one step."""
         return int(self.op.shape[0])
+
+    @property
+    def transfers(self) -> np.ndarray:
+        """``[P]``: the messages each stage sends in one step (activations or gradients)."""
+        sent = np.zeros(self.stages, np.int64)
+        for t in range(self.num_slots):
+            for src, _ in self.patterns[int(self.pattern[t])]:
+                sent[src] += 1
+        return sent
 
     @property
     def bubble(self) -> float:
@@ -166,7 +187,20 @@ def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
             if op[t, s] == BACKWARD and s > 0:
                 rb[t + 1, s - 1] = micro[t, s]
     slots = _slots_needed(op, micro, rf, rb, m)
-    return Schedule(kind, p, m, op, micro, rf, rb, slots)
+    patterns: list[tuple[tuple[int, int], ...]] = [()]
+    pattern = np.zeros(len(rows), np.int32)
+    for t in range(len(rows)):
+        pairs = tuple(
+            (s, s + 1 if op[t, s] == FORWARD else s - 1)
+            for s in range(p)
+            if (op[t, s] == FORWARD and s < p - 1) or (op[t, s] == BACKWARD and s > 0)
+        )
+        if len({dst for _, dst in pairs}) < len(pairs):  # pragma: no cover - a schedule bug
+            raise RuntimeError(f"the {kind} schedule sends two messages to one stage in slot {t}")
+        if pairs not in patterns:
+            patterns.append(pairs)
+        pattern[t] = patterns.index(pairs)
+    return Schedule(kind, p, m, op, micro, rf, rb, slots, tuple(patterns), pattern)
 
 
 def _slots_needed(op: np.ndarray, micro: np.ndarray, rf: np.ndarray, rb: np.ndarray, m: int) -> int:
@@ -284,9 +318,6 @@ def run(
     def slot_of(i: jax.Array) -> jax.Array:
         return jnp.where(i >= 0, i % k, k)
 
-    fwd_perm = [(i, i + 1) for i in range(p - 1)]
-    bwd_perm = [(i + 1, i) for i in range(p - 1)]
-
     def zeros(shapes: Sequence[Any]) -> list[jax.Array]:
         return [jnp.zeros(x.shape, x.dtype) for x in shapes]
 
@@ -296,7 +327,8 @@ def run(
 
     # The passes return what they produce; the buffers are read and written outside the
     # switch, so they stay in place in the loop's carry (a buffer passed through a
-    # conditional is copied in and out: measured 4.7x the step time at K = 8).
+    # conditional is copied in and out: measured 4.7x the step time at K = 8). What a pass
+    # sends (a forward pass's activations, a backward pass's input gradient) is one message.
     def forward(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
         mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), micro_batches)
         (c_out, outs), vjp = jax.vjp(pull(mb), params, c_in)
@@ -304,7 +336,7 @@ def run(
         new = [x for x, j in zip(leaves, param_of, strict=True) if j < 0]
         c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
         outs = [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
-        return new, c_out, zero_carry, outs, zeros(grad_shapes)
+        return new, c_out, outs, zeros(grad_shapes)
 
     def backward(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
         kept_iter = iter(kept)
@@ -317,32 +349,39 @@ def run(
         d_params, d_in = vjp((d_carry, d_outs))
         d_in = [d.astype(c.dtype) for d, c in zip(d_in, carry, strict=True)]
         d_params = [d.astype(g.dtype) for d, g in zip(d_params, grad_shapes, strict=True)]
-        return zeros(res_shapes), zero_carry, d_in, out_zeros, d_params
+        return zeros(res_shapes), d_in, out_zeros, d_params
 
     def idle(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
-        return zeros(res_shapes), zero_carry, zero_carry, out_zeros, zeros(grad_shapes)
+        return zeros(res_shapes), zero_carry, out_zeros, zeros(grad_shapes)
+
+    # One permute per slot, with exactly the (source, target) pairs that slot's passes send
+    # to: a table of the distinct pair sets, read with the slot's number. Every device takes
+    # the same branch (the index depends on the slot alone), so the collective matches; a
+    # device that sends nothing is in no pair, and a slot nobody sends in has no permute.
+    def deliver(pairs: tuple[tuple[int, int], ...]) -> Callable[[list[Any]], list[Any]]:
+        if not pairs:
+            return lambda msg: [jnp.zeros_like(x) for x in msg]
+        return lambda msg: [jax.lax.ppermute(x, axis, list(pairs)) for x in msg]
+
+    branches = [deliver(pairs) for pairs in schedule.patterns]
+    pattern_of = np.asarray(schedule.pattern, np.int32)
 
     def body(state: dict[str, Any], row: tuple[jax.Array, ...]) -> tuple[dict[str, Any], None]:
-        op, i, rf, rb = row
-        got_f = [jax.lax.ppermute(x, axis, fwd_perm) for x in state["send_f"]]
-        got_b = [jax.lax.ppermute(x, axis, bwd_perm) for x in state["send_b"]]
-        fwd_in = put(state["fwd_in"], got_f, slot_of(rf))
-        bwd_in = put(state["bwd_in"], got_b, slot_of(rb))
+        t, op, i, rf, rb = row
         slot = i % k
-        new, send_f, send_b, outs, d_params = jax.lax.switch(
+        new, send, outs, d_params = jax.lax.switch(
             op,
             (idle, forward, backward),
             i,
-            get(fwd_in, slot),
+            get(state["fwd_in"], slot),
             get(state["res"], slot),
-            get(bwd_in, slot),
+            get(state["bwd_in"], slot),
         )
-        state = {
-            "fwd_in": fwd_in,
-            "bwd_in": bwd_in,
+        got = jax.lax.switch(jnp.asarray(pattern_of)[t], branches, send)
+        state = {  # what arrived waits for its pass in the slot its micro-batch names
+            "fwd_in": put(state["fwd_in"], got, slot_of(rf)),
+            "bwd_in": put(state["bwd_in"], got, slot_of(rb)),
             "res": put(state["res"], new, jnp.where(op == FORWARD, slot, k)),
-            "send_f": send_f,
-            "send_b": send_b,
             "grads": [g + d for g, d in zip(state["grads"], d_params, strict=True)],
             "outs": [a + o for a, o in zip(state["outs"], outs, strict=True)],
         }
@@ -352,14 +391,14 @@ def run(
         "fwd_in": buffer(carry),
         "bwd_in": buffer(carry),
         "res": buffer(res_shapes),
-        "send_f": zero_carry,
-        "send_b": zero_carry,
         "grads": zeros(grad_shapes),
         "outs": out_zeros,
     }
-    rows = tuple(
-        _stage_rows(t, axis)
-        for t in (schedule.op, schedule.micro, schedule.recv_forward, schedule.recv_backward)
+    arrive_f = np.concatenate([schedule.recv_forward[1:], -np.ones_like(schedule.op[:1])])
+    arrive_b = np.concatenate([schedule.recv_backward[1:], -np.ones_like(schedule.op[:1])])
+    rows = (
+        jnp.arange(schedule.num_slots, dtype=jnp.int32),
+        *(_stage_rows(t, axis) for t in (schedule.op, schedule.micro, arrive_f, arrive_b)),
     )
     state, _ = jax.lax.scan(body, state, rows)
     return state["grads"], state["outs"]

@@ -13,6 +13,7 @@ from jzero.hlo.collective_bytes import CollectiveStats as CollectiveStats
 from jzero.hlo.collective_bytes import collectives as collectives
 from jzero.hlo.collective_bytes import collectives_by_axes as collectives_by_axes
 from jzero.hlo.collective_bytes import collectives_by_dtype as collectives_by_dtype
+from jzero.hlo.collective_bytes import permute_sends as permute_sends
 from jzero.hlo.facts import AsyncCollective as AsyncCollective
 from jzero.hlo.facts import LayoutCopy as LayoutCopy
 from jzero.hlo.facts import LoopCollective as LoopCollective
@@ -38,6 +39,7 @@ __all__ = [
     "LayoutCopy",
     "loop_collectives",
     "LoopCollective",
+    "permute_sends",
     "program_text",
     "replica_groups",
     "source_target_pairs",

@@ -20,6 +20,12 @@ Decisions:
   Psi, stage 3 all-gathers 2 Psi (forward and backward) and reduce-scatters Psi.
   ``wire_bytes`` counts an all-reduce twice (a reduce-scatter plus an all-gather), as the ZeRO
   paper does.
+* **A conditional read from a schedule table.** A ``conditional`` inside a loop runs one
+  branch per iteration. When its branch index is computed from a constant integer table with
+  one entry per iteration of the loop around it (how :mod:`jzero.distributed.pipeline` picks
+  each slot's transfers: the table indexed by the slot number), branch ``j`` is counted as
+  often as the table names it (values clamped to the branches, as ``lax.switch`` does).
+  Any other conditional counts each branch every time it runs: an upper bound.
 * Async forms (``-start``) count their results once, ``-done`` not at all; a combined
   collective (a tuple) counts every buffer it moves.
 * ``collectives_by_axes(compiled, mesh)`` splits the same counts by the mesh axes each
@@ -45,13 +51,20 @@ from jzero.hlo.parse import (
     _SHAPE,
     KINDS,
     _computations,
+    _operands,
     _shape_bytes,
     _text,
     replica_groups,
     source_target_pairs,
 )
 
-__all__ = ["CollectiveStats", "collectives", "collectives_by_axes", "collectives_by_dtype"]
+__all__ = [
+    "CollectiveStats",
+    "collectives",
+    "collectives_by_axes",
+    "collectives_by_dtype",
+    "permute_sends",
+]
 
 _CALLEES = re.compile(
     r"\b(?:body|calls|to_apply|true_computation|false_computation|branch_computations)="
@@ -95,6 +108,35 @@ def _trip_count(line: str, comps: dict[str, list[str]]) -> int:
     return 1
 
 
+_CONST_TABLE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[(\d+)\]\{0\}\s+constant\(\{([-0-9, ]*)\}\)")
+
+
+def _branch_times(
+    line: str, lines: list[str], times: int, trip: int, branches: int
+) -> list[int] | None:
+    """Per branch of the ``conditional`` on ``line``, how often it runs, when its index reads a
+    constant table of ``trip`` entries (one per iteration of the loop it runs in); else None."""
+    m = _INSTR.match(line)
+    if not m or "branch_computations=" not in line or trip <= 1 or times % trip:
+        return None
+    index = _operands(m.group(3))[0].strip().lstrip("%")
+    tables = {t.group(1): t for t in map(_CONST_TABLE.match, lines) if t}
+    found = None
+    for other in lines:
+        name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", other)
+        if name and name.group(1) == index:
+            found = _INSTR.match(other)
+            break
+    if found is None:
+        return None
+    used = [tables[o.strip().lstrip("%")] for o in _operands(found.group(3))
+            if o.strip().lstrip("%") in tables]  # fmt: skip
+    if len(used) != 1 or int(used[0].group(2)) != trip:
+        return None
+    values = np.clip([int(v) for v in used[0].group(3).split(",")], 0, branches - 1)
+    return [times // trip * int((values == j).sum()) for j in range(branches)]
+
+
 def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
     """Every collective executed by a compiled program: ``(kind, full-buffer bytes, times per
     call, instruction line)``, loops multiplied out."""
@@ -102,7 +144,9 @@ def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
     if entry is None:
         return
 
-    def visit(name: str, times: int, depth: int = 0) -> Iterator[tuple[str, int, int, str]]:
+    def visit(
+        name: str, times: int, depth: int = 0, trip: int = 1
+    ) -> Iterator[tuple[str, int, int, str]]:
         if depth > 64 or name not in comps:
             return
         for line in comps[name]:
@@ -122,10 +166,16 @@ def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
                     if base == "reduce-scatter":
                         size *= _group_size(line)
                     yield base, size, times, line
-            inner = times * (_trip_count(line, comps) if op == "while" else 1)
-            for callee in _CALLEES.findall(line):
-                for c in re.findall(r"%?([\w.\-]+)", callee):
-                    yield from visit(c, inner, depth + 1)
+            loop = _trip_count(line, comps) if op == "while" else trip
+            inner = times * (loop if op == "while" else 1)
+            callees = [c for callee in _CALLEES.findall(line)
+                       for c in re.findall(r"%?([\w.\-]+)", callee)]  # fmt: skip
+            each = _branch_times(line, comps[name], times, trip, len(callees))
+            if op != "conditional" or each is None:
+                each = [inner] * len(callees)
+            for c, n in zip(callees, each, strict=True):
+                if n:
+                    yield from visit(c, n, depth + 1, loop)
 
     yield from visit(entry, 1)
 
@@ -187,6 +237,19 @@ def collectives_by_axes(
         stats[kind].count += times
         stats[kind].bytes += size * times
     return out
+
+
+def permute_sends(compiled: Any) -> dict[int, int]:
+    """Bytes each device sends by ``collective-permute`` per call: every ``(source, target)``
+    pair of a permute moves its buffer from the source (a device in no pair sends nothing),
+    loops and schedule tables multiplied out. Keys are device (partition) ids; devices that
+    send nothing are absent."""
+    sent: dict[int, int] = {}
+    for kind, size, times, line in _walk(compiled):
+        if kind == "collective-permute":
+            for src, _ in source_target_pairs(line):
+                sent[src] = sent.get(src, 0) + size * times
+    return sent
 
 
 def collectives_by_dtype(compiled: Any) -> dict[str, dict[str, CollectiveStats]]:

@@ -80,9 +80,20 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
 
 
 def _text(compiled: Any) -> str:
+    """A compiled program's HLO text, its integer tables printed whole where the running
+    jaxlib allows (``as_text()`` elides a constant of more than 10 elements as ``{...}``, and
+    :mod:`jzero.hlo.collective_bytes` reads a pipeline's schedule table)."""
     if isinstance(compiled, str):
         return compiled
-    return compiled.as_text()
+    try:
+        from jaxlib import _hlo  # the printer's options; absent or renamed in some jaxlibs
+
+        options = _hlo.HloPrintOptions()
+        options.print_large_constants = True
+        modules = compiled.runtime_executable().hlo_modules()
+        return "\n".join(m.to_string(options) for m in modules)
+    except Exception:  # noqa: BLE001 - any failure: the elided text reads the same otherwise
+        return compiled.as_text()
 
 
 def _operands(rest: str) -> list[str]:

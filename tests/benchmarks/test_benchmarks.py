@@ -179,6 +179,8 @@ def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
     assert float(f1b["bubble"]) == 0.2  # (P-1)/(M+P-1) at M = 4, P = 2
     # Activations move between the stages; ZeRO's collectives within each stage's data group.
     assert float(f1b["pipe MiB"]) > 0 and float(f1b["ZeRO MiB"]) > 0
+    # Each micro-batch forward once and back once, nothing sent in idle slots; 2 in flight.
+    assert f1b["sent/need"] == "1.00" and f1b["in flight"] == "2"
     assert all(float(f1b[k]) > 0 for k in ("model state MiB", "temp MiB", "ms/step"))
 
 

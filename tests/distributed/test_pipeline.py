@@ -22,7 +22,7 @@ import jzero
 from jzero.demo import gpt
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE
-from jzero.hlo import collectives_by_axes, source_target_pairs
+from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
 from jzero.replay import NoLayerScan
 
 V, D, F, L, T = 32, 16, 32, 4, 8
@@ -229,8 +229,12 @@ def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
         assert f"f64[{rows},{T},{D}]" in line.split("collective-permute")[0], line
         for src, dst in source_target_pairs(line):
             assert abs(src - dst) == 4  # the same data position on the neighbouring stage
-    # 2 permutes a slot (forward and backward), 2 (M + P - 1) slots.
-    assert permutes[("pipe",)].count == 2 * 2 * (4 + 2 - 1)
+    # Each micro-batch's activations forward once, its gradient back once: M = 4 messages
+    # from each device of either stage, one permute a slot with that slot's pairs.
+    assert permute_sends(compiled) == {d: 4 * carry for d in range(8)}
+    # A permute runs in each slot where a stage sends (both stages at once in the steady
+    # state's slots): 6 of the 2 (M + P - 1) = 10 slots.
+    assert permutes[("pipe",)].count == (make_schedule("1f1b", 2, 4).pattern > 0).sum() == 6
     assert permutes[("pipe",)].bytes == permutes[("pipe",)].count * carry
     # ZeRO's gathers and reduce-scatters stay within each stage's data group.
     for axes, stats in by_axes.items():
@@ -361,6 +365,30 @@ def test_the_built_in_gpt_pipelined_trains_like_the_single_device_optax_loop():
     np.testing.assert_allclose([float(m["grad_norm"]) for m in metrics], ref_norms, rtol=1e-10)
     assert max_rel_error(jax.device_get(engine.params), ref_params) < 1e-9
     assert sum(engine.plan.pipelined) == sum(1 for x in jax.tree.leaves(gpt_params()["blocks"]))
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 8), (4, 4), (4, 8)])  # (2, 4): the toy's above
+def test_the_built_in_gpt_sends_each_micro_batch_once_forward_and_once_back(stages, micro):
+    """Read from the compiled step: per device, the bytes its collective-permutes send, the
+    schedule table's permute counted as often as the table runs each of its branches. 1F1B
+    needs each micro-batch's activations forward and its gradient back across each stage
+    boundary, nothing in idle slots: M carries from an end stage, 2 M from an interior one."""
+    cfg = {**config(1, stages, micro), "train_batch_size": 8 // stages * micro}
+    engine = jzero.initialize(
+        None, gpt_loss, optax.sgd(LR), cfg, init_fn=lambda k: gpt.init_params(k, GPT),
+        abstract=True,
+    )  # fmt: skip
+    batch = {"tokens": np.zeros((8 // stages * micro, GPT.seq_len + 1), np.int32)}
+    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    sends = permute_sends(engine.lower(batch).compile(fast))  # the HLO passes all run
+    carry = 1 * GPT.seq_len * GPT.d_model * 8  # one row a device per micro-batch, float64
+    data = 8 // stages
+    for device in range(8):
+        stage = device // data
+        need = micro * (1 if stage in (0, stages - 1) else 2) * carry
+        assert sends[device] == need <= 1.15 * 2 * micro * carry, (device, sends)
+    schedule = make_schedule("1f1b", stages, micro)
+    assert [sends[s * data] // carry for s in range(stages)] == schedule.transfers.tolist()
 
 
 def test_the_estimate_splits_the_model_state_over_stages_and_keeps_p_or_m_micro_batches():
