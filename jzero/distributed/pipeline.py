@@ -36,10 +36,16 @@ Decisions:
   number: every device takes the same branch, so the collective matches, and a slot where no
   stage sends runs none. A received message waits in a buffer of ``K + 1`` slots (the last
   one a sink for a slot that received nothing) until its pass runs.
-* **The loss runs on the last stage only** (the unit's ``lax.cond``), its gradient seeded
-  there; the embedding before the layer scan runs on every stage (it also makes what the
-  layers read besides their carry: positions, masks) but only the first stage's result enters
-  the layers, so only there does it get a gradient.
+* **The loss runs on the last stage only, the embedding on the first only** (the unit's two
+  ``lax.cond``, :func:`jzero.replay.layer_split.stage_unit`), the loss's gradient seeded on
+  the last. What the layers read besides their carry (positions, masks) runs on every stage.
+  At ZeRO stage 3 the head's and the embedding's gathers run inside those conditionals, so
+  only the stage that uses a leaf gathers it.
+* **Gradients reduced per micro-batch at stages 2-3**: ``run``'s ``reduce`` is applied to
+  each backward pass's gradients before they are added up (stage 2's reduce-scatter over the
+  stage's data group), so the sums hold a shard, as stage 2 does without a pipeline.
+* **Evaluation is pipelined too** (:func:`run_forward`): forward passes only, stage ``s``
+  running micro-batch ``t - s`` in slot ``t``, sending only where it ran.
 """
 
 from __future__ import annotations
@@ -55,7 +61,15 @@ import numpy as np
 from jzero.choices.pipeline import SCHEDULES
 from jzero.distributed.mesh import PIPE_AXIS
 
-__all__ = ["PIPE_AXIS", "SCHEDULES", "Schedule", "bubble_fraction", "make_schedule", "run"]
+__all__ = [
+    "PIPE_AXIS",
+    "SCHEDULES",
+    "Schedule",
+    "bubble_fraction",
+    "make_schedule",
+    "run",
+    "run_forward",
+]
 
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -187,20 +201,38 @@ def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
             if op[t, s] == BACKWARD and s > 0:
                 rb[t + 1, s - 1] = micro[t, s]
     slots = _slots_needed(op, micro, rf, rb, m)
+    pattern, patterns = _pair_table(
+        [
+            tuple(
+                (s, s + 1 if op[t, s] == FORWARD else s - 1)
+                for s in range(p)
+                if (op[t, s] == FORWARD and s < p - 1) or (op[t, s] == BACKWARD and s > 0)
+            )
+            for t in range(len(rows))
+        ]
+    )
+    return Schedule(kind, p, m, op, micro, rf, rb, slots, patterns, pattern)
+
+
+def _pair_table(per_slot: Sequence[tuple[tuple[int, int], ...]]) -> tuple[np.ndarray, tuple]:
+    """``(pattern [T], patterns)``: the distinct pair sets (the empty one first) and per slot
+    the index of its own."""
     patterns: list[tuple[tuple[int, int], ...]] = [()]
-    pattern = np.zeros(len(rows), np.int32)
-    for t in range(len(rows)):
-        pairs = tuple(
-            (s, s + 1 if op[t, s] == FORWARD else s - 1)
-            for s in range(p)
-            if (op[t, s] == FORWARD and s < p - 1) or (op[t, s] == BACKWARD and s > 0)
-        )
+    pattern = np.zeros(len(per_slot), np.int32)
+    for t, pairs in enumerate(per_slot):
         if len({dst for _, dst in pairs}) < len(pairs):  # pragma: no cover - a schedule bug
-            raise RuntimeError(f"the {kind} schedule sends two messages to one stage in slot {t}")
+            raise RuntimeError(f"a schedule sends two messages to one stage in slot {t}")
         if pairs not in patterns:
             patterns.append(pairs)
         pattern[t] = patterns.index(pairs)
-    return Schedule(kind, p, m, op, micro, rf, rb, slots, tuple(patterns), pattern)
+    return pattern, tuple(patterns)
+
+
+def _deliver(axis: str, pairs: tuple[tuple[int, int], ...]) -> Callable[[list[Any]], list[Any]]:
+    """One slot's transfer: a permute with exactly ``pairs``; zeros when nobody sends."""
+    if not pairs:
+        return lambda msg: [jnp.zeros_like(x) for x in msg]
+    return lambda msg: [jax.lax.ppermute(x, axis, list(pairs)) for x in msg]
 
 
 def _slots_needed(op: np.ndarray, micro: np.ndarray, rf: np.ndarray, rb: np.ndarray, m: int) -> int:
@@ -258,6 +290,7 @@ def run(
     *,
     grad_dtypes: Sequence[Any],
     axis: str = PIPE_AXIS,
+    reduce: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Runs ``schedule``: every micro-batch through every stage, forward and backward.
 
@@ -275,6 +308,9 @@ def run(
       schedule: from :func:`make_schedule`.
       seed: the loss's cotangent (1, or the fp16 loss scale), in the loss's dtype.
       grad_dtypes: per parameter, the dtype its gradient is accumulated in.
+      reduce: applied to each backward pass's parameter gradients before they are added up
+        (ZeRO stage 2's reduce-scatter of each micro-batch's gradients: the sums then hold
+        this device's shard only); the identity when None.
 
     Returns:
       ``(grads, outs)``: the parameters' gradients summed over the micro-batches (this stage's
@@ -322,8 +358,10 @@ def run(
         return [jnp.zeros(x.shape, x.dtype) for x in shapes]
 
     out_zeros = [jnp.zeros(o.shape, _wide(o.dtype)) for o in out_shapes]
-    grad_shapes = [jax.ShapeDtypeStruct(x.shape, d) for x, d in zip(params, grad_dtypes,
-                   strict=True)]  # fmt: skip
+    reduce = reduce if reduce is not None else (lambda gs: gs)
+    full_grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in params]
+    grad_shapes = [jax.ShapeDtypeStruct(r.shape, d) for r, d in zip(
+        jax.eval_shape(reduce, full_grads), grad_dtypes, strict=True)]  # fmt: skip
 
     # The passes return what they produce; the buffers are read and written outside the
     # switch, so they stay in place in the loop's carry (a buffer passed through a
@@ -348,7 +386,8 @@ def run(
         d_outs[0] = jnp.where(last, seed.astype(loss_dtype), 0).astype(loss_dtype)
         d_params, d_in = vjp((d_carry, d_outs))
         d_in = [d.astype(c.dtype) for d, c in zip(d_in, carry, strict=True)]
-        d_params = [d.astype(g.dtype) for d, g in zip(d_params, grad_shapes, strict=True)]
+        d_params = [d.astype(g.dtype) for d, g in zip(reduce(d_params), grad_shapes,
+                    strict=True)]  # fmt: skip
         return zeros(res_shapes), d_in, out_zeros, d_params
 
     def idle(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
@@ -358,12 +397,7 @@ def run(
     # to: a table of the distinct pair sets, read with the slot's number. Every device takes
     # the same branch (the index depends on the slot alone), so the collective matches; a
     # device that sends nothing is in no pair, and a slot nobody sends in has no permute.
-    def deliver(pairs: tuple[tuple[int, int], ...]) -> Callable[[list[Any]], list[Any]]:
-        if not pairs:
-            return lambda msg: [jnp.zeros_like(x) for x in msg]
-        return lambda msg: [jax.lax.ppermute(x, axis, list(pairs)) for x in msg]
-
-    branches = [deliver(pairs) for pairs in schedule.patterns]
+    branches = [_deliver(axis, pairs) for pairs in schedule.patterns]
     pattern_of = np.asarray(schedule.pattern, np.int32)
 
     def body(state: dict[str, Any], row: tuple[jax.Array, ...]) -> tuple[dict[str, Any], None]:
@@ -402,6 +436,60 @@ def run(
     )
     state, _ = jax.lax.scan(body, state, rows)
     return state["grads"], state["outs"]
+
+
+def run_forward(
+    unit: Callable[..., tuple[Any, Any]],
+    params: list[jax.Array],
+    micro_batches: Any,
+    carry: Sequence[jax.ShapeDtypeStruct],
+    stages: int,
+    *,
+    axis: str = PIPE_AXIS,
+) -> list[jax.Array]:
+    """Every micro-batch through every stage, forward only (an evaluation): stage ``s`` runs
+    micro-batch ``t - s`` in slot ``t`` on what stage ``s - 1`` sent in slot ``t - 1``, so
+    ``M + P - 1`` slots and no activations kept. Sends only where a stage ran, one permute a
+    slot (the table of pair sets, as :func:`run`). Called as :func:`run` is; returns ``outs``
+    summed over the micro-batches on the last stage (zeros elsewhere)."""
+    p = int(stages)
+    m = int(jax.tree.leaves(micro_batches)[0].shape[0])
+    position = jax.lax.axis_index(axis)
+    first, last = position == 0, position == p - 1
+    mb0 = jax.tree.map(lambda x: x[0], micro_batches)
+    zero_carry = [jnp.zeros(c.shape, c.dtype) for c in carry]
+    out_shapes = jax.eval_shape(lambda c: unit(params, c, first, last, mb0)[1], zero_carry)
+    out_zeros = [jnp.zeros(o.shape, _wide(o.dtype)) for o in out_shapes]
+    # Stage s runs micro-batch t - s in slot t and sends it on.
+    pattern, patterns = _pair_table(
+        [tuple((s, s + 1) for s in range(p - 1) if 0 <= t - s < m) for t in range(m + p - 1)]
+    )
+    branches = [_deliver(axis, q) for q in patterns]
+
+    def body(state: tuple[list[Any], list[Any]], t: jax.Array) -> tuple[Any, None]:
+        received, sums = state
+        i = t - position
+        active = (i >= 0) & (i < m)
+
+        def stage(c_in: list[Any]) -> tuple[list[Any], list[Any]]:
+            j = jnp.clip(i, 0, m - 1)
+            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, False),
+                              micro_batches)  # fmt: skip
+            c_out, outs = unit(params, c_in, first, last, mb)
+            c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
+            return c_out, [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
+
+        def rest(c_in: list[Any]) -> tuple[list[Any], list[Any]]:
+            return zero_carry, out_zeros
+
+        sent, outs = jax.lax.cond(active, stage, rest, received)
+        got = jax.lax.switch(jnp.asarray(pattern)[t], branches, sent)
+        return (got, [a + o for a, o in zip(sums, outs, strict=True)]), None
+
+    (_, sums), _ = jax.lax.scan(
+        body, (zero_carry, out_zeros), jnp.arange(m + p - 1, dtype=jnp.int32)
+    )
+    return sums
 
 
 def _wide(dtype: Any) -> Any:

@@ -392,7 +392,12 @@ class Engine:
         batch = distributed.global_batch(batch, self.plan.batch, total)
         self.fit_layout(batch)
         if self._eval is None:
-            self._eval = make_eval_step(self.plan, self.loss_fn, takes_extra=self.takes_extra)
+            self._eval = make_eval_step(
+                self.plan,
+                self.loss_fn,
+                takes_extra=self.takes_extra,
+                micro_batches=self.accumulation_steps or 1,
+            )
         return self._eval(self._resting_params(), self.state.extra, batch)
 
     def lower(self, batch: PyTree) -> jax.stages.Lowered:

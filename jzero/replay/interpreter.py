@@ -128,6 +128,7 @@ class _Replay:
         self.events: list[GatherEvent] = []
         self._firsts: list[Any] = []  # per use so far, one element of its first operand
         self._kept_values: dict[Any, Any] = {}
+        self._by_stage: set[int] = set()  # ids of values the same on a stage's devices
 
     def run(
         self,
@@ -159,6 +160,8 @@ class _Replay:
                 outs = self._eqn(eqn, invals)
             else:
                 outs = bind(eqn, invals)
+            if self._marks_stage(eqn, invals):
+                self._by_stage.add(id(outs[0]))
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
             k += 1
@@ -255,7 +258,48 @@ class _Replay:
             return self.run(inner.jaxpr, inner.consts, invals)
         if name == "scan":
             return self._scan(eqn, invals)
+        if name == "cond" and id(invals[0]) in self._by_stage and not self._ordered:
+            return self._cond(eqn, invals)
         return self._use(eqn, invals)
+
+    @property
+    def _ordered(self) -> bool:
+        """Whether gathers follow a recorded order (prefetch anchors, kept leaves): then a
+        branch's uses would be numbered apart from the recording's, so a ``cond`` gathers
+        before it."""
+        return self.record or bool(self.anchors) or bool(self.kept)
+
+    def _marks_stage(self, eqn: Any, invals: list[Any]) -> bool:
+        """Whether ``eqn`` makes a value every device of a pipeline stage shares: a stage
+        unit's first/last-stage predicate (:data:`jzero.replay.layer_split.STAGE_MARK`), or a
+        cast of one (``lax.cond`` casts its predicate to the branch index)."""
+        name = eqn.primitive.name
+        if name == "name" and eqn.params.get("name") == "jzero_pipeline_stage":
+            return True
+        return name == "convert_element_type" and bool(invals) and id(invals[0]) in self._by_stage
+
+    def _cond(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        """A ``cond`` or ``switch`` reading pending parameters: each branch replayed with them
+        pending, so a parameter is gathered only in the branch that runs (a pipeline's head
+        on its last stage). Only for an index every device of a stage shares (a stage
+        unit's predicate, :meth:`_marks_stage`): the devices a gather spans, a stage's data
+        group, then take the same branch. A ``cond`` on anything else (a value of the batch,
+        which differs across the group) gathers before it, as any use does."""
+        index, ops = invals[0], invals[1:]
+        pend = [i for i, x in enumerate(ops) if isinstance(x, _Pending)]
+        others = [None if isinstance(x, _Pending) else x for x in ops]
+
+        def branch(closed: Any) -> Callable[[list[Any], list[Any]], list[Any]]:
+            def run(shards: list[Any], others: list[Any]) -> list[Any]:
+                vals = list(others)
+                for i, shard in zip(pend, shards, strict=True):
+                    vals[i] = dataclasses.replace(ops[i], shard=shard)
+                return self.run(closed.jaxpr, closed.consts, vals)
+
+            return run
+
+        shards = [ops[i].shard for i in pend]
+        return jax.lax.switch(index, [branch(b) for b in eqn.params["branches"]], shards, others)
 
     def _use(self, eqn: Any, invals: list[Any]) -> list[Any]:
         """A use of pending parameters outside a scan: gathered there, and again in the

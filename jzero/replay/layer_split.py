@@ -7,9 +7,10 @@ layer scan (the embedding, positions, masks), the scan, and what follows it (the
 the head, the loss). :func:`stage_unit` turns that into the function every pipeline stage runs
 on one micro-batch (:func:`jzero.distributed.pipeline.run`):
 
-* the part before the scan runs on every stage (it also makes what the layers read beside
-  their carry), but the scan's carry comes from it only on the first stage; the others take
-  the activations the previous stage sent;
+* the part before the scan is cut three ways: what the layers read beside their carry
+  (positions, masks) runs on every stage; what only makes the carry's start (the embedding)
+  runs on the first stage only, under ``lax.cond``, the other stages taking the activations
+  the previous stage sent; what only the part after the scan reads (the labels) runs with it;
 * the scan runs this stage's layers;
 * the part after it runs on the last stage only, under ``lax.cond`` (zeros elsewhere).
 
@@ -40,11 +41,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
 from jzero.replay.trace import PASS_THROUGH, bind, inline_calls
 
-__all__ = ["LayerSplit", "NoLayerScan", "split_at_layers", "stage_unit"]
+__all__ = ["STAGE_MARK", "LayerSplit", "NoLayerScan", "split_at_layers", "stage_unit"]
+
+STAGE_MARK = "jzero_pipeline_stage"
+"""The ``checkpoint_name`` a stage unit gives its first/last-stage predicates: a ``cond`` on
+them takes the same branch on every device of a stage, so the replay gathers a parameter only
+in the branch that reads it (:mod:`jzero.replay.interpreter`)."""
 
 
 class NoLayerScan(ValueError):
@@ -145,6 +152,33 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int
     )
 
 
+def _free(reads: Sequence[Any], defined: set[Any]) -> list[Any]:
+    """The variables among ``reads`` not in ``defined`` (no literals), once each, in order."""
+    out: list[Any] = []
+    for v in reads:
+        if not isinstance(v, jex_core.Literal) and v not in defined and v not in out:
+            out.append(v)
+    return out
+
+
+def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """The equations among ``eqns`` that ``outs`` depend on."""
+    want = {v for v in outs if not isinstance(v, jex_core.Literal)}
+    keep = []
+    for e in reversed(eqns):
+        if any(v in want for v in e.outvars):
+            keep.append(e)
+            want.update(v for v in e.invars if not isinstance(v, jex_core.Literal))
+    return keep[::-1]
+
+
+def _run(eqns: Sequence[Any], env: dict[Any, Any]) -> dict[Any, Any]:
+    """Evaluates ``eqns`` in order into ``env`` (returned)."""
+    for e in eqns:
+        env.update(zip(e.outvars, bind(e, [_read(env, v) for v in e.invars]), strict=True))
+    return env
+
+
 def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     """``unit(params, carry_in, first, last, *args) -> (carry_out, outs)`` for one stage.
 
@@ -155,15 +189,23 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     k = split.index
     eqn = split.eqn
     nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
-    post = jaxpr.eqns[k + 1 :]
+    pre, post = jaxpr.eqns[:k], jaxpr.eqns[k + 1 :]
     defined_after = {v for e in post for v in e.outvars}
-    needed: list[Any] = []
-    seen: set[Any] = set()
-    for v in [u for e in post for u in e.invars] + list(jaxpr.outvars):
-        if isinstance(v, jex_core.Literal) or v in defined_after or v in seen:
-            continue
-        seen.add(v)
-        needed.append(v)
+    post_reads = _free([u for e in post for u in e.invars] + list(jaxpr.outvars), defined_after)
+    # Which equations before the scan each stage needs: what the layers read besides their
+    # carry (positions, masks) on every stage; the carry's start (the embedding) on the first
+    # stage only; what only the loss after the scan reads (the labels) on the last only.
+    scan_reads = [*eqn.invars[:nc], *eqn.invars[nc + ncarry :]]
+    always = {id(e) for e in _needed(pre, scan_reads)}
+    every = [e for e in pre if id(e) in always]
+    first_only = [e for e in _needed(pre, eqn.invars[nc : nc + ncarry]) if id(e) not in always]
+    last_only = [e for e in _needed(pre, post_reads) if id(e) not in always]
+    starts = list(eqn.invars[nc : nc + ncarry])
+    start_reads = _free([u for e in first_only for u in e.invars] + starts,
+                        {v for e in first_only for v in e.outvars})  # fmt: skip
+    tail = [*last_only, *post]
+    needed = _free([u for e in tail for u in e.invars] + list(jaxpr.outvars),
+                   {v for e in tail for v in e.outvars})  # fmt: skip
 
     def unit(
         params: Any, carry_in: Sequence[Any], first: Any, last: Any, *args: Any
@@ -171,9 +213,19 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, [*jax.tree.leaves(params), *jax.tree.leaves(args)],
                        strict=True))  # fmt: skip
-        for e in jaxpr.eqns[:k]:
-            env.update(zip(e.outvars, bind(e, [_read(env, v) for v in e.invars]), strict=True))
-        invals = [_read(env, v) for v in eqn.invars]
+        _run(every, env)
+        first, last = (checkpoint_name(jnp.asarray(x), STAGE_MARK) for x in (first, last))
+
+        def start(vals: list[Any]) -> list[Any]:
+            return [_read(_run(first_only, dict(zip(start_reads, vals, strict=True))), v)
+                    for v in starts]  # fmt: skip
+
+        def no_start(vals: list[Any]) -> list[Any]:
+            return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in starts]
+
+        begun = jax.lax.cond(first, start, no_start, [_read(env, v) for v in start_reads])
+        invals = [*(_read(env, v) for v in eqn.invars[:nc]), *begun,
+                  *(_read(env, v) for v in eqn.invars[nc + ncarry :])]  # fmt: skip
         for j, c in enumerate(carry_in[:ncarry]):
             init = invals[nc + j]
             invals[nc + j] = jnp.where(first, init, c.astype(init.dtype))
@@ -189,11 +241,7 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
             buffers.append(b)
 
         def run_post(vals: list[Any]) -> list[Any]:
-            local = dict(zip(needed, vals, strict=True))
-            for e in post:
-                local.update(
-                    zip(e.outvars, bind(e, [_read(local, v) for v in e.invars]), strict=True)
-                )
+            local = _run(tail, dict(zip(needed, vals, strict=True)))
             return [jnp.asarray(_read(local, v)) for v in jaxpr.outvars]
 
         def zeros(vals: list[Any]) -> list[Any]:

@@ -282,7 +282,7 @@ def _local_grads(
             extra, (loss, aux, g) = _accumulate(
                 functools.partial(micro, params), extra, scale, batch, accum
             )
-        if not reduce_each or piped is not None:
+        if not reduce_each:  # (the pipeline reduces each micro-batch's at stages 2-3 too)
             g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
         g = _reduce_replicas(plan, g)
         # The mean over the global batch: local sums over accum micro-batches and n devices.
@@ -332,27 +332,24 @@ def _pipelined_grads(
     grad_dtypes = [prec.accumulator(x.dtype) for x in jax.tree.leaves(plan.abstract_params)]
     stage_shapes = _stage_shapes(plan)
 
-    def loss_only(params: PyTree, extra: PyTree, mb: PyTree) -> Any:
-        loss, (aux, _) = full_loss(params, extra, mb)
-        loss = jnp.asarray(loss, jnp.float32) if prec.sixteen_bit else loss
-        return loss, _float_aux(aux)
+    loss_only = _loss_only(full_loss, prec)
 
     def pipelined(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
-        mbs = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+        mbs = _micro_batches(batch, accum)
         mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), mbs)
         _check_state_unchanged(full_loss, stage_shapes, extra, mb)
         trees: dict[str, Any] = {}  # the aux's tree, read from the split traced in the region
 
         def region(params: PyTree, extra: PyTree, scale: jax.Array, mbs: PyTree) -> Any:
             # Traced here, with `pipe` manual, so the replayed equations see this mesh.
-            split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=plan.pipe_size)
-            unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
+            split, run_unit = _stage_unit(plan, loss_only, policy, stage_shapes, extra, mb)
             trees["aux"] = jax.tree_util.treedef_children(split.out_tree)[1]
-
-            def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
-                return unit(treedef.unflatten(ps), c, first, last, extra, mb)
-
             seed = scale if prec.scaled else jnp.ones((), jnp.float32)
+
+            def reduce(gs: list[Any]) -> list[Any]:  # stage 2: each micro-batch's scattered
+                g = _reduce(plan, treedef.unflatten(gs), now_sharded=True, in_stage=True)
+                return jax.tree.leaves(g)
+
             grads, outs = pipeline.run(
                 run_unit,
                 jax.tree.leaves(params),
@@ -362,13 +359,14 @@ def _pipelined_grads(
                 seed,
                 grad_dtypes=grad_dtypes,
                 axis=pipe,
+                reduce=reduce if plan.stage.shard_grads else None,
             )
             grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
                      strict=True)]  # fmt: skip
             outs = [jax.lax.psum(o, pipe) for o in outs]
             return treedef.unflatten(grads), outs
 
-        specs = treedef.unflatten([P(pipe) if s else P() for s in split_leaves])
+        specs = _pipe_specs(plan)
         grads, outs = jax.shard_map(
             region,
             mesh=jax.sharding.get_abstract_mesh(),
@@ -382,6 +380,84 @@ def _pipelined_grads(
         return loss, aux, grads
 
     return pipelined
+
+
+def pipelined_loss(plan: Plan, full_loss: LossFn, micro: int) -> Callable[..., Any]:
+    """An evaluation under pipeline parallelism: ``(params, extra, batch) -> loss``, this
+    device's rows' mean loss, inside the step's ``shard_map``. The rows go through the stages
+    in ``micro`` micro-batches, forward only (:func:`jzero.distributed.pipeline.run_forward`):
+    each stage runs its own layers, as in training, instead of the compiler gathering every
+    stage's layers onto each device."""
+    from jzero.distributed import pipeline
+
+    stage_shapes = _stage_shapes(plan)
+    loss_only = _loss_only(full_loss, plan.precision)
+
+    def evaluate(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
+        mbs = _micro_batches(batch, micro)
+        mb = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), mbs)
+
+        def region(params: PyTree, extra: PyTree, mbs: PyTree) -> Any:
+            split, run_unit = _stage_unit(plan, loss_only, None, stage_shapes, extra, mb)
+            outs = pipeline.run_forward(
+                run_unit, jax.tree.leaves(params), mbs, split.carry, plan.pipe_size,
+                axis=plan.pipe_axis,
+            )  # fmt: skip
+            return jax.lax.psum(outs[0], plan.pipe_axis)
+
+        total = jax.shard_map(
+            region,
+            mesh=jax.sharding.get_abstract_mesh(),
+            in_specs=(_pipe_specs(plan), P(), P()),
+            out_specs=P(),
+            axis_names={plan.pipe_axis},
+            check_vma=False,
+        )(params, extra, mbs)
+        return total / micro
+
+    return evaluate
+
+
+def _loss_only(full_loss: LossFn, prec: Any) -> Callable[..., Any]:
+    """The loss (in float32 under 16-bit compute) and its float aux: what a stage unit ends in."""
+
+    def loss_only(params: PyTree, extra: PyTree, mb: PyTree) -> Any:
+        loss, (aux, _) = full_loss(params, extra, mb)
+        loss = jnp.asarray(loss, jnp.float32) if prec.sixteen_bit else loss
+        return loss, _float_aux(aux)
+
+    return loss_only
+
+
+def _micro_batches(batch: PyTree, micro: int) -> PyTree:
+    """``batch`` with its rows split into ``micro`` micro-batches (a new leading dim)."""
+    return jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+
+
+def _pipe_specs(plan: Plan) -> PyTree:
+    """The stage region's ``in_specs`` of the parameters: a split leaf's layers over ``pipe``."""
+    treedef = jax.tree.structure(plan.abstract_params)
+    return treedef.unflatten([P(plan.pipe_axis) if s else P() for s in plan.pipelined])
+
+
+def _stage_unit(
+    plan: Plan,
+    loss_only: Callable[..., Any],
+    policy: RematPolicy | None,
+    stage_shapes: PyTree,
+    extra: PyTree,
+    mb: PyTree,
+) -> tuple[Any, Callable[..., Any]]:
+    """Inside the stage region: the loss cut at its layer scan, and the unit of a flat list of
+    the stage's parameters (gathered at stage 3, checkpointed by ``policy``)."""
+    treedef = jax.tree.structure(plan.abstract_params)
+    split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=plan.pipe_size)
+    unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
+
+    def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
+        return unit(treedef.unflatten(ps), c, first, last, extra, mb)
+
+    return split, run_unit
 
 
 def _check_state_unchanged(full_loss: LossFn, params: PyTree, extra: PyTree, mb: PyTree) -> None:
@@ -422,7 +498,7 @@ def _accumulate(
     return extra, (loss / accum, jax.tree.map(lambda a: a / accum, aux), g)
 
 
-def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
+def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool, in_stage: bool = False) -> PyTree:
     """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
     where the plan shards the gradient (and ``now_sharded``), else an all-reduce (over every
     batch axis: a leaf that stays whole is summed over the replicas here too). Leaves come
@@ -433,8 +509,12 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
     all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in float32,
     from the gradient's own dtype: the integers replace the communication dtype); all-reduces
     stay exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
-    reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`)."""
+    reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`).
+
+    ``in_stage``: called in a pipeline stage's region (``pipe`` manual too), where a split
+    leaf holds the stage's ``L / P`` layers and ``pipe`` is no longer the compiler's."""
     bits = plan.quantized_gradients
+    beside = plan.entries_beside(plan.pipe_axis) if in_stage else None
     leaves = jax.tree.leaves(grads)
     todo, sent, dims, groups = [], [], [], []
     for i, (g, leaf, grad_dim) in enumerate(
@@ -447,7 +527,10 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
         groups.append(plan.leaf_axes(i))  # expert leaves: over the axes besides `expert`
         dims.append(grad_dim if scatter else None)
         if scatter:  # a leaf the shard count does not divide is scattered padded with zeros
-            g = pad_to(g, plan.local_stored_shape(i))
+            shape = list(plan.local_stored_shape(i))
+            if in_stage and plan.pipelined[i]:
+                shape[0] //= plan.pipe_size
+            g = pad_to(g, tuple(shape))
         sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
 
     def reduce_over(axes: tuple[str, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
@@ -474,7 +557,8 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
         mine = [j for j, g in enumerate(groups) if g == axes]
         # Leaves split over another axis too (tensor parallelism) are reduced piece by piece
         # over it, with that axis manual (jzero.comm.manual): no weight-sized gather.
-        specs = [plan.other_spec(todo[j]) for j in mine]
+        specs = [plan.other_spec(todo[j]) if beside is None else _trimmed(beside[todo[j]])
+                 for j in mine]  # fmt: skip
         run = reduce_over(axes)
         ds = [dims[j] for j in mine]
         reduced = over_axes(lambda xs, run=run, ds=ds: run(xs, ds), (specs,), specs)(
@@ -483,6 +567,14 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool) -> PyTree:
         for j, r in zip(mine, reduced, strict=True):
             out[todo[j]] = r.astype(leaves[todo[j]].dtype)
     return jax.tree.structure(grads).unflatten(out)
+
+
+def _trimmed(entries: tuple[Any, ...]) -> P:
+    """A spec of ``entries`` without trailing ``None``s."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:

@@ -41,7 +41,13 @@ from jax.sharding import PartitionSpec as P
 from jzero.comm import compiler_options
 from jzero.optim.update_context import update_layout
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
-from jzero.step.gradients import LossFn, _gradient_part, _local_loss, _with_extra
+from jzero.step.gradients import (
+    LossFn,
+    _gradient_part,
+    _local_loss,
+    _with_extra,
+    pipelined_loss,
+)
 from jzero.step.options import StepOptions
 from jzero.step.state import (
     TrainState,
@@ -69,12 +75,14 @@ def make_eval_step(
     has_aux: bool | None = None,
     takes_extra: bool = False,
     stateful: bool | None = None,
+    micro_batches: int = 1,
 ) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
     """Builds the jitted ``(params, extra, batch) -> mean loss`` over a global batch.
 
     At stage 3 the parameters are gathered layer by layer, as in the train step. ``has_aux``
     and ``takes_extra`` as in :func:`make_train_step` (``stateful`` is ``takes_extra``'s old
-    name).
+    name). Under pipeline parallelism each stage runs its own layers on the rows in up to
+    ``micro_batches`` micro-batches (the most that divides a device's rows), forward only.
     """
     full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
     treedef = jax.tree.structure(plan.abstract_params)
@@ -84,7 +92,12 @@ def make_eval_step(
     local = _local_loss(plan, full_loss)
 
     def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
-        value = local(params, extra, batch)[0]
+        if plan.pipe_axis:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            micro = max(d for d in range(1, max(1, micro_batches) + 1) if rows % d == 0)
+            value = pipelined_loss(plan, full_loss, micro)(params, extra, batch)
+        else:
+            value = local(params, extra, batch)[0]
         if plan.precision.sixteen_bit:
             value = value.astype(jnp.float32)
         return jax.lax.pmean(value, plan.batch_axes)

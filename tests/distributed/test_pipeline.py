@@ -10,6 +10,7 @@ mesh axes their device groups span, and 1F1B's activation memory against GPipe's
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ from jzero.demo import gpt
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
+from jzero.hlo.parse import _computations
 from jzero.replay import NoLayerScan
+from jzero.replay.layer_split import split_at_layers, stage_unit
 
 V, D, F, L, T = 32, 16, 32, 4, 8
 BATCH = 16
@@ -204,10 +207,24 @@ def test_a_pipelined_toy_trains_like_the_single_device_optax_loop(
     assert up.sharding.spec[0] == "pipe"
     assert engine.state.params["head"].sharding.spec[:1] != ("pipe",)
     assert f"pipeline: {stages} stages over 'pipe', schedule {schedule}" in engine.describe()
-    if stages == 4 and stage == 3:  # evaluate runs the loss whole over the stages
+    if stages == 4 and stage == 3:  # evaluate runs the stages forward only, as a pipeline
         held_out = batches(1, seed=7)[0]
         expected = float(jax.jit(toy_loss)(ref_params, held_out))
         assert float(engine.evaluate(held_out)) == pytest.approx(expected, rel=1e-9)
+        # Each stage runs its own layers: nothing is gathered over `pipe`; each of the 4
+        # micro-batches (8 rows a device) goes forward once across each boundary.
+        rows = jzero.distributed.global_batch(held_out, engine.plan.batch, BATCH)
+        program = engine._eval.lower(engine._resting_params(), engine.state.extra, rows)
+        compiled = program.compile()
+        carry = BATCH // data // 4 * T * D * 8
+        assert permute_sends(compiled) == {d: 4 * carry for d in range(8 - data)}
+        by_axes = collectives_by_axes(compiled, engine.mesh)
+        assert {k for k, st in by_axes[("pipe",)].items() if st.count} == {
+            "collective-permute",
+            "all-reduce",  # the loss, from the last stage
+        }
+        assert by_axes[("pipe",)]["all-reduce"].bytes == 8
+        assert set(by_axes) == {("pipe",), ("data",)}
 
 
 def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
@@ -240,18 +257,80 @@ def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
     for axes, stats in by_axes.items():
         if stats["all-gather"].count or stats["reduce-scatter"].count:
             assert axes == ("data",), axes
+    # Stage 3 gathers the embedding only on the first stage and the head only on the last:
+    # every all-gather outside the layer scan runs inside the pass's switch and inside the
+    # first or last stage's conditional (the layers' inside the pass and the layer loop).
+    places = _all_gather_callers(text)
+    assert sorted(set(places)) == [
+        ("conditional", "conditional", "while"),
+        ("while", "conditional", "while"),
+    ], places
+    assert places.count(("conditional", "conditional", "while")) >= 2  # embedding, head
+
+
+def test_the_embedding_runs_on_the_first_stage_and_the_loss_on_the_last_only():
+    """The stage unit's program: what the layers read besides their carry runs on every
+    stage; the embedding lookup (a gather) only under the first stage's conditional, the
+    head, softmax and the labels' lookup only under the last stage's."""
+    half = jax.tree.map(lambda x: x, make_toy())
+    half["layers"] = jax.tree.map(lambda x: x[: L // 2], half["layers"])
+    batch = batches(1)[0]
+    split = split_at_layers(toy_loss, half, batch, stages=2)
+    unit = stage_unit(split)
+    carry = [jnp.zeros(c.shape, c.dtype) for c in split.carry]
+    flat = jax.tree.leaves(half)
+    closed = jax.make_jaxpr(
+        lambda ps, c, f, la: unit(
+            jax.tree.unflatten(jax.tree.structure(half), ps), c, f, la, batch
+        )  # fmt: skip
+    )(flat, carry, True, False)
+    top = [e.primitive.name for e in closed.jaxpr.eqns]
+    assert "gather" not in top and "dot_general" in (
+        e.primitive.name for e in closed.jaxpr.eqns[top.index("scan")].params["jaxpr"].eqns
+    )
+    conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 2
+    inside = [{q.primitive.name for b in c.params["branches"] for q in b.jaxpr.eqns} for c in conds]
+    assert "gather" in inside[0] and "dot_general" not in inside[0]  # the embedding lookup
+    assert "dot_general" in inside[1] and "gather" in inside[1]  # the head, the labels
+
+
+def _all_gather_callers(text):
+    """Per all-gather in the HLO text, the ops that call its computation, innermost first."""
+    comps, _ = _computations(text)
+    caller = {}
+    for name, lines in comps.items():
+        for line in lines:
+            op = re.search(r"\s([a-z][a-z0-9\-]*)\(", line)
+            for group in re.findall(
+                r"(?:body|calls|to_apply|branch_computations)=(\{[^}]*\}|%?[\w.\-]+)", line
+            ):
+                for callee in re.findall(r"%?([\w.\-]+)", group):
+                    caller.setdefault(callee, (name, op.group(1)))
+    places = []
+    for name, lines in comps.items():
+        for line in lines:
+            if " all-gather(" in line or " all-gather-start(" in line:
+                chain, at = [], name
+                while at in caller and len(chain) < 16:
+                    at, op = caller[at]
+                    if op in ("while", "conditional"):
+                        chain.append(op)
+                places.append(tuple(chain))
+    return places
 
 
 ROWS = 2  # rows of one micro-batch on each device
 
 
 @functools.cache
-def temp_bytes(schedule, micro):
+def temp_bytes(schedule, micro, stage=1):
     """The compiled step's temporaries at P = 2 (data-parallel 4), ROWS rows a micro-batch."""
     rows = 4 * ROWS * micro
     engine = jzero.initialize(
-        make_toy(), toy_loss, optax.sgd(LR), config(1, 2, micro, schedule, train_batch_size=rows)
-    )
+        make_toy(), toy_loss, optax.sgd(LR), config(stage, 2, micro, schedule,
+                                                    train_batch_size=rows)
+    )  # fmt: skip
     batch = {"tokens": np.zeros((rows, T + 1), np.int32)}
     return engine.lower(batch).compile().memory_analysis().temp_size_in_bytes
 
@@ -266,6 +345,18 @@ def test_1f1b_keeps_p_micro_batches_of_activations_where_gpipe_keeps_m():
     assert per_micro >= 2 * ROWS * T * D * 8
     saved = temp_bytes("gpipe", 8) - temp_bytes("1f1b", 8)
     assert saved == pytest.approx((8 - 2) * per_micro, rel=0.1)
+
+
+def test_stage_2_under_a_pipeline_reduce_scatters_each_micro_batch_and_sums_a_shard():
+    """Each backward pass's gradients are reduce-scattered over the stage's data group (4)
+    before they are added up, so the step's gradient sums hold a quarter of the stage's
+    gradients: the temporaries fall by at least the other three quarters against stage 1
+    (which sums whole gradients and reduces once after the micro-batches)."""
+    toy = make_toy()
+    stacked = sum(x.size for x in jax.tree.leaves(toy["layers"]))
+    stage_grads = (sum(x.size for x in jax.tree.leaves(toy)) - stacked // 2) * 8  # float64
+    saved = temp_bytes("1f1b", 4, 1) - temp_bytes("1f1b", 4, 2)
+    assert saved >= 3 / 4 * stage_grads
 
 
 def test_a_checkpoint_saved_at_two_stages_stage_3_restores_at_one_stage_stage_1(tmp_path):
