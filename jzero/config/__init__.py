@@ -23,6 +23,7 @@ Decisions common to all of them: DeepSpeed's names, meanings and defaults (an ex
 once; every user-input error is a ``ConfigError`` whose message ends with the fix.
 """
 
+from jzero.config._auto import LAYOUT_KEYS as LAYOUT_KEYS
 from jzero.config._auto import resolve_auto as resolve_auto
 from jzero.config._batch import batch_from_first_batch as batch_from_first_batch
 from jzero.config._batch import resolve_batch_sizes as resolve_batch_sizes
@@ -43,6 +44,7 @@ from jzero.config._schema import OptimizerConfig as OptimizerConfig
 from jzero.config._schema import SchedulerConfig as SchedulerConfig
 from jzero.config._schema import TrainConfig as TrainConfig
 from jzero.config._sections import ActivationCheckpointingConfig as ActivationCheckpointingConfig
+from jzero.config._sections import AutoLayoutConfig as AutoLayoutConfig
 from jzero.config._sections import BF16Config as BF16Config
 from jzero.config._sections import DataTypesConfig as DataTypesConfig
 from jzero.config._sections import FP16Config as FP16Config
@@ -53,6 +55,7 @@ __all__ = [
     "OPTIMIZER_PARAMS",
     "SCHEDULER_PARAMS",
     "ActivationCheckpointingConfig",
+    "AutoLayoutConfig",
     "BF16Config",
     "CheckpointConfig",
     "Config",
@@ -71,6 +74,7 @@ __all__ = [
     "ZeroConfig",
     "load_config",
     "resolve_auto",
+    "LAYOUT_KEYS",
     "batch_from_first_batch",
     "resolve_batch_sizes",
     "resolve_optimizer",

@@ -49,11 +49,18 @@ from jzero.config._optimizers import auto_keys
 from jzero.config._schema import Config
 from jzero.config._validate import check_bf16
 
-__all__ = ["resolve_auto"]
+__all__ = ["LAYOUT_KEYS", "resolve_auto"]
 
 logger = logging.getLogger(__name__)
 
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+LAYOUT_KEYS = (
+    "tensor_parallel.autotp_size",
+    "sequence_parallel_size",
+    "pipeline.stages",
+    "expert_parallel.autoep_size",
+)
+"""The parallel sizes ``"auto"`` leaves to the compiled step (:mod:`jzero.engine.auto_layout`)."""
 _PRECISION = {
     "bf16.enabled": ("bf16", "fp16", jnp.bfloat16),
     "fp16.enabled": ("fp16", "bf16", jnp.float16),
@@ -129,12 +136,17 @@ def resolve_auto(
             cfg = _replace(cfg, path, dtypes == {jnp.dtype(dtype)} and not other_on)
     check_bf16(cfg, auto_resolved=True)  # what waited for bf16.enabled
     resolved = []
-    if batch_from_first_batch(cfg):
+    layout = any(key in cfg.auto for key in LAYOUT_KEYS)
+    if layout:  # the batch arithmetic follows the layout chosen at the first batch
+        sizes = dict.fromkeys(_BATCH, "with the layout, at the first batch")
+    elif batch_from_first_batch(cfg):
         sizes = dict.fromkeys(_BATCH, "from the first batch")
     elif any(key in cfg.auto for key in _BATCH):
         sizes = dict(zip(_BATCH, resolve_batch_sizes(cfg, data_parallel_size), strict=True))
     for path in cfg.auto:
-        if path in _BATCH:
+        if path in LAYOUT_KEYS:
+            value = "from the compiled step, at the first batch"
+        elif path in _BATCH:
             value = sizes[path] if isinstance(sizes[path], str) else _show(sizes[path])
         elif path in _PRECISION:
             shown = ", ".join(sorted(d.name for d in dtypes)) or "none"

@@ -38,6 +38,7 @@ from jzero.config._sections import (
     _TORCH_ONLY,
     _XLA_COLLECTIVES,
     ActivationCheckpointingConfig,
+    AutoLayoutConfig,
     BF16Config,
     CsvMonitorConfig,
     DataTypesConfig,
@@ -216,6 +217,9 @@ class Config:
     """Activation checkpointing of each stacked layer (every scan body), at any stage."""
     mesh: MeshConfig = _field(factory=MeshConfig)
     """Device mesh."""
+    auto_layout: AutoLayoutConfig = _field(factory=AutoLayoutConfig)
+    """jzero's own: the bandwidths, FLOP rate and collective latency that rank the candidate
+    layouts when a parallel size is ``"auto"`` (:mod:`jzero.engine.auto_layout`)."""
     model: Mapping[str, Any] = _field(factory=FrozenMap)
     """Built-in GPT settings (vocab_size, seq_len, num_layers, num_heads, d_model, d_ff ...)."""
     data: Mapping[str, Any] = _field(factory=FrozenMap)
@@ -348,7 +352,7 @@ class Config:
     ``expert``), or listed by jzero's ``expert_params`` (dotted-path globs); ``num_experts``
     (jzero's key; ``model.num_experts`` otherwise) finds their experts dimension. ``enabled:
     false`` turns it off."""
-    sequence_parallel_size: int = _field(1, min=1)
+    sequence_parallel_size: int = _field(1, min=1, auto=1)
     """DeepSpeed-Ulysses: ``S`` > 1 adds a ``seq`` mesh axis of S devices beside ``data``
     (``{data: N/(S*T), seq: S}``). Its devices share the batch's rows and each computes the
     loss of its own ``T/S`` tokens; around attention two all-to-alls swap the sequence split
@@ -420,10 +424,10 @@ class Config:
         """``tensor_parallel.autotp_size`` (or its ``tp_size`` spelling); 1 when unset or 0."""
         tp = self.tensor_parallel or {}
         size = tp.get("autotp_size", tp.get("tp_size"))
-        return int(size) if size else 1
+        return int(size) if size and size != "auto" else 1
 
     def pipeline_stages(self) -> int:
-        """``pipeline.stages``; 1 when unset or "auto"."""
+        """``pipeline.stages``; 1 when unset or "auto" (chosen at the first batch then)."""
         stages = (self.pipeline or {}).get("stages", 1)
         return 1 if stages in (None, "auto") else int(stages)
 
@@ -437,7 +441,7 @@ class Config:
         if ep.get("enabled", True) is False:
             return 1
         size = ep.get("autoep_size")
-        return int(size) if size else 1
+        return int(size) if size and size != "auto" else 1
 
     def expert_params(self) -> tuple[str, ...]:
         """``expert_parallel.expert_params``: dotted-path globs of the expert leaves, or ()."""

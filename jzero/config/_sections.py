@@ -561,3 +561,27 @@ class WandbConfig:
     """The wandb group, to group runs."""
     team: str | None = None
     """The wandb team (its ``entity``)."""
+
+
+@dataclass(frozen=True)
+class AutoLayoutConfig:
+    """``auto_layout``: the rates the parallel layout's cost model ranks candidates by.
+
+    Read only when a parallel size is ``"auto"`` (``tensor_parallel.autotp_size``,
+    ``sequence_parallel_size``, ``pipeline.stages``, ``expert_parallel.autoep_size``; see
+    :mod:`jzero.engine.auto_layout`). Each rate left out takes its platform's default. The
+    rates order the candidates; which one is kept is decided by its compiled memory.
+    """
+
+    intra_host_gbps: float | None = _field(None, min=0.0)
+    """Bandwidth of one device's link within a host, GB/s; default per platform (GPU 300, TPU
+    100, CPU 10)."""
+    inter_host_gbps: float | None = _field(None, min=0.0)
+    """Bandwidth of one device's share of the links between hosts, GB/s; default per platform
+    (GPU 25, TPU 25, CPU 1)."""
+    tflops: float | None = _field(None, min=0.0)
+    """Model FLOPs one device computes per second, in TFLOP/s; default per platform (GPU 200,
+    TPU 100, CPU 0.05)."""
+    latency_us: float | None = _field(None, min=0.0)
+    """The fixed cost of one collective, microseconds; default per platform (GPU 10, TPU 10,
+    CPU 20)."""

@@ -408,6 +408,25 @@ def _note_no_effect(section: str, raw: Mapping, keys: Mapping, noted: list) -> N
             noted.append((f"{section}.{key}", why))
 
 
+_SECTION_AUTOS = (
+    ("tensor_parallel", "autotp_size"),
+    ("pipeline", "stages"),
+    ("expert_parallel", "autoep_size"),
+)
+
+
+def _section_autos(cfg: Config) -> list[str]:
+    """The parallel sizes inside a section written ``"auto"`` (chosen from the compiled step
+    at the first batch, :mod:`jzero.engine.auto_layout`): their dotted keys, for
+    ``Config.auto``. The section keeps the string; its accessor reads it as 1 until then."""
+    out = []
+    for section, key in _SECTION_AUTOS:
+        raw = getattr(cfg, section)
+        if isinstance(raw, Mapping) and raw.get(key) == "auto":
+            out.append(f"{section}.{key}")
+    return out
+
+
 def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     """The ``pipeline`` section: ``stages`` a whole number (1: off; DeepSpeed's "auto" is 1),
     ``schedule`` one jzero has, enough micro-batches, and no other parallelism beside it yet;
@@ -484,7 +503,7 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
     sizes = {}
     for key in ("autotp_size", "tp_size"):
         value = tp.get(key)
-        if value is None:
+        if value is None or (key == "autotp_size" and value == "auto"):
             continue
         if isinstance(value, bool) or not _is_number(value) or value != int(value) or value < 0:
             errors.append(
@@ -551,7 +570,7 @@ def _expert_errors(cfg: Config) -> list[str]:
             f"expert_parallel: unknown key(s) {unknown}; the keys are {sorted(_EP_KEYS)}."
         )
     size = ep.get("autoep_size", 1)
-    if size is None or size == 0:
+    if size is None or size == 0 or size == "auto":
         size = 1
     if isinstance(size, bool) or not _is_number(size) or size != int(size) or size < 1:
         errors.append(
@@ -760,6 +779,7 @@ def build_config(
     raw, ignored = _drop_unknown_keys(raw)
     raw, renamed = _apply_aliases(raw)
     cfg = _build(Config, raw, "", noted, autos)
+    autos += _section_autos(cfg)
     cfg = dataclasses.replace(cfg, auto=tuple(autos))
     data_path = cfg.data.get("path")
     if isinstance(data_path, str) and data_path.startswith("~"):

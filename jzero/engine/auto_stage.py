@@ -91,7 +91,9 @@ def candidates(checkpointing: bool, offload_configured: bool) -> list[Candidate]
     return out
 
 
-def budget(cfg: config_lib.Config, device: Any) -> int:
+def budget(
+    cfg: config_lib.Config, device: Any, what: str = "zero_optimization.stage: auto"
+) -> int:
     """The bytes a candidate's step may use on one device (see the module's decisions)."""
     if cfg.device_memory is not None:
         return int(cfg.device_memory)
@@ -103,7 +105,7 @@ def budget(cfg: config_lib.Config, device: Any) -> int:
     limit = (stats or {}).get("bytes_limit")
     if not limit:
         raise config_lib.ConfigError(
-            "zero_optimization.stage: auto chooses the stage that fits the device memory, but "
+            f"{what} chooses what fits the device memory, but "
             f"this {device.platform} device reports no memory limit; set the top-level "
             "device_memory (e.g. device_memory: 12GB) to the memory one device may use."
         )

@@ -222,6 +222,9 @@ def initialize(
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
     model_in = _model_inputs(params, loss_fn, init_fn, model, init_args, param_specs)
+    layout_auto = any(k in cfg.auto for k in config_lib.LAYOUT_KEYS)
+    if layout_auto:
+        _check_layout_auto(cfg, mesh)
     mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
     key = _key(cfg.seed)
     shapes = model_in.shapes(key)
@@ -232,10 +235,18 @@ def initialize(
     tx, schedule = _optimizer(cfg, optimizer)
     planner = _planner(mesh, shapes, tx, specs, tp_rules)
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
+    layout = None
+    if layout_auto:  # the stage too is chosen with the layout, at the first batch
+        layout = _auto_layout(cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs))
+        auto = None
     replan = planner(cfg)
-    plan = _first_plan(cfg, replan, mesh, tx, stage_chosen_later=auto is not None)
+    plan = _first_plan(
+        cfg, replan, mesh, tx, stage_chosen_later=auto is not None or layout is not None
+    )
     sizes = (
-        None if from_first_batch else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
+        None
+        if from_first_batch or layout is not None
+        else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
     state, nvme = _first_state(cfg, plan, model_in, shapes, key, tx, init_from, name_map, abstract)
@@ -254,6 +265,7 @@ def initialize(
         replan=replan,
         nvme=nvme,
         auto_stage=auto,
+        auto_layout=layout,
     )
 
 
@@ -550,6 +562,55 @@ def _auto_stage(
         candidates=auto_stage.candidates(
             "activation_checkpointing.policy" in auto_keys, zero.offload_optimizer.device == "cpu"
         ),
+        planner=planner,
+    )
+
+
+def _check_layout_auto(cfg: config_lib.Config, mesh: jax.sharding.Mesh | None) -> None:
+    """A parallel size ``"auto"``: the sizes written as numbers divide the devices, the global
+    batch is fixed, and no ``mesh=`` fixes the layout."""
+    from jzero.engine import auto_layout
+
+    if mesh is not None:
+        raise config_lib.ConfigError(
+            f"{', '.join(k for k in config_lib.LAYOUT_KEYS if k in cfg.auto)} \"auto\" chooses "
+            "the mesh, but initialize was given mesh=; drop mesh=, or write the sizes in the "
+            "config."
+        )
+    auto_layout.check_fixed_sizes(cfg, jax.device_count())
+
+
+def _auto_layout(
+    cfg: config_lib.Config,
+    auto_keys: tuple[str, ...],
+    mesh: jax.sharding.Mesh,
+    auto: Any,
+    model: tuple[PyTree, optax.GradientTransformation, PyTree | None],
+) -> Any:
+    """What the parallel sizes ``"auto"`` choose from (:mod:`jzero.engine.auto_layout`): the
+    stages of ``stage: auto`` (``auto``) or the one configured, the budget, the rates, and a
+    planner that builds each candidate's mesh and AutoTP specs."""
+    from jzero.engine import auto_layout, auto_stage
+
+    shapes, tx, user_specs = model
+    device = mesh.devices.flat[0]
+    what = "the parallel sizes \"auto\""
+
+    def planner(c: config_lib.Config) -> Callable[..., Plan]:
+        m = make_mesh(_mesh_sizes(c))
+        specs, rules = settings.tensor_parallel(c, m, shapes, user_specs)
+        return _planner(m, shapes, tx, specs, rules)(c)
+
+    zero = cfg.zero_optimization
+    stages = (
+        list(auto.candidates)
+        if auto is not None
+        else [auto_stage.Candidate(zero.stage, zero.offload_optimizer.device == "cpu")]
+    )
+    return auto_layout.AutoLayout(
+        budget=auto.budget if auto is not None else auto_stage.budget(cfg, device, what),
+        stages=stages,
+        rates=auto_layout.Rates.of(cfg.auto_layout, device.platform),
         planner=planner,
     )
 

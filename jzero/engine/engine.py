@@ -77,6 +77,7 @@ class Engine:
         replan: Callable[..., Plan] | None = None,
         nvme: Any = None,
         auto_stage: Any = None,
+        auto_layout: Any = None,
     ):
         self.config = config
         self.plan = plan
@@ -102,6 +103,7 @@ class Engine:
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
         self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
         self._auto_stage = auto_stage  # stage "auto": chosen at the first batch (auto_stage.py)
+        self._auto_layout = auto_layout  # sizes "auto": chosen at the first batch (auto_layout.py)
         self.flops_profile: Any = None
         """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
         self.monitor_dir: str | None = None
@@ -212,6 +214,8 @@ class Engine:
         )
 
     def _check_batch(self, batch: PyTree) -> None:
+        if self._auto_layout is not None:
+            self._choose_layout(batch)
         self._take_batch_sizes(batch)
         distributed.check_batch(
             batch,
@@ -269,6 +273,18 @@ class Engine:
         self.plan, self.config, self._step, self._eval = plan, cfg, step, None
         self._replan = auto.planner(cfg)
         self._layout_fitted = True
+
+    def _choose_layout(self, batch: PyTree) -> None:
+        """Parallel sizes ``"auto"``: the layout chosen (:mod:`jzero.engine.auto_layout`) becomes
+        this engine's config, mesh, plan, step and batch sizes, the state moved to it once."""
+        from jzero.engine import auto_layout
+
+        auto, self._auto_layout = self._auto_layout, None
+        choice = auto_layout.choose_layout(auto, self, batch)
+        self.state = relayout(self.state, self.plan, choice.plan)
+        self.plan, self.config, self._step, self._eval = choice.plan, choice.config, choice.step, None
+        self._replan, self._layout_fitted, self._auto_stage = choice.replan, True, None
+        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = choice.sizes
 
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
         if self._auto_stage is not None:
@@ -379,6 +395,8 @@ class Engine:
         The batch's leading dim must be divisible by the data-parallel size.
         """
         self._check_concrete("evaluate")
+        if self._auto_layout is not None:
+            self._choose_layout(batch)
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
         count = jax.process_count()  # several processes: each passes its rows
         total = round(next(iter(lead)) / distributed.batch_share(self.plan.batch)) if lead else 0
@@ -493,6 +511,10 @@ class Engine:
         """
         ckpt = self._checkpointer()
         self.state, meta = saving.restore(ckpt, step, self.plan, self.state, self._disk)
+        if self._auto_layout is not None:  # the layout the run chose: no search again
+            from jzero.engine import auto_layout
+
+            auto_layout.adopt_saved(self._auto_layout, meta.get("config"))
         self.iteration = int(meta.get("iteration", self.global_step))
         restored = ckpt.latest_step() if step is None else int(step)
         self._unchanged_since = restored if restored == self.iteration else None

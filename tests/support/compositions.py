@@ -50,16 +50,18 @@ def params(cfg):
     return jax.tree.map(lambda x: x.astype(np.float64), gpt.init_params(jax.random.key(0), cfg))
 
 
-def batches():
+def batches(size=BATCH):
+    """:data:`STEPS` global batches of ``size`` rows."""
     rng = np.random.default_rng(1)
-    return [{"tokens": rng.integers(0, TINY["vocab_size"], (BATCH, TINY["seq_len"] + 1),
+    return [{"tokens": rng.integers(0, TINY["vocab_size"], (size, TINY["seq_len"] + 1),
                                     dtype=np.int32)} for _ in range(STEPS)]  # fmt: skip
 
 
 @functools.cache
-def reference(cfg, rows):
-    """The single-device optax loop with DeepSpeed's clipping; the loss is the mean over groups
-    of ``rows`` rows (an MoE layer's routing groups; for the dense GPT the plain mean)."""
+def reference(cfg, rows, size=BATCH):
+    """The single-device optax loop with DeepSpeed's clipping on :func:`batches` of ``size``
+    rows; the loss is the mean over groups of ``rows`` rows (an MoE layer's routing groups; for
+    the dense GPT the plain mean)."""
     tx = optax.adamw(LR)
 
     def loss(p, batch):
@@ -67,7 +69,7 @@ def reference(cfg, rows):
             value = gpt.loss_fn(p, group, cfg)
             return value[0] if isinstance(value, tuple) else value
 
-        groups = jax.tree.map(lambda x: x.reshape(BATCH // rows, rows, *x.shape[1:]), batch)
+        groups = jax.tree.map(lambda x: x.reshape(size // rows, rows, *x.shape[1:]), batch)
         return jax.vmap(one)(groups).mean()
 
     @jax.jit
@@ -80,7 +82,7 @@ def reference(cfg, rows):
 
     p = params(cfg)
     state, out = tx.init(p), []
-    for b in batches():
+    for b in batches(size):
         p, state, value, norm = step(p, state, b)
         out.append((float(value), float(norm)))
     return out, jax.device_get(p)
