@@ -368,6 +368,7 @@ class AutoLayout:
       rates: the cost model's rates.
       planner: ``planner(config)`` builds that config's mesh and AutoTP specs and returns the
         ``make_plan`` partial ``(**replan_kwargs) -> Plan``.
+      keys: the keys written ``"auto"`` (``Config.auto`` as loaded; ``initialize`` empties it).
       only: a layout to try alone (a checkpoint's, restored before the first step).
     """
 
@@ -375,11 +376,13 @@ class AutoLayout:
     stages: Sequence[StageCandidate]
     rates: Rates
     planner: Callable[[config_lib.Config], Callable[..., Any]]
+    keys: tuple[str, ...] = ()
     only: Layout | None = None
 
     def ranked(self, cfg: config_lib.Config, shape: ModelShape) -> list[Row]:
         """Every candidate, predicted fastest first; a ``ConfigError`` naming what the model
         and batch allow where there is none."""
+        cfg = dataclasses.replace(cfg, auto=self.keys)
         found = [self.only] if self.only is not None else layouts(cfg, shape)
         if not found:
             raise config_lib.ConfigError(
@@ -430,7 +433,7 @@ def _allowed(cfg: config_lib.Config, shape: ModelShape) -> str:
     return "; ".join(f"{a} in {c}" for a, c in _choices(cfg, shape).items())
 
 
-def model_shape(engine: Any, batch: Any) -> ModelShape:
+def model_shape(engine: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape:
     """The :class:`ModelShape` of ``engine``'s model on a global ``batch`` (shapes suffice)."""
     from jzero.engine import figures, layout
 
@@ -446,7 +449,7 @@ def model_shape(engine: Any, batch: Any) -> ModelShape:
     leaves = jax.tree.leaves(batch)
     seq_len = cfg.model.get("seq_len") or next((x.shape[1] for x in leaves if len(x.shape) >= 2), None)
     layers = cfg.model.get("num_layers")
-    if layers is None and "pipeline.stages" in cfg.auto:
+    if layers is None and "pipeline.stages" in keys:
         dims, _ = layout.traced_layers(engine, batch)
         found = [x.shape[d] for x, d in zip(params, dims, strict=True) if d is not None]
         layers = max(found) if found else None
@@ -483,12 +486,23 @@ def _global_shapes(batch: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch)
 
 
-def _measure(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> tuple[int, Any]:
+def _as_step_takes(raw: Any, plan: Any, rows: int) -> Any:
+    """The global batch as the step will be called with it (so that its first call finds the
+    executable compiled here): the engine's ``global_batch`` of concrete rows, else shapes."""
+    from jzero import distributed
+
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(raw)):
+        return _global_shapes(raw, rows)
+    return distributed.global_batch(raw, plan.batch, rows)
+
+
+def _measure(auto: AutoLayout, engine: Any, raw: Any, row: Row) -> tuple[int, Any]:
     """A candidate's compiled peak and what it built: config, plan, step, replan."""
     from jzero.engine import layout, steps
     from jzero.step import logical_state, state_shardings, stored_state
 
     cfg = row.config(engine.config)
+    batch = _global_shapes(raw, int(cfg.train_batch_size))
     replan = auto.planner(cfg)
     first = replan()
     micro = cfg.train_micro_batch_size_per_gpu
@@ -512,9 +526,7 @@ def _measure(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> tuple[int, 
     )
     logical = logical_state(engine.plan, engine.state)
     shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
-    placed = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=plan.batch), batch
-    )
+    placed = _as_step_takes(raw, plan, int(cfg.train_batch_size))
     compiled = step.lower(shapes, placed).compile()
     host = sum(plan.host_state_bytes(row.layout.accumulation).values())
     return compiled_peak_bytes(compiled, host), (cfg, plan, step, replan)
@@ -523,8 +535,7 @@ def _measure(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> tuple[int, 
 def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
     """The candidate ``auto`` keeps for ``engine``'s step on ``batch`` (this process's rows;
     shapes suffice): compiled in rank order, the first that fits kept; one log line."""
-    batch = _global_shapes(batch, int(engine.config.train_batch_size))
-    shape = model_shape(engine, batch)
+    shape = model_shape(engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys)
     tried: list[Row] = []
     for row in auto.ranked(engine.config, shape):
         try:
@@ -546,8 +557,7 @@ def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
 def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = True) -> list[Row]:
     """Every candidate in rank order, each compiled for its need when ``measure`` (``jzero plan
     --auto``): nothing is kept or trained."""
-    batch = _global_shapes(batch, int(engine.config.train_batch_size))
-    shape = model_shape(engine, batch)
+    shape = model_shape(engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys)
     rows = auto.ranked(engine.config, shape)
     if not measure:
         return rows

@@ -612,6 +612,7 @@ def _auto_layout(
         stages=stages,
         rates=auto_layout.Rates.of(cfg.auto_layout, device.platform),
         planner=planner,
+        keys=auto_keys,
     )
 
 

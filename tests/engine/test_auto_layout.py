@@ -114,7 +114,7 @@ def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, cap
 
 def test_a_fixed_size_that_does_not_divide_the_devices_says_the_fix():
     with pytest.raises(ConfigError) as info:
-        engine(settings(8, "1GB", model=3, seq="auto"))
+        engine(settings(8, "1GB", pipe=3, model="auto", gradient_accumulation_steps="auto"))
     message = str(info.value)
-    assert "tensor_parallel.autotp_size: 3 does not divide the 8 devices" in message
+    assert "pipeline.stages: 3 does not divide the 8 devices" in message
     assert "(1, 2, 4, 8)" in message and '"auto"' in message
