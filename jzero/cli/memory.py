@@ -126,6 +126,11 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     devices.use_cpu_devices(args.cpu_devices)
+    if args.auto:  # the parallel sizes "auto": the ranked candidates, each compiled
+        from jzero.demo.plan import auto_layout_table
+
+        print(auto_layout_table(args.config, args.device_memory, overrides=args.set or ()))
+        return 0
     from jzero import memory
 
     extra = {}  # "auto" is the library's default, and is not passed
@@ -323,6 +328,13 @@ def add_commands(subparsers: Any) -> None:
         help="also compile each stage with the opposite activation-checkpointing setting: "
         "auto (default): every stage without --device-memory, with it only where it can "
         "change the advice; always; never",
+    )
+    plan.add_argument(
+        "--auto",
+        action="store_true",
+        help='rank the layouts of the parallel sizes written "auto" (tensor, sequence, '
+        "pipeline, expert, accumulation) by predicted step time and compile each: layout, "
+        "stage, predicted time, bytes per axis, compiled need, whether it fits; trains nothing",
     )
     _common(plan)
     plan.set_defaults(func=_plan)

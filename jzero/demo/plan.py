@@ -23,7 +23,7 @@ from jzero import memory
 from jzero.demo import gpt
 from jzero.engine import initialize
 
-__all__ = ["plan_report"]
+__all__ = ["auto_layout_table", "plan_report"]
 
 
 def _gpt(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
@@ -92,3 +92,40 @@ def plan_report(
         stages=stages,
         compare_checkpointing=compare_checkpointing,
     )
+
+
+def auto_layout_table(
+    config: Any, device_memory: int | str | None = None, *, overrides: Sequence[str] = ()
+) -> str:
+    """``jzero plan --auto``: the candidates a config's parallel sizes ``"auto"`` rank, each
+    compiled for its need, as a table (:func:`jzero.engine.auto_layout.format_table`); nothing
+    is trained. The built-in GPT is built as an abstract engine, its batch
+    ``train_batch_size`` x ``model.seq_len + 1`` int32 tokens.
+
+    Raises:
+      ConfigError: a config with no parallel size ``"auto"``.
+    """
+    from jzero import config as config_lib
+    from jzero.engine import auto_layout
+
+    cfg = config_lib.load_config(config, overrides)
+    if not any(k in cfg.auto for k in config_lib.LAYOUT_KEYS):
+        raise config_lib.ConfigError(
+            "jzero plan --auto ranks the layouts of the parallel sizes written \"auto\", and this "
+            f"config has none; write one of {', '.join(config_lib.LAYOUT_KEYS)} as \"auto\" "
+            "(e.g. --set sequence_parallel_size=auto)."
+        )
+    if device_memory is not None:
+        cfg = config_lib.load_config({**cfg.to_dict(), "device_memory": device_memory})
+    model_cfg = gpt.config_for(cfg)
+    engine = initialize(
+        model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
+        loss_fn=gpt.nnx_loss_fn,
+        config=cfg,
+        abstract=True,
+    )
+    auto = engine._auto_layout
+    shape = (cfg.train_batch_size, model_cfg.seq_len + 1)
+    batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
+    rows = auto_layout.ranked_table(auto, engine, batch)
+    return auto_layout.format_table(rows, auto.budget)

@@ -13,7 +13,7 @@ Decisions:
   are powers of two dividing the device count (the others stay as written), their product with
   ``data`` is the device count; the heads divide by ``model`` and ``seq``, the sequence length by
   ``seq``, the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches), the experts by
-  ``expert``; the global batch's rows divide by the data-like axes (``replica`` x ``data`` x
+  ``expert`` (and by ``model`` x ``seq`` together); the global batch's rows divide by the data-like axes (``replica`` x ``data`` x
   ``expert``) times the micro-batches. A batch of fewer rows than devices therefore needs a
   ``seq``, ``model`` or ``pipe`` axis. An axis whose divisor is unknown (no ``num_heads`` in
   the ``model`` or ``tensor_parallel`` section, no layers traced, no experts) stays 1.
@@ -254,8 +254,8 @@ def layouts(cfg: config_lib.Config, shape: ModelShape) -> list[Layout]:
     out = []
     for pipe, expert, seq, model in itertools.product(*(choices[a] for _, a in _AXES)):
         inner = model * seq * expert  # the minor axes: within one host
-        if shape.local_devices % inner:
-            continue
+        if shape.local_devices % inner or not _divides(shape.heads, model * seq):
+            continue  # Ulysses splits the heads of a model axis' share again
         rest, left = divmod(shape.devices, inner * pipe * replica)
         if left or rest < 1:
             continue
