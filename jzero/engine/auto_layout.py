@@ -75,9 +75,13 @@ __all__ = [
     "Prediction",
     "Rates",
     "Row",
+    "adopt_saved",
     "check_fixed_sizes",
     "choose_layout",
+    "format_table",
     "layouts",
+    "measure_row",
+    "model_shape",
     "predict",
     "ranked_table",
 ]
@@ -554,6 +558,14 @@ def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
     raise auto.no_fit(tried)
 
 
+def measure_row(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> Row:
+    """``row`` with its compiled need (or the error that refused it), on the global ``batch``."""
+    try:
+        return dataclasses.replace(row, need=_measure(auto, engine, batch, row)[0])
+    except (ValueError, config_lib.ConfigError) as e:
+        return dataclasses.replace(row, error=str(e).split(";")[0][:160])
+
+
 def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = True) -> list[Row]:
     """Every candidate in rank order, each compiled for its need when ``measure`` (``jzero plan
     --auto``): nothing is kept or trained."""
@@ -561,13 +573,7 @@ def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = T
     rows = auto.ranked(engine.config, shape)
     if not measure:
         return rows
-    out = []
-    for row in rows:
-        try:
-            out.append(dataclasses.replace(row, need=_measure(auto, engine, batch, row)[0]))
-        except (ValueError, config_lib.ConfigError) as e:
-            out.append(dataclasses.replace(row, error=str(e).split(";")[0][:160]))
-    return out
+    return [measure_row(auto, engine, batch, row) for row in rows]
 
 
 def format_table(rows: Sequence[Row], budget: int) -> str:
