@@ -47,7 +47,9 @@ def _settings(rows: int, budget: Any, model: dict) -> dict:
 
 def _engine(cfg: gpt.GPTConfig, settings: dict) -> jzero.Engine:
     params = gpt.init_params(jax.random.key(0), cfg)
-    return jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3), settings)
+    return jzero.initialize(
+        params, lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3), settings
+    )
 
 
 def _batch(rows: int, cfg: gpt.GPTConfig, seed: int = 0) -> dict:
@@ -114,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="one tiny case, one timed step")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
-    args = ap.parse_args()
+    args, _ = ap.parse_known_args()  # gpu_check.sh passes every section its shared flags
     if args.smoke:
         cfg = gpt.GPTConfig(vocab_size=32, seq_len=16, num_layers=1, num_heads=4, d_model=16,
                             d_ff=32)  # fmt: skip

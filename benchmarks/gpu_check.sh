@@ -26,6 +26,10 @@
 #                 collectives XLA runs asynchronously beside compute. $OUT/gpu_comm.json
 #                 (last in the default order: JZERO_GPU_SECTIONS=comm runs it alone)
 #
+#   auto_layout   parallel sizes "auto": the layout the engine keeps within a budget, its step
+#                 time and the next two candidates' (benchmarks/auto_layout.py; on one device
+#                 only data parallelism exists, so a single GPU shows the stage choice alone)
+#
 #   bash benchmarks/gpu_check.sh [flags for every section, e.g. --layers 12]
 #   JZERO_GPU_SECTIONS="step_time memory_wall" bash benchmarks/gpu_check.sh   # some sections
 #
@@ -43,7 +47,7 @@
 # step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
 # a little under that, so they stop their variants and still print their tables), the step
 # time's T=1 vs T=2 row (several GPUs only) to 90 s, its pipeline row to 60 s, the comm section to 120 s (no variant
-# starts in its last 40 s); each section
+# starts in its last 40 s), the auto layout section (last) to 60 s; each section
 # is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
 set -euo pipefail
@@ -51,7 +55,7 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 overall=465  # seconds: 8 minutes less a margin for start-up and a last SIGKILL grace
 venv="${JZERO_GPU_VENV:-/tmp/jzero-gpu-venv}"
-sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall comm}"
+sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall comm auto_layout}"
 jax_version="$(sed -n 's/^jax==//p' constraints.txt)"
 source_opts=(--retries 1 --timeout 15)
 if [[ -n "${JZERO_WHEELS:-}" ]]; then
@@ -153,8 +157,11 @@ for section in $sections; do
       limit=$(limit_for 120)  # variants start until 40 s before the end: the table still prints
       run_section "comm" "$limit" "$py" benchmarks/gpu_comm.py --time-budget $((limit - 40)) "$@"
       ;;
+    auto_layout)
+      run_section "auto layout" "$(limit_for 60)" "$py" benchmarks/auto_layout.py "$@"
+      ;;
     *)
-      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall, comm)"
+      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall, comm, auto_layout)"
       failed+=("$section")
       ;;
   esac

@@ -111,8 +111,8 @@ def auto_layout_table(
     cfg = config_lib.load_config(config, overrides)
     if not any(k in cfg.auto for k in config_lib.LAYOUT_KEYS):
         raise config_lib.ConfigError(
-            "jzero plan --auto ranks the layouts of the parallel sizes written \"auto\", and this "
-            f"config has none; write one of {', '.join(config_lib.LAYOUT_KEYS)} as \"auto\" "
+            'jzero plan --auto ranks the layouts of the parallel sizes written "auto", and this '
+            f'config has none; write one of {", ".join(config_lib.LAYOUT_KEYS)} as "auto" '
             "(e.g. --set sequence_parallel_size=auto)."
         )
     if device_memory is not None:

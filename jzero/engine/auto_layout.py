@@ -1,4 +1,4 @@
-"""``"auto"`` parallel sizes: the layout (and stage) whose compiled step is predicted fastest and fits.
+"""``"auto"`` parallel sizes: the layout (and stage) predicted fastest whose compiled step fits.
 
 ``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``pipeline.stages``,
 ``expert_parallel.autoep_size`` (and ``gradient_accumulation_steps`` beside a fixed
@@ -11,9 +11,9 @@ Decisions:
 
 * **Candidates** are every layout the model and batch allow: the sizes of the ``"auto"`` axes
   are powers of two dividing the device count (the others stay as written), their product with
-  ``data`` is the device count; the heads divide by ``model`` and ``seq``, the sequence length by
+  ``data`` is the device count; the heads divide by ``model`` x ``seq``, the sequence length by
   ``seq``, the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches), the experts by
-  ``expert`` (and by ``model`` x ``seq`` together); the global batch's rows divide by the data-like axes (``replica`` x ``data`` x
+  ``expert``; the global batch's rows divide by the data-like axes (``replica`` x ``data`` x
   ``expert``) times the micro-batches. A batch of fewer rows than devices therefore needs a
   ``seq``, ``model`` or ``pipe`` axis. An axis whose divisor is unknown (no ``num_heads`` in
   the ``model`` or ``tensor_parallel`` section, no layers traced, no experts) stays 1.
@@ -269,7 +269,9 @@ def layouts(cfg: config_lib.Config, shape: ModelShape) -> list[Layout]:
     return out
 
 
-def _accumulations(cfg: config_lib.Config, layout: Layout, rows: int, micro: int | None) -> list[int]:
+def _accumulations(
+    cfg: config_lib.Config, layout: Layout, rows: int, micro: int | None
+) -> list[int]:
     """The micro-batch counts a layout's batch allows: the rows split evenly, at least ``pipe``
     of them; ``gradient_accumulation_steps`` varies only where it is ``"auto"``."""
     split = layout.rows_split
@@ -301,9 +303,7 @@ def _crosses_hosts(layout: Layout, axis: str, local: int) -> bool:
     return math.prod(getattr(layout, a) for a in minor) > local
 
 
-def predict(
-    layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rates
-) -> Prediction:
+def predict(layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rates) -> Prediction:
     """The cost model of the module's decisions."""
     t, p, m = layout.model, layout.pipe, layout.accumulation
     ring = lambda n: (n - 1) / n  # noqa: E731
@@ -393,13 +393,11 @@ class AutoLayout:
                 f"No layout of {shape.devices} devices fits the global batch of {shape.rows} "
                 f"rows with the sizes allowed ({_allowed(cfg, shape)}): the rows must divide by "
                 "replica x data x expert x micro-batches, and a pipeline needs at least `stages` "
-                "micro-batches. Change train_batch_size, write more sizes as \"auto\", or set "
+                'micro-batches. Change train_batch_size, write more sizes as "auto", or set '
                 "gradient_accumulation_steps: auto."
             )
         rows = [
-            Row(lay, st, predict(lay, st, shape, self.rates))
-            for lay in found
-            for st in self.stages
+            Row(lay, st, predict(lay, st, shape, self.rates)) for lay in found for st in self.stages
         ]
         order = {st: i for i, st in enumerate(self.stages)}
         rows.sort(key=lambda r: (r.prediction.seconds, order[r.stage], r.layout.data * -1))
@@ -407,7 +405,9 @@ class AutoLayout:
 
     def no_fit(self, tried: Sequence[Row]) -> config_lib.ConfigError:
         needs = "; ".join(
-            f"{r.name} needs {format_bytes(r.need)}" if r.need is not None else f"{r.name}: {r.error}"
+            f"{r.name} needs {format_bytes(r.need)}"
+            if r.need is not None
+            else f"{r.name}: {r.error}"
             for r in tried
         )
         return config_lib.ConfigError(
@@ -451,7 +451,9 @@ def model_shape(engine: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape
     tp = cfg.tensor_parallel or {}
     heads = tp.get("num_heads", cfg.model.get("num_heads"))
     leaves = jax.tree.leaves(batch)
-    seq_len = cfg.model.get("seq_len") or next((x.shape[1] for x in leaves if len(x.shape) >= 2), None)
+    seq_len = cfg.model.get("seq_len") or next(
+        (x.shape[1] for x in leaves if len(x.shape) >= 2), None
+    )
     layers = cfg.model.get("num_layers")
     if layers is None and "pipeline.stages" in keys:
         dims, _ = layout.traced_layers(engine, batch)
@@ -539,7 +541,9 @@ def _measure(auto: AutoLayout, engine: Any, raw: Any, row: Row) -> tuple[int, An
 def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
     """The candidate ``auto`` keeps for ``engine``'s step on ``batch`` (this process's rows;
     shapes suffice): compiled in rank order, the first that fits kept; one log line."""
-    shape = model_shape(engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys)
+    shape = model_shape(
+        engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys
+    )
     tried: list[Row] = []
     for row in auto.ranked(engine.config, shape):
         try:
@@ -569,7 +573,9 @@ def measure_row(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> Row:
 def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = True) -> list[Row]:
     """Every candidate in rank order, each compiled for its need when ``measure`` (``jzero plan
     --auto``): nothing is kept or trained."""
-    shape = model_shape(engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys)
+    shape = model_shape(
+        engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys
+    )
     rows = auto.ranked(engine.config, shape)
     if not measure:
         return rows

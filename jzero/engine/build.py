@@ -573,7 +573,7 @@ def _check_layout_auto(cfg: config_lib.Config, mesh: jax.sharding.Mesh | None) -
 
     if mesh is not None:
         raise config_lib.ConfigError(
-            f"{', '.join(k for k in config_lib.LAYOUT_KEYS if k in cfg.auto)} \"auto\" chooses "
+            f'{", ".join(k for k in config_lib.LAYOUT_KEYS if k in cfg.auto)} "auto" chooses '
             "the mesh, but initialize was given mesh=; drop mesh=, or write the sizes in the "
             "config."
         )
@@ -594,7 +594,7 @@ def _auto_layout(
 
     shapes, tx, user_specs = model
     device = mesh.devices.flat[0]
-    what = "the parallel sizes \"auto\""
+    what = 'the parallel sizes "auto"'
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
         m = make_mesh(_mesh_sizes(c))

@@ -282,7 +282,12 @@ class Engine:
         auto, self._auto_layout = self._auto_layout, None
         choice = auto_layout.choose_layout(auto, self, batch)
         self.state = relayout(self.state, self.plan, choice.plan)
-        self.plan, self.config, self._step, self._eval = choice.plan, choice.config, choice.step, None
+        self.plan, self.config, self._step, self._eval = (
+            choice.plan,
+            choice.config,
+            choice.step,
+            None,
+        )
         self._replan, self._layout_fitted, self._auto_stage = choice.replan, True, None
         self.train_batch_size, self.micro_batch_size, self.accumulation_steps = choice.sizes
 
