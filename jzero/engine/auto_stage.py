@@ -91,9 +91,7 @@ def candidates(checkpointing: bool, offload_configured: bool) -> list[Candidate]
     return out
 
 
-def budget(
-    cfg: config_lib.Config, device: Any, what: str = "zero_optimization.stage: auto"
-) -> int:
+def budget(cfg: config_lib.Config, device: Any, what: str = "zero_optimization.stage: auto") -> int:
     """The bytes a candidate's step may use on one device (see the module's decisions)."""
     if cfg.device_memory is not None:
         return int(cfg.device_memory)
