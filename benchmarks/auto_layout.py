@@ -86,7 +86,7 @@ def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int) -> str:
     """One table line: the batch, budget, layout kept and the measured times."""
     model = {"seq_len": cfg.seq_len, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads}
     probe = _engine(cfg, _settings(rows, "1TB", model))
-    auto, batch = probe._auto_layout, _batch(rows, cfg)
+    auto, batch = probe.auto_layout, _batch(rows, cfg)
     ranked = auto_layout.ranked_table(auto, probe, batch, measure=False)
     first = auto_layout.measure_row(auto, probe, batch, ranked[0])
     budget = int(first.need * fraction)

@@ -124,7 +124,7 @@ def auto_layout_table(
         config=cfg,
         abstract=True,
     )
-    auto = engine._auto_layout
+    auto = engine.auto_layout
     shape = (cfg.train_batch_size, model_cfg.seq_len + 1)
     batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
     rows = auto_layout.ranked_table(auto, engine, batch)

@@ -569,6 +569,13 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def auto_layout(self) -> Any:
+        """The search the parallel sizes ``"auto"`` run at the first batch
+        (:class:`jzero.engine.auto_layout.AutoLayout`: its budget, rates and candidates'
+        stages), or ``None`` once the layout is chosen or when no size is ``"auto"``."""
+        return self._auto_layout
+
     def describe(self) -> str:
         """The plan report: every leaf's shape, spec per category and per-device bytes."""
         return self.plan.describe()

@@ -118,3 +118,22 @@ def test_a_fixed_size_that_does_not_divide_the_devices_says_the_fix():
     message = str(info.value)
     assert "pipeline.stages: 3 does not divide the 8 devices" in message
     assert "(1, 2, 4, 8)" in message and '"auto"' in message
+
+
+def test_jzero_plan_auto_prints_the_ranked_candidates_and_trains_nothing(tiny_gpt):
+    """The built-in GPT with two heads: tensor parallel 1 and 2 are the candidates, each
+    compiled (abstract state) for its need; a roomy budget keeps the first ranked."""
+    from jzero.demo.plan import auto_layout_table
+
+    model = ", ".join(f"{k}: {v}" for k, v in tiny_gpt.items())
+    table = auto_layout_table(
+        "configs/zero0.yaml",
+        "1GiB",
+        overrides=[f"model={{{model}}}", "tensor_parallel.autotp_size=auto",
+                   "train_batch_size=8", "train_micro_batch_size_per_gpu=null"],
+    )  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0] == "auto layout within 1.0 GiB per device, predicted fastest first", lines
+    assert [line.split()[0] for line in lines[2:]] == ["1", "2"]
+    assert sum("KEPT" in line for line in lines) == 1 and "KEPT" in lines[2]
+    assert {"data 8", "data 4 x model 2"} == {lines[i][5:39].strip() for i in (2, 3)}
