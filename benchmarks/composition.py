@@ -50,13 +50,7 @@ MB = 1 << 20
 AXES = ("model", "seq", "pipe", "expert", "replica")
 OWN = ("model", "seq", "pipe", "expert", "replica")
 SPLIT = "experts split"  # a layout's marker: each expert's MLP split over `model` too
-# DeepSpeed's expert tensor parallelism, by tensor_parallel.tp_plan (AutoTP leaves experts whole).
-EXPERT_TP_PLAN = {
-    "blocks.experts.w_fc": [None, None, None, "model"],
-    "blocks.experts.b_fc": [None, None, "model"],
-    "blocks.experts.w_proj": [None, None, "model"],
-    "blocks.experts.b_proj": "replicate",
-}
+EXPERT_TP_PLAN = gpt.EXPERT_TP_PLAN  # DeepSpeed's expert tensor parallelism, by tp_plan
 
 
 def layouts(smoke: bool) -> list[tuple[str, ...]]:

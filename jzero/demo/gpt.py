@@ -87,13 +87,23 @@ from flax import nnx
 from jzero.distributed.expert import MoEStats, moe_layer
 from jzero.distributed.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
 
-__all__ = ["GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
+__all__ = ["EXPERT_TP_PLAN", "GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
 
 PyTree = Any
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _INIT_STD = 0.02
 _LN_EPS = 1e-5
 _MIN_CAPACITY = 4  # the fewest slots an expert has on a device, however few its tokens
+
+EXPERT_TP_PLAN = {
+    "blocks.experts.w_fc": [None, None, None, "model"],
+    "blocks.experts.b_fc": [None, None, "model"],
+    "blocks.experts.w_proj": [None, None, "model"],
+    "blocks.experts.b_proj": "replicate",
+}
+"""DeepSpeed's expert tensor parallelism for this GPT's experts, as ``tensor_parallel.tp_plan``
+rules: each expert's MLP split over ``model`` too (column-wise in, row-wise out). AutoTP's own
+rules leave the experts whole."""
 
 
 def _is_int(value: Any) -> bool:

@@ -140,7 +140,7 @@ def _branch_times(
 def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
     """Every collective executed by a compiled program: ``(kind, full-buffer bytes, times per
     call, instruction line)``, loops multiplied out."""
-    comps, entry = _computations(_text(compiled))
+    comps, entry = _computations(_text(compiled, tables=True))
     if entry is None:
         return
 

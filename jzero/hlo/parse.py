@@ -79,12 +79,16 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _text(compiled: Any) -> str:
-    """A compiled program's HLO text, its integer tables printed whole where the running
-    jaxlib allows (``as_text()`` elides a constant of more than 10 elements as ``{...}``, and
-    :mod:`jzero.hlo.collective_bytes` reads a pipeline's schedule table)."""
+def _text(compiled: Any, *, tables: bool = False) -> str:
+    """A compiled program's HLO text. ``tables``: with its constants printed whole where the
+    running jaxlib allows (``as_text()`` elides a constant of more than 10 elements as
+    ``{...}``; :mod:`jzero.hlo.collective_bytes` reads a pipeline's schedule table), asked for
+    only where the elided text has a table to read, as whole constants can be large."""
     if isinstance(compiled, str):
         return compiled
+    text = compiled.as_text()
+    if not tables or "constant({...})" not in text or "branch_computations=" not in text:
+        return text
     try:
         from jaxlib import _hlo  # the printer's options; absent or renamed in some jaxlibs
 
@@ -92,8 +96,8 @@ def _text(compiled: Any) -> str:
         options.print_large_constants = True
         modules = compiled.runtime_executable().hlo_modules()
         return "\n".join(m.to_string(options) for m in modules)
-    except Exception:  # noqa: BLE001 - any failure: the elided text reads the same otherwise
-        return compiled.as_text()
+    except Exception:  # noqa: BLE001 - any failure: the elided text, tables counted as branches
+        return text
 
 
 def _operands(rest: str) -> list[str]:

@@ -6,17 +6,15 @@ over ``expert`` on its experts dimension, and 8-bit state adds no resharding of 
 state to the step: no all-to-all, no collective-permute and no gather within the expert groups
 beyond plain Adam's. Training stays exact: tests/distributed/test_moe.py."""
 
-import contextlib
-
 import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from moe_toy import batches, config, make_loss, make_params
 
 import jzero
 from jzero.hlo import collectives_by_axes
+from jzero.hlo.parse import _persistent_cache_off
 
 REMAT = "Involuntary full rematerialization"
 ADAM = {"type": "AdamW", "params": {"lr": 0.01}}
@@ -25,20 +23,9 @@ ADAM8 = {"type": "AdamW", "params": {"lr": 0.01, "state_bits": 8}}
 pytestmark = pytest.mark.usefixtures("x64")  # the toy is float64
 
 
-@contextlib.contextmanager
-def compiled_here():
-    """The persistent compilation cache off inside: a program loaded from it is not compiled,
-    and XLA logs nothing for it."""
-    if not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
+# The persistent compilation cache off inside: a program loaded from it is not compiled, and
+# XLA logs nothing for it.
+compiled_here = _persistent_cache_off
 
 
 def compile_step(stage, optimizer):

@@ -88,14 +88,7 @@ def reference(cfg, rows, size=BATCH):
     return out, jax.device_get(p)
 
 
-# DeepSpeed's expert tensor parallelism: each expert's MLP split over `model` too (column-wise
-# in, row-wise out), by tensor_parallel.tp_plan; AutoTP's own rules leave experts whole.
-EXPERT_TP_PLAN = {
-    "blocks.experts.w_fc": [None, None, None, "model"],
-    "blocks.experts.b_fc": [None, None, "model"],
-    "blocks.experts.w_proj": [None, None, "model"],
-    "blocks.experts.b_proj": "replicate",
-}
+EXPERT_TP_PLAN = gpt.EXPERT_TP_PLAN
 
 
 def trained(axes, stage, directory, tp_plan=None):
