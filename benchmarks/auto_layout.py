@@ -82,8 +82,9 @@ def _timed(cfg: gpt.GPTConfig, row: auto_layout.Row, base: dict, steps: int) -> 
     return float(np.median(times))
 
 
-def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int) -> str:
-    """One table line: the batch, budget, layout kept and the measured times."""
+def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int, after: int = 2) -> str:
+    """One table line: the batch, budget, layout kept and the measured times of it and of the
+    ``after`` candidates that fit after it."""
     model = {"seq_len": cfg.seq_len, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads}
     probe = _engine(cfg, _settings(rows, "1TB", model))
     auto, batch = probe.auto_layout, _batch(rows, cfg)
@@ -95,7 +96,7 @@ def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int) -> str:
         row = row if row.need is not None else auto_layout.measure_row(auto, probe, batch, row)
         if row.need is not None and row.need <= budget:
             fits.append(row)
-        if len(fits) == 3:
+        if len(fits) == 1 + after:
             break
     head = f"{rows:>5} x {cfg.seq_len:<5} {format_bytes(budget):>10}  "
     if not fits:
@@ -114,23 +115,25 @@ def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="one tiny case, one timed step")
+    ap.add_argument(
+        "--smoke", action="store_true", help="one tiny case, one timed step, one next candidate"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (default 5)")
     args, _ = ap.parse_known_args()  # gpu_check.sh passes every section its shared flags
     if args.smoke:
         cfg = gpt.GPTConfig(vocab_size=32, seq_len=16, num_layers=1, num_heads=4, d_model=16,
                             d_ff=32)  # fmt: skip
-        cases, steps = [(8, 1.0)], 1
+        cases, steps, after = [(8, 1.0)], 1, 1
     else:
         cfg = gpt.GPTConfig(vocab_size=256, seq_len=256, num_layers=2, num_heads=8, d_model=256,
                             d_ff=1024)  # fmt: skip
-        cases, steps = [(16, 1.0), (16, 0.8), (4, 1.0), (2, 1.0), (2, 0.7)], args.steps
+        cases, steps, after = [(16, 1.0), (16, 0.8), (4, 1.0), (2, 1.0), (2, 0.7)], args.steps, 2
     print(f"Auto layout on {jax.device_count()} {jax.devices()[0].platform} devices, GPT "
           f"{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads")  # fmt: skip
     print("budget = a fraction of the rank-first candidate's compiled need; ms: median step")
     print(f"{'rows x seq':<13} {'budget':>10}  {'kept (layout, stage)':<46} {'ms':>8}  | next two")
     for rows, fraction in cases:
-        print(run_case(cfg, rows, fraction, steps), flush=True)
+        print(run_case(cfg, rows, fraction, steps, after), flush=True)
 
 
 if __name__ == "__main__":

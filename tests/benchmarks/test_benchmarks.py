@@ -274,3 +274,14 @@ def test_composition_benchmark_prints_state_temporaries_and_bytes_per_axis():
     assert three["seq MiB"] == three["replica MiB"] == "-"
     for row in rows.values():
         assert float(row["state MiB"]) > 0 and float(row["temp MiB"]) > 0
+
+
+def test_auto_layout_benchmark_keeps_a_layout_and_times_it_beside_the_next():
+    # Which layout the search keeps within a budget is tests/engine/test_auto_layout.py's; here
+    # the script (gpu_check.sh's auto_layout section) runs: 8 rows over 8 devices, a budget of
+    # the rank-first candidate's own need keeps it.
+    out = _run("auto_layout", "--smoke").stdout.splitlines()
+    (line,) = [x for x in out if x.lstrip().startswith("8 x 16")]
+    kept, nxt = line.split("|")[0], line.split("|")[1]
+    assert "data 8, stage 0" in kept and float(kept.split()[-1]) > 0, line
+    assert float(nxt.split()[-1]) > 0 and "stage" in nxt, line
