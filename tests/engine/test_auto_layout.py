@@ -92,11 +92,14 @@ def test_a_budget_below_every_candidate_lists_each_need(needs):
     assert "device_memory" in needs
 
 
-def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, caplog):
+def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, caplog, tmp_path):
+    """And a run resumed from its checkpoint before its first step compiles the layout the
+    checkpoint recorded only, and goes on as the first run does."""
     plain, split = _need(needs, "data 8"), _need(needs, "data 4 x model 2")
     assert split < plain
     budget = int((plain + split) / 2)
-    e = engine(settings(8, budget, model="auto"))
+    ckpt = {"checkpoint": {"directory": str(tmp_path)}}
+    e = engine({**settings(8, budget, model="auto"), **ckpt})
     with caplog.at_level("INFO", logger="jzero"), CompileCounter() as first:
         e.train_step(batches()[0])
     line = next(r.message for r in caplog.records if "auto layout chose" in r.message)
@@ -110,6 +113,16 @@ def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, cap
     from jzero.engine.figures import peak_bytes
 
     assert peak_bytes(e, e._global(batches()[1]))() <= budget
+    e.save()
+    e.wait_until_finished()
+    went_on = float(e.train_step(batches()[0])["loss"])
+    resumed = engine({**settings(8, budget, model="auto"), **ckpt})
+    resumed.restore()
+    with CompileCounter() as again:
+        loss = float(resumed.train_step(batches()[0])["loss"])
+    assert again.names.count("jit(step)") == 1, again.names
+    assert dict(resumed.mesh.shape) == dict(e.mesh.shape)
+    assert loss == pytest.approx(went_on, rel=1e-12)
 
 
 def test_a_fixed_size_that_does_not_divide_the_devices_says_the_fix():
