@@ -284,7 +284,11 @@ class _Replay:
         on its last stage). Only for an index every device of a stage shares (a stage
         unit's predicate, :meth:`_marks_stage`): the devices a gather spans, a stage's data
         group, then take the same branch. A ``cond`` on anything else (a value of the batch,
-        which differs across the group) gathers before it, as any use does."""
+        which differs across the group) gathers before it, as any use does. With ``reshard``
+        each branch is checkpointed, as a use's custom derivative is: its backward pass
+        gathers again and recomputes the branch, so what it keeps is its inputs (measured on
+        a pipelined GPT at stage 3: keeping the head's logits instead grew the step's
+        temporaries by 10%), and each weight is gathered once each way."""
         index, ops = invals[0], invals[1:]
         pend = [i for i, x in enumerate(ops) if isinstance(x, _Pending)]
         others = [None if isinstance(x, _Pending) else x for x in ops]
@@ -299,7 +303,17 @@ class _Replay:
             return run
 
         shards = [ops[i].shard for i in pend]
-        return jax.lax.switch(index, [branch(b) for b in eqn.params["branches"]], shards, others)
+        branches = [branch(b) for b in eqn.params["branches"]]
+        if not self.reshard:
+            return jax.lax.switch(index, branches, shards, others)
+        # As a use outside a branch keeps nothing gathered for the backward pass: the branch is
+        # checkpointed, and inside it a use gathers plainly (the recomputation gathers again,
+        # so each weight is gathered once forward and once backward, as elsewhere).
+        self.reshard = False
+        try:
+            return jax.lax.switch(index, [jax.checkpoint(b) for b in branches], shards, others)
+        finally:
+            self.reshard = True
 
     def _use(self, eqn: Any, invals: list[Any]) -> list[Any]:
         """A use of pending parameters outside a scan: gathered there, and again in the

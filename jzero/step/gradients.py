@@ -282,7 +282,10 @@ def _local_grads(
             extra, (loss, aux, g) = _accumulate(
                 functools.partial(micro, params), extra, scale, batch, accum
             )
-        if not reduce_each:  # (the pipeline reduces each micro-batch's at stages 2-3 too)
+        if piped is not None:  # at stage 2 the pipeline scattered each micro-batch's already
+            done = False if _scatters_each_micro_batch(plan) else None
+            g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter, scattered=done)
+        elif not reduce_each:
             g = _reduce(plan, g, now_sharded=plan.stage.reduce_scatter)
         g = _reduce_replicas(plan, g)
         # The mean over the global batch: local sums over accum micro-batches and n devices.
@@ -293,6 +296,12 @@ def _local_grads(
         return loss, aux, g, _mean_extra(extra, axis)
 
     return local_grads
+
+
+def _scatters_each_micro_batch(plan: Plan) -> bool:
+    """Under a pipeline, whether each micro-batch's gradients are reduce-scattered as its
+    backward pass ends: at stage 2 (stage 3's arrive scattered by the gathers' transpose)."""
+    return plan.stage.shard_grads and plan.stage.stage < 3
 
 
 def _stage_shapes(plan: Plan) -> PyTree:
@@ -347,7 +356,8 @@ def _pipelined_grads(
             seed = scale if prec.scaled else jnp.ones((), jnp.float32)
 
             def reduce(gs: list[Any]) -> list[Any]:  # stage 2: each micro-batch's scattered
-                g = _reduce(plan, treedef.unflatten(gs), now_sharded=True, in_stage=True)
+                g = _reduce(plan, treedef.unflatten(gs), now_sharded=True, in_stage=True,
+                            scattered=True)  # fmt: skip
                 return jax.tree.leaves(g)
 
             grads, outs = pipeline.run(
@@ -359,7 +369,7 @@ def _pipelined_grads(
                 seed,
                 grad_dtypes=grad_dtypes,
                 axis=pipe,
-                reduce=reduce if plan.stage.shard_grads else None,
+                reduce=reduce if _scatters_each_micro_batch(plan) else None,
             )
             grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
                      strict=True)]  # fmt: skip
@@ -498,7 +508,14 @@ def _accumulate(
     return extra, (loss / accum, jax.tree.map(lambda a: a / accum, aux), g)
 
 
-def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool, in_stage: bool = False) -> PyTree:
+def _reduce(
+    plan: Plan,
+    grads: PyTree,
+    *,
+    now_sharded: bool,
+    in_stage: bool = False,
+    scattered: bool | None = None,
+) -> PyTree:
     """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
     where the plan shards the gradient (and ``now_sharded``), else an all-reduce (over every
     batch axis: a leaf that stays whole is summed over the replicas here too). Leaves come
@@ -512,7 +529,9 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool, in_stage: bool = Fa
     reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`).
 
     ``in_stage``: called in a pipeline stage's region (``pipe`` manual too), where a split
-    leaf holds the stage's ``L / P`` layers and ``pipe`` is no longer the compiler's."""
+    leaf holds the stage's ``L / P`` layers and ``pipe`` is no longer the compiler's.
+    ``scattered``: True reduces only the leaves scattered now (a pipeline's per-micro-batch
+    reduction), False only the others (summed once after the micro-batches); None all."""
     bits = plan.quantized_gradients
     beside = plan.entries_beside(plan.pipe_axis) if in_stage else None
     leaves = jax.tree.leaves(grads)
@@ -523,6 +542,8 @@ def _reduce(plan: Plan, grads: PyTree, *, now_sharded: bool, in_stage: bool = Fa
         if leaf.param_dim is not None:
             continue
         scatter = grad_dim is not None and now_sharded
+        if scattered is not None and scatter != scattered:
+            continue
         todo.append(i)
         groups.append(plan.leaf_axes(i))  # expert leaves: over the axes besides `expert`
         dims.append(grad_dim if scatter else None)
