@@ -170,8 +170,10 @@ def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
             inner = times * (loop if op == "while" else 1)
             callees = [c for callee in _CALLEES.findall(line)
                        for c in re.findall(r"%?([\w.\-]+)", callee)]  # fmt: skip
-            each = _branch_times(line, comps[name], times, trip, len(callees))
-            if op != "conditional" or each is None:
+            each = None
+            if op == "conditional":  # read only there: it scans the computation's lines
+                each = _branch_times(line, comps[name], times, trip, len(callees))
+            if each is None:
                 each = [inner] * len(callees)
             for c, n in zip(callees, each, strict=True):
                 if n:
