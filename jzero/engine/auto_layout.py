@@ -65,6 +65,7 @@ from jzero._util import format_bytes
 from jzero.engine.auto_stage import Candidate as StageCandidate
 from jzero.engine.auto_stage import abstract_state
 from jzero.engine.figures import compiled_peak_bytes
+from jzero.plan import stage_spec
 
 __all__ = [
     "PLATFORM_RATES",
@@ -315,9 +316,12 @@ def predict(layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rat
     ab = shape.act_bytes
     out: dict[str, float] = {}
     count: dict[str, float] = {}
-    zero_factor = 3 if stage.stage == 3 else 2
-    out["data"] = zero_factor * local_params * shape.grad_bytes * ring(group)
-    count["data"] = (2 * layers * m + 1) if stage.stage == 3 else (1 if stage.stage == 0 else 2)
+    spec = stage_spec(stage.stage)  # the stage table's traffic: 2 Psi, or 3 Psi with params
+    out["data"] = spec.traffic()[0] * local_params * shape.grad_bytes * ring(group)
+    if spec.shard_params:  # each layer gathered forward and backward, then the rest once
+        count["data"] = 2 * layers * m + 1
+    else:  # a reduce-scatter and an all-gather, or one all-reduce
+        count["data"] = 2 if spec.reduce_scatter else 1
     if t > 1:
         out["model"] = m * layers * 4 * 2 * x * ab * ring(t)
         count["model"] = m * layers * 4

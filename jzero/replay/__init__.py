@@ -27,6 +27,7 @@ and the modules ``param_gather`` (now ``pending``) and ``overlapped_scan`` (now 
 from typing import Any
 
 from jzero._util import moved, renamed_module
+from jzero.replay import trace as _trace
 from jzero.replay.gather import gathered as gathered
 from jzero.replay.gather import layer_dims as layer_dims
 from jzero.replay.gather import remat_scans as remat_scans
@@ -76,26 +77,8 @@ _MOVED = {
     "LAYER_INPUT": "jzero.replay.remat.LAYER_INPUT",
     "POLICIES": "jzero.choices.POLICIES",
     "LayerSplit": "jzero.replay.layer_split.LayerSplit",
-    **{
-        name: f"jzero.replay.trace.{name}"
-        for name in (
-            "Segment",
-            "bind",
-            "eval_tagged",
-            "find_layers",
-            "first_element",
-            "has_scan",
-            "inline_calls",
-            "inner_jaxpr",
-            "is_floating",
-            "layer_keys",
-            "named",
-            "remat_layer",
-            "tie_all",
-            "tie_to",
-            "tied",
-        )
-    },
+    # trace's own names, but the one this package still exports
+    **{name: f"jzero.replay.trace.{name}" for name in _trace.__all__ if name not in __all__},
 }
 
 _PARAM_GATHER = renamed_module(f"{__name__}.param_gather", f"{__name__}.pending")

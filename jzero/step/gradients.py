@@ -300,8 +300,9 @@ def _local_grads(
 
 def _scatters_each_micro_batch(plan: Plan) -> bool:
     """Under a pipeline, whether each micro-batch's gradients are reduce-scattered as its
-    backward pass ends: at stage 2 (stage 3's arrive scattered by the gathers' transpose)."""
-    return plan.stage.shard_grads and plan.stage.stage < 3
+    backward pass ends: where the stage shards gradients but not parameters (sharded
+    parameters' gradients arrive scattered already, by their gathers' transpose)."""
+    return plan.stage.shard_grads and not plan.stage.shard_params
 
 
 def _stage_shapes(plan: Plan) -> PyTree:
