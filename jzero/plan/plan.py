@@ -252,10 +252,11 @@ class Plan:
         base = P(*(_only(e, manual) for e in self._bases()[index]))
         return _spec_with(base, len(self.leaves[index].shape), dim, axes or self.zero_axes)
 
-    def other_spec(self, index: int) -> P:
+    def other_spec(self, index: int, *manual: str) -> P:
         """Leaf ``index``'s own entries on the axes the step leaves to the compiler (a user's
-        or AutoTP's ``model``): what :func:`jzero.comm.manual.over_axes` makes manual."""
-        entries = list(self.other_entries[index])
+        or AutoTP's ``model``): what :func:`jzero.comm.manual.over_axes` makes manual.
+        ``manual``: axes a region makes manual too, dropped (:meth:`entries_beside`)."""
+        entries = list((self.entries_beside(*manual) if manual else self.other_entries)[index])
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)

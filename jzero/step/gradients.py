@@ -534,7 +534,7 @@ def _reduce(
     ``scattered``: True reduces only the leaves scattered now (a pipeline's per-micro-batch
     reduction), False only the others (summed once after the micro-batches); None all."""
     bits = plan.quantized_gradients
-    beside = plan.entries_beside(plan.pipe_axis) if in_stage else None
+    region_axes = (plan.pipe_axis,) if in_stage else ()  # manual in a stage's region
     leaves = jax.tree.leaves(grads)
     todo, sent, dims, groups = [], [], [], []
     for i, (g, leaf, grad_dim) in enumerate(
@@ -579,8 +579,7 @@ def _reduce(
         mine = [j for j, g in enumerate(groups) if g == axes]
         # Leaves split over another axis too (tensor parallelism) are reduced piece by piece
         # over it, with that axis manual (jzero.comm.manual): no weight-sized gather.
-        specs = [plan.other_spec(todo[j]) if beside is None else _trimmed(beside[todo[j]])
-                 for j in mine]  # fmt: skip
+        specs = [plan.other_spec(todo[j], *region_axes) for j in mine]
         run = reduce_over(axes)
         ds = [dims[j] for j in mine]
         reduced = over_axes(lambda xs, run=run, ds=ds: run(xs, ds), (specs,), specs)(
@@ -589,14 +588,6 @@ def _reduce(
         for j, r in zip(mine, reduced, strict=True):
             out[todo[j]] = r.astype(leaves[todo[j]].dtype)
     return jax.tree.structure(grads).unflatten(out)
-
-
-def _trimmed(entries: tuple[Any, ...]) -> P:
-    """A spec of ``entries`` without trailing ``None``s."""
-    entries = list(entries)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
 
 
 def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
