@@ -61,6 +61,7 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
+from jzero.replay.layer_split import STAGE_MARK
 from jzero.replay.overlap import can_overlap, overlapped_scan
 from jzero.replay.pending import _Pending
 from jzero.replay.prefetch import GatherEvent
@@ -274,7 +275,7 @@ class _Replay:
         unit's first/last-stage predicate (:data:`jzero.replay.layer_split.STAGE_MARK`), or a
         cast of one (``lax.cond`` casts its predicate to the branch index)."""
         name = eqn.primitive.name
-        if name == "name" and eqn.params.get("name") == "jzero_pipeline_stage":
+        if name == "name" and eqn.params.get("name") == STAGE_MARK:
             return True
         return name == "convert_element_type" and bool(invals) and id(invals[0]) in self._by_stage
 

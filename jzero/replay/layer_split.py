@@ -154,11 +154,8 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int
 
 def _free(reads: Sequence[Any], defined: set[Any]) -> list[Any]:
     """The variables among ``reads`` not in ``defined`` (no literals), once each, in order."""
-    out: list[Any] = []
-    for v in reads:
-        if not isinstance(v, jex_core.Literal) and v not in defined and v not in out:
-            out.append(v)
-    return out
+    kept = (v for v in reads if not isinstance(v, jex_core.Literal) and v not in defined)
+    return list(dict.fromkeys(kept))
 
 
 def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
