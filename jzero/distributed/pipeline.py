@@ -368,7 +368,7 @@ def run(
     # conditional is copied in and out: measured 4.7x the step time at K = 8). What a pass
     # sends (a forward pass's activations, a backward pass's input gradient) is one message.
     def forward(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
-        mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), micro_batches)
+        mb = _take(micro_batches, i)
         (c_out, outs), vjp = jax.vjp(pull(mb), params, c_in)
         leaves = jax.tree.leaves(vjp)
         new = [x for x, j in zip(leaves, param_of, strict=True) if j < 0]
@@ -398,7 +398,6 @@ def run(
     # the same branch (the index depends on the slot alone), so the collective matches; a
     # device that sends nothing is in no pair, and a slot nobody sends in has no permute.
     branches = [_deliver(axis, pairs) for pairs in schedule.patterns]
-    pattern_of = np.asarray(schedule.pattern, np.int32)
 
     def body(state: dict[str, Any], row: tuple[jax.Array, ...]) -> tuple[dict[str, Any], None]:
         t, op, i, rf, rb = row
@@ -411,7 +410,7 @@ def run(
             get(state["res"], slot),
             get(state["bwd_in"], slot),
         )
-        got = jax.lax.switch(jnp.asarray(pattern_of)[t], branches, send)
+        got = jax.lax.switch(jnp.asarray(schedule.pattern)[t], branches, send)
         state = {  # what arrived waits for its pass in the slot its micro-batch names
             "fwd_in": put(state["fwd_in"], got, slot_of(rf)),
             "bwd_in": put(state["bwd_in"], got, slot_of(rb)),
@@ -472,9 +471,7 @@ def run_forward(
         active = (i >= 0) & (i < m)
 
         def stage(c_in: list[Any]) -> tuple[list[Any], list[Any]]:
-            j = jnp.clip(i, 0, m - 1)
-            mb = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, 0, False),
-                              micro_batches)  # fmt: skip
+            mb = _take(micro_batches, jnp.clip(i, 0, m - 1))
             c_out, outs = unit(params, c_in, first, last, mb)
             c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
             return c_out, [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
@@ -490,6 +487,11 @@ def run_forward(
         body, (zero_carry, out_zeros), jnp.arange(m + p - 1, dtype=jnp.int32)
     )
     return sums
+
+
+def _take(micro_batches: Any, i: jax.Array) -> Any:
+    """Micro-batch ``i`` of ``micro_batches`` (leaves leading with ``M``)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), micro_batches)
 
 
 def _wide(dtype: Any) -> Any:
