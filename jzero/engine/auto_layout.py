@@ -63,8 +63,7 @@ import numpy as np
 from jzero import config as config_lib
 from jzero._util import format_bytes
 from jzero.engine.auto_stage import Candidate as StageCandidate
-from jzero.engine.auto_stage import abstract_state
-from jzero.engine.figures import compiled_peak_bytes
+from jzero.engine.auto_stage import compiled_need
 from jzero.plan import stage_spec
 
 __all__ = [
@@ -508,8 +507,7 @@ def _as_step_takes(raw: Any, plan: Any, rows: int) -> Any:
 
 def _measure(auto: AutoLayout, engine: Any, raw: Any, row: Row) -> tuple[int, Any]:
     """A candidate's compiled peak and what it built: config, plan, step, replan."""
-    from jzero.engine import layout, steps
-    from jzero.step import logical_state, state_shardings, stored_state
+    from jzero.engine import layout
 
     cfg = row.config(engine.config)
     batch = _global_shapes(raw, int(cfg.train_batch_size))
@@ -525,21 +523,19 @@ def _measure(auto: AutoLayout, engine: Any, raw: Any, row: Row) -> tuple[int, An
     )
     dims, piped = layout.traced_layers(shim, batch)
     plan = replan(layer_dims=dims, **piped)
-    step = steps.build_step(
-        plan,
-        cfg,
-        engine.loss_fn,
-        engine.optimizer,
-        accumulation_steps=row.layout.accumulation,
-        takes_extra=engine.takes_extra,
-        learning_rate=engine.learning_rate,
-    )
-    logical = logical_state(engine.plan, engine.state)
-    shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
     placed = _as_step_takes(raw, plan, int(cfg.train_batch_size))
-    compiled = step.lower(shapes, placed).compile()
-    host = sum(plan.host_state_bytes(row.layout.accumulation).values())
-    return compiled_peak_bytes(compiled, host), (cfg, plan, step, replan)
+    need, step = compiled_need(engine, cfg, plan, placed, row.layout.accumulation)
+    return need, (cfg, plan, step, replan)
+
+
+def _tried(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> tuple[Row, Any]:
+    """``row`` with its compiled need and what it built, or with the error that refused it
+    (a layout the model refuses) and ``None``."""
+    try:
+        need, built = _measure(auto, engine, batch, row)
+    except (ValueError, config_lib.ConfigError) as e:
+        return dataclasses.replace(row, error=str(e).split(";")[0][:160]), None
+    return dataclasses.replace(row, need=need), built
 
 
 def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
@@ -550,13 +546,8 @@ def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
     )
     tried: list[Row] = []
     for row in auto.ranked(engine.config, shape):
-        try:
-            need, built = _measure(auto, engine, batch, row)
-        except (ValueError, config_lib.ConfigError) as e:  # a layout the model refuses
-            tried.append(dataclasses.replace(row, error=str(e).split(";")[0][:160]))
-            continue
-        row = dataclasses.replace(row, need=need)
-        if need <= auto.budget:
+        row, built = _tried(auto, engine, batch, row)
+        if built is not None and row.need <= auto.budget:
             cfg, plan, step, replan = built
             logger.info(auto.describe(row, tried))
             lay = row.layout
@@ -568,10 +559,7 @@ def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
 
 def measure_row(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> Row:
     """``row`` with its compiled need (or the error that refused it), on the global ``batch``."""
-    try:
-        return dataclasses.replace(row, need=_measure(auto, engine, batch, row)[0])
-    except (ValueError, config_lib.ConfigError) as e:
-        return dataclasses.replace(row, error=str(e).split(";")[0][:160])
+    return _tried(auto, engine, batch, row)[0]
 
 
 def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = True) -> list[Row]:

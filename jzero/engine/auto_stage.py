@@ -38,7 +38,15 @@ from jzero import config as config_lib
 from jzero._util import format_bytes
 from jzero.engine.figures import compiled_peak_bytes as peak_bytes
 
-__all__ = ["AutoStage", "Candidate", "budget", "candidates", "choose_stage", "peak_bytes"]
+__all__ = [
+    "AutoStage",
+    "Candidate",
+    "budget",
+    "candidates",
+    "choose_stage",
+    "compiled_need",
+    "peak_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +177,32 @@ def abstract_state(shapes: Any, shardings: Any) -> Any:
     return jax.tree.map(place, shardings, shapes)
 
 
+def compiled_need(
+    engine: Any, cfg: config_lib.Config, plan: Any, batch: Any, accumulation: int | None
+) -> tuple[int, Any]:
+    """A candidate setting's step for ``engine`` (built as the engine builds its own,
+    :func:`jzero.engine.steps.build_step`; ``accumulation`` ``None``: the config's) compiled on
+    the state's shapes in ``plan``'s layout, and its peak bytes per device: ``(need, step)``;
+    the step's first call runs the executable compiled here."""
+    from jzero.engine import steps
+    from jzero.step import logical_state, state_shardings, stored_state
+
+    step = steps.build_step(
+        plan,
+        cfg,
+        engine.loss_fn,
+        engine.optimizer,
+        accumulation_steps=accumulation,
+        takes_extra=engine.takes_extra,
+        learning_rate=engine.learning_rate,
+    )
+    logical = logical_state(engine.plan, engine.state)
+    shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
+    compiled = step.lower(shapes, batch).compile()
+    host = sum(plan.host_state_bytes(accumulation or 1).values())
+    return peak_bytes(compiled, host), step
+
+
 def choose_stage(auto: AutoStage, engine: Any, batch: Any) -> tuple[config_lib.Config, Any, Any]:
     """The setting ``auto`` chooses for ``engine``'s step on the global ``batch``: each
     candidate's plan (for the layers the loss's scans consume) and step (built as the engine
@@ -178,28 +212,15 @@ def choose_stage(auto: AutoStage, engine: Any, batch: Any) -> tuple[config_lib.C
     Returns:
       The chosen config, plan and step (its executable compiled: the step's first call runs it).
     """
-    from jzero.engine import layout, steps
-    from jzero.step import logical_state, state_shardings, stored_state
+    from jzero.engine import layout
 
     dims, piped = layout.traced_layers(engine, batch)
-    logical = logical_state(engine.plan, engine.state)
 
     def measure(c: Candidate) -> tuple[int, Any]:
         cfg = c.config(engine.config)
         plan = auto.planner(cfg)(layer_dims=dims, **piped)
-        step = steps.build_step(
-            plan,
-            cfg,
-            engine.loss_fn,
-            engine.optimizer,
-            accumulation_steps=engine.accumulation_steps,
-            takes_extra=engine.takes_extra,
-            learning_rate=engine.learning_rate,
-        )
-        shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
-        compiled = step.lower(shapes, batch).compile()
-        host = sum(plan.host_state_bytes(engine.accumulation_steps or 1).values())
-        return peak_bytes(compiled, host), (cfg, plan, step)
+        need, step = compiled_need(engine, cfg, plan, batch, engine.accumulation_steps)
+        return need, (cfg, plan, step)
 
     chosen, need, (cfg, plan, step), rejected = auto.choose(measure)
     logger.info(auto.describe(chosen, need, rejected))
