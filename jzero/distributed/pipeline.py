@@ -17,6 +17,14 @@ Decisions:
   ``P - 1 - s`` forwards on stage ``s`` and then alternates one forward and one backward.
   Both take ``2 (M + P - 1)`` slots for ``M`` micro-batches on ``P`` stages, so the idle
   fraction of a stage is ``(P - 1) / (M + P - 1)`` for both (:func:`bubble_fraction`).
+* **Zero-bubble (ZB-H1)** splits each backward pass in two
+  (:mod:`jzero.replay.backward_split`): the input gradient (B), which the previous stage
+  waits for, and the weight gradient (W), which nobody waits for. Each stage runs, in each
+  slot, the first that is ready of: the oldest B, the next forward while fewer than ``P``
+  micro-batches are in flight on it (forward done, W not: 1F1B's most), the oldest W. So the
+  W passes fill what would be the bubble: at ``P = 4, M = 8`` a stage idles 17% of its slots
+  (1F1B: 27%), and in the time model where slots run in lockstep (:attr:`Schedule.step_time`)
+  the step takes 29 forward-times against 1F1B's 40.
 * **What the backward pass needs is kept per micro-batch, in ``K`` slots.** A forward pass
   is ``jax.vjp`` of the stage unit; what the pullback needs (its residuals: saved activations,
   as the stage's activation checkpointing policy decides) is written into buffer slot
@@ -72,7 +80,7 @@ __all__ = [
 ]
 
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +88,10 @@ class Schedule:
     """A pipeline schedule as tables, one row per time slot, one column per stage.
 
     Attributes:
-      kind: ``"gpipe"`` or ``"1f1b"``.
+      kind: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``.
       stages: ``P``; micro_batches: ``M``.
-      op: ``[T, P]``: :data:`IDLE`, :data:`FORWARD` or :data:`BACKWARD`.
+      op: ``[T, P]``: :data:`IDLE`, :data:`FORWARD`, :data:`BACKWARD` (under zero-bubble the
+        input gradient only) or :data:`WEIGHT` (zero-bubble's weight gradient).
       micro: ``[T, P]``: the micro-batch that pass runs (0 when idle).
       recv_forward: ``[T, P]``: the micro-batch whose activations arrive from the previous
         stage at the start of the slot, or -1.
@@ -90,8 +99,10 @@ class Schedule:
       slots: ``K``, the buffer slots per stage (the most micro-batches in flight).
       patterns: the distinct sets of ``(source, target)`` stages that send in one slot (the
         empty set first).
-      pattern: ``[T]``: per slot, the index in :attr:`patterns` of the stages that send what
-        the slot's passes produced (delivered at the start of the next slot).
+      pattern: ``[T, 2]``: per slot, the index in :attr:`patterns` of the stages that send
+        what the slot's passes produced (delivered at the start of the next slot): one permute
+        (column 0; column 1 is 0, no permute), or two where one stage would receive both an
+        activation and a gradient (column 0 the activations, column 1 the gradients).
     """
 
     kind: str
@@ -103,7 +114,7 @@ class Schedule:
     recv_backward: np.ndarray
     slots: int
     patterns: tuple[tuple[tuple[int, int], ...], ...] = ((),)
-    pattern: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    pattern: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
     @property
     def num_slots(self) -> int:
@@ -114,8 +125,8 @@ class Schedule:
     def transfers(self) -> np.ndarray:
         """``[P]``: the messages each stage sends in one step (activations or gradients)."""
         sent = np.zeros(self.stages, np.int64)
-        for t in range(self.num_slots):
-            for src, _ in self.patterns[int(self.pattern[t])]:
+        for index in self.pattern.reshape(-1):
+            for src, _ in self.patterns[int(index)]:
                 sent[src] += 1
         return sent
 
@@ -123,6 +134,29 @@ class Schedule:
     def bubble(self) -> float:
         """The fraction of a stage's slots it is idle, read from the table."""
         return float((self.op == IDLE).sum() / self.op.size)
+
+    @property
+    def pass_times(self) -> np.ndarray:
+        """``[T, P]``: each pass's time in forward passes of a whole stage: a forward pass 1, a
+        backward pass 2 (its input and weight gradients), or 1 each where the backward is
+        split into the two (zero-bubble)."""
+        split = bool((self.op == WEIGHT).any())
+        times = np.array([0.0, 1.0, 1.0 if split else 2.0, 1.0])
+        return times[self.op]
+
+    @property
+    def step_time(self) -> float:
+        """One step's time in forward passes of a whole stage, the slots run in lockstep (as
+        the compiled step runs them: each slot's permute waits for its senders), each slot as
+        long as its longest pass."""
+        return float(self.pass_times.max(axis=1).sum())
+
+    @property
+    def time_bubble(self) -> float:
+        """The fraction of :attr:`step_time` a stage is idle (averaged over the stages): the
+        bubble weighted by what each slot costs. 1F1B's is above its slot bubble, since a
+        steady-state slot holds one stage's forward beside another's longer backward."""
+        return float(1 - self.pass_times.sum() / (self.step_time * self.stages))
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -146,6 +180,82 @@ def _orders(kind: str, p: int, m: int) -> list[list[tuple[int, int]]]:
     return orders
 
 
+def _ready(done: dict[tuple[int, int, int], int], p: int, s: int, op: int, i: int, t: int) -> bool:
+    """Whether stage ``s`` may run pass ``op`` of micro-batch ``i`` in slot ``t``: what it
+    needs ran in an earlier slot (a forward pass needs the previous stage's, a backward pass
+    this stage's forward and the next stage's backward, a weight pass this stage's backward)."""
+    if op == FORWARD:
+        return s == 0 or done.get((s - 1, FORWARD, i), t) < t
+    if op == WEIGHT:
+        return done.get((s, BACKWARD, i), t) < t
+    return done.get((s, FORWARD, i), t) < t and (
+        s == p - 1 or done.get((s + 1, BACKWARD, i), t) < t
+    )
+
+
+def _ordered_rows(kind: str, p: int, m: int) -> list[list[tuple[int, int]]]:
+    """GPipe's and 1F1B's slots: each stage runs its passes in its fixed order, each in the
+    first slot its input is ready."""
+    orders = _orders(kind, p, m)
+    done: dict[tuple[int, int, int], int] = {}  # (stage, pass, micro) -> slot it ran in
+    nxt = [0] * p
+    rows: list[list[tuple[int, int]]] = []
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        t = len(rows)
+        row = []
+        for s in range(p):
+            if nxt[s] >= len(orders[s]):
+                row.append((IDLE, 0))
+                continue
+            op, i = orders[s][nxt[s]]
+            row.append((op, i) if _ready(done, p, s, op, i, t) else (IDLE, 0))
+        for s, (op, i) in enumerate(row):
+            if op != IDLE:
+                done[(s, op, i)] = t
+                nxt[s] += 1
+        rows.append(row)
+        if len(rows) > 4 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
+            raise RuntimeError(f"the {kind} schedule for P={p}, M={m} does not finish")
+    return rows
+
+
+def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int]]]:
+    """ZB-H1's slots: each stage runs, in each slot, the first of these that is ready: the
+    oldest micro-batch's input-gradient pass (the previous stage waits for it), the next
+    forward pass while fewer than ``P`` micro-batches are in flight on the stage (forward
+    done, weight pass not: 1F1B's most), the oldest weight-gradient pass (nobody waits for it,
+    so it fills what would be the bubble)."""
+    done: dict[tuple[int, int, int], int] = {}
+    rows: list[list[tuple[int, int]]] = []
+    nxt_f = [0] * p
+    while len(done) < 3 * p * m:
+        t = len(rows)
+        row = []
+        for s in range(p):
+            ran = {(op, i) for (st, op, i) in done if st == s}
+            in_flight = sum((FORWARD, i) in ran and (WEIGHT, i) not in ran for i in range(m))
+            choice = (IDLE, 0)
+            pending_b = [i for i in range(m) if (BACKWARD, i) not in ran
+                         and _ready(done, p, s, BACKWARD, i, t)]  # fmt: skip
+            pending_w = [i for i in range(m) if (WEIGHT, i) not in ran
+                         and _ready(done, p, s, WEIGHT, i, t)]  # fmt: skip
+            if pending_b:
+                choice = (BACKWARD, pending_b[0])
+            elif nxt_f[s] < m and in_flight < p and _ready(done, p, s, FORWARD, nxt_f[s], t):
+                choice = (FORWARD, nxt_f[s])
+            elif pending_w:
+                choice = (WEIGHT, pending_w[0])
+            row.append(choice)
+        for s, (op, i) in enumerate(row):
+            if op != IDLE:
+                done[(s, op, i)] = t
+                nxt_f[s] += op == FORWARD
+        rows.append(row)
+        if len(rows) > 6 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
+            raise RuntimeError(f"the zero_bubble schedule for P={p}, M={m} does not finish")
+    return rows
+
+
 def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
     """Simulates ``kind`` on ``stages`` stages and ``micro_batches`` micro-batches.
 
@@ -164,32 +274,7 @@ def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
             f"gradient_accumulation_steps is {m}; set gradient_accumulation_steps to {p} or more "
             f"(a multiple of {p}, e.g. {2 * p}, keeps the bubble smaller)."
         )
-    orders = _orders(kind, p, m)
-    done: dict[tuple[int, int, int], int] = {}  # (stage, pass, micro) -> slot it ran in
-    nxt = [0] * p
-    rows: list[list[tuple[int, int]]] = []
-    while any(nxt[s] < len(orders[s]) for s in range(p)):
-        t = len(rows)
-        row = []
-        for s in range(p):
-            if nxt[s] >= len(orders[s]):
-                row.append((IDLE, 0))
-                continue
-            op, i = orders[s][nxt[s]]
-            if op == FORWARD:
-                ready = s == 0 or done.get((s - 1, FORWARD, i), t) < t
-            else:
-                ready = done.get((s, FORWARD, i), t) < t and (
-                    s == p - 1 or done.get((s + 1, BACKWARD, i), t) < t
-                )
-            row.append((op, i) if ready else (IDLE, 0))
-        for s, (op, i) in enumerate(row):
-            if op != IDLE:
-                done[(s, op, i)] = t
-                nxt[s] += 1
-        rows.append(row)
-        if len(rows) > 4 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
-            raise RuntimeError(f"the {kind} schedule for P={p}, M={m} does not finish")
+    rows = _zero_bubble_rows(p, m) if kind == "zero_bubble" else _ordered_rows(kind, p, m)
     op = np.array([[r[0] for r in row] for row in rows], np.int32)
     micro = np.array([[r[1] for r in row] for row in rows], np.int32)
     rf = -np.ones_like(op)
@@ -201,30 +286,31 @@ def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
             if op[t, s] == BACKWARD and s > 0:
                 rb[t + 1, s - 1] = micro[t, s]
     slots = _slots_needed(op, micro, rf, rb, m)
+    ahead = [tuple((s, s + 1) for s in range(p - 1) if op[t, s] == FORWARD) for t in range(len(op))]
+    back = [tuple((s, s - 1) for s in range(1, p) if op[t, s] == BACKWARD) for t in range(len(op))]
     pattern, patterns = _pair_table(
         [
-            tuple(
-                (s, s + 1 if op[t, s] == FORWARD else s - 1)
-                for s in range(p)
-                if (op[t, s] == FORWARD and s < p - 1) or (op[t, s] == BACKWARD and s > 0)
-            )
-            for t in range(len(rows))
+            (tuple(sorted(a + b)), ()) if not {d for _, d in a} & {d for _, d in b} else (a, b)
+            for a, b in zip(ahead, back, strict=True)
         ]
     )
     return Schedule(kind, p, m, op, micro, rf, rb, slots, patterns, pattern)
 
 
-def _pair_table(per_slot: Sequence[tuple[tuple[int, int], ...]]) -> tuple[np.ndarray, tuple]:
-    """``(pattern [T], patterns)``: the distinct pair sets (the empty one first) and per slot
-    the index of its own."""
+def _pair_table(
+    per_slot: Sequence[Sequence[tuple[tuple[int, int], ...]]],
+) -> tuple[np.ndarray, tuple]:
+    """``(pattern [T, n], patterns)``: the distinct pair sets (the empty one first) and per
+    slot the index of each of its ``n`` permutes' sets."""
     patterns: list[tuple[tuple[int, int], ...]] = [()]
-    pattern = np.zeros(len(per_slot), np.int32)
-    for t, pairs in enumerate(per_slot):
-        if len({dst for _, dst in pairs}) < len(pairs):  # pragma: no cover - a schedule bug
-            raise RuntimeError(f"a schedule sends two messages to one stage in slot {t}")
-        if pairs not in patterns:
-            patterns.append(pairs)
-        pattern[t] = patterns.index(pairs)
+    pattern = np.zeros((len(per_slot), len(per_slot[0]) if per_slot else 1), np.int32)
+    for t, permutes in enumerate(per_slot):
+        for j, pairs in enumerate(permutes):
+            if len({dst for _, dst in pairs}) < len(pairs):  # pragma: no cover - a schedule bug
+                raise RuntimeError(f"a schedule sends two messages to one stage in slot {t}")
+            if pairs not in patterns:
+                patterns.append(pairs)
+            pattern[t, j] = patterns.index(pairs)
     return pattern, tuple(patterns)
 
 
@@ -239,11 +325,14 @@ def _slots_needed(op: np.ndarray, micro: np.ndarray, rf: np.ndarray, rb: np.ndar
     """The least ``K`` for which ``micro % K`` never overwrites a buffered value still needed:
     for the residuals (forward to backward) and the two message buffers (arrival to use)."""
     t_max, p = op.shape
-    lives: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # (micro, start, end)
+    split = bool((op == WEIGHT).any())  # residuals live until the weight pass, if there is one
+    lives: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * p)]  # (micro, start, end)
     for s in range(p):
         when = {(int(op[t, s]), int(micro[t, s])): t for t in range(t_max) if op[t, s] != IDLE}
         for i in range(m):
-            lives[s].append((i, when[(FORWARD, i)], when[(BACKWARD, i)]))
+            lives[s].append((i, when[(FORWARD, i)], when[(WEIGHT if split else BACKWARD, i)]))
+            if split:  # what the input pass keeps for the weight pass
+                lives[p + s].append((i, when[(BACKWARD, i)], when[(WEIGHT, i)]))
     for k in range(1, m + 1):
         if all(_fits(lv, k) for lv in lives) and all(
             _fits(_arrivals(table, op, micro, s, kind), k)
@@ -291,6 +380,7 @@ def run(
     grad_dtypes: Sequence[Any],
     axis: str = PIPE_AXIS,
     reduce: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
+    split_backward: Callable[..., Any] | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Runs ``schedule``: every micro-batch through every stage, forward and backward.
 
@@ -311,6 +401,8 @@ def run(
       reduce: applied to each backward pass's parameter gradients before they are added up
         (ZeRO stage 2's reduce-scatter of each micro-batch's gradients: the sums then hold
         this device's shard only); the identity when None.
+      split_backward: what cuts the unit's backward pass into input- and weight-gradient
+        passes (:func:`jzero.replay.split_backward`), which the zero-bubble schedule needs.
 
     Returns:
       ``(grads, outs)``: the parameters' gradients summed over the micro-batches (this stage's
@@ -321,25 +413,12 @@ def run(
     position = jax.lax.axis_index(axis)  # this device's place along the pipeline
     first, last = position == 0, position == p - 1
     mb0 = jax.tree.map(lambda x: x[0], micro_batches)
-
-    def pull(mb: Any) -> Callable[..., Any]:  # the unit of one micro-batch, of (params, carry)
-        return lambda ps, c: unit(ps, c, first, last, mb)
-
     zero_carry = [jnp.zeros(c.shape, c.dtype) for c in carry]
-
-    # What the pullback keeps, read from one trace: its tree, and which residuals are params.
-    probe: dict[str, Any] = {}
-
-    def residuals(ps: list[jax.Array], c: list[jax.Array], mb: Any) -> list[jax.Array]:
-        (c_out, outs), vjp = jax.vjp(pull(mb), ps, c)
-        leaves, tree = jax.tree.flatten(vjp)
-        ids = {id(x): j for j, x in enumerate(ps)}
-        probe["tree"], probe["param_of"] = tree, [ids.get(id(x), -1) for x in leaves]
-        probe["outs"] = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs]
-        return [x for x, j in zip(leaves, probe["param_of"], strict=True) if j < 0]
-
-    res_shapes = jax.eval_shape(residuals, params, zero_carry, mb0)
-    tree, param_of, out_shapes = probe["tree"], probe["param_of"], probe["outs"]
+    if schedule.kind == "zero_bubble" and split_backward is None:
+        raise ValueError("the zero_bubble schedule needs split_backward (jzero.replay's)")
+    cut = split_backward if schedule.kind == "zero_bubble" else None
+    passes = _passes(unit, params, zero_carry, first, last, mb0, cut)
+    out_shapes = passes.outs
 
     def buffer(shapes: Sequence[Any]) -> list[jax.Array]:
         return [jnp.zeros((k + 1, *s.shape), s.dtype) for s in shapes]
@@ -363,58 +442,78 @@ def run(
     grad_shapes = [jax.ShapeDtypeStruct(r.shape, d) for r, d in zip(
         jax.eval_shape(reduce, full_grads), grad_dtypes, strict=True)]  # fmt: skip
 
+    def d_outs() -> list[jax.Array]:  # the loss's cotangent: the seed on the last stage
+        ds = [jnp.zeros(o.shape, o.dtype) for o in out_shapes]
+        loss_dtype = out_shapes[0].dtype
+        ds[0] = jnp.where(last, seed.astype(loss_dtype), 0).astype(loss_dtype)
+        return ds
+
+    def summed(d_params: list[jax.Array]) -> list[jax.Array]:
+        return [d.astype(g.dtype) for d, g in zip(reduce(d_params), grad_shapes, strict=True)]
+
     # The passes return what they produce; the buffers are read and written outside the
     # switch, so they stay in place in the loop's carry (a buffer passed through a
     # conditional is copied in and out: measured 4.7x the step time at K = 8). What a pass
     # sends (a forward pass's activations, a backward pass's input gradient) is one message.
-    def forward(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
-        mb = _take(micro_batches, i)
-        (c_out, outs), vjp = jax.vjp(pull(mb), params, c_in)
-        leaves = jax.tree.leaves(vjp)
-        new = [x for x, j in zip(leaves, param_of, strict=True) if j < 0]
+    # Each returns (saved, message, outs, gradients, kept).
+    def forward(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
+                kept: list[Any]) -> Any:  # fmt: skip
+        c_out, outs, new = passes.forward(params, c_in, [first, last, *_leaves(micro_batches, i)])
         c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
         outs = [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
-        return new, c_out, outs, zeros(grad_shapes)
+        return new, c_out, outs, zeros(grad_shapes), zeros(passes.kept)
 
-    def backward(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
-        kept_iter = iter(kept)
-        leaves = [next(kept_iter) if j < 0 else params[j] for j in param_of]
-        vjp = jax.tree.unflatten(tree, leaves)
+    def backward(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
+                 kept: list[Any]) -> Any:  # fmt: skip
         d_carry = [jnp.where(last, jnp.zeros_like(d), d) for d in d_carry]
-        d_outs = [jnp.zeros(o.shape, o.dtype) for o in out_shapes]
-        loss_dtype = out_shapes[0].dtype
-        d_outs[0] = jnp.where(last, seed.astype(loss_dtype), 0).astype(loss_dtype)
-        d_params, d_in = vjp((d_carry, d_outs))
+        fixed = [first, last, *_leaves(micro_batches, i)]
+        d_in, d_params, new_kept = passes.backward(params, fixed, saved, d_carry, d_outs())
         d_in = [d.astype(c.dtype) for d, c in zip(d_in, carry, strict=True)]
-        d_params = [d.astype(g.dtype) for d, g in zip(reduce(d_params), grad_shapes,
-                    strict=True)]  # fmt: skip
-        return zeros(res_shapes), d_in, out_zeros, d_params
+        grads = zeros(grad_shapes) if d_params is None else summed(d_params)
+        return zeros(passes.saved), d_in, out_zeros, grads, new_kept
 
-    def idle(i: jax.Array, c_in: list[Any], kept: list[Any], d_carry: list[Any]) -> Any:
-        return zeros(res_shapes), zero_carry, out_zeros, zeros(grad_shapes)
+    def weight(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
+               kept: list[Any]) -> Any:  # fmt: skip
+        fixed = [first, last, *_leaves(micro_batches, i)]
+        d_params = passes.weight(params, fixed, saved, kept, d_outs())
+        return zeros(passes.saved), zero_carry, out_zeros, summed(d_params), zeros(passes.kept)
+
+    def idle(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
+             kept: list[Any]) -> Any:  # fmt: skip
+        return zeros(passes.saved), zero_carry, out_zeros, zeros(grad_shapes), zeros(passes.kept)
 
     # One permute per slot, with exactly the (source, target) pairs that slot's passes send
-    # to: a table of the distinct pair sets, read with the slot's number. Every device takes
-    # the same branch (the index depends on the slot alone), so the collective matches; a
-    # device that sends nothing is in no pair, and a slot nobody sends in has no permute.
+    # to (two where one stage receives an activation and a gradient in one slot): a table of
+    # the distinct pair sets, read with the slot's number. Every device takes the same branch
+    # (the index depends on the slot alone), so the collective matches; a device that sends
+    # nothing is in no pair, and a slot nobody sends in has no permute.
     branches = [_deliver(axis, pairs) for pairs in schedule.patterns]
+    table = [jnp.asarray(schedule.pattern[:, j]) for j in range(schedule.pattern.shape[1])]
+    kinds = (idle, forward, backward, weight) if passes.split else (idle, forward, backward)
 
     def body(state: dict[str, Any], row: tuple[jax.Array, ...]) -> tuple[dict[str, Any], None]:
         t, op, i, rf, rb = row
         slot = i % k
-        new, send, outs, d_params = jax.lax.switch(
+        new, send, outs, d_params, new_kept = jax.lax.switch(
             op,
-            (idle, forward, backward),
+            kinds,
             i,
             get(state["fwd_in"], slot),
             get(state["res"], slot),
             get(state["bwd_in"], slot),
+            get(state["kept"], slot),
         )
-        got = jax.lax.switch(jnp.asarray(schedule.pattern)[t], branches, send)
+        got = jax.lax.switch(table[0][t], branches, send)
+        if schedule.pattern.shape[1] > 1 and schedule.pattern[:, 1].any():
+            other = jax.lax.switch(table[1][t], branches, send)
+            got_back = [jnp.where(table[1][t] > 0, b, a) for a, b in zip(got, other, strict=True)]
+        else:
+            got_back = got
         state = {  # what arrived waits for its pass in the slot its micro-batch names
             "fwd_in": put(state["fwd_in"], got, slot_of(rf)),
-            "bwd_in": put(state["bwd_in"], got, slot_of(rb)),
+            "bwd_in": put(state["bwd_in"], got_back, slot_of(rb)),
             "res": put(state["res"], new, jnp.where(op == FORWARD, slot, k)),
+            "kept": put(state["kept"], new_kept, jnp.where(op == BACKWARD, slot, k)),
             "grads": [g + d for g, d in zip(state["grads"], d_params, strict=True)],
             "outs": [a + o for a, o in zip(state["outs"], outs, strict=True)],
         }
@@ -423,7 +522,8 @@ def run(
     state = {
         "fwd_in": buffer(carry),
         "bwd_in": buffer(carry),
-        "res": buffer(res_shapes),
+        "res": buffer(passes.saved),
+        "kept": buffer(passes.kept),
         "grads": zeros(grad_shapes),
         "outs": out_zeros,
     }
@@ -435,6 +535,82 @@ def run(
     )
     state, _ = jax.lax.scan(body, state, rows)
     return state["grads"], state["outs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Passes:
+    """A stage unit's passes as :func:`run` calls them (flat lists throughout).
+
+    ``forward(params, carry_in, fixed) -> (carry_out, outs, saved)``;
+    ``backward(params, fixed, saved, d_carry_out, d_outs) -> (d_carry_in, d_params, kept)``,
+    ``d_params`` None where the weight pass computes them;
+    ``weight(params, fixed, saved, kept, d_outs) -> d_params`` (split backward only).
+    ``fixed`` is ``[first, last, *micro-batch leaves]``.
+    """
+
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+    weight: Callable[..., Any] | None
+    saved: tuple[jax.ShapeDtypeStruct, ...]
+    kept: tuple[jax.ShapeDtypeStruct, ...]
+    outs: tuple[jax.ShapeDtypeStruct, ...]
+    split: bool
+
+
+def _passes(
+    unit: Callable[..., Any], params: list[jax.Array], carry: list[jax.Array], first: jax.Array,
+    last: jax.Array, mb: Any, split: Callable[..., Any] | None,
+) -> _Passes:  # fmt: skip
+    """The unit's passes: a forward pass keeping the pullback's residuals and one backward
+    pass (GPipe, 1F1B), or the backward split into input- and weight-gradient passes
+    (:func:`jzero.replay.split_backward`, zero-bubble)."""
+    treedef = jax.tree.structure(mb)
+
+    def call(ps: list[Any], c: list[Any], fixed: list[Any]) -> Any:
+        return unit(ps, c, fixed[0], fixed[1], treedef.unflatten(fixed[2:]))
+
+    fixed0 = [first, last, *jax.tree.leaves(mb)]
+    if split is not None:
+        halves = split(call, params, carry, fixed0)
+        outs = jax.eval_shape(lambda ps, c, f: halves.forward(ps, c, f)[1], params, carry, fixed0)
+
+        def backward(ps: list[Any], fixed: list[Any], saved: list[Any], d_carry: list[Any],
+                     d_outs: list[Any]) -> Any:  # fmt: skip
+            d_in, kept = halves.input_grad(ps, fixed, saved, d_carry, d_outs)
+            return d_in, None, kept
+
+        return _Passes(halves.forward, backward, halves.weight_grad, halves.saved, halves.kept,
+                       tuple(outs), True)  # fmt: skip
+
+    # What the pullback keeps, read from one trace: its tree, and which residuals are params.
+    probe: dict[str, Any] = {}
+
+    def forward(ps: list[Any], c: list[Any], fixed: list[Any]) -> Any:
+        (c_out, outs), vjp = jax.vjp(lambda ps, c: call(ps, c, fixed), ps, c)
+        leaves, tree = jax.tree.flatten(vjp)
+        ids = {id(x): j for j, x in enumerate(ps)}
+        probe.setdefault("tree", tree)
+        probe.setdefault("param_of", [ids.get(id(x), -1) for x in leaves])
+        kept = [x for x, j in zip(leaves, probe["param_of"], strict=True) if j < 0]
+        return c_out, outs, kept
+
+    saved, outs = jax.eval_shape(lambda ps, c, f: forward(ps, c, f)[::-1][:2], params, carry,
+                                 fixed0)  # fmt: skip
+    tree, param_of = probe["tree"], probe["param_of"]
+
+    def backward(ps: list[Any], fixed: list[Any], saved: list[Any], d_carry: list[Any],
+                 d_outs: list[Any]) -> Any:  # fmt: skip
+        kept_iter = iter(saved)
+        vjp = jax.tree.unflatten(tree, [next(kept_iter) if j < 0 else ps[j] for j in param_of])
+        d_params, d_in = vjp((d_carry, d_outs))
+        return d_in, d_params, []
+
+    return _Passes(forward, backward, None, tuple(saved), (), tuple(outs), False)
+
+
+def _leaves(micro_batches: Any, i: jax.Array) -> list[jax.Array]:
+    """Micro-batch ``i``'s leaves."""
+    return jax.tree.leaves(_take(micro_batches, i))
 
 
 def run_forward(
@@ -461,7 +637,7 @@ def run_forward(
     out_zeros = [jnp.zeros(o.shape, _wide(o.dtype)) for o in out_shapes]
     # Stage s runs micro-batch t - s in slot t and sends it on.
     pattern, patterns = _pair_table(
-        [tuple((s, s + 1) for s in range(p - 1) if 0 <= t - s < m) for t in range(m + p - 1)]
+        [(tuple((s, s + 1) for s in range(p - 1) if 0 <= t - s < m),) for t in range(m + p - 1)]
     )
     branches = [_deliver(axis, q) for q in patterns]
 
@@ -480,7 +656,7 @@ def run_forward(
             return zero_carry, out_zeros
 
         sent, outs = jax.lax.cond(active, stage, rest, received)
-        got = jax.lax.switch(jnp.asarray(pattern)[t], branches, sent)
+        got = jax.lax.switch(jnp.asarray(pattern[:, 0])[t], branches, sent)
         return (got, [a + o for a, o in zip(sums, outs, strict=True)]), None
 
     (_, sums), _ = jax.lax.scan(

@@ -11,6 +11,8 @@ it is given.
 * :mod:`~jzero.replay.gather`: :func:`gathered`, the entry point, and :func:`layer_dims`.
 * :mod:`~jzero.replay.layer_split`: the loss cut at its layer scan into the unit each pipeline
   stage runs.
+* :mod:`~jzero.replay.backward_split`: a stage unit's backward pass split into input- and
+  weight-gradient passes (the zero-bubble schedule's).
 * :mod:`~jzero.replay.overlap`: stage 3's ``overlap_comm``, the layer scan that gathers one layer
   ahead.
 * :mod:`~jzero.replay.prefetch`: DeepSpeed's prefetch and reuse knobs on the gather order.
@@ -28,6 +30,7 @@ from typing import Any
 
 from jzero._util import moved, renamed_module
 from jzero.replay import trace as _trace
+from jzero.replay.backward_split import split_backward as split_backward
 from jzero.replay.gather import gathered as gathered
 from jzero.replay.gather import layer_dims as layer_dims
 from jzero.replay.gather import remat_scans as remat_scans
@@ -67,6 +70,7 @@ __all__ = [
     "remat_scans",
     "replay",
     "split_at_layers",
+    "split_backward",
     "stage_unit",
 ]
 

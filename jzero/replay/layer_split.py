@@ -46,7 +46,14 @@ from jax.extend import core as jex_core
 
 from jzero.replay.trace import PASS_THROUGH, bind, inline_calls
 
-__all__ = ["STAGE_MARK", "LayerSplit", "NoLayerScan", "split_at_layers", "stage_unit"]
+__all__ = [
+    "STAGE_MARK",
+    "LayerSplit",
+    "NoLayerScan",
+    "layer_scan_index",
+    "split_at_layers",
+    "stage_unit",
+]
 
 STAGE_MARK = "jzero_pipeline_stage"
 """The ``checkpoint_name`` a stage unit gives its first/last-stage predicates: a ``cond`` on
@@ -102,17 +109,8 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int
     closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     num = len(jax.tree.leaves(params))
-    origin: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars[:num])}
-    best, best_count = None, 0
-    for n, eqn in enumerate(jaxpr.eqns):
-        ins = [None if isinstance(v, jex_core.Literal) else origin.get(v) for v in eqn.invars]
-        if eqn.primitive.name in PASS_THROUGH and ins[0] is not None:
-            origin[eqn.outvars[0]] = ins[0]
-        elif eqn.primitive.name == "scan":
-            first = eqn.params["num_consts"] + eqn.params["num_carry"]
-            count = sum(i is not None for i in ins[first:])
-            if count > best_count:
-                best, best_count = n, count
+    origin = _origins(jaxpr, num)
+    best = layer_scan_index(jaxpr, num)
     if best is None:
         raise NoLayerScan(
             "pipeline.stages > 1 needs the model's layers stacked under one lax.scan (nnx.scan, "
@@ -150,6 +148,34 @@ def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int
     return LayerSplit(
         closed, best, tuple(scanned), carry + buffers, jax.tree.structure(out_shape), used
     )
+
+
+def _origins(jaxpr: Any, num: int) -> dict[Any, int]:
+    """Which parameter (of the first ``num`` inputs) each variable is, through casts and
+    copies."""
+    origin: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars[:num])}
+    for eqn in jaxpr.eqns:
+        v = eqn.invars[0] if eqn.invars else None
+        if eqn.primitive.name in PASS_THROUGH and not isinstance(v, jex_core.Literal):
+            if v in origin:
+                origin[eqn.outvars[0]] = origin[v]
+    return origin
+
+
+def layer_scan_index(jaxpr: Any, num: int) -> int | None:
+    """The position in ``jaxpr.eqns`` of its layer scan: the top-level scan that consumes the
+    most of the first ``num`` inputs (the parameters) as scanned operands, or None."""
+    origin = _origins(jaxpr, num)
+    best, best_count = None, 0
+    for n, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name != "scan":
+            continue
+        first = eqn.params["num_consts"] + eqn.params["num_carry"]
+        count = sum(not isinstance(v, jex_core.Literal) and v in origin
+                    for v in eqn.invars[first:])  # fmt: skip
+        if count > best_count:
+            best, best_count = n, count
+    return best
 
 
 def _free(reads: Sequence[Any], defined: set[Any]) -> list[Any]:

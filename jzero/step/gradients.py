@@ -66,6 +66,7 @@ from jzero.replay import (
     gathered,
     parse_policy,
     split_at_layers,
+    split_backward,
     stage_unit,
 )
 from jzero.step.options import StepOptions
@@ -371,6 +372,7 @@ def _pipelined_grads(
                 grad_dtypes=grad_dtypes,
                 axis=pipe,
                 reduce=reduce if _scatters_each_micro_batch(plan) else None,
+                split_backward=split_backward,
             )
             grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
                      strict=True)]  # fmt: skip

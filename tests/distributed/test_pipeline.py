@@ -22,7 +22,7 @@ from numerics import max_rel_error, needs_float16
 import jzero
 from jzero.demo import gpt
 from jzero.distributed import bubble_fraction, make_schedule
-from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE
+from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
 from jzero.hlo.parse import _computations
 from jzero.replay import NoLayerScan
@@ -71,6 +71,43 @@ def test_a_schedule_runs_every_pass_once_after_its_input_and_keeps_the_micro_bat
     )
     assert in_flight == (m if kind == "gpipe" else p)
     assert s.slots == in_flight
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_zero_bubble_splits_each_backward_in_two_and_idles_less_than_1f1b(p, m):
+    """ZB-H1: every stage runs each micro-batch's forward, input-gradient (B) and
+    weight-gradient (W) pass once, B after the next stage's B, W after its own B; no more
+    micro-batches in flight than 1F1B (forward done, W not); the same messages; fewer idle
+    slots, and a shorter step where slots run in lockstep."""
+    s, one = make_schedule("zero_bubble", p, m), make_schedule("1f1b", p, m)
+    when = {}
+    for t in range(s.num_slots):
+        for stage in range(p):
+            if s.op[t, stage] != IDLE:
+                key = (stage, int(s.op[t, stage]), int(s.micro[t, stage]))
+                assert key not in when
+                when[key] = t
+    assert len(when) == 3 * p * m
+    for (stage, op, i), t in when.items():
+        if op == FORWARD and stage > 0:
+            assert when[(stage - 1, FORWARD, i)] < t
+        if op == BACKWARD:
+            assert when[(stage, FORWARD, i)] < t
+            if stage < p - 1:
+                assert when[(stage + 1, BACKWARD, i)] < t
+        if op == WEIGHT:
+            assert when[(stage, BACKWARD, i)] < t
+    in_flight = max(
+        sum(when[(st, FORWARD, i)] <= t < when[(st, WEIGHT, i)] for i in range(m))
+        for st in range(p)
+        for t in range(s.num_slots)
+    )
+    assert in_flight <= p == one.slots
+    assert s.transfers.tolist() == one.transfers.tolist()
+    assert s.bubble < one.bubble
+    assert s.step_time < one.step_time and s.time_bubble < one.time_bubble
+    # In lockstep 1F1B's steady slots hold a forward beside a backward twice as long.
+    assert one.time_bubble > one.bubble == pytest.approx(bubble_fraction(p, m))
 
 
 def test_fewer_micro_batches_than_stages_and_an_unknown_schedule_are_clear_errors():
@@ -180,11 +217,17 @@ def trained(stage, stages, micro, schedule, extra=""):
 
 # One run per code path: ZeRO stage 3 (parameters gathered within each stage's data group)
 # and stage 1/2 (one path under the pipeline: the pipelined gradients are reduce-scattered
-# once either way; the built-in GPT's test runs stage 1), both schedules, two stages and four
+# once either way; the built-in GPT's test runs stage 1), every schedule, two stages and four
 # (interior stages, which both receive and send), M = P and M > P; activation checkpointing
 # (each stage's layer scan rematerialised) and the optimizer state in host memory ride along.
 # The checkpoint test below restarts from the same configurations (the same programs).
-RUNS = [(3, 2, 4, "1f1b", "remat"), (3, 4, 4, "gpipe", "offload"), (2, 4, 8, "1f1b", "")]
+RUNS = [
+    (3, 2, 4, "1f1b", "remat"),
+    (3, 4, 4, "gpipe", "offload"),
+    (2, 4, 8, "1f1b", ""),
+    (3, 2, 4, "zero_bubble", "remat"),  # beside RUNS[0]: the split backward's program
+    (1, 4, 4, "zero_bubble", ""),  # a slot where a stage receives both ways: two permutes
+]
 
 
 @pytest.mark.parametrize("stage, stages, micro, schedule, extra", RUNS)
@@ -266,6 +309,55 @@ def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
         ("while", "conditional", "while"),
     ], places
     assert places.count(("conditional", "conditional", "while")) >= 2  # embedding, head
+
+
+def _pass_branches(text):
+    """Per branch of the compiled step's pass switch (idle, forward, backward[, weight]): the
+    dots and reduce-scatters it runs, nested computations included (counted once each)."""
+    comps, _ = _computations(text)
+
+    def reach(name, seen):
+        if name in comps and name not in seen:
+            seen.add(name)
+            for line in comps[name]:
+                for group in re.findall(
+                    r"(?:body|condition|calls|to_apply|"
+                    r"branch_computations)=(\{[^}]*\}|%?[\w.\-]+)",
+                    line,
+                ):
+                    for callee in re.findall(r"%?([\w.\-]+)", group):
+                        reach(callee, seen)
+        return seen
+
+    def count(name, op):
+        return sum(bool(re.search(rf"\s{op}(-start)?\(", line))
+                   for c in reach(name, set()) for line in comps[c])  # fmt: skip
+
+    for lines in comps.values():
+        for line in lines:
+            m = re.search(r"branch_computations=\{([^}]*)\}", line)
+            names = [x.strip().lstrip("%") for x in m.group(1).split(",")] if m else []
+            if len(names) >= 3 and count(names[1], "dot"):  # the passes, not the permutes'
+                return [(count(b, "dot"), count(b, "reduce-scatter")) for b in names]
+    raise AssertionError("no pass switch in the compiled step")
+
+
+def test_zero_bubble_computes_the_weight_gradients_in_the_weight_pass_only():
+    """Stage 3, beside the same run under 1F1B: the input-gradient pass reduce-scatters
+    nothing (no weight gradient is computed there: the compiler removed none, the split left
+    none), the weight pass every leaf's; and the two passes do the one-pass backward's
+    matmuls plus at most one (the last stage's head recomputed in both, where the stage-3
+    conditional is checkpointed). A weight pass that re-ran the input gradients' chain would
+    add the layers' input-gradient matmuls again."""
+    split, *_ = trained(*RUNS[3])
+    joint, *_ = trained(*RUNS[0])
+    (_, _), (_, _), (b_dots, b_scatters), (w_dots, w_scatters) = _pass_branches(
+        split.lower(batches()[0]).compile().as_text()
+    )
+    (_, _), (_, _), (dots, scatters) = _pass_branches(joint.lower(batches()[0]).compile().as_text())
+    assert b_scatters == 0 and w_scatters == scatters == 5  # 3 layer leaves, embed, head
+    assert b_dots >= 2 and w_dots >= 2  # the layer's two input-, two weight-gradient matmuls
+    assert b_dots + w_dots <= dots + 1
 
 
 def test_the_embedding_runs_on_the_first_stage_and_the_loss_on_the_last_only():
