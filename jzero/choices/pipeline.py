@@ -5,5 +5,5 @@ from __future__ import annotations
 
 __all__ = ["SCHEDULES"]
 
-SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 """The schedules :func:`jzero.distributed.make_schedule` builds (``pipeline.schedule``)."""

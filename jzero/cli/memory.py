@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jzero.choices.pipeline import SCHEDULES
 from jzero.cli import devices, logs
 
 __all__ = ["add_commands"]
@@ -115,6 +116,8 @@ def _estimate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         micro_batches=args.micro_batches,
         pipeline_schedule=args.pipeline_schedule,
+        virtual_stages=args.virtual_stages
+        or (2 if args.pipeline_schedule == "interleaved_1f1b" else 1),  # fmt: skip
         experts=args.experts or 0,
         expert_parallel=args.expert_parallel,
         expert_params=args.expert_params or 0,
@@ -225,9 +228,18 @@ def add_commands(subparsers: Any) -> None:
     )
     est.add_argument(
         "--pipeline-schedule",
-        choices=["1f1b", "gpipe"],
+        choices=list(SCHEDULES),
         default="1f1b",
-        help="1f1b (default): a stage keeps P micro-batches of activations; gpipe: all M",
+        help="1f1b (default): a stage keeps P micro-batches of activations; gpipe: all M; "
+        "interleaved_1f1b: V chunks of layers per stage, the bubble V times smaller; "
+        "zero_bubble: the backward split in two, the weight gradients filling the bubble",
+    )
+    est.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="chunks of layers per stage under --pipeline-schedule interleaved_1f1b (default 2)",
     )
     est.add_argument(
         "--experts",

@@ -435,6 +435,13 @@ class Config:
         """``pipeline.schedule``: ``"1f1b"`` unless set."""
         return str((self.pipeline or {}).get("schedule", "1f1b"))
 
+    def pipeline_virtual_stages(self) -> int:
+        """``pipeline.virtual_stages``: the chunks of layers each stage holds; 2 under
+        ``interleaved_1f1b`` unless set, else 1."""
+        pipe = self.pipeline or {}
+        default = 2 if self.pipeline_schedule() == "interleaved_1f1b" else 1
+        return int(pipe.get("virtual_stages") or default)
+
     def autoep_size(self) -> int:
         """``expert_parallel.autoep_size``; 1 when unset, 0 or ``enabled: false``."""
         ep = self.expert_parallel or {}

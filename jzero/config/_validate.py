@@ -373,8 +373,9 @@ _CHANGES_THE_MODEL = {
     "layers with a probability that grows over the steps)",
 }
 
-_PIPE_KEYS = ("stages", "schedule", "partition", "seed_layers", "activation_checkpoint_interval",
-              "pipe_partitioned", "grad_partitioned", "use_reentrant")  # fmt: skip
+_PIPE_KEYS = ("stages", "schedule", "virtual_stages", "partition", "seed_layers",
+              "activation_checkpoint_interval", "pipe_partitioned", "grad_partitioned",
+              "use_reentrant")  # fmt: skip
 
 
 # DeepSpeed keys of a section that jzero accepts and does not act on, with the values that ask
@@ -456,6 +457,29 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
             f"pipeline.schedule: {_show(schedule)} is not a schedule jzero has; use one of "
             f"{', '.join(SCHEDULES)} (1f1b keeps at most `stages` micro-batches of activations)."
         )
+    virtual = pipe.get("virtual_stages", None)
+    if virtual is not None and (
+        isinstance(virtual, bool) or not _is_number(virtual) or virtual != int(virtual)
+        or virtual < 1
+    ):  # fmt: skip
+        errors.append(
+            f"pipeline.virtual_stages: {_show(virtual)} is not allowed; it must be a whole "
+            "number of chunks of layers per stage (2 or more with schedule interleaved_1f1b)."
+        )
+        return errors
+    interleaved = schedule == "interleaved_1f1b"
+    if virtual is not None and int(virtual) > 1 and not interleaved:
+        errors.append(
+            f"pipeline.virtual_stages: {virtual} chunks of layers per stage need "
+            f"pipeline.schedule: interleaved_1f1b, but the schedule is {_show(schedule)}; set "
+            "the schedule, or remove virtual_stages."
+        )
+    if interleaved and virtual is not None and int(virtual) < 2:
+        errors.append(
+            "pipeline.virtual_stages: 1 chunk per stage does not interleave; set 2 or more "
+            "(each stage then holds that many non-adjacent chunks of layers), or use "
+            "pipeline.schedule: 1f1b."
+        )
     stages = int(stages)
     if stages <= 1:
         return errors
@@ -465,6 +489,12 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
             f"pipeline.stages: {stages} needs at least {stages} micro-batches "
             f"(gradient_accumulation_steps) to fill the pipeline, but gradient_accumulation_steps "
             f"is {accum}; set it to {stages} or more ({2 * stages} keeps the bubble smaller)."
+        )
+    elif interleaved and _is_number(accum) and accum % stages:
+        errors.append(
+            f"pipeline.schedule: interleaved_1f1b runs the micro-batches in groups of "
+            f"pipeline.stages ({stages}), but gradient_accumulation_steps is {accum}; set it to "
+            f"a multiple of {stages} (e.g. {stages * (int(accum) // stages + 1)})."
         )
     others = {
         "offload_optimizer.device: nvme": cfg.zero_optimization.offload_optimizer.device == "nvme",

@@ -84,19 +84,34 @@ IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
+class Buffer:
+    """Where one of a stage's buffers keeps each value, per slot: ``count`` places, and per
+    slot and stage the place written at the slot's end and the one read in it (``count``,
+    the buffer's sink, where there is none). Places are given out as values come and go
+    (the least free one), so ``count`` is the most values alive at once."""
+
+    count: int
+    write: np.ndarray
+    read: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
     """A pipeline schedule as tables, one row per time slot, one column per stage.
 
     Attributes:
-      kind: ``"gpipe"``, ``"1f1b"`` or ``"zero_bubble"``.
-      stages: ``P``; micro_batches: ``M``.
+      kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``.
+      stages: ``P``; micro_batches: ``M``; virtual: ``V``, the chunks of layers each stage
+        holds (1 but under ``interleaved_1f1b``; chunk ``v`` of stage ``s`` is the model's
+        ``v P + s``-th of ``P V``).
       op: ``[T, P]``: :data:`IDLE`, :data:`FORWARD`, :data:`BACKWARD` (under zero-bubble the
         input gradient only) or :data:`WEIGHT` (zero-bubble's weight gradient).
       micro: ``[T, P]``: the micro-batch that pass runs (0 when idle).
-      recv_forward: ``[T, P]``: the micro-batch whose activations arrive from the previous
-        stage at the start of the slot, or -1.
+      recv_forward: ``[T, P]``: the pass whose activations arrive from the previous stage at
+        the start of the slot, as its chunk times ``M`` plus its micro-batch, or -1.
       recv_backward: ``[T, P]``: likewise the gradient from the next stage, or -1.
-      slots: ``K``, the buffer slots per stage (the most micro-batches in flight).
+      slots: ``K``, the most passes in flight on a stage (forward done, its residuals not
+        yet released), the places of its residuals' buffer.
       patterns: the distinct sets of ``(source, target)`` stages that send in one slot (the
         empty set first).
       pattern: ``[T, 2]``: per slot, the index in :attr:`patterns` of the stages that send
@@ -115,6 +130,17 @@ class Schedule:
     slots: int
     patterns: tuple[tuple[tuple[int, int], ...], ...] = ((),)
     pattern: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    virtual: int = 1
+    chunk: np.ndarray | None = None  # [T, P]: the chunk a pass runs (None: all 0)
+    buffers: dict[str, Buffer] = dataclasses.field(default_factory=dict)
+    """The places of each buffer (``"res"``: the residuals, forward to backward or weight
+    pass; ``"kept"``: input to weight pass; ``"fwd_in"``, ``"bwd_in"``: the messages,
+    arrival to use)."""
+
+    @property
+    def chunks(self) -> np.ndarray:
+        """``[T, P]``: the chunk of layers each pass runs (0 but under interleaving)."""
+        return np.zeros_like(self.op) if self.chunk is None else self.chunk
 
     @property
     def num_slots(self) -> int:
@@ -142,7 +168,7 @@ class Schedule:
         split into the two (zero-bubble)."""
         split = bool((self.op == WEIGHT).any())
         times = np.array([0.0, 1.0, 1.0 if split else 2.0, 1.0])
-        return times[self.op]
+        return times[self.op] / self.virtual  # a chunk holds 1/V of the stage's layers
 
     @property
     def step_time(self) -> float:
@@ -164,69 +190,79 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
-def _orders(kind: str, p: int, m: int) -> list[list[tuple[int, int]]]:
-    """Per stage, its passes in the order it runs them."""
+def _orders(kind: str, p: int, m: int, v: int) -> list[list[tuple[int, int, int]]]:
+    """Per stage, its passes ``(pass, chunk, micro-batch)`` in the order it runs them."""
     orders = []
     for s in range(p):
         if kind == "gpipe":
-            orders.append([(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)])
+            orders.append([(op, 0, i) for op in (FORWARD, BACKWARD) for i in range(m)])
             continue
-        warm = min(p - 1 - s, m)
-        seq = [(FORWARD, i) for i in range(warm)]
-        for i in range(m - warm):
-            seq += [(FORWARD, warm + i), (BACKWARD, i)]
-        seq += [(BACKWARD, i) for i in range(m - warm, m)]
+        # 1F1B, and Megatron's interleaved 1F1B: the forward passes in groups of P
+        # micro-batches, chunk by chunk (the backward passes likewise, the last chunk first);
+        # a warm-up of forward passes, then one forward and one backward in turn.
+        ahead, back = [], []
+        for k in range(m * v):
+            group, r = divmod(k, p * v)
+            i = group * p + r % p
+            ahead.append((FORWARD, r // p, i))
+            back.append((BACKWARD, v - 1 - r // p, i))
+        warm = min(p - 1 - s if v == 1 else 2 * (p - 1 - s) + (v - 1) * p, m * v)
+        seq = ahead[:warm]
+        for k in range(m * v - warm):
+            seq += [ahead[warm + k], back[k]]
+        seq += back[m * v - warm :]
         orders.append(seq)
     return orders
 
 
-def _ready(done: dict[tuple[int, int, int], int], p: int, s: int, op: int, i: int, t: int) -> bool:
-    """Whether stage ``s`` may run pass ``op`` of micro-batch ``i`` in slot ``t``: what it
-    needs ran in an earlier slot (a forward pass needs the previous stage's, a backward pass
-    this stage's forward and the next stage's backward, a weight pass this stage's backward)."""
+def _ready(done: dict[tuple[int, int, int], int], n: int, j: int, op: int, i: int, t: int) -> bool:
+    """Whether (virtual) stage ``j`` of ``n`` may run pass ``op`` of micro-batch ``i`` in slot
+    ``t``: what it needs ran in an earlier slot (a forward pass needs the previous stage's, a
+    backward pass this stage's forward and the next stage's backward, a weight pass this
+    stage's backward)."""
     if op == FORWARD:
-        return s == 0 or done.get((s - 1, FORWARD, i), t) < t
+        return j == 0 or done.get((j - 1, FORWARD, i), t) < t
     if op == WEIGHT:
-        return done.get((s, BACKWARD, i), t) < t
-    return done.get((s, FORWARD, i), t) < t and (
-        s == p - 1 or done.get((s + 1, BACKWARD, i), t) < t
+        return done.get((j, BACKWARD, i), t) < t
+    return done.get((j, FORWARD, i), t) < t and (
+        j == n - 1 or done.get((j + 1, BACKWARD, i), t) < t
     )
 
 
-def _ordered_rows(kind: str, p: int, m: int) -> list[list[tuple[int, int]]]:
-    """GPipe's and 1F1B's slots: each stage runs its passes in its fixed order, each in the
-    first slot its input is ready."""
-    orders = _orders(kind, p, m)
-    done: dict[tuple[int, int, int], int] = {}  # (stage, pass, micro) -> slot it ran in
+def _ordered_rows(kind: str, p: int, m: int, v: int) -> list[list[tuple[int, int, int]]]:
+    """GPipe's and the 1F1B schedules' slots: each stage runs its passes in its fixed order,
+    each in the first slot its input is ready."""
+    orders = _orders(kind, p, m, v)
+    done: dict[tuple[int, int, int], int] = {}  # (virtual stage, pass, micro) -> its slot
     nxt = [0] * p
-    rows: list[list[tuple[int, int]]] = []
+    rows: list[list[tuple[int, int, int]]] = []
     while any(nxt[s] < len(orders[s]) for s in range(p)):
         t = len(rows)
         row = []
         for s in range(p):
             if nxt[s] >= len(orders[s]):
-                row.append((IDLE, 0))
+                row.append((IDLE, 0, 0))
                 continue
-            op, i = orders[s][nxt[s]]
-            row.append((op, i) if _ready(done, p, s, op, i, t) else (IDLE, 0))
-        for s, (op, i) in enumerate(row):
+            op, c, i = orders[s][nxt[s]]
+            row.append((op, c, i) if _ready(done, p * v, c * p + s, op, i, t) else (IDLE, 0, 0))
+        for s, (op, c, i) in enumerate(row):
             if op != IDLE:
-                done[(s, op, i)] = t
+                done[(c * p + s, op, i)] = t
                 nxt[s] += 1
         rows.append(row)
-        if len(rows) > 4 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
-            raise RuntimeError(f"the {kind} schedule for P={p}, M={m} does not finish")
+        if len(rows) > 4 * (m * v + p) + 8:  # pragma: no cover - a schedule bug
+            raise RuntimeError(f"the {kind} schedule for P={p}, M={m}, V={v} does not finish")
     return rows
 
 
-def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int]]]:
+def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int, int]]]:
     """ZB-H1's slots: each stage runs, in each slot, the first of these that is ready: the
     oldest micro-batch's input-gradient pass (the previous stage waits for it), the next
     forward pass while fewer than ``P`` micro-batches are in flight on the stage (forward
     done, weight pass not: 1F1B's most), the oldest weight-gradient pass (nobody waits for it,
     so it fills what would be the bubble)."""
     done: dict[tuple[int, int, int], int] = {}
-    rows: list[list[tuple[int, int]]] = []
+    rows: list[list[tuple[int, int, int]]] = []
     nxt_f = [0] * p
     while len(done) < 3 * p * m:
         t = len(rows)
@@ -250,17 +286,20 @@ def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int]]]:
             if op != IDLE:
                 done[(s, op, i)] = t
                 nxt_f[s] += op == FORWARD
-        rows.append(row)
+        rows.append([(op, 0, i) for op, i in row])
         if len(rows) > 6 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
             raise RuntimeError(f"the zero_bubble schedule for P={p}, M={m} does not finish")
     return rows
 
 
-def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
-    """Simulates ``kind`` on ``stages`` stages and ``micro_batches`` micro-batches.
+def make_schedule(kind: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> Schedule:
+    """Simulates ``kind`` on ``stages`` stages and ``micro_batches`` micro-batches, each stage
+    holding ``virtual_stages`` chunks of layers (``interleaved_1f1b`` only).
 
     Raises:
-      ValueError: for an unknown kind, or fewer micro-batches than stages.
+      ValueError: for an unknown kind, fewer micro-batches than stages, or chunks that the
+        schedule does not take (interleaving also needs the micro-batches in groups of
+        ``stages``).
     """
     if kind not in SCHEDULES:
         raise ValueError(
@@ -274,27 +313,56 @@ def make_schedule(kind: str, stages: int, micro_batches: int) -> Schedule:
             f"gradient_accumulation_steps is {m}; set gradient_accumulation_steps to {p} or more "
             f"(a multiple of {p}, e.g. {2 * p}, keeps the bubble smaller)."
         )
-    rows = _zero_bubble_rows(p, m) if kind == "zero_bubble" else _ordered_rows(kind, p, m)
-    op = np.array([[r[0] for r in row] for row in rows], np.int32)
-    micro = np.array([[r[1] for r in row] for row in rows], np.int32)
+    v = int(virtual_stages)
+    if v != 1 and kind != "interleaved_1f1b":
+        raise ValueError(
+            f"pipeline.virtual_stages: {v} chunks of layers per stage need pipeline.schedule: "
+            f"interleaved_1f1b, but the schedule is {kind}; set the schedule, or "
+            "virtual_stages: 1."
+        )
+    if kind == "interleaved_1f1b" and (v < 2 or m % p):
+        raise ValueError(
+            f"pipeline.schedule: interleaved_1f1b runs the micro-batches in groups of "
+            f"pipeline.stages ({p}) over at least 2 chunks of layers per stage, but "
+            f"gradient_accumulation_steps is {m} and pipeline.virtual_stages {v}; set "
+            f"gradient_accumulation_steps to a multiple of {p} and virtual_stages to 2 or more."
+        )
+    if kind == "zero_bubble":
+        rows = _zero_bubble_rows(p, m)
+    else:
+        rows = _ordered_rows(kind, p, m, v)
+    op, chunk, micro = (np.array([[r[n] for r in row] for row in rows], np.int32) for n in range(3))
+    key = chunk * m + micro  # a pass's buffers are named by its chunk and micro-batch
+    n = p * v
     rf = -np.ones_like(op)
     rb = -np.ones_like(op)
-    for t in range(len(rows) - 1):
+    ahead: list[tuple[tuple[int, int], ...]] = []
+    back: list[tuple[tuple[int, int], ...]] = []
+    for t in range(len(rows)):
+        fwd, bwd = [], []
         for s in range(p):
-            if op[t, s] == FORWARD and s < p - 1:
-                rf[t + 1, s + 1] = micro[t, s]
-            if op[t, s] == BACKWARD and s > 0:
-                rb[t + 1, s - 1] = micro[t, s]
-    slots = _slots_needed(op, micro, rf, rb, m)
-    ahead = [tuple((s, s + 1) for s in range(p - 1) if op[t, s] == FORWARD) for t in range(len(op))]
-    back = [tuple((s, s - 1) for s in range(1, p) if op[t, s] == BACKWARD) for t in range(len(op))]
+            j = int(chunk[t, s]) * p + s  # the virtual stage
+            if op[t, s] == FORWARD and j < n - 1:  # to virtual stage j + 1
+                fwd.append((s, (s + 1) % p))
+                if t + 1 < len(rows):
+                    rf[t + 1, (s + 1) % p] = ((j + 1) // p) * m + micro[t, s]
+            if op[t, s] == BACKWARD and j > 0:  # to virtual stage j - 1
+                bwd.append((s, (s - 1) % p))
+                if t + 1 < len(rows):
+                    rb[t + 1, (s - 1) % p] = ((j - 1) // p) * m + micro[t, s]
+        ahead.append(tuple(fwd))
+        back.append(tuple(bwd))
+    buffers = _allocate(op, key, rf, rb)
     pattern, patterns = _pair_table(
         [
             (tuple(sorted(a + b)), ()) if not {d for _, d in a} & {d for _, d in b} else (a, b)
             for a, b in zip(ahead, back, strict=True)
         ]
     )
-    return Schedule(kind, p, m, op, micro, rf, rb, slots, patterns, pattern)
+    return Schedule(
+        kind, p, m, op, micro, rf, rb, buffers["res"].count, patterns, pattern, v,
+        chunk if v > 1 else None, buffers,
+    )  # fmt: skip
 
 
 def _pair_table(
@@ -321,47 +389,55 @@ def _deliver(axis: str, pairs: tuple[tuple[int, int], ...]) -> Callable[[list[An
     return lambda msg: [jax.lax.ppermute(x, axis, list(pairs)) for x in msg]
 
 
-def _slots_needed(op: np.ndarray, micro: np.ndarray, rf: np.ndarray, rb: np.ndarray, m: int) -> int:
-    """The least ``K`` for which ``micro % K`` never overwrites a buffered value still needed:
-    for the residuals (forward to backward) and the two message buffers (arrival to use)."""
+def _allocate(op: np.ndarray, key: np.ndarray, rf: np.ndarray, rb: np.ndarray) -> dict[str, Buffer]:
+    """Each buffer's places (:class:`Buffer`). A value is written at the end of one slot and
+    read in later ones (reads come before the slot's writes), so a place is free again for a
+    value written in the slot of its last read. ``key`` names a pass's values (its chunk times
+    ``M`` plus its micro-batch)."""
     t_max, p = op.shape
     split = bool((op == WEIGHT).any())  # residuals live until the weight pass, if there is one
-    lives: list[list[tuple[int, int, int]]] = [[] for _ in range(2 * p)]  # (micro, start, end)
+    lives: dict[str, list[list[tuple[int, list[int]]]]] = {
+        name: [[] for _ in range(p)] for name in ("res", "kept", "fwd_in", "bwd_in")
+    }  # per buffer and stage: (written in, [read in, ...])
     for s in range(p):
-        when = {(int(op[t, s]), int(micro[t, s])): t for t in range(t_max) if op[t, s] != IDLE}
-        for i in range(m):
-            lives[s].append((i, when[(FORWARD, i)], when[(WEIGHT if split else BACKWARD, i)]))
-            if split:  # what the input pass keeps for the weight pass
-                lives[p + s].append((i, when[(BACKWARD, i)], when[(WEIGHT, i)]))
-    for k in range(1, m + 1):
-        if all(_fits(lv, k) for lv in lives) and all(
-            _fits(_arrivals(table, op, micro, s, kind), k)
-            for s in range(p)
-            for table, kind in ((rf, FORWARD), (rb, BACKWARD))
-        ):
-            return k
-    return m
-
-
-def _arrivals(
-    table: np.ndarray, op: np.ndarray, micro: np.ndarray, s: int, kind: int
-) -> list[tuple[int, int, int]]:
-    out = []
-    for t in range(table.shape[0]):
-        i = int(table[t, s])
-        if i >= 0:
-            use = next(u for u in range(t, op.shape[0]) if (op[u, s], micro[u, s]) == (kind, i))
-            out.append((i, t, use))
+        when = {(int(op[t, s]), int(key[t, s])): t for t in range(t_max) if op[t, s] != IDLE}
+        for (o, k), t in when.items():
+            if o == FORWARD:
+                uses = [when[(BACKWARD, k)]] + ([when[(WEIGHT, k)]] if split else [])
+                lives["res"][s].append((t, uses))
+            elif o == WEIGHT:
+                lives["kept"][s].append((when[(BACKWARD, k)], [t]))
+        for name, table, kind in (("fwd_in", rf, FORWARD), ("bwd_in", rb, BACKWARD)):
+            for t in range(1, t_max):
+                if table[t, s] >= 0:  # sent in slot t - 1, written at its end
+                    lives[name][s].append((t - 1, [when[(kind, int(table[t, s]))]]))
+    out = {}
+    for name, per_stage in lives.items():
+        count = max([_places(lv)[0] for lv in per_stage] + [0])
+        write = np.full((t_max, p), count, np.int32)
+        read = np.full((t_max, p), count, np.int32)
+        for s, lv in enumerate(per_stage):
+            for (start, uses), place in zip(lv, _places(lv)[1], strict=True):
+                write[start, s] = place
+                for u in uses:
+                    read[u, s] = place
+        out[name] = Buffer(count, write, read)
     return out
 
 
-def _fits(lives: Sequence[tuple[int, int, int]], k: int) -> bool:
-    """No two values sharing a slot ``micro % k`` are alive at once."""
-    for a in lives:
-        for b in lives:
-            if a[0] < b[0] and a[0] % k == b[0] % k and b[1] <= a[2]:
-                return False
-    return True
+def _places(lives: Sequence[tuple[int, list[int]]]) -> tuple[int, list[int]]:
+    """The least free place for each value in the order they are written: ``(count, place
+    of each)``; a place is free from the slot of its value's last read."""
+    free_from: list[int] = []  # per place, the slot from which it is free
+    places = [0] * len(lives)
+    for n in sorted(range(len(lives)), key=lambda n: lives[n][0]):
+        start, uses = lives[n]
+        place = next((c for c, f in enumerate(free_from) if f <= start), len(free_from))
+        if place == len(free_from):
+            free_from.append(0)
+        free_from[place] = max(uses)
+        places[n] = place
+    return len(free_from), places
 
 
 def _stage_rows(table: np.ndarray, axis: str) -> jax.Array:
@@ -381,6 +457,7 @@ def run(
     axis: str = PIPE_AXIS,
     reduce: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
     split_backward: Callable[..., Any] | None = None,
+    chunked: Sequence[bool] | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Runs ``schedule``: every micro-batch through every stage, forward and backward.
 
@@ -403,25 +480,40 @@ def run(
         this device's shard only); the identity when None.
       split_backward: what cuts the unit's backward pass into input- and weight-gradient
         passes (:func:`jzero.replay.split_backward`), which the zero-bubble schedule needs.
+      chunked: per parameter, whether it is split in the schedule's ``V`` chunks of layers
+        (its leading dimension: chunk ``v`` the ``v``-th ``1 / V`` of the stage's rows), the
+        others whole in every chunk; an interleaved schedule needs it.
 
     Returns:
       ``(grads, outs)``: the parameters' gradients summed over the micro-batches (this stage's
       share; zero for a parameter the stage does not use), and ``outs`` summed over the
       micro-batches on the last stage (zeros elsewhere).
     """
-    p, k = schedule.stages, schedule.slots
+    p, v = schedule.stages, schedule.virtual
     position = jax.lax.axis_index(axis)  # this device's place along the pipeline
-    first, last = position == 0, position == p - 1
     mb0 = jax.tree.map(lambda x: x[0], micro_batches)
     zero_carry = [jnp.zeros(c.shape, c.dtype) for c in carry]
     if schedule.kind == "zero_bubble" and split_backward is None:
         raise ValueError("the zero_bubble schedule needs split_backward (jzero.replay's)")
+    if v > 1 and chunked is None:
+        raise ValueError("an interleaved schedule needs `chunked`, the leaves split in chunks")
+    chunked = list(chunked) if v > 1 else [False] * len(params)
+    rows_of = [x.shape[0] // v if c else 0 for x, c in zip(params, chunked, strict=True)]
+
+    def chunk_of(c: jax.Array) -> list[jax.Array]:  # chunk c's parameters (all of them: V = 1)
+        return [jax.lax.dynamic_slice_in_dim(x, c * n, n, 0) if n else x
+                for x, n in zip(params, rows_of, strict=True)]  # fmt: skip
+
+    def ends(c: jax.Array | int) -> tuple[jax.Array, jax.Array]:  # the model's first, last chunk
+        return (position == 0) & (c == 0), (position == p - 1) & (c == v - 1)
+
     cut = split_backward if schedule.kind == "zero_bubble" else None
-    passes = _passes(unit, params, zero_carry, first, last, mb0, cut)
+    passes = _passes(unit, chunk_of(0), zero_carry, *ends(0), mb0, cut)
     out_shapes = passes.outs
 
-    def buffer(shapes: Sequence[Any]) -> list[jax.Array]:
-        return [jnp.zeros((k + 1, *s.shape), s.dtype) for s in shapes]
+    def buffer(name: str, shapes: Sequence[Any]) -> list[jax.Array]:
+        places = schedule.buffers[name].count + 1  # the last one a sink
+        return [jnp.zeros((places, *s.shape), s.dtype) for s in shapes]
 
     def put(buf: list[jax.Array], vals: Sequence[jax.Array], slot: jax.Array) -> list[jax.Array]:
         return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0) for b, v in
@@ -430,19 +522,16 @@ def run(
     def get(buf: list[jax.Array], slot: jax.Array) -> list[jax.Array]:
         return [jax.lax.dynamic_index_in_dim(b, slot, 0, keepdims=False) for b in buf]
 
-    def slot_of(i: jax.Array) -> jax.Array:
-        return jnp.where(i >= 0, i % k, k)
-
     def zeros(shapes: Sequence[Any]) -> list[jax.Array]:
         return [jnp.zeros(x.shape, x.dtype) for x in shapes]
 
     out_zeros = [jnp.zeros(o.shape, _wide(o.dtype)) for o in out_shapes]
     reduce = reduce if reduce is not None else (lambda gs: gs)
-    full_grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in params]
+    unit_grads = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in chunk_of(0)]
     grad_shapes = [jax.ShapeDtypeStruct(r.shape, d) for r, d in zip(
-        jax.eval_shape(reduce, full_grads), grad_dtypes, strict=True)]  # fmt: skip
+        jax.eval_shape(reduce, unit_grads), grad_dtypes, strict=True)]  # fmt: skip
 
-    def d_outs() -> list[jax.Array]:  # the loss's cotangent: the seed on the last stage
+    def d_outs(last: jax.Array) -> list[jax.Array]:  # the loss's cotangent: seeded on the last
         ds = [jnp.zeros(o.shape, o.dtype) for o in out_shapes]
         loss_dtype = out_shapes[0].dtype
         ds[0] = jnp.where(last, seed.astype(loss_dtype), 0).astype(loss_dtype)
@@ -455,31 +544,34 @@ def run(
     # switch, so they stay in place in the loop's carry (a buffer passed through a
     # conditional is copied in and out: measured 4.7x the step time at K = 8). What a pass
     # sends (a forward pass's activations, a backward pass's input gradient) is one message.
-    # Each returns (saved, message, outs, gradients, kept).
-    def forward(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
-                kept: list[Any]) -> Any:  # fmt: skip
-        c_out, outs, new = passes.forward(params, c_in, [first, last, *_leaves(micro_batches, i)])
+    # Each takes (micro-batch, chunk, its parameters, fwd_in, res, bwd_in, kept) and returns
+    # (res, message, outs, gradients, kept).
+    def forward(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
+                d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
+        c_out, outs, new = passes.forward(ps, c_in, [*ends(ch), *_leaves(micro_batches, i)])
         c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
         outs = [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
         return new, c_out, outs, zeros(grad_shapes), zeros(passes.kept)
 
-    def backward(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
-                 kept: list[Any]) -> Any:  # fmt: skip
+    def backward(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
+                 d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
+        first, last = ends(ch)
         d_carry = [jnp.where(last, jnp.zeros_like(d), d) for d in d_carry]
         fixed = [first, last, *_leaves(micro_batches, i)]
-        d_in, d_params, new_kept = passes.backward(params, fixed, saved, d_carry, d_outs())
+        d_in, d_params, new_kept = passes.backward(ps, fixed, saved, d_carry, d_outs(last))
         d_in = [d.astype(c.dtype) for d, c in zip(d_in, carry, strict=True)]
         grads = zeros(grad_shapes) if d_params is None else summed(d_params)
         return zeros(passes.saved), d_in, out_zeros, grads, new_kept
 
-    def weight(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
-               kept: list[Any]) -> Any:  # fmt: skip
+    def weight(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
+               d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
+        first, last = ends(ch)
         fixed = [first, last, *_leaves(micro_batches, i)]
-        d_params = passes.weight(params, fixed, saved, kept, d_outs())
+        d_params = passes.weight(ps, fixed, saved, kept, d_outs(last))
         return zeros(passes.saved), zero_carry, out_zeros, summed(d_params), zeros(passes.kept)
 
-    def idle(i: jax.Array, c_in: list[Any], saved: list[Any], d_carry: list[Any],
-             kept: list[Any]) -> Any:  # fmt: skip
+    def idle(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
+             d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
         return zeros(passes.saved), zero_carry, out_zeros, zeros(grad_shapes), zeros(passes.kept)
 
     # One permute per slot, with exactly the (source, target) pairs that slot's passes send
@@ -490,18 +582,28 @@ def run(
     branches = [_deliver(axis, pairs) for pairs in schedule.patterns]
     table = [jnp.asarray(schedule.pattern[:, j]) for j in range(schedule.pattern.shape[1])]
     kinds = (idle, forward, backward, weight) if passes.split else (idle, forward, backward)
+    names = ("fwd_in", "res", "bwd_in", "kept")
 
-    def body(state: dict[str, Any], row: tuple[jax.Array, ...]) -> tuple[dict[str, Any], None]:
-        t, op, i, rf, rb = row
-        slot = i % k
+    def add(sums: list[jax.Array], d: list[jax.Array], c: jax.Array) -> list[jax.Array]:
+        """Chunk ``c``'s gradients added into its rows (all of a leaf not split in chunks)."""
+        out = []
+        for g, x, n in zip(sums, d, rows_of, strict=True):
+            if n:
+                x = jax.lax.dynamic_slice_in_dim(g, c * n, n, 0) + x
+                out.append(jax.lax.dynamic_update_slice_in_dim(g, x, c * n, 0))
+            else:
+                out.append(g + x)
+        return out
+
+    def body(state: dict[str, Any], row: dict[str, jax.Array]) -> tuple[dict[str, Any], None]:
+        t, op, i, c = row["t"], row["op"], row["micro"], row["chunk"]
         new, send, outs, d_params, new_kept = jax.lax.switch(
             op,
             kinds,
             i,
-            get(state["fwd_in"], slot),
-            get(state["res"], slot),
-            get(state["bwd_in"], slot),
-            get(state["kept"], slot),
+            c,
+            chunk_of(c) if v > 1 else params,
+            *(get(state[n], row[f"{n}.read"]) for n in names),
         )
         got = jax.lax.switch(table[0][t], branches, send)
         if schedule.pattern.shape[1] > 1 and schedule.pattern[:, 1].any():
@@ -509,30 +611,31 @@ def run(
             got_back = [jnp.where(table[1][t] > 0, b, a) for a, b in zip(got, other, strict=True)]
         else:
             got_back = got
-        state = {  # what arrived waits for its pass in the slot its micro-batch names
-            "fwd_in": put(state["fwd_in"], got, slot_of(rf)),
-            "bwd_in": put(state["bwd_in"], got_back, slot_of(rb)),
-            "res": put(state["res"], new, jnp.where(op == FORWARD, slot, k)),
-            "kept": put(state["kept"], new_kept, jnp.where(op == BACKWARD, slot, k)),
-            "grads": [g + d for g, d in zip(state["grads"], d_params, strict=True)],
+        # What arrived waits for its pass in the place the schedule gave it.
+        written = {"fwd_in": got, "bwd_in": got_back, "res": new, "kept": new_kept}
+        state = {n: put(state[n], written[n], row[f"{n}.write"]) for n in names} | {
+            "grads": add(state["grads"], d_params, c) if v > 1 else
+            [g + d for g, d in zip(state["grads"], d_params, strict=True)],
             "outs": [a + o for a, o in zip(state["outs"], outs, strict=True)],
-        }
+        }  # fmt: skip
         return state, None
 
+    grad_sums = [jax.ShapeDtypeStruct((g.shape[0] * v, *g.shape[1:]) if n else g.shape, g.dtype)
+                 for g, n in zip(grad_shapes, rows_of, strict=True)]  # fmt: skip
     state = {
-        "fwd_in": buffer(carry),
-        "bwd_in": buffer(carry),
-        "res": buffer(passes.saved),
-        "kept": buffer(passes.kept),
-        "grads": zeros(grad_shapes),
+        "fwd_in": buffer("fwd_in", carry),
+        "bwd_in": buffer("bwd_in", carry),
+        "res": buffer("res", passes.saved),
+        "kept": buffer("kept", passes.kept),
+        "grads": zeros(grad_sums),
         "outs": out_zeros,
     }
-    arrive_f = np.concatenate([schedule.recv_forward[1:], -np.ones_like(schedule.op[:1])])
-    arrive_b = np.concatenate([schedule.recv_backward[1:], -np.ones_like(schedule.op[:1])])
-    rows = (
-        jnp.arange(schedule.num_slots, dtype=jnp.int32),
-        *(_stage_rows(t, axis) for t in (schedule.op, schedule.micro, arrive_f, arrive_b)),
-    )
+    tables = {"op": schedule.op, "micro": schedule.micro, "chunk": schedule.chunks}
+    for n in names:
+        tables[f"{n}.read"] = schedule.buffers[n].read
+        tables[f"{n}.write"] = schedule.buffers[n].write
+    rows = {name: _stage_rows(x, axis) for name, x in tables.items()}
+    rows["t"] = jnp.arange(schedule.num_slots, dtype=jnp.int32)
     state, _ = jax.lax.scan(body, state, rows)
     return state["grads"], state["outs"]
 

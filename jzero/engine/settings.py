@@ -347,7 +347,11 @@ def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]
     _require_axis("pipeline.stages", stages, PIPE_AXIS, mesh)
     if mesh.shape.get(PIPE_AXIS, 1) <= 1:
         return {}
-    return {"pipe_axis": PIPE_AXIS, "pipe_schedule": cfg.pipeline_schedule()}
+    return {
+        "pipe_axis": PIPE_AXIS,
+        "pipe_schedule": cfg.pipeline_schedule(),
+        "pipe_virtual": cfg.pipeline_virtual_stages(),
+    }
 
 
 def tensor_parallel(

@@ -91,6 +91,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jzero._util import divisors
+from jzero.choices.pipeline import SCHEDULES
+from jzero.distributed.pipeline import make_schedule
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -309,6 +311,7 @@ class Estimate:
     pipeline: int = 1
     micro_batches: int = 1
     pipeline_schedule: str = "1f1b"
+    virtual_stages: int = 1
     experts: int = 0
     expert_parallel: int = 1
     expert_params: float = 0
@@ -414,9 +417,10 @@ class Estimate:
             )
         if self.pipeline > 1:
             p, m = self.pipeline, self.micro_batches
+            table = make_schedule(self.pipeline_schedule, p, m, self.virtual_stages)
             hybrid += (
                 f", pipeline P = {p} stages ({self.pipeline_schedule}, M = {m} micro-batches, "
-                f"bubble (P-1)/(M+P-1) = {(p - 1) / (m + p - 1):.3g}): each device holds "
+                f"bubble from its table {table.bubble:.3g}): each device holds "
                 f"Psi/P of the layers, ZeRO-sharded over its stage's {self.shards} devices"
             )
         if moe:
@@ -502,15 +506,14 @@ class Estimate:
                     "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
                 ]
             if piped:
-                held = min(self.pipeline, self.micro_batches)
-                if self.pipeline_schedule == "gpipe":
-                    held = self.micro_batches
+                held = _held(self.pipeline_schedule, self.pipeline, self.micro_batches,
+                             self.virtual_stages)  # fmt: skip
                 lines += [
-                    f"  pipeline: a stage runs L/P layers and keeps {held} micro-batches of "
-                    f"their activations ({self.pipeline_schedule}: "
-                    + ("M" if self.pipeline_schedule == "gpipe" else "P")
-                    + "); pipe GB/step: each of the M micro-batches sends its s b h activations "
-                    "to the next stage and their gradient back.",
+                    f"  pipeline: a stage runs L/P layers and keeps {held:g} micro-batches of "
+                    f"their activations ({self.pipeline_schedule}: the most passes in flight "
+                    "in its table); pipe GB/step: each of the M micro-batches sends its s b h "
+                    "activations to the next stage and their gradient back (V times under "
+                    "interleaving: each chunk boundary).",
                 ]
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
@@ -571,6 +574,7 @@ def estimate(
     pipeline: int = 1,
     micro_batches: int | None = None,
     pipeline_schedule: str = "1f1b",
+    virtual_stages: int = 1,
     experts: int = 0,
     expert_parallel: int = 1,
     expert_params: float | str = 0,
@@ -629,7 +633,11 @@ def estimate(
         (the first stage's, the most), ``M`` under GPipe, and its traffic is one micro-batch's
         ``s b h`` activations forward and their gradient back, ``M`` times a step.
       micro_batches: the micro-batches M a step (``gradient_accumulation_steps``); default 2P.
-      pipeline_schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+      pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"`` or
+        ``"zero_bubble"``: a stage keeps the activations of the most micro-batches its table
+        has in flight (``M`` under GPipe, ``P`` under 1F1B and zero-bubble, a chunk's
+        ``1 / V`` each under interleaving).
+      virtual_stages: ``V``, the chunks of layers per stage under ``interleaved_1f1b``.
       experts: the experts E of each MoE layer; 0 (default): no mixture of experts.
       expert_parallel: the expert axis E_p (``expert_parallel.autoep_size``; the mesh
         ``{data: N/E_p, expert: E_p}``); it divides ``devices`` (per replica group) and
@@ -713,10 +721,13 @@ def estimate(
             f"micro_batches: {mb} is fewer than the {pp} pipeline stages, which need at least "
             f"{pp} to fill; pass micro_batches of {pp} or more (e.g. {2 * pp})."
         )
-    if pipeline_schedule not in ("1f1b", "gpipe"):
+    if pipeline_schedule not in SCHEDULES:
         raise ValueError(
-            f"pipeline_schedule: {pipeline_schedule!r} is not allowed; it must be 1f1b or gpipe."
+            f"pipeline_schedule: {pipeline_schedule!r} is not allowed; it must be one of "
+            f"{', '.join(SCHEDULES)}."
         )
+    if pp > 1:  # the schedule's own checks (micro-batches in groups, chunks)
+        make_schedule(pipeline_schedule, pp, mb, virtual_stages)
     if n % (r * tp * sp * pp):
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
@@ -782,7 +793,7 @@ def estimate(
             **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
         )
         if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
-            held = mb if pipeline_schedule == "gpipe" else min(pp, mb)
+            held = _held(pipeline_schedule, pp, mb, virtual_stages)
             per_layer = act / staged["layers"]
             act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
     model_bytes = seq_bytes = pipe_bytes = 0.0
@@ -792,7 +803,7 @@ def estimate(
         model_bytes = 4 * 2 * (tp - 1) / tp * sbh * width
         seq_bytes = 8 * (sp - 1) / sp * sbh / tp * width
         if pp > 1:  # each micro-batch forward to the next stage and its gradient back
-            pipe_bytes = 2 * mb * sbh * _DTYPE_BYTES[activation_dtype]
+            pipe_bytes = 2 * mb * virtual_stages * sbh * _DTYPE_BYTES[activation_dtype]
     # Each device holds Psi / (T P) of the dense model and Psi_e / P of the experts (AutoTP
     # leaves them whole over `model`); ZeRO shards it over its data (x seq x expert) group.
     psi_all, psi, ll = psi, (psi - psi_e) / tp / pp + psi_e / pp, ll / tp
@@ -849,9 +860,15 @@ def estimate(
     )
     return Estimate(
         psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, n_experts, ep, psi_e, opt_dtype,
-        master,
+        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, virtual_stages, n_experts, ep,
+        psi_e, opt_dtype, master,
     )  # fmt: skip
+
+
+def _held(schedule: str, stages: int, micro_batches: int, virtual: int) -> float:
+    """The micro-batches of a stage's activations the schedule keeps at most: the most passes
+    in flight on a stage in its table, a chunk counting ``1 / V``."""
+    return make_schedule(schedule, stages, micro_batches, virtual).slots / virtual
 
 
 def _check_experts(

@@ -269,6 +269,7 @@ def make_plan(
         seq_axis=par.seq_axis,
         pipe_axis=par.pipe_axis,
         pipe_schedule=par.pipe_schedule,
+        pipe_virtual=par.pipe_virtual,
         expert_axis=par.expert_axis,
     )
 
@@ -332,7 +333,7 @@ def _parallel_bases(
     """The bases with the pipeline's and the experts' axes added, every mesh axis used."""
     if par.pipe_axis is not None and pipe_leaves is not None:
         stages = int(mesh.shape[par.pipe_axis])
-        bases = _on_pipe(flat, bases, pipe_leaves, par.pipe_axis, stages)
+        bases = _on_pipe(flat, bases, pipe_leaves, par.pipe_axis, stages, par.pipe_virtual)
     if par.expert_axis is not None and par.expert_axis not in zero_axes:
         raise ValueError(
             f"expert_axis {par.expert_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
@@ -412,15 +413,24 @@ def _on_pipe(
     pipe_leaves: Sequence[bool],
     pipe_axis: str,
     stages: int,
+    virtual: int = 1,
 ) -> tuple[P, ...]:
     """The bases with ``pipe_axis`` on the stacked-layer dimension (0) of the leaves the layer
-    scan consumes (pipeline parallelism: each stage holds ``L / P`` consecutive layers)."""
+    scan consumes (pipeline parallelism: each stage holds ``L / P`` consecutive layers; under
+    interleaving ``virtual`` chunks of ``L / (P V)``)."""
     out = []
     for (path, x), b, piped in zip(flat, bases, pipe_leaves, strict=True):
         if not piped:
             out.append(b)
             continue
         layers = int(x.shape[0])
+        if virtual > 1 and layers % (stages * virtual):
+            raise ValueError(
+                f"pipeline.virtual_stages: {stages} stages of {virtual} chunks each do not "
+                f"divide the {layers} layers of {_path_str(path)} (shape {tuple(x.shape)}); "
+                f"each chunk holds an equal share. Use stages x virtual_stages among the "
+                f"divisors of {layers} ({', '.join(map(str, divisors(layers)))})."
+            )
         if layers % stages:
             raise ValueError(
                 f"pipeline.stages: {stages} does not divide the {layers} layers of "

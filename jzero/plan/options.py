@@ -109,7 +109,9 @@ class ParallelOptions:
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
         not split over it (its devices split their tokens instead, in the loss).
       pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism.
-      pipe_schedule: ``"1f1b"`` or ``"gpipe"`` (:mod:`jzero.distributed.pipeline`).
+      pipe_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``
+        (:mod:`jzero.distributed.pipeline`).
+      pipe_virtual: the chunks of layers each pipeline stage holds (``interleaved_1f1b``).
       expert_axis: the expert-parallel axis (:mod:`jzero.distributed.expert`), one of
         ``axis``'s: ZeRO shards the dense leaves over all of ``axis``, and each expert leaf
         rests split over ``expert_axis`` on its experts dimension, ZeRO sharding it over the
@@ -126,6 +128,7 @@ class ParallelOptions:
     seq_axis: str | None = None
     pipe_axis: str | None = None
     pipe_schedule: str = "1f1b"
+    pipe_virtual: int = 1
     expert_axis: str | None = None
     expert_leaves: Sequence[bool] | None = None
     num_experts: int | None = None

@@ -110,7 +110,9 @@ class Plan:
       pipe_axis: the pipeline mesh axis (:mod:`jzero.distributed.pipeline`), or ``None``: the
         leaves the layer scan consumes are split over it on their stacked dimension (their
         base spec names it), every other leaf is whole on each stage.
-      pipe_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+      pipe_schedule: the pipeline schedule, ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or
+        ``"zero_bubble"``.
+      pipe_virtual: the chunks of layers each stage holds (``interleaved_1f1b``; else 1).
       expert_axis: the expert-parallel mesh axis (:mod:`jzero.distributed.expert`), one of
         :attr:`zero_axes`, or ``None``: each expert leaf rests split over it on its experts
         dimension (its base spec names it) and is sharded by ZeRO over the other axes only;
@@ -155,6 +157,7 @@ class Plan:
     seq_axis: str | None = None
     pipe_axis: str | None = None
     pipe_schedule: str = "1f1b"
+    pipe_virtual: int = 1
     expert_axis: str | None = None
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
@@ -530,10 +533,21 @@ class Plan:
             split = sum(self.pipelined)
             lines.append(
                 f"pipeline: {self.pipe_size} stages over {self.pipe_axis!r}, schedule "
-                f"{self.pipe_schedule}; "
+                f"{self.pipe_schedule}"
+                + (
+                    f" ({self.pipe_virtual} chunks of layers per stage)"
+                    if self.pipe_virtual > 1
+                    else ""
+                )  # fmt: skip
+                + "; "
                 + (
                     f"{split} stacked-layer leaves split into consecutive layers per stage, "
-                    "the rest whole on every stage"
+                    + (
+                        "each stage's rows its chunks in turn (the model's s, P + s, ...), "
+                        if self.pipe_virtual > 1
+                        else ""
+                    )  # fmt: skip
+                    + "the rest whole on every stage"
                     if self.layers_traced
                     else "the layer scan's leaves are split when the loss is first traced"
                 )

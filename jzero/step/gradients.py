@@ -306,10 +306,11 @@ def _scatters_each_micro_batch(plan: Plan) -> bool:
     return plan.stage.shard_grads and not plan.stage.shard_params
 
 
-def _stage_shapes(plan: Plan) -> PyTree:
+def _stage_shapes(plan: Plan, chunks: int = 1) -> PyTree:
     """The compute params one pipeline stage holds inside the step: ``L / P`` layers of each
-    split leaf, and of an expert leaf its ``E / E_p`` experts."""
-    p = plan.pipe_size
+    split leaf (a chunk's ``L / (P V)`` with ``chunks = V``), and of an expert leaf its
+    ``E / E_p`` experts."""
+    p = plan.pipe_size * chunks
     return jax.tree.map(
         lambda x, piped: (
             jax.ShapeDtypeStruct((x.shape[0] // p, *x.shape[1:]), x.dtype) if piped else x
@@ -336,12 +337,12 @@ def _pipelined_grads(
     """
     from jzero.distributed import pipeline
 
-    prec, pipe = plan.precision, plan.pipe_axis
-    schedule = pipeline.make_schedule(plan.pipe_schedule, plan.pipe_size, accum)
+    prec, pipe, chunks = plan.precision, plan.pipe_axis, plan.pipe_virtual
+    schedule = pipeline.make_schedule(plan.pipe_schedule, plan.pipe_size, accum, chunks)
     treedef = jax.tree.structure(plan.abstract_params)
     split_leaves = plan.pipelined
     grad_dtypes = [prec.accumulator(x.dtype) for x in jax.tree.leaves(plan.abstract_params)]
-    stage_shapes = _stage_shapes(plan)
+    stage_shapes = _stage_shapes(plan, chunks)  # what the stage unit runs: one chunk
 
     loss_only = _loss_only(full_loss, prec)
 
@@ -353,7 +354,9 @@ def _pipelined_grads(
 
         def region(params: PyTree, extra: PyTree, scale: jax.Array, mbs: PyTree) -> Any:
             # Traced here, with `pipe` manual, so the replayed equations see this mesh.
-            split, run_unit = _stage_unit(plan, loss_only, policy, stage_shapes, extra, mb)
+            split, run_unit = _stage_unit(
+                plan, loss_only, policy, stage_shapes, extra, mb, plan.pipe_size * chunks
+            )
             trees["aux"] = jax.tree_util.treedef_children(split.out_tree)[1]
             seed = scale if prec.scaled else jnp.ones((), jnp.float32)
 
@@ -373,6 +376,7 @@ def _pipelined_grads(
                 axis=pipe,
                 reduce=reduce if _scatters_each_micro_batch(plan) else None,
                 split_backward=split_backward,
+                chunked=split_leaves,
             )
             grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
                      strict=True)]  # fmt: skip
@@ -380,6 +384,8 @@ def _pipelined_grads(
             return treedef.unflatten(grads), outs
 
         specs = _pipe_specs(plan)
+        if chunks > 1:  # each stage's rows: its chunks of the model, V non-adjacent ones
+            params = _interleaved(plan, params, to_chunks=True)
         grads, outs = jax.shard_map(
             region,
             mesh=jax.sharding.get_abstract_mesh(),
@@ -388,11 +394,33 @@ def _pipelined_grads(
             axis_names={pipe},
             check_vma=False,
         )(params, extra, scale, mbs)
+        if chunks > 1:
+            grads = _interleaved(plan, grads, to_chunks=False)
         loss = outs[0] / accum
         aux = trees["aux"].unflatten([a / accum for a in outs[1:]])
         return loss, aux, grads
 
     return pipelined
+
+
+def _interleaved(plan: Plan, tree: PyTree, *, to_chunks: bool) -> PyTree:
+    """The split leaves' layers reordered for interleaving (``to_chunks``) or back: with ``V``
+    chunks of ``L / (P V)`` layers per stage, stage ``s`` holds the model's chunks ``s, P + s,
+    ...``, so its contiguous ``1 / P`` of the reordered rows are those chunks in turn. Each
+    leaf rests in the model's order; the step moves each stage's chunks into place (an
+    all-to-all over ``pipe``, 1 - 1/P of the split leaves' bytes) and their gradients back."""
+    p, v = plan.pipe_size, plan.pipe_virtual
+
+    def move(x: jax.Array, split: bool) -> jax.Array:
+        if not split:
+            return x
+        rows = x.shape[0] // (p * v)
+        grid = (v, p) if to_chunks else (p, v)  # the model's chunk v P + s <-> stage s's v-th
+        y = x.reshape(*grid, rows, *x.shape[1:]).swapaxes(0, 1)
+        return y.reshape(x.shape)
+
+    leaves = [move(x, s) for x, s in zip(jax.tree.leaves(tree), plan.pipelined, strict=True)]
+    return jax.tree.structure(tree).unflatten(leaves)
 
 
 def pipelined_loss(plan: Plan, full_loss: LossFn, micro: int) -> Callable[..., Any]:
@@ -460,11 +488,13 @@ def _stage_unit(
     stage_shapes: PyTree,
     extra: PyTree,
     mb: PyTree,
+    units: int | None = None,
 ) -> tuple[Any, Callable[..., Any]]:
     """Inside the stage region: the loss cut at its layer scan, and the unit of a flat list of
-    the stage's parameters (gathered at stage 3, checkpointed by ``policy``)."""
+    the stage's parameters (gathered at stage 3, checkpointed by ``policy``); ``units``: how
+    many units the model's layers make (``P``, or ``P V`` chunks under interleaving)."""
     treedef = jax.tree.structure(plan.abstract_params)
-    split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=plan.pipe_size)
+    split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=units or plan.pipe_size)
     unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
 
     def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
@@ -552,8 +582,8 @@ def _reduce(
         dims.append(grad_dim if scatter else None)
         if scatter:  # a leaf the shard count does not divide is scattered padded with zeros
             shape = list(plan.local_stored_shape(i))
-            if in_stage and plan.pipelined[i]:
-                shape[0] //= plan.pipe_size
+            if in_stage and plan.pipelined[i]:  # a stage's rows, or under interleaving a chunk's
+                shape[0] //= plan.pipe_size * plan.pipe_virtual
             g = pad_to(g, tuple(shape))
         sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
 

@@ -110,6 +110,48 @@ def test_zero_bubble_splits_each_backward_in_two_and_idles_less_than_1f1b(p, m):
     assert one.time_bubble > one.bubble == pytest.approx(bubble_fraction(p, m))
 
 
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (2, 4, 4), (4, 4, 3)])
+def test_interleaved_1f1b_runs_v_chunks_per_stage_and_shrinks_the_bubble_v_times(p, m, v):
+    """Megatron's interleaved 1F1B: stage s holds the model's chunks s, P + s, ...; each
+    chunk's forward runs after the previous chunk's (on the previous stage, or the last
+    stage's previous chunk), each backward after its forward and the next chunk's backward.
+    The idle slots fall to (P - 1) / (M V + P - 1), each slot a chunk's pass; each
+    micro-batch crosses each of the P V - 1 chunk boundaries once each way."""
+    s, one = make_schedule("interleaved_1f1b", p, m, v), make_schedule("1f1b", p, m)
+    n = p * v
+    when = {}
+    for t in range(s.num_slots):
+        for stage in range(p):
+            if s.op[t, stage] != IDLE:
+                j = int(s.chunks[t, stage]) * p + stage  # the chunk's place in the model
+                key = (j, int(s.op[t, stage]), int(s.micro[t, stage]))
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * n * m
+    for (j, op, i), t in when.items():
+        if op == FORWARD and j > 0:
+            assert when[(j - 1, FORWARD, i)] < t
+        if op == BACKWARD:
+            assert when[(j, FORWARD, i)] < t
+            if j < n - 1:
+                assert when[(j + 1, BACKWARD, i)] < t
+    assert s.bubble == pytest.approx((p - 1) / (m * v + p - 1))
+    assert s.bubble < one.bubble
+    assert s.time_bubble < one.time_bubble and s.step_time < one.step_time
+    assert s.transfers.sum() == 2 * m * (n - 1)
+    # The residuals' places: the most chunks in flight on a stage (forward done, backward not).
+    in_flight = max(
+        sum(
+            when[(j, FORWARD, i)] <= t < when[(j, BACKWARD, i)]
+            for j in range(st, n, p)
+            for i in range(m)
+        )  # fmt: skip
+        for st in range(p)
+        for t in range(s.num_slots)
+    )
+    assert s.slots == in_flight
+
+
 def test_fewer_micro_batches_than_stages_and_an_unknown_schedule_are_clear_errors():
     with pytest.raises(
         ValueError, match=r"pipeline.stages: 4 needs at least 4 micro-batches.*is 2"
@@ -227,6 +269,8 @@ RUNS = [
     (2, 4, 8, "1f1b", ""),
     (3, 2, 4, "zero_bubble", "remat"),  # beside RUNS[0]: the split backward's program
     (1, 4, 4, "zero_bubble", ""),  # a slot where a stage receives both ways: two permutes
+    (1, 2, 4, "interleaved_1f1b", ""),  # each stage 2 chunks of one layer: the model's 0, 2
+    (3, 2, 4, "interleaved_1f1b", "offload"),  # and 1, 3
 ]
 
 
@@ -513,6 +557,20 @@ def test_a_users_mesh_without_the_pipe_axis_is_refused_with_the_fix():
         jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 2, 2), mesh=mesh)
 
 
+def test_interleaving_settings_that_do_not_fit_are_clear_errors():
+    with pytest.raises(jzero.ConfigError, match=r"virtual_stages: 2 chunks of layers per stage "
+                       r"need pipeline.schedule: interleaved_1f1b, but the schedule is '1f1b'"):  # fmt: skip
+        jzero.load_config({**config(1, 2, 4), "pipeline": {"stages": 2, "virtual_stages": 2}})
+    with pytest.raises(jzero.ConfigError, match=r"groups of pipeline.stages \(4\), but "
+                       r"gradient_accumulation_steps is 6; set it to a multiple of 4"):  # fmt: skip
+        jzero.load_config(config(1, 4, 6, "interleaved_1f1b"))
+    engine = jzero.initialize(make_toy(), toy_loss, optax.sgd(LR),
+                              config(1, 4, 4, "interleaved_1f1b"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"virtual_stages: 4 stages of 2 chunks each do not "
+                       r"divide the 4 layers of layers.down"):  # fmt: skip
+        engine.train_step(batches(1)[0])
+
+
 def test_too_few_micro_batches_are_refused_when_the_config_is_read():
     with pytest.raises(ValueError, match=r"pipeline.stages: 4 needs at least 4 micro-batches"):
         jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 4, 2))
@@ -590,6 +648,14 @@ def test_the_estimate_splits_the_model_state_over_stages_and_keeps_p_or_m_micro_
     # Each micro-batch's s b h activations forward, their gradient back (bf16).
     assert piped.row(0).pipe_axis_bytes == 2 * 16 * 2048 * 4096 * 2
     assert "pipeline P = 4 stages (1f1b, M = 16 micro-batches, bubble" in piped.table()
+    # Zero-bubble keeps 1F1B's P in flight; interleaving's first stage 2 (P - 1) + (V - 1) P + 1
+    # = 11 chunks of L / (P V) layers, and each micro-batch crosses V times the boundaries.
+    zb, inter = (jzero.memory.estimate(7e9, 64, pipeline=4, micro_batches=16, **shape,
+                                       pipeline_schedule=k, virtual_stages=v)
+                 for k, v in (("zero_bubble", 1), ("interleaved_1f1b", 2)))  # fmt: skip
+    assert zb.row(0).activations == pytest.approx(piped.row(0).activations)
+    assert inter.row(0).activations == pytest.approx(11 / 2 / 4 * piped.row(0).activations)
+    assert inter.row(0).pipe_axis_bytes == 2 * piped.row(0).pipe_axis_bytes
     with pytest.raises(ValueError, match=r"micro_batches: 2 is fewer than the 4 pipeline"):
         jzero.memory.estimate(7e9, 64, pipeline=4, micro_batches=2)
 
