@@ -1,6 +1,6 @@
 """Pipeline parallelism (``pipeline.stages: P``) on the built-in GPT: for P in 1, 2, 4 and the
-GPipe and 1F1B schedules, step time, the bubble, per-device model state and temporaries, and
-the bytes moved between stages.
+GPipe, 1F1B, interleaved 1F1B and zero-bubble schedules, step time, the bubble, per-device
+model state and temporaries, and the bytes moved between stages.
 
 Run: ``python benchmarks/pipeline.py`` (8 virtual CPU devices are set up when no accelerator is
 present; ``--smoke`` for a tiny GPT, P in 1 and 2 unless ``--pipeline`` says otherwise, one
@@ -13,16 +13,25 @@ The global batch and the micro-batches are the same for every P (``--batch`` row
 row trains the same model on the same tokens. Each row of the table is one (P, schedule):
 
 * bubble: the fraction of a stage's slots it idles, read from the schedule's table
-  (``jzero.distributed.make_schedule``); GPipe's and 1F1B's is ``(P-1)/(M+P-1)``;
+  (``jzero.distributed.make_schedule``); GPipe's and 1F1B's is ``(P-1)/(M+P-1)``,
+  interleaving's ``(P-1)/(MV+P-1)`` (a slot is a chunk's pass, ``1/V`` of a stage's);
+* lockstep: the step's time from the table in forward passes of a whole stage, the slots run
+  in lockstep as the compiled step runs them (each slot as long as its longest pass: a
+  forward 1, a backward 2, zero-bubble's input- and weight-gradient passes 1 each), and the
+  fraction of it a stage idles (``Schedule.step_time``, ``time_bubble``);
 * model state: the sum of ``engine.plan.model_state_bytes()`` per device;
 * temp: the compiled step's temporaries per device (``memory_analysis()``), where 1F1B keeps
   ``P`` micro-batches of saved activations and GPipe all ``M``;
-* in flight: the micro-batches a stage holds saved activations of at once (``P`` under 1F1B,
-  ``M`` under GPipe), read from the schedule's table;
+* in flight: the micro-batches a stage holds saved activations of at once (``P`` under 1F1B
+  and zero-bubble, ``M`` under GPipe, under interleaving the most chunks in flight over
+  ``V``), read from the schedule's table;
 * pipe: the full-buffer bytes a step of the collective-permutes between neighbouring stages
   (``jzero.hlo.collectives_by_axes``, loops counted by trip count, the schedule table's
   permute by how often the table runs each branch), and ZeRO: those of the collectives
   within the ``data`` groups;
+* other pipe: the rest over ``pipe``: the loss's and the whole leaves' gradients summed over
+  the stages, and under interleaving the all-to-all that moves each stage's chunks into place
+  and their gradients back;
 * sent/need: the most bytes one device sends by permute in a step
   (``jzero.hlo.permute_sends``) over what the schedule needs from it: each micro-batch's
   activations forward once and its gradient back once per stage boundary it has (one
@@ -64,19 +73,22 @@ def axis_bytes(by_axes: dict, axes: tuple[str, ...], kind: str | None = None) ->
     return sum(s.bytes for k, s in stats.items() if kind is None or k == kind)
 
 
-def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, bf16) -> dict:
+def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, bf16,
+            virtual) -> dict:  # fmt: skip
     """One (P, schedule) cell."""
+    virtual = virtual if schedule == "interleaved_1f1b" else 1
     config = {
         "train_batch_size": batch["tokens"].shape[0],
         "gradient_accumulation_steps": micro,
         "zero_optimization": {"stage": stage},
-        "pipeline": {"stages": stages, "schedule": schedule},
+        "pipeline": {"stages": stages, "schedule": schedule}
+        | ({"virtual_stages": virtual} if virtual > 1 else {}),
     }
     if bf16:
         config["bf16"] = {"enabled": True}
     engine = jzero.initialize(params, loss, optax.adamw(1e-3), config)
     compiled, by_axes, seconds = compiled_and_timed(engine, batch, steps, warmup)
-    table = make_schedule(schedule, stages, micro) if stages > 1 else None
+    table = make_schedule(schedule, stages, micro, virtual) if stages > 1 else None
     sent, need = 0.0, 0.0
     if table is not None:
         rows = batch["tokens"].shape[0] // micro // (jax.device_count() // stages)
@@ -92,11 +104,15 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
         "stage": stage,
         "mesh": dict(engine.mesh.shape),
         "bubble": table.bubble if table else 0.0,
-        "in_flight": table.slots if table else 1,
+        "lockstep": table.step_time if table else 3.0 * micro,
+        "time_bubble": table.time_bubble if table else 0.0,
+        "in_flight": table.slots / table.virtual if table else 1,
         "sent_over_need": sent / need if need else 0.0,
         "state": sum(engine.plan.model_state_bytes().values()),
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "pipe": axis_bytes(by_axes, ("pipe",), "collective-permute"),
+        "moved": axis_bytes(by_axes, ("pipe",))
+        - axis_bytes(by_axes, ("pipe",), "collective-permute"),
         "zero": axis_bytes(by_axes, ("data",)),
         "seconds": seconds,
     }
@@ -119,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--pipeline", help="comma-separated pipeline.stages values (default 1,2,4, smoke 1,2)"
     )
-    ap.add_argument("--schedules", default="gpipe,1f1b")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zero_bubble")
+    ap.add_argument("--virtual", type=int, default=2, help="V, chunks per stage (interleaved)")
     ap.add_argument("--stage", type=int, default=1, help="the ZeRO stage")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 compute, fp32 master weights")
     ap.add_argument("--json", help="also write the rows to this JSON file")
@@ -138,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch = args.micro_batch * jax.device_count() * args.micro
     sizes = [int(p) for p in args.pipeline.split(",")]
     if args.layers is None:
-        args.layers = max(2, *sizes) if args.smoke else 8
+        args.layers = max(2, *sizes) * args.virtual if args.smoke else 8
     schedules = args.schedules.split(",")
     cfg = gpt.GPTConfig(
         vocab_size=args.vocab,
@@ -163,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print()
     head = (
-        "| P | schedule | mesh | bubble | in flight | model state MiB | temp MiB | pipe MiB "
-        "| sent/need | ZeRO MiB | ms/step |"
+        "| P | schedule | mesh | bubble | lockstep | lockstep bubble | in flight "
+        "| model state MiB | temp MiB | pipe MiB | sent/need | other pipe MiB | ZeRO MiB "
+        "| ms/step |"
     )
     print(head)
     print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
@@ -172,13 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     for p in sizes:
         for schedule in schedules if p > 1 else schedules[:1]:
             r = measure(params, loss, batch, p, schedule, args.stage, args.micro, args.steps,
-                        args.warmup, args.bf16)  # fmt: skip
+                        args.warmup, args.bf16, args.virtual)  # fmt: skip
             rows.append(r)
             mesh = "{" + ", ".join(f"{k}: {v}" for k, v in r["mesh"].items()) + "}"
             print(
-                f"| {p} | {r['schedule']} | {mesh} | {r['bubble']:.3f} | {r['in_flight']} | "
+                f"| {p} | {r['schedule']} | {mesh} | {r['bubble']:.3f} | {r['lockstep']:g} | "
+                f"{r['time_bubble']:.3f} | {r['in_flight']:g} | "
                 f"{r['state'] / MB:.2f} | {r['temp'] / MB:.2f} | {r['pipe'] / MB:.2f} | "
-                f"{r['sent_over_need']:.2f} | {r['zero'] / MB:.2f} | {r['seconds'] * 1e3:.1f} |",
+                f"{r['sent_over_need']:.2f} | {r['moved'] / MB:.2f} | {r['zero'] / MB:.2f} | "
+                f"{r['seconds'] * 1e3:.1f} |",
                 flush=True,
             )
             if args.json:

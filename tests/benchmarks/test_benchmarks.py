@@ -170,18 +170,27 @@ def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
     # tests/distributed/test_pipeline.py's
     # test_1f1b_keeps_p_micro_batches_of_activations_where_gpipe_keeps_m, the model state
     # against P = 1 its test_jzero_train_runs_the_built_in_gpt_on_two_stages.
-    args = ["--smoke", "--pipeline", "2", "--schedules", "1f1b"]
+    args = ["--smoke", "--pipeline", "2", "--schedules", "1f1b,interleaved_1f1b,zero_bubble"]
     rows = _rows(_run("pipeline", *args).stdout)
     assert [(r["P"], r["schedule"], r["mesh"]) for r in rows] == [
-        ("2", "1f1b", "{pipe: 2, data: 4}")
+        ("2", kind, "{pipe: 2, data: 4}") for kind in ("1f1b", "interleaved_1f1b", "zero_bubble")
     ]
-    (f1b,) = rows
+    f1b, inter, zb = rows
     assert float(f1b["bubble"]) == 0.2  # (P-1)/(M+P-1) at M = 4, P = 2
+    assert float(inter["bubble"]) == 0.111  # (P-1)/(MV+P-1), V = 2
+    assert float(zb["bubble"]) == 0.077  # 1 idle slot of 13 a stage
+    # In lockstep (forward 1, backward 2, a split backward's passes 1 each): 18, 16, 13.
+    assert [float(r["lockstep"]) for r in rows] == [18, 16, 13]
     # Activations move between the stages; ZeRO's collectives within each stage's data group.
     assert float(f1b["pipe MiB"]) > 0 and float(f1b["ZeRO MiB"]) > 0
-    # Each micro-batch forward once and back once, nothing sent in idle slots; 2 in flight.
-    assert f1b["sent/need"] == "1.00" and f1b["in flight"] == "2"
-    assert all(float(f1b[k]) > 0 for k in ("model state MiB", "temp MiB", "ms/step"))
+    # Each micro-batch forward once and back once per (chunk) boundary, nothing sent in idle
+    # slots; interleaving's chunks cross twice as many boundaries.
+    assert {r["sent/need"] for r in rows} == {"1.00"}
+    assert float(inter["pipe MiB"]) > float(f1b["pipe MiB"])
+    # 2 in flight (P) under 1F1B and zero-bubble; 5 chunks of half a stage interleaved.
+    assert [r["in flight"] for r in rows] == ["2", "2.5", "2"]
+    for r in rows:
+        assert all(float(r[k]) > 0 for k in ("model state MiB", "temp MiB", "ms/step"))
 
 
 def test_moe_benchmark_prints_expert_bytes_the_all_to_alls_and_tokens_per_device():
