@@ -14,9 +14,9 @@
 #                 batch the same): model state and temp per device, collective bytes by mesh
 #                 axis, ms/step. $OUT/gpu_tensor_parallel.json (skipped, and says so, on one GPU)
 #                 Then benchmarks/pipeline.py: the GPT at stage 1 with pipeline.stages 1 and 2
-#                 (GPipe and 1F1B, M = 4 micro-batches): bubble, model state and temp per
-#                 device, bytes between stages, ms/step. $OUT/gpu_pipeline.json. On one GPU
-#                 P = 1 only, and it says so.
+#                 (1F1B, interleaved 1F1B with V = 2, zero-bubble; M = 4 micro-batches):
+#                 bubble, model state and temp per device, bytes between stages, ms/step.
+#                 $OUT/gpu_pipeline.json. On one GPU P = 1 only, and it says so.
 #   memory wall   benchmarks/gpu_step_time.py --name memory_wall: the GPT at stage 3 as a scan,
 #                 as a Python loop over layers, that loop with activation_checkpointing (policy
 #                 full) and with cpu_checkpointing, the scan with policy full: device peak and
@@ -145,7 +145,7 @@ for section in $sections; do
       run_section "step time pipeline P=${pipes}" "$(limit_for 60)" \
         "$py" benchmarks/pipeline.py --pipeline "$pipes" --micro 4 --layers 24 --d-model 1024 \
         --heads 16 --seq-len 512 --micro-batch 2 --steps 3 --warmup 1 \
-        ${OUT:+--json "$OUT/gpu_pipeline.json"} "$@"
+        --schedules 1f1b,interleaved_1f1b,zero_bubble ${OUT:+--json "$OUT/gpu_pipeline.json"} "$@"
       ;;
     memory_wall)
       limit=$(limit_for 110)

@@ -1,5 +1,6 @@
 """Pipeline parallelism: a model's stacked layers split into contiguous stages over the
-``pipe`` mesh axis, micro-batches moved between neighbouring stages by ``ppermute``.
+``pipe`` mesh axis (or, interleaved, ``V`` chunks a stage), micro-batches moved between
+neighbouring stages by ``ppermute``.
 
 This module holds what is independent of ZeRO and of the model: the schedules (which stage
 runs which micro-batch's forward or backward pass in each time slot) and the engine that runs a
@@ -17,6 +18,13 @@ Decisions:
   ``P - 1 - s`` forwards on stage ``s`` and then alternates one forward and one backward.
   Both take ``2 (M + P - 1)`` slots for ``M`` micro-batches on ``P`` stages, so the idle
   fraction of a stage is ``(P - 1) / (M + P - 1)`` for both (:func:`bubble_fraction`).
+* **Interleaved 1F1B** (Megatron's): each stage holds ``V`` chunks of ``L / (P V)`` layers,
+  the model's chunks ``s, P + s, ...``, and runs each pass on one chunk; the forward passes go
+  in groups of ``P`` micro-batches chunk by chunk (the backward passes the last chunk first),
+  after ``2 (P - 1 - s) + (V - 1) P`` warm-up forwards. A slot is a chunk's pass, ``1 / V`` of a
+  stage's, so the idle fraction falls to ``(P - 1) / (M V + P - 1)``; messages wrap from the
+  last stage to the first (the next chunk) and back. The caller hands each stage its chunks in
+  its rows (:func:`run`'s ``chunked``).
 * **Zero-bubble (ZB-H1)** splits each backward pass in two
   (:mod:`jzero.replay.backward_split`): the input gradient (B), which the previous stage
   waits for, and the weight gradient (W), which nobody waits for. Each stage runs, in each
@@ -25,14 +33,15 @@ Decisions:
   W passes fill what would be the bubble: at ``P = 4, M = 8`` a stage idles 17% of its slots
   (1F1B: 27%), and in the time model where slots run in lockstep (:attr:`Schedule.step_time`)
   the step takes 29 forward-times against 1F1B's 40.
-* **What the backward pass needs is kept per micro-batch, in ``K`` slots.** A forward pass
-  is ``jax.vjp`` of the stage unit; what the pullback needs (its residuals: saved activations,
-  as the stage's activation checkpointing policy decides) is written into buffer slot
-  ``micro-batch % K`` and read back by that micro-batch's backward pass. A residual that is
-  one of the stage's parameters is not buffered (the pullback reads the parameter itself).
-  ``K`` is the most micro-batches in flight on a stage (forward done, backward not):
-  ``M`` under GPipe, ``P`` under 1F1B. That is the whole difference in activation memory
-  between the two schedules, and the compiled program's temporaries show it.
+* **What the backward pass needs is kept per pass, in places the table gives out.** A
+  forward pass is ``jax.vjp`` of the stage unit; what the pullback needs (its residuals: saved
+  activations, as the stage's activation checkpointing policy decides) is written into a
+  place of the residuals' buffer and read back by the pass's backward (or weight) pass. A
+  residual that is one of the stage's parameters is not buffered (the pullback reads the
+  parameter itself). The table gives each value the least place free when it is written
+  (:class:`Buffer`), so a buffer has as many places as values alive at once: ``M`` under
+  GPipe, ``P`` under 1F1B. That is the whole difference in activation memory between the two
+  schedules, and the compiled program's temporaries show it.
 * **Only the transfers the schedule needs.** A forward pass's activations go to the next
   stage, a backward pass's input gradient to the previous one, and nothing else moves: each
   micro-batch crosses each stage boundary once forward and once back, ``2 M (P - 1)``
@@ -42,8 +51,10 @@ Decisions:
   The pairs differ from slot to slot while a permute's pairs are fixed in the program, so the
   distinct pair sets (``3P`` or so) are the branches of one ``lax.switch`` indexed by the slot
   number: every device takes the same branch, so the collective matches, and a slot where no
-  stage sends runs none. A received message waits in a buffer of ``K + 1`` slots (the last
-  one a sink for a slot that received nothing) until its pass runs.
+  stage sends runs none. Where one stage would receive an activation and a gradient in one
+  slot (zero-bubble, interleaving), the slot runs two permutes, one each way. A received
+  message waits in its buffer's place (one or two; one more is a sink for a slot that
+  received nothing) until its pass runs.
 * **The loss runs on the last stage only, the embedding on the first only** (the unit's two
   ``lax.cond``, :func:`jzero.replay.layer_split.stage_unit`), the loss's gradient seeded on
   the last. What the layers read besides their carry (positions, masks) runs on every stage.

@@ -12,20 +12,25 @@ and what follows it (*post*: the head and the loss under the last stage's ``cond
   residuals, as its activation-checkpointing policy decides, are the scan's per-layer
   outputs), then post under ``jax.vjp``. It keeps the layers' residuals, post's, and the
   micro-batch's incoming activations.
-* **input gradient** runs post's pullback, then the layers' pullbacks in reverse order
-  keeping only each layer's input cotangent (the weight cotangents are dead code, which the
-  compiler removes), then pre's pullback for the activations' gradient. It keeps each
-  layer's output cotangent for the weight pass.
-* **weight gradient** runs each layer's pullback again on the kept cotangent, keeping only
-  the weight cotangents (the input cotangent is dead code now), and post's and pre's
-  pullbacks for their parameters' share.
+* **input gradient** runs post's pullback, then, layer by layer in reverse order, the
+  equations of the layer's pullback that its input cotangent needs, then pre's pullback for
+  the activations' gradient. It keeps, per layer, what the weight pass will read of what it
+  computed.
+* **weight gradient** runs, per layer, the rest of the equations the weight cotangents need
+  (on what the input pass kept), and post's and pre's pullbacks for their parameters' share
+  (their shares of the input gradient are dead code there, which the compiler removes).
 
 Decisions:
 
-* **The split is exact**: a pullback is linear in its cotangent, so the two passes' sums are
-  the joint pullback's. The weight pass never re-runs the chain of input gradients (what a
-  stage-level split would do, a third more work): each layer's output cotangent is kept, one
-  activation-sized array per layer per micro-batch between the two passes.
+* **The layer's pullback is cut at the equation level** (:class:`_LayerCut`): traced once as
+  one program (calls and checkpointed regions inlined), the equations its input cotangent
+  depends on go to the input pass, the other equations its weight cotangents depend on to the
+  weight pass, and what the second reads of the first's is kept between them: each weight's
+  output cotangent, and what a checkpointed layer recomputed (one activation-sized array per
+  weight per layer per micro-batch). So no work is done twice: cutting at the layer instead
+  (the weight pass running the layer's whole pullback) re-runs the layer's input-gradient
+  matmuls, and at the stage the whole chain, a third more work.
+* **The split is exact**: the two passes run the one pullback's equations, once each.
 * **Pre is recomputed** in both backward passes from the kept incoming activations (it is
   an embedding lookup, casts and masks); post's residuals are kept (it holds the head).
 * **A residual that is a parameter, a scan constant or a per-layer parameter slice is not
@@ -217,9 +222,6 @@ def split_backward(
     def unpack(saved: list[Any]) -> tuple[list[Any], list[Any], list[Any]]:
         return saved[:nc], saved[nc : nc + layer_res.count], saved[nc + layer_res.count :]
 
-    def cotangents(d_carry_out: list[Any], d_outs: list[Any]) -> list[Any]:
-        return [*d_carry_out, *d_outs]
-
     def input_grad(
         ps: list[Any], fix: list[Any], saved: list[Any], d_carry_out: list[Any],
         d_outs: list[Any],
@@ -228,7 +230,7 @@ def split_backward(
         vals, pre_pull = pre_pullback(ps, c_in, fix)
         cst, init, xs, before = parts(vals)
         pull = post_pullback(saved_post, ps, c_in, fix, vals)
-        d_scan, d_diff, d_before = pull(cotangents(d_carry_out, d_outs))
+        d_scan, d_diff, d_before = pull([*d_carry_out, *d_outs])
         d_final, d_ys = d_scan[:ncar], d_scan[ncar:]
 
         def step(dc: list[Any], z: Any) -> tuple[list[Any], list[Any]]:
@@ -249,7 +251,7 @@ def split_backward(
         vals, pre_pull = pre_pullback(ps, c_in, fix)
         cst, init, xs, before = parts(vals)
         pull = post_pullback(saved_post, ps, c_in, fix, vals)
-        _, d_diff, d_before = pull(cotangents(d_carry_out, d_outs))
+        _, d_diff, d_before = pull([*d_carry_out, *d_outs])
         floating = [_floating(c) for c in cst]
 
         def step(acc: list[Any], z: Any) -> tuple[list[Any], list[Any]]:
@@ -275,8 +277,8 @@ def split_backward(
             ys0 = [jax.ShapeDtypeStruct(v.aval.shape[1:], v.aval.dtype)
                    for v in eqn.outvars[ncar:]]  # fmt: skip
             cst0 = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars[:ncon]]
-            c0 = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                  for v in eqn.invars[ncon : ncon + ncar]]  # fmt: skip
+            carry0 = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                      for v in eqn.invars[ncon : ncon + ncar]]  # fmt: skip
             r0 = [jax.ShapeDtypeStruct(r.shape[1:], r.dtype) for r in layer_shapes]
 
             def pullback(r: list[Any], cst: list[Any], x: list[Any], dc: list[Any],
@@ -284,7 +286,7 @@ def split_backward(
                 d_cst, d_c, d_x = layer_res.rebuild(r, [*cst, *x])((dc, dy))
                 return [*d_cst, *d_c, *d_x]
 
-            closed = _opened(jax.make_jaxpr(pullback)(r0, cst0, xs0, c0, ys0))
+            closed = _opened(jax.make_jaxpr(pullback)(r0, cst0, xs0, carry0, ys0))
             cuts.append(_LayerCut(closed, [len(r0), ncon, len(xs0), ncar, len(ys0)]))
         return cuts[0]
 
