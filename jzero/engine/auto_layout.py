@@ -33,9 +33,10 @@ Decisions:
   activation forward and its gradient back per micro-batch. Time is the bytes over each axis's
   bandwidth (intra- or inter-host), plus a latency per collective, plus the model's FLOPs
   (:func:`jzero.engine.figures.model_flops`, traced) over the devices' FLOP rate, stretched by
-  the pipeline bubble ``(P-1)/(M+P-1)`` and by a third for activation checkpointing; nothing is
-  assumed to overlap. Rates: ``auto_layout`` in the config, else the platform's defaults
-  (:data:`PLATFORM_RATES`). Ties keep the planner's order of stages.
+  the pipeline bubble (its schedule's table: ``(P-1)/(M+P-1)`` for 1F1B) and by a third for
+  activation checkpointing; nothing is assumed to overlap. Rates: ``auto_layout`` in the
+  config, else the platform's defaults (:data:`PLATFORM_RATES`). Ties keep the planner's
+  order of stages.
 * **Measured where it matters**: the prediction only orders the compilations; a candidate is
   kept by its compiled peak (:func:`jzero.engine.figures.compiled_peak_bytes`), the first that
   fits ``device_memory`` (or the accelerator's limit, :func:`jzero.engine.auto_stage.budget`).
@@ -62,6 +63,7 @@ import numpy as np
 
 from jzero import config as config_lib
 from jzero._util import format_bytes
+from jzero.distributed.pipeline import make_schedule
 from jzero.engine.auto_stage import Candidate as StageCandidate
 from jzero.engine.auto_stage import compiled_need
 from jzero.plan import stage_spec
@@ -137,6 +139,8 @@ class Layout:
     expert: int = 1
     replica: int = 1
     accumulation: int = 1
+    schedule: str = "1f1b"  # the pipeline's (its bubble and messages), from the config
+    virtual: int = 1
 
     @property
     def rows_split(self) -> int:
@@ -237,7 +241,7 @@ def _choices(cfg: config_lib.Config, shape: ModelShape) -> dict[str, list[int]]:
     allows = {
         "model": lambda s: _divides(shape.heads, s),
         "seq": lambda s: _divides(shape.heads, s) and _divides(shape.seq_len, s),
-        "pipe": lambda s: _divides(shape.layers, s),
+        "pipe": lambda s: _divides(shape.layers, s * cfg.pipeline_virtual_stages()),
         "expert": lambda s: _divides(shape.experts, s),
     }
     out = {}
@@ -263,7 +267,8 @@ def layouts(cfg: config_lib.Config, shape: ModelShape) -> list[Layout]:
         rest, left = divmod(shape.devices, inner * pipe * replica)
         if left or rest < 1:
             continue
-        layout = Layout(rest, model, seq, pipe, expert, replica)
+        layout = Layout(rest, model, seq, pipe, expert, replica, 1, cfg.pipeline_schedule(),
+                        cfg.pipeline_virtual_stages())  # fmt: skip
         for accum in _accumulations(cfg, layout, shape.rows, micro):
             out.append(dataclasses.replace(layout, accumulation=accum))
     return out
@@ -282,7 +287,9 @@ def _accumulations(
         options = [a for a in _pow2_divisors(rows) if a <= top]
     else:
         options = [cfg.gradient_accumulation_steps or 1]
-    return [a for a in options if a >= 1 and rows % (a * split) == 0 and a >= layout.pipe]
+    grouped = layout.schedule == "interleaved_1f1b" and layout.pipe > 1  # in groups of pipe
+    return [a for a in options if a >= 1 and rows % (a * split) == 0 and a >= layout.pipe
+            and not (grouped and a % layout.pipe)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -330,9 +337,9 @@ def predict(layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rat
     if layout.expert > 1:
         out["expert"] = m * layers * 4 * shape.experts_per_token * x * ab * ring(layout.expert)
         count["expert"] = m * layers * 4
-    if p > 1:
-        out["pipe"] = 2 * m * x / t * ab
-        count["pipe"] = 2 * m
+    if p > 1:  # each micro-batch across each stage's (each chunk's) boundary, both ways
+        out["pipe"] = 2 * m * layout.virtual * x / t * ab
+        count["pipe"] = 2 * m * layout.virtual
     if stage.offload:  # gradients to the host, parameters back: at the inter-host rate
         out["host"] = 2 * local_params * shape.grad_bytes / group
         count["host"] = 2
@@ -342,8 +349,17 @@ def predict(layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rat
         gbps = rates.inter_host_gbps if cross else rates.intra_host_gbps
         comm += nbytes / (gbps * 1e9) + count[axis] * rates.latency_us * 1e-6
     work = shape.flops * (4 / 3 if stage.checkpointing else 1.0)
-    compute = work / (shape.devices * rates.tflops * 1e12) * (m + p - 1) / m
+    compute = work / (shape.devices * rates.tflops * 1e12) / (1 - _bubble(layout))
     return Prediction(out, compute + comm, compute)
+
+
+def _bubble(layout: Layout) -> float:
+    """The pipeline schedule's idle fraction from its table (``(P-1)/(M+P-1)`` for 1F1B and
+    GPipe), or 0 without a pipeline."""
+    if layout.pipe <= 1:
+        return 0.0
+    schedule = make_schedule(layout.schedule, layout.pipe, layout.accumulation, layout.virtual)
+    return schedule.bubble
 
 
 @dataclass(frozen=True)
@@ -613,6 +629,8 @@ def adopt_saved(auto: AutoLayout, saved: Any) -> None:
         expert=sizes["expert"],
         replica=replica,
         accumulation=int(cfg.gradient_accumulation_steps or 1),
+        schedule=cfg.pipeline_schedule(),
+        virtual=cfg.pipeline_virtual_stages(),
     )
     zero = cfg.zero_optimization
     same = [
