@@ -53,7 +53,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jzero.replay.layer_split import NoLayerScan, layer_scan_index
-from jzero.replay.trace import bind, inline_calls, inner_jaxpr
+from jzero.replay.trace import inline_calls, needed_eqns, read, run_eqns
 
 __all__ = ["BackwardSplit", "split_backward"]
 
@@ -76,16 +76,6 @@ class BackwardSplit:
     weight_grad: Callable[..., list[Any]]
     saved: tuple[jax.ShapeDtypeStruct, ...]
     kept: tuple[jax.ShapeDtypeStruct, ...]
-
-
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-
-def _run(eqns: Sequence[Any], env: dict[Any, Any]) -> dict[Any, Any]:
-    for e in eqns:
-        env.update(zip(e.outvars, bind(e, [_read(env, v) for v in e.invars]), strict=True))
-    return env
 
 
 def _floating(x: Any) -> bool:
@@ -172,8 +162,8 @@ def split_backward(
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(diff_vars, diff, strict=True))
         env.update(zip(fixed_vars, fix, strict=True))
-        _run(pre, env)
-        return [_read(env, v) for v in [*eqn.invars, *pre_vals]]
+        run_eqns(pre, env)
+        return [read(env, v) for v in [*eqn.invars, *pre_vals]]
 
     def run_post(outs: list[Any], diff: list[Any], before: list[Any], fix: list[Any]) -> list[Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -181,14 +171,14 @@ def split_backward(
         env.update(zip(pre_vals, before, strict=True))
         env.update(zip(diff_vars, diff, strict=True))
         env.update(zip(scan_outs, outs, strict=True))
-        _run(post, env)
-        return [jnp.asarray(_read(env, v)) for v in jaxpr.outvars]
+        run_eqns(post, env)
+        return [jnp.asarray(read(env, v)) for v in jaxpr.outvars]
 
     def layer(cst: list[Any], c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         env: dict[Any, Any] = dict(zip(body.jaxpr.constvars, body.consts, strict=True))
         env.update(zip(body.jaxpr.invars, [*cst, *c, *x], strict=True))
-        _run(body.jaxpr.eqns, env)
-        out = [_read(env, v) for v in body.jaxpr.outvars]
+        run_eqns(body.jaxpr.eqns, env)
+        out = [read(env, v) for v in body.jaxpr.outvars]
         return out[:ncar], out[ncar:]
 
     def parts(vals: list[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
@@ -286,7 +276,11 @@ def split_backward(
                 d_cst, d_c, d_x = layer_res.rebuild(r, [*cst, *x])((dc, dy))
                 return [*d_cst, *d_c, *d_x]
 
-            closed = _opened(jax.make_jaxpr(pullback)(r0, cst0, xs0, carry0, ys0))
+            # A checkpointed region of a pullback is the layer's recomputation and its
+            # transposes; inlined, each equation runs in the pass that needs it (no forward
+            # pass sits beside it for the compiler to merge the recomputation into).
+            traced = jax.make_jaxpr(pullback)(r0, cst0, xs0, carry0, ys0)
+            closed = inline_calls(traced, remat=True)
             cuts.append(_LayerCut(closed, [len(r0), ncon, len(xs0), ncar, len(ys0)]))
         return cuts[0]
 
@@ -319,9 +313,9 @@ class _LayerCut:
         outs = list(jaxpr.outvars)
         self.d_c = outs[ncon : ncon + ncar]
         self.d_cst, self.d_x = outs[:ncon], outs[ncon + ncar :]
-        self.first = _needed(jaxpr.eqns, self.d_c)
+        self.first = needed_eqns(jaxpr.eqns, self.d_c)
         done = {id(e) for e in self.first}
-        self.second = [e for e in _needed(jaxpr.eqns, [*self.d_cst, *self.d_x])
+        self.second = [e for e in needed_eqns(jaxpr.eqns, [*self.d_cst, *self.d_x])
                        if id(e) not in done]  # fmt: skip
         known = {*self.ins[0], *self.ins[1], *self.ins[2], *jaxpr.constvars}
         made = {v for e in self.second for v in e.outvars}
@@ -340,52 +334,15 @@ class _LayerCut:
                    dy: list[Any]) -> tuple[list[Any], list[Any]]:  # fmt: skip
         """``(d_carry_in, between)``."""
         env = self._env(list(zip(self.ins, [r, cst, x, dc, dy], strict=True)))
-        _run(self.first, env)
-        return [_read(env, v) for v in self.d_c], [_read(env, v) for v in self.between]
+        run_eqns(self.first, env)
+        return [read(env, v) for v in self.d_c], [read(env, v) for v in self.between]
 
     def weight_pass(self, r: list[Any], cst: list[Any], x: list[Any],
                     between: list[Any]) -> tuple[list[Any], list[Any]]:  # fmt: skip
         """``(d_constants, d_layer_params)``."""
         env = self._env([*zip(self.ins[:3], [r, cst, x], strict=True), (self.between, between)])
-        _run(self.second, env)
-        return [_read(env, v) for v in self.d_cst], [_read(env, v) for v in self.d_x]
-
-
-def _opened(closed: Any) -> Any:
-    """``closed`` with nested calls and checkpointed (``remat``) regions inlined, so a layer's
-    pullback is one list of equations to cut. A checkpointed region of a pullback is the
-    layer's recomputation and its transposes; inlined, each runs in the pass that needs it
-    (there is no forward pass beside it for the compiler to merge the recomputation into)."""
-
-    def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for e in jaxpr.eqns:
-            invals = [_read(env, v) for v in e.invars]
-            if e.primitive.name == "remat2":
-                outs = run(e.params["jaxpr"], (), invals)
-            elif (inner := inner_jaxpr(e)) is not None:
-                outs = run(inner.jaxpr, inner.consts, invals)
-            else:
-                outs = bind(e, invals)
-            env.update(zip(e.outvars, outs, strict=True))
-        return [_read(env, v) for v in jaxpr.outvars]
-
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a))(
-        *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals]
-    )
-
-
-def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
-    """The equations among ``eqns`` that ``outs`` depend on, in order."""
-    want = {v for v in outs if not isinstance(v, jex_core.Literal)}
-    keep = []
-    for e in reversed(eqns):
-        if any(v in want for v in e.outvars):
-            keep.append(e)
-            want.update(v for v in e.invars if not isinstance(v, jex_core.Literal))
-    return keep[::-1]
+        run_eqns(self.second, env)
+        return [read(env, v) for v in self.d_cst], [read(env, v) for v in self.d_x]
 
 
 def _refuse_carry_dependence(pre: Sequence[Any], carry_vars: Sequence[Any], eqn: Any,

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
-from jzero.replay.trace import PASS_THROUGH, bind, inline_calls
+from jzero.replay.trace import PASS_THROUGH, bind, inline_calls, needed_eqns, read, run_eqns
 
 __all__ = [
     "STAGE_MARK",
@@ -89,10 +89,6 @@ class LayerSplit:
     @property
     def eqn(self) -> Any:
         return self.closed.jaxpr.eqns[self.index]
-
-
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
 
 
 def split_at_layers(fn: Callable[..., Any], params: Any, *args: Any, stages: int = 1) -> LayerSplit:
@@ -184,24 +180,6 @@ def _free(reads: Sequence[Any], defined: set[Any]) -> list[Any]:
     return list(dict.fromkeys(kept))
 
 
-def _needed(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
-    """The equations among ``eqns`` that ``outs`` depend on."""
-    want = {v for v in outs if not isinstance(v, jex_core.Literal)}
-    keep = []
-    for e in reversed(eqns):
-        if any(v in want for v in e.outvars):
-            keep.append(e)
-            want.update(v for v in e.invars if not isinstance(v, jex_core.Literal))
-    return keep[::-1]
-
-
-def _run(eqns: Sequence[Any], env: dict[Any, Any]) -> dict[Any, Any]:
-    """Evaluates ``eqns`` in order into ``env`` (returned)."""
-    for e in eqns:
-        env.update(zip(e.outvars, bind(e, [_read(env, v) for v in e.invars]), strict=True))
-    return env
-
-
 def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     """``unit(params, carry_in, first, last, *args) -> (carry_out, outs)`` for one stage.
 
@@ -219,10 +197,10 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     # carry (positions, masks) on every stage; the carry's start (the embedding) on the first
     # stage only; what only the loss after the scan reads (the labels) on the last only.
     scan_reads = [*eqn.invars[:nc], *eqn.invars[nc + ncarry :]]
-    always = {id(e) for e in _needed(pre, scan_reads)}
+    always = {id(e) for e in needed_eqns(pre, scan_reads)}
     every = [e for e in pre if id(e) in always]
-    first_only = [e for e in _needed(pre, eqn.invars[nc : nc + ncarry]) if id(e) not in always]
-    last_only = [e for e in _needed(pre, post_reads) if id(e) not in always]
+    first_only = [e for e in needed_eqns(pre, eqn.invars[nc : nc + ncarry]) if id(e) not in always]
+    last_only = [e for e in needed_eqns(pre, post_reads) if id(e) not in always]
     starts = list(eqn.invars[nc : nc + ncarry])
     start_reads = _free([u for e in first_only for u in e.invars] + starts,
                         {v for e in first_only for v in e.outvars})  # fmt: skip
@@ -236,19 +214,19 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, [*jax.tree.leaves(params), *jax.tree.leaves(args)],
                        strict=True))  # fmt: skip
-        _run(every, env)
+        run_eqns(every, env)
         first, last = (checkpoint_name(jnp.asarray(x), STAGE_MARK) for x in (first, last))
 
         def start(vals: list[Any]) -> list[Any]:
-            return [_read(_run(first_only, dict(zip(start_reads, vals, strict=True))), v)
+            return [read(run_eqns(first_only, dict(zip(start_reads, vals, strict=True))), v)
                     for v in starts]  # fmt: skip
 
         def no_start(vals: list[Any]) -> list[Any]:
             return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in starts]
 
-        begun = jax.lax.cond(first, start, no_start, [_read(env, v) for v in start_reads])
-        invals = [*(_read(env, v) for v in eqn.invars[:nc]), *begun,
-                  *(_read(env, v) for v in eqn.invars[nc + ncarry :])]  # fmt: skip
+        begun = jax.lax.cond(first, start, no_start, [read(env, v) for v in start_reads])
+        invals = [*(read(env, v) for v in eqn.invars[:nc]), *begun,
+                  *(read(env, v) for v in eqn.invars[nc + ncarry :])]  # fmt: skip
         for j, c in enumerate(carry_in[:ncarry]):
             init = invals[nc + j]
             invals[nc + j] = jnp.where(first, init, c.astype(init.dtype))
@@ -264,8 +242,8 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
             buffers.append(b)
 
         def run_post(vals: list[Any]) -> list[Any]:
-            local = _run(tail, dict(zip(needed, vals, strict=True)))
-            return [jnp.asarray(_read(local, v)) for v in jaxpr.outvars]
+            local = run_eqns(tail, dict(zip(needed, vals, strict=True)))
+            return [jnp.asarray(read(local, v)) for v in jaxpr.outvars]
 
         def zeros(vals: list[Any]) -> list[Any]:
             return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in jaxpr.outvars]

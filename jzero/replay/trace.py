@@ -39,6 +39,9 @@ __all__ = [
     "is_floating",
     "layer_keys",
     "named",
+    "needed_eqns",
+    "read",
+    "run_eqns",
     "tie_all",
     "tie_to",
     "tied",
@@ -85,6 +88,29 @@ def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def read(env: dict[Any, Any], v: Any) -> Any:
+    """A variable's value in ``env``, or a literal's own."""
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+
+def run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> dict[Any, Any]:
+    """Evaluates ``eqns`` in order into ``env`` (returned)."""
+    for e in eqns:
+        env.update(zip(e.outvars, bind(e, [read(env, v) for v in e.invars]), strict=True))
+    return env
+
+
+def needed_eqns(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """The equations among ``eqns`` that ``outs`` depend on, in order."""
+    want = {v for v in outs if not isinstance(v, jex_core.Literal)}
+    keep = []
+    for e in reversed(eqns):
+        if any(v in want for v in e.outvars):
+            keep.append(e)
+            want.update(v for v in e.invars if not isinstance(v, jex_core.Literal))
+    return keep[::-1]
 
 
 _CALLS = ("pjit", "jit", "closed_call")
@@ -160,25 +186,28 @@ def eval_tagged(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], live: Se
 # Layers of a model written as a Python loop: found in the trace, checkpointed one by one.
 
 
-def inline_calls(closed: Any) -> Any:
+def inline_calls(closed: Any, *, remat: bool = False) -> Any:
     """``closed`` with every nested ``jit``/``closed_call`` inlined: one flat list of eqns, so
-    layer boundaries can be found whatever calls the model makes."""
+    layer boundaries can be found whatever calls the model makes; with ``remat`` the
+    checkpointed (``remat``) regions too (a pullback's, whose equations are then cut apart)."""
+
+    def opened(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+        if remat and eqn.primitive.name == "remat2":
+            return eqn.params["jaxpr"], ()
+        inner = inner_jaxpr(eqn)
+        return (inner.jaxpr, inner.consts) if inner is not None else None
 
     def run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, jex_core.Literal) else env[v]
-
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            inner = inner_jaxpr(eqn)
-            outs = run(inner.jaxpr, inner.consts, invals) if inner else bind(eqn, invals)
+            invals = [read(env, v) for v in eqn.invars]
+            inner = opened(eqn)
+            outs = run(*inner, invals) if inner else bind(eqn, invals)
             env.update(zip(eqn.outvars, outs, strict=True))
-        return [read(v) for v in jaxpr.outvars]
+        return [read(env, v) for v in jaxpr.outvars]
 
-    if not any(inner_jaxpr(eqn) is not None for eqn in closed.jaxpr.eqns):
+    if not any(opened(eqn) is not None for eqn in closed.jaxpr.eqns):
         return closed
     avals = [v.aval for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a))(

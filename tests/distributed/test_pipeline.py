@@ -40,27 +40,40 @@ pytestmark = pytest.mark.usefixtures("x64")  # conftest's float64
 # -- the schedules -------------------------------------------------------------------------------
 
 
+def _passes_in_order(s):
+    """``{(virtual stage, pass, micro-batch): slot}`` of a schedule's table, after checking
+    each pass runs once and after what it needs: a forward after the previous (virtual)
+    stage's, a backward after its forward and the next stage's backward, a weight pass after
+    its backward."""
+    when = {}
+    for t in range(s.num_slots):
+        for stage in range(s.stages):
+            if s.op[t, stage] != IDLE:
+                j = int(s.chunks[t, stage]) * s.stages + stage  # the chunk's place in the model
+                key = (j, int(s.op[t, stage]), int(s.micro[t, stage]))
+                assert key not in when
+                when[key] = t
+    n = s.stages * s.virtual
+    for (j, op, i), t in when.items():
+        if op == FORWARD and j > 0:
+            assert when[(j - 1, FORWARD, i)] < t
+        if op == BACKWARD:
+            assert when[(j, FORWARD, i)] < t
+            if j < n - 1:
+                assert when[(j + 1, BACKWARD, i)] < t
+        if op == WEIGHT:
+            assert when[(j, BACKWARD, i)] < t
+    return when
+
+
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (3, 7)])
 def test_a_schedule_runs_every_pass_once_after_its_input_and_keeps_the_micro_batches_it_says(
     kind, p, m
 ):
     s = make_schedule(kind, p, m)
-    when = {}
-    for t in range(s.num_slots):
-        for stage in range(p):
-            if s.op[t, stage] != IDLE:
-                key = (stage, int(s.op[t, stage]), int(s.micro[t, stage]))
-                assert key not in when
-                when[key] = t
+    when = _passes_in_order(s)
     assert len(when) == 2 * p * m  # every stage: each micro-batch's forward and backward
-    for (stage, op, i), t in when.items():
-        if op == FORWARD and stage > 0:
-            assert when[(stage - 1, FORWARD, i)] < t
-        if op == BACKWARD:
-            assert when[(stage, FORWARD, i)] < t
-            if stage < p - 1:
-                assert when[(stage + 1, BACKWARD, i)] < t
     assert s.num_slots == 2 * (m + p - 1)
     assert s.bubble == pytest.approx(bubble_fraction(p, m)) == pytest.approx((p - 1) / (m + p - 1))
     # Micro-batches in flight on a stage (forward done, backward not): M under GPipe, P under 1F1B.
@@ -80,23 +93,8 @@ def test_zero_bubble_splits_each_backward_in_two_and_idles_less_than_1f1b(p, m):
     micro-batches in flight than 1F1B (forward done, W not); the same messages; fewer idle
     slots, and a shorter step where slots run in lockstep."""
     s, one = make_schedule("zero_bubble", p, m), make_schedule("1f1b", p, m)
-    when = {}
-    for t in range(s.num_slots):
-        for stage in range(p):
-            if s.op[t, stage] != IDLE:
-                key = (stage, int(s.op[t, stage]), int(s.micro[t, stage]))
-                assert key not in when
-                when[key] = t
+    when = _passes_in_order(s)
     assert len(when) == 3 * p * m
-    for (stage, op, i), t in when.items():
-        if op == FORWARD and stage > 0:
-            assert when[(stage - 1, FORWARD, i)] < t
-        if op == BACKWARD:
-            assert when[(stage, FORWARD, i)] < t
-            if stage < p - 1:
-                assert when[(stage + 1, BACKWARD, i)] < t
-        if op == WEIGHT:
-            assert when[(stage, BACKWARD, i)] < t
     in_flight = max(
         sum(when[(st, FORWARD, i)] <= t < when[(st, WEIGHT, i)] for i in range(m))
         for st in range(p)
@@ -119,22 +117,8 @@ def test_interleaved_1f1b_runs_v_chunks_per_stage_and_shrinks_the_bubble_v_times
     micro-batch crosses each of the P V - 1 chunk boundaries once each way."""
     s, one = make_schedule("interleaved_1f1b", p, m, v), make_schedule("1f1b", p, m)
     n = p * v
-    when = {}
-    for t in range(s.num_slots):
-        for stage in range(p):
-            if s.op[t, stage] != IDLE:
-                j = int(s.chunks[t, stage]) * p + stage  # the chunk's place in the model
-                key = (j, int(s.op[t, stage]), int(s.micro[t, stage]))
-                assert key not in when
-                when[key] = t
+    when = _passes_in_order(s)
     assert len(when) == 2 * n * m
-    for (j, op, i), t in when.items():
-        if op == FORWARD and j > 0:
-            assert when[(j - 1, FORWARD, i)] < t
-        if op == BACKWARD:
-            assert when[(j, FORWARD, i)] < t
-            if j < n - 1:
-                assert when[(j + 1, BACKWARD, i)] < t
     assert s.bubble == pytest.approx((p - 1) / (m * v + p - 1))
     assert s.bubble < one.bubble
     assert s.time_bubble < one.time_bubble and s.step_time < one.step_time
