@@ -83,6 +83,7 @@ from jzero.distributed.mesh import PIPE_AXIS
 __all__ = [
     "PIPE_AXIS",
     "SCHEDULES",
+    "Residuals",
     "Schedule",
     "bubble_fraction",
     "make_schedule",
@@ -696,30 +697,52 @@ def _passes(
         return _Passes(halves.forward, backward, halves.weight_grad, halves.saved, halves.kept,
                        tuple(outs), True)  # fmt: skip
 
-    # What the pullback keeps, read from one trace: its tree, and which residuals are params.
-    probe: dict[str, Any] = {}
+    residuals = Residuals()  # the pullback's, but the parameters (read again, not kept)
 
     def forward(ps: list[Any], c: list[Any], fixed: list[Any]) -> Any:
         (c_out, outs), vjp = jax.vjp(lambda ps, c: call(ps, c, fixed), ps, c)
-        leaves, tree = jax.tree.flatten(vjp)
-        ids = {id(x): j for j, x in enumerate(ps)}
-        probe.setdefault("tree", tree)
-        probe.setdefault("param_of", [ids.get(id(x), -1) for x in leaves])
-        kept = [x for x, j in zip(leaves, probe["param_of"], strict=True) if j < 0]
-        return c_out, outs, kept
+        return c_out, outs, residuals.keep(vjp, ps)
 
-    saved, outs = jax.eval_shape(lambda ps, c, f: forward(ps, c, f)[::-1][:2], params, carry,
-                                 fixed0)  # fmt: skip
-    tree, param_of = probe["tree"], probe["param_of"]
+    _, outs, saved = jax.eval_shape(forward, params, carry, fixed0)
 
     def backward(ps: list[Any], fixed: list[Any], saved: list[Any], d_carry: list[Any],
                  d_outs: list[Any]) -> Any:  # fmt: skip
-        kept_iter = iter(saved)
-        vjp = jax.tree.unflatten(tree, [next(kept_iter) if j < 0 else ps[j] for j in param_of])
-        d_params, d_in = vjp((d_carry, d_outs))
+        d_params, d_in = residuals.rebuild(saved, ps)((d_carry, d_outs))
         return d_in, d_params, []
 
     return _Passes(forward, backward, None, tuple(saved), (), tuple(outs), False)
+
+
+class Residuals:
+    """A pullback's residuals minus those among ``sources`` (the values it was taken of, read
+    again instead of kept: a stage's parameters), and the pullback rebuilt from the kept
+    ones. The layout is read on the first trace; every later trace is of the same function,
+    so it matches."""
+
+    def __init__(self) -> None:
+        self.layout: tuple[Any, list[int]] | None = None
+
+    def keep(self, pullback: Any, sources: Sequence[Any]) -> list[Any]:
+        """The residuals to keep, in order."""
+        leaves, tree = jax.tree.flatten(pullback)
+        ids = {id(x): j for j, x in enumerate(sources)}
+        which = [ids.get(id(x), -1) for x in leaves]
+        if self.layout is None:
+            self.layout = (tree, which)
+        return [x for x, j in zip(leaves, which, strict=True) if j < 0]
+
+    def rebuild(self, kept: Sequence[Any], sources: Sequence[Any]) -> Any:
+        """The pullback, from what :meth:`keep` kept and the same ``sources``."""
+        assert self.layout is not None, "keep() is traced before rebuild()"
+        tree, which = self.layout
+        it = iter(kept)
+        return jax.tree.unflatten(tree, [next(it) if j < 0 else sources[j] for j in which])
+
+    @property
+    def count(self) -> int:
+        """How many residuals are kept."""
+        assert self.layout is not None
+        return sum(j < 0 for j in self.layout[1])
 
 
 def _leaves(micro_batches: Any, i: jax.Array) -> list[jax.Array]:

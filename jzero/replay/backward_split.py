@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jzero.distributed.pipeline import Residuals
 from jzero.replay.layer_split import NoLayerScan, layer_scan_index
 from jzero.replay.trace import inline_calls, needed_eqns, read, run_eqns
 
@@ -87,34 +88,6 @@ def _zero_cotangent(x: Any) -> Any:
     if _floating(x):
         return jnp.zeros(x.shape, x.dtype)
     return np.zeros(x.shape, jax.dtypes.float0)
-
-
-class _Residuals:
-    """A pullback's residuals minus those among ``sources`` (read again instead of kept), and
-    how to rebuild the pullback from the kept ones. The layout is read on the first trace and
-    must match on every later one (the same function traced again)."""
-
-    def __init__(self) -> None:
-        self.layout: tuple[Any, list[int]] | None = None
-
-    def keep(self, pullback: Any, sources: Sequence[Any]) -> list[Any]:
-        leaves, tree = jax.tree.flatten(pullback)
-        ids = {id(x): j for j, x in enumerate(sources)}
-        which = [ids.get(id(x), -1) for x in leaves]
-        if self.layout is None:
-            self.layout = (tree, which)
-        return [x for x, j in zip(leaves, which, strict=True) if j < 0]
-
-    def rebuild(self, kept: Sequence[Any], sources: Sequence[Any]) -> Any:
-        assert self.layout is not None, "forward is traced before the backward passes"
-        tree, which = self.layout
-        it = iter(kept)
-        return jax.tree.unflatten(tree, [next(it) if j < 0 else sources[j] for j in which])
-
-    @property
-    def count(self) -> int:
-        assert self.layout is not None
-        return sum(j < 0 for j in self.layout[1])
 
 
 def split_backward(
@@ -185,7 +158,7 @@ def split_backward(
         m = len(eqn.invars)
         return vals[:ncon], vals[ncon : ncon + ncar], vals[ncon + ncar : m], vals[m:]
 
-    layer_res, post_res = _Residuals(), _Residuals()
+    layer_res, post_res = Residuals(), Residuals()
 
     def pre_pullback(ps: list[Any], c_in: list[Any], fix: list[Any]) -> tuple[list[Any], Any]:
         return jax.vjp(lambda d: run_pre(d, fix), [*ps, *c_in])
