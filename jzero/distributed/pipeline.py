@@ -528,7 +528,7 @@ def run(
         return [jnp.zeros((places, *s.shape), s.dtype) for s in shapes]
 
     def put(buf: list[jax.Array], vals: Sequence[jax.Array], slot: jax.Array) -> list[jax.Array]:
-        return [jax.lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0) for b, v in
+        return [jax.lax.dynamic_update_index_in_dim(b, x.astype(b.dtype), slot, 0) for b, x in
                 zip(buf, vals, strict=True)]  # fmt: skip
 
     def get(buf: list[jax.Array], slot: jax.Array) -> list[jax.Array]:
