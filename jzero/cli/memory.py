@@ -116,8 +116,7 @@ def _estimate(args: argparse.Namespace) -> int:
         pipeline=args.pipeline,
         micro_batches=args.micro_batches,
         pipeline_schedule=args.pipeline_schedule,
-        virtual_stages=args.virtual_stages
-        or (2 if args.pipeline_schedule == "interleaved_1f1b" else 1),  # fmt: skip
+        virtual_stages=args.virtual_stages,
         experts=args.experts or 0,
         expert_parallel=args.expert_parallel,
         expert_params=args.expert_params or 0,

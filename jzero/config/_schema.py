@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from jzero.choices.pipeline import virtual_stages
 from jzero.config._common import ConfigError, FrozenMap, _field, _thaw
 from jzero.config._sections import (
     _CKPT,
@@ -438,9 +439,7 @@ class Config:
     def pipeline_virtual_stages(self) -> int:
         """``pipeline.virtual_stages``: the chunks of layers each stage holds; 2 under
         ``interleaved_1f1b`` unless set, else 1."""
-        pipe = self.pipeline or {}
-        default = 2 if self.pipeline_schedule() == "interleaved_1f1b" else 1
-        return int(pipe.get("virtual_stages") or default)
+        return virtual_stages(self.pipeline_schedule(), (self.pipeline or {}).get("virtual_stages"))
 
     def autoep_size(self) -> int:
         """``expert_parallel.autoep_size``; 1 when unset, 0 or ``enabled: false``."""

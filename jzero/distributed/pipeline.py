@@ -274,18 +274,18 @@ def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int, int]]]:
     done, weight pass not: 1F1B's most), the oldest weight-gradient pass (nobody waits for it,
     so it fills what would be the bubble)."""
     done: dict[tuple[int, int, int], int] = {}
+    ran: list[set[tuple[int, int]]] = [set() for _ in range(p)]  # per stage, (pass, micro)
     rows: list[list[tuple[int, int, int]]] = []
     nxt_f = [0] * p
     while len(done) < 3 * p * m:
         t = len(rows)
         row = []
         for s in range(p):
-            ran = {(op, i) for (st, op, i) in done if st == s}
-            in_flight = sum((FORWARD, i) in ran and (WEIGHT, i) not in ran for i in range(m))
+            in_flight = nxt_f[s] - sum(op == WEIGHT for op, _ in ran[s])
             choice = (IDLE, 0)
-            pending_b = [i for i in range(m) if (BACKWARD, i) not in ran
+            pending_b = [i for i in range(m) if (BACKWARD, i) not in ran[s]
                          and _ready(done, p, s, BACKWARD, i, t)]  # fmt: skip
-            pending_w = [i for i in range(m) if (WEIGHT, i) not in ran
+            pending_w = [i for i in range(m) if (WEIGHT, i) not in ran[s]
                          and _ready(done, p, s, WEIGHT, i, t)]  # fmt: skip
             if pending_b:
                 choice = (BACKWARD, pending_b[0])
@@ -297,6 +297,7 @@ def _zero_bubble_rows(p: int, m: int) -> list[list[tuple[int, int, int]]]:
         for s, (op, i) in enumerate(row):
             if op != IDLE:
                 done[(s, op, i)] = t
+                ran[s].add((op, i))
                 nxt_f[s] += op == FORWARD
         rows.append([(op, 0, i) for op, i in row])
         if len(rows) > 6 * (m + p) + 8:  # pragma: no cover - a schedule bug, never user input
@@ -512,12 +513,15 @@ def run(
     chunked = list(chunked) if v > 1 else [False] * len(params)
     rows_of = [x.shape[0] // v if c else 0 for x, c in zip(params, chunked, strict=True)]
 
-    def chunk_of(c: jax.Array) -> list[jax.Array]:  # chunk c's parameters (all of them: V = 1)
+    def chunk_of(c: jax.Array | int) -> list[jax.Array]:  # chunk c's parameters (all: V = 1)
         return [jax.lax.dynamic_slice_in_dim(x, c * n, n, 0) if n else x
                 for x, n in zip(params, rows_of, strict=True)]  # fmt: skip
 
     def ends(c: jax.Array | int) -> tuple[jax.Array, jax.Array]:  # the model's first, last chunk
         return (position == 0) & (c == 0), (position == p - 1) & (c == v - 1)
+
+    def fixed_of(i: jax.Array, c: jax.Array) -> list[jax.Array]:  # the unit's other arguments
+        return [*ends(c), *_leaves(micro_batches, i)]
 
     cut = split_backward if schedule.kind == "zero_bubble" else None
     passes = _passes(unit, chunk_of(0), zero_carry, *ends(0), mb0, cut)
@@ -560,16 +564,16 @@ def run(
     # (res, message, outs, gradients, kept).
     def forward(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
                 d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
-        c_out, outs, new = passes.forward(ps, c_in, [*ends(ch), *_leaves(micro_batches, i)])
+        c_out, outs, new = passes.forward(ps, c_in, fixed_of(i, ch))
         c_out = [x.astype(c.dtype) for x, c in zip(c_out, carry, strict=True)]
         outs = [o.astype(z.dtype) for o, z in zip(outs, out_zeros, strict=True)]
         return new, c_out, outs, zeros(grad_shapes), zeros(passes.kept)
 
     def backward(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
                  d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
-        first, last = ends(ch)
+        fixed = fixed_of(i, ch)
+        last = fixed[1]
         d_carry = [jnp.where(last, jnp.zeros_like(d), d) for d in d_carry]
-        fixed = [first, last, *_leaves(micro_batches, i)]
         d_in, d_params, new_kept = passes.backward(ps, fixed, saved, d_carry, d_outs(last))
         d_in = [d.astype(c.dtype) for d, c in zip(d_in, carry, strict=True)]
         grads = zeros(grad_shapes) if d_params is None else summed(d_params)
@@ -577,9 +581,8 @@ def run(
 
     def weight(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
                d_carry: list[Any], kept: list[Any]) -> Any:  # fmt: skip
-        first, last = ends(ch)
-        fixed = [first, last, *_leaves(micro_batches, i)]
-        d_params = passes.weight(ps, fixed, saved, kept, d_outs(last))
+        fixed = fixed_of(i, ch)
+        d_params = passes.weight(ps, fixed, saved, kept, d_outs(fixed[1]))
         return zeros(passes.saved), zero_carry, out_zeros, summed(d_params), zeros(passes.kept)
 
     def idle(i: jax.Array, ch: jax.Array, ps: list[Any], c_in: list[Any], saved: list[Any],
@@ -614,7 +617,7 @@ def run(
             kinds,
             i,
             c,
-            chunk_of(c) if v > 1 else params,
+            chunk_of(c),
             *(get(state[n], row[f"{n}.read"]) for n in names),
         )
         got = jax.lax.switch(table[0][t], branches, send)
@@ -626,8 +629,7 @@ def run(
         # What arrived waits for its pass in the place the schedule gave it.
         written = {"fwd_in": got, "bwd_in": got_back, "res": new, "kept": new_kept}
         state = {n: put(state[n], written[n], row[f"{n}.write"]) for n in names} | {
-            "grads": add(state["grads"], d_params, c) if v > 1 else
-            [g + d for g, d in zip(state["grads"], d_params, strict=True)],
+            "grads": add(state["grads"], d_params, c),
             "outs": [a + o for a, o in zip(state["outs"], outs, strict=True)],
         }  # fmt: skip
         return state, None

@@ -84,6 +84,7 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -92,7 +93,8 @@ from typing import Literal
 
 from jzero._util import divisors
 from jzero.choices.pipeline import SCHEDULES
-from jzero.distributed.pipeline import make_schedule
+from jzero.choices.pipeline import virtual_stages as virtual_stages_of
+from jzero.distributed.pipeline import Schedule, make_schedule
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -318,6 +320,16 @@ class Estimate:
     optimizer_dtype: str = "fp32"
     master_dtype: str = "fp32"
 
+    @functools.cached_property
+    def pipeline_table(self) -> Schedule | None:
+        """The pipeline schedule's table (its bubble, what a stage keeps in flight), or None
+        without a pipeline."""
+        if self.pipeline <= 1:
+            return None
+        return make_schedule(
+            self.pipeline_schedule, self.pipeline, self.micro_batches, self.virtual_stages
+        )
+
     @property
     def optimizer_bytes(self) -> int:
         """K, the optimizer state's bytes per parameter: 12 (fp32 master and moments), 8 with
@@ -417,10 +429,9 @@ class Estimate:
             )
         if self.pipeline > 1:
             p, m = self.pipeline, self.micro_batches
-            table = make_schedule(self.pipeline_schedule, p, m, self.virtual_stages)
             hybrid += (
                 f", pipeline P = {p} stages ({self.pipeline_schedule}, M = {m} micro-batches, "
-                f"bubble from its table {table.bubble:.3g}): each device holds "
+                f"bubble from its table {self.pipeline_table.bubble:.3g}): each device holds "
                 f"Psi/P of the layers, ZeRO-sharded over its stage's {self.shards} devices"
             )
         if moe:
@@ -506,8 +517,7 @@ class Estimate:
                     "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
                 ]
             if piped:
-                held = _held(self.pipeline_schedule, self.pipeline, self.micro_batches,
-                             self.virtual_stages)  # fmt: skip
+                held = self.pipeline_table.slots / self.virtual_stages  # a chunk: 1/V
                 lines += [
                     f"  pipeline: a stage runs L/P layers and keeps {held:g} micro-batches of "
                     f"their activations ({self.pipeline_schedule}: the most passes in flight "
@@ -574,7 +584,7 @@ def estimate(
     pipeline: int = 1,
     micro_batches: int | None = None,
     pipeline_schedule: str = "1f1b",
-    virtual_stages: int = 1,
+    virtual_stages: int | None = None,
     experts: int = 0,
     expert_parallel: int = 1,
     expert_params: float | str = 0,
@@ -637,7 +647,8 @@ def estimate(
         ``"zero_bubble"``: a stage keeps the activations of the most micro-batches its table
         has in flight (``M`` under GPipe, ``P`` under 1F1B and zero-bubble, a chunk's
         ``1 / V`` each under interleaving).
-      virtual_stages: ``V``, the chunks of layers per stage under ``interleaved_1f1b``.
+      virtual_stages: ``V``, the chunks of layers per stage under ``interleaved_1f1b``
+        (default 2 there, else 1).
       experts: the experts E of each MoE layer; 0 (default): no mixture of experts.
       expert_parallel: the expert axis E_p (``expert_parallel.autoep_size``; the mesh
         ``{data: N/E_p, expert: E_p}``); it divides ``devices`` (per replica group) and
@@ -726,8 +737,10 @@ def estimate(
             f"pipeline_schedule: {pipeline_schedule!r} is not allowed; it must be one of "
             f"{', '.join(SCHEDULES)}."
         )
-    if pp > 1:  # the schedule's own checks (micro-batches in groups, chunks)
-        make_schedule(pipeline_schedule, pp, mb, virtual_stages)
+    virtual_stages = virtual_stages_of(pipeline_schedule, virtual_stages)
+    # The schedule's table (it checks the micro-batches' groups and the chunks): what a stage
+    # keeps in flight.
+    table = make_schedule(pipeline_schedule, pp, mb, virtual_stages) if pp > 1 else None
     if n % (r * tp * sp * pp):
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
@@ -793,7 +806,7 @@ def estimate(
             **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
         )
         if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
-            held = _held(pipeline_schedule, pp, mb, virtual_stages)
+            held = table.slots / virtual_stages  # a chunk counts 1/V of a stage's layers
             per_layer = act / staged["layers"]
             act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
     model_bytes = seq_bytes = pipe_bytes = 0.0
@@ -863,12 +876,6 @@ def estimate(
         activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, virtual_stages, n_experts, ep,
         psi_e, opt_dtype, master,
     )  # fmt: skip
-
-
-def _held(schedule: str, stages: int, micro_batches: int, virtual: int) -> float:
-    """The micro-batches of a stage's activations the schedule keeps at most: the most passes
-    in flight on a stage in its table, a chunk counting ``1 / V``."""
-    return make_schedule(schedule, stages, micro_batches, virtual).slots / virtual
 
 
 def _check_experts(
