@@ -54,7 +54,7 @@ from jax.extend import core as jex_core
 
 from jzero.distributed.pipeline import Residuals
 from jzero.replay.layer_split import NoLayerScan, layer_scan_index
-from jzero.replay.trace import inline_calls, needed_eqns, read, run_eqns
+from jzero.replay.trace import free_vars, inline_calls, needed_eqns, read, run_eqns
 
 __all__ = ["BackwardSplit", "split_backward"]
 
@@ -118,10 +118,8 @@ def split_backward(
     # What post reads that neither the scan nor the differentiated inputs give it: values pre
     # computed (or the fixed inputs), returned by pre and differentiated through it.
     made_after = {v for e in post for v in e.outvars}
-    skip = set(made_after) | set(scan_outs) | set(diff_vars)
     reads = [u for e in post for u in e.invars] + list(jaxpr.outvars)
-    pre_vals = list(dict.fromkeys(
-        v for v in reads if not isinstance(v, jex_core.Literal) and v not in skip))  # fmt: skip
+    pre_vals = free_vars(reads, made_after | set(scan_outs) | set(diff_vars))
     _refuse_carry_dependence(pre, diff_vars[n:], eqn, ncon, ncar)
     for v in [*eqn.invars[ncon : ncon + ncar], *eqn.outvars]:
         if not jnp.issubdtype(v.aval.dtype, jnp.inexact):
@@ -293,9 +291,7 @@ class _LayerCut:
         known = {*self.ins[0], *self.ins[1], *self.ins[2], *jaxpr.constvars}
         made = {v for e in self.second for v in e.outvars}
         reads = [u for e in self.second for u in e.invars] + [*self.d_cst, *self.d_x]
-        self.between = list(dict.fromkeys(
-            v for v in reads if not isinstance(v, jex_core.Literal) and v not in known
-            and v not in made))  # fmt: skip
+        self.between = free_vars(reads, known | made)
 
     def _env(self, groups: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> dict[Any, Any]:
         env: dict[Any, Any] = dict(zip(self.jaxpr.constvars, self.consts, strict=True))

@@ -44,7 +44,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
-from jzero.replay.trace import PASS_THROUGH, bind, inline_calls, needed_eqns, read, run_eqns
+from jzero.replay.trace import (
+    PASS_THROUGH,
+    bind,
+    free_vars,
+    inline_calls,
+    needed_eqns,
+    read,
+    run_eqns,
+)
 
 __all__ = [
     "STAGE_MARK",
@@ -174,12 +182,6 @@ def layer_scan_index(jaxpr: Any, num: int) -> int | None:
     return best
 
 
-def _free(reads: Sequence[Any], defined: set[Any]) -> list[Any]:
-    """The variables among ``reads`` not in ``defined`` (no literals), once each, in order."""
-    kept = (v for v in reads if not isinstance(v, jex_core.Literal) and v not in defined)
-    return list(dict.fromkeys(kept))
-
-
 def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     """``unit(params, carry_in, first, last, *args) -> (carry_out, outs)`` for one stage.
 
@@ -192,7 +194,7 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
     pre, post = jaxpr.eqns[:k], jaxpr.eqns[k + 1 :]
     defined_after = {v for e in post for v in e.outvars}
-    post_reads = _free([u for e in post for u in e.invars] + list(jaxpr.outvars), defined_after)
+    post_reads = free_vars([u for e in post for u in e.invars] + list(jaxpr.outvars), defined_after)
     # Which equations before the scan each stage needs: what the layers read besides their
     # carry (positions, masks) on every stage; the carry's start (the embedding) on the first
     # stage only; what only the loss after the scan reads (the labels) on the last only.
@@ -202,10 +204,10 @@ def stage_unit(split: LayerSplit) -> Callable[..., tuple[list[Any], list[Any]]]:
     first_only = [e for e in needed_eqns(pre, eqn.invars[nc : nc + ncarry]) if id(e) not in always]
     last_only = [e for e in needed_eqns(pre, post_reads) if id(e) not in always]
     starts = list(eqn.invars[nc : nc + ncarry])
-    start_reads = _free([u for e in first_only for u in e.invars] + starts,
+    start_reads = free_vars([u for e in first_only for u in e.invars] + starts,
                         {v for e in first_only for v in e.outvars})  # fmt: skip
     tail = [*last_only, *post]
-    needed = _free([u for e in tail for u in e.invars] + list(jaxpr.outvars),
+    needed = free_vars([u for e in tail for u in e.invars] + list(jaxpr.outvars),
                    {v for e in tail for v in e.outvars})  # fmt: skip
 
     def unit(

@@ -33,6 +33,7 @@ __all__ = [
     "eval_tagged",
     "find_layers",
     "first_element",
+    "free_vars",
     "has_scan",
     "inline_calls",
     "inner_jaxpr",
@@ -100,6 +101,12 @@ def run_eqns(eqns: Sequence[Any], env: dict[Any, Any]) -> dict[Any, Any]:
     for e in eqns:
         env.update(zip(e.outvars, bind(e, [read(env, v) for v in e.invars]), strict=True))
     return env
+
+
+def free_vars(reads: Sequence[Any], defined: set[Any]) -> list[Any]:
+    """The variables among ``reads`` not in ``defined`` (no literals), once each, in order."""
+    kept = (v for v in reads if not isinstance(v, jex_core.Literal) and v not in defined)
+    return list(dict.fromkeys(kept))
 
 
 def needed_eqns(eqns: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
