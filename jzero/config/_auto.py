@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.config._batch import batch_from_first_batch, resolve_batch_sizes
-from jzero.config._common import ConfigError, _show
+from jzero.config._common import ConfigError, show
 from jzero.config._optimizers import auto_keys
 from jzero.config._schema import Config
 from jzero.config._validate import check_bf16
@@ -147,13 +147,13 @@ def resolve_auto(
         if path in LAYOUT_KEYS:
             value = "from the compiled step, at the first batch"
         elif path in _BATCH:
-            value = sizes[path] if isinstance(sizes[path], str) else _show(sizes[path])
+            value = sizes[path] if isinstance(sizes[path], str) else show(sizes[path])
         elif path in _PRECISION:
             shown = ", ".join(sorted(d.name for d in dtypes)) or "none"
-            value = f"{_show(_get(cfg, path))} (floating-point params: {shown})"
+            value = f"{show(_get(cfg, path))} (floating-point params: {shown})"
         else:
             value = _get(cfg, path)
-            value = "not set" if value is None else _show(value)
+            value = "not set" if value is None else show(value)
         resolved.append(f"{path}={value}")
     resolved += [f"{path}=from the optax optimizer" for path in opt_autos]
     logger.info('jzero: "auto" resolved: %s', ", ".join(resolved))

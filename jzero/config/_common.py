@@ -8,9 +8,10 @@ Decisions:
 * Mappings inside a ``Config`` are ``FrozenMap`` and lists are tuples, so a ``Config`` is
   hashable and can be a static argument of ``jax.jit``.
 * Values are shown in messages as the user wrote them in YAML/JSON (``true``, ``null``).
-* ``_f`` makes a dataclass field whose metadata carries the validation rules (``min``, ``max``,
-  ``nonzero``, ``no_effect``, ``refuse``, ``auto``, the YAML ``key`` when it differs from the
-  field name, ``rest`` for a mapping that takes every other key of its section).
+* ``checked_field`` makes a dataclass field whose metadata carries the validation rules
+  (``min``, ``max``, ``nonzero``, ``no_effect``, ``refuse``, ``auto``, the YAML ``key`` when it
+  differs from the field name, ``rest`` for a mapping that takes every other key of its
+  section).
 """
 
 from __future__ import annotations
@@ -77,26 +78,26 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _thaw(value: Any) -> Any:
+def thaw(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
+        return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        return [_thaw(v) for v in value]
+        return [thaw(v) for v in value]
     return value
 
 
-def _field(default: Any = dataclasses.MISSING, *, factory: Any = None, **meta: Any) -> Any:
+def checked_field(default: Any = dataclasses.MISSING, *, factory: Any = None, **meta: Any) -> Any:
     """A dataclass field whose metadata carries the validation rules."""
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """Renders a value as the user wrote it in YAML/JSON."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -138,7 +139,7 @@ def _edit_distance(a: str, b: str) -> int:
     return row[len(b)]
 
 
-def _close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | None:
+def close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | None:
     """The known key that ``key`` is a near miss of, or None.
 
     A near miss is equal after :func:`_normalise`, or within one edit of it (two for names of
@@ -156,10 +157,10 @@ def _close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | No
     return best
 
 
-def _suggest(key: str, known: Sequence[str] | Mapping[str, Any]) -> str:
-    close = _close_match(key, known)
+def suggest(key: str, known: Sequence[str] | Mapping[str, Any]) -> str:
+    close = close_match(key, known)
     return f" (did you mean '{close}'?)" if close is not None else ""
 
 
-def _join(path: str, key: str) -> str:
+def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else str(key)

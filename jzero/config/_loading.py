@@ -43,8 +43,8 @@ from jzero.config._common import (
     ConfigError,
     JzeroConfigDeprecationWarning,
     JzeroConfigWarning,
-    _show,
-    _thaw,
+    show,
+    thaw,
 )
 from jzero.config._schema import Config
 from jzero.config._validate import build_config
@@ -250,7 +250,7 @@ def _apply_override(raw: dict, override: str) -> None:
         elif not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
             raise ConfigError(
-                f"The override {override!r} goes into {where}, which is {_show(child)}, not a "
+                f"The override {override!r} goes into {where}, which is {show(child)}, not a "
                 "mapping; override that key itself instead."
             )
         node = child
@@ -291,7 +291,7 @@ def load_config(
     elif source is None:
         raw = {}
     elif isinstance(source, Mapping):
-        raw = _thaw(source)
+        raw = thaw(source)
     elif isinstance(source, str | os.PathLike):
         raw = _read_file(source)
         raw = {} if raw is None else raw
@@ -301,7 +301,7 @@ def load_config(
         )
     if not isinstance(raw, dict):
         raise ConfigError(
-            f"The config must be a mapping of keys at the top level, not {_show(raw)}; write "
+            f"The config must be a mapping of keys at the top level, not {show(raw)}; write "
             "it as `key: value` lines (YAML) or a JSON object."
         )
     if "bfloat16" in raw:  # DeepSpeed's old name for bf16

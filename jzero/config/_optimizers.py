@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jzero.config._common import ConfigError, _is_number, _show, _suggest
+from jzero.config._common import ConfigError, is_number, show, suggest
 from jzero.config._schema import OptimizerConfig, SchedulerConfig
 
 __all__ = [
@@ -174,7 +174,7 @@ _SCHEDULER_NONNEGATIVE = (
 def _check_nonnegative(value: float, path: str, what: str) -> None:
     if value < 0:
         raise ConfigError(
-            f"{path} is {_show(value)}; it must be >= 0 ({what}). Set it to 0 or a positive value."
+            f"{path} is {show(value)}; it must be >= 0 ({what}). Set it to 0 or a positive value."
         )
 
 
@@ -182,8 +182,8 @@ def _check_betas(value: tuple[float, float], path: str) -> None:
     for i, beta in enumerate(value):
         if not 0.0 <= beta < 1.0:
             raise ConfigError(
-                f"{path} is {_show(value)}; each beta must be in [0, 1) (as in "
-                f"torch.optim), but betas[{i}] is {_show(beta)}. Set it to a value in [0, 1), "
+                f"{path} is {show(value)}; each beta must be in [0, 1) (as in "
+                f"torch.optim), but betas[{i}] is {show(beta)}. Set it to a value in [0, 1), "
                 "e.g. betas: [0.9, 0.999]."
             )
 
@@ -194,17 +194,17 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
         if value is None:
             return None
         kind = kind[:-1]
-    if kind == "float" and _is_number(value):
+    if kind == "float" and is_number(value):
         return float(value)
     numbers = value if kind == "betas" and isinstance(value, list | tuple) else [value]
     if kind in ("float", "betas") and any(
         isinstance(v, float) and not math.isfinite(v) for v in numbers
     ):
         raise ConfigError(
-            f"{path}: {_show(value)} is not allowed; it must be finite (not inf or NaN). Set a "
+            f"{path}: {show(value)} is not allowed; it must be finite (not inf or NaN). Set a "
             "finite value."
         )
-    if kind == "int" and _is_number(value) and float(value).is_integer():
+    if kind == "int" and is_number(value) and float(value).is_integer():
         return int(value)
     if kind == "bool" and isinstance(value, bool):
         return value
@@ -214,7 +214,7 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
         kind == "betas"
         and isinstance(value, list | tuple)
         and len(value) == 2
-        and all(_is_number(v) for v in value)
+        and all(is_number(v) for v in value)
     ):
         return (float(value[0]), float(value[1]))
     allowed = {
@@ -224,14 +224,14 @@ def _check_param(kind: str, value: Any, path: str) -> Any:
         "warmup_type": "one of 'log', 'linear'",
         "betas": "a list of two numbers, e.g. [0.9, 0.999]",
     }[kind]
-    raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be {allowed}.")
+    raise ConfigError(f"{path}: {show(value)} is not allowed; it must be {allowed}.")
 
 
 def _check_state_bits(value: Any, path: str) -> int:
     """Adam's ``state_bits``: 32 (float32 moments) or 8 (int8/uint8 codes, optim.quantized)."""
-    if _is_number(value) and float(value) in (8.0, 32.0):
+    if is_number(value) and float(value) in (8.0, 32.0):
         return int(value)
-    if _is_number(value) and float(value) == 16.0:
+    if is_number(value) and float(value) == 16.0:
         fix = (
             "For 16-bit moments remove state_bits and set bf16: {enabled: true, "
             "bf16_optimizer_states: true}."
@@ -239,7 +239,7 @@ def _check_state_bits(value: Any, path: str) -> int:
     else:
         fix = "Set state_bits: 8 or 32, or remove it."
     raise ConfigError(
-        f"{path}: {_show(value)} is not allowed; it must be 32 (float32 moments, the default) "
+        f"{path}: {show(value)} is not allowed; it must be 32 (float32 moments, the default) "
         f"or 8 (8-bit blockwise codes, about a quarter of the bytes). {fix}"
     )
 
@@ -287,15 +287,15 @@ def resolve_optimizer(
         extra = [key for key in opt.params if key not in OPTIMIZER_PARAMS[base.lower()]]
         drop = f" and remove {', '.join(extra)} from its params" if extra else ""
         raise ConfigError(
-            f"{path}.type: {_show(opt.type)} is {base} with its communication compressed to 1 "
+            f"{path}.type: {show(opt.type)} is {base} with its communication compressed to 1 "
             "bit, a CUDA/NCCL feature jzero does not have (XLA runs the collectives). For the "
-            f"optimizer itself, uncompressed (as {_show(opt.type)} runs until its freeze_step), "
+            f"optimizer itself, uncompressed (as {show(opt.type)} runs until its freeze_step), "
             f"set type: {base}{drop}."
         )
     if name not in OPTIMIZER_PARAMS:
         names = ", ".join(_OPTIMIZER_NAMES.values())
         raise ConfigError(
-            f"{path}.type: {_show(opt.type)} is not a supported optimizer; it must be one of "
+            f"{path}.type: {show(opt.type)} is not a supported optimizer; it must be one of "
             f"{names} (case-insensitive)."
         )
     spec = OPTIMIZER_PARAMS[name]
@@ -313,7 +313,7 @@ def resolve_optimizer(
             continue
         if key not in spec:
             raise ConfigError(
-                f"{sub} is not a parameter of {_OPTIMIZER_NAMES[name]}{_suggest(key, spec)}; "
+                f"{sub} is not a parameter of {_OPTIMIZER_NAMES[name]}{suggest(key, spec)}; "
                 f"the allowed parameters are {', '.join(spec)}."
             )
         if value == "auto":
@@ -337,7 +337,7 @@ def resolve_optimizer(
     if name == "muon" and not (resolved["momentum"] < 1 and resolved["ns_steps"] >= 1):
         bad = "momentum" if resolved["momentum"] >= 1 else "ns_steps"
         raise ConfigError(
-            f"{path}.params.{bad}: {_show(resolved[bad])} is not allowed; Muon needs momentum "
+            f"{path}.params.{bad}: {show(resolved[bad])} is not allowed; Muon needs momentum "
             "in [0, 1) and ns_steps >= 1 (e.g. momentum: 0.95, ns_steps: 5)."
         )
     if (
@@ -382,7 +382,7 @@ def resolve_scheduler(
     name = canon.get(sched.type.lower()) if isinstance(sched.type, str) else None
     if name is None:
         raise ConfigError(
-            f"{path}.type: {_show(sched.type)} is not a supported LR schedule; it must be one of "
+            f"{path}.type: {show(sched.type)} is not a supported LR schedule; it must be one of "
             f"{', '.join(SCHEDULER_PARAMS)}."
         )
     spec = SCHEDULER_PARAMS[name]
@@ -391,7 +391,7 @@ def resolve_scheduler(
         sub = f"{path}.params.{key}"
         if key not in spec:
             raise ConfigError(
-                f"{sub} is not a parameter of {name}{_suggest(key, spec)}; the allowed "
+                f"{sub} is not a parameter of {name}{suggest(key, spec)}; the allowed "
                 f"parameters are {', '.join(spec)}."
             )
         if value == "auto":

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jzero.choices.pipeline import virtual_stages
-from jzero.config._common import ConfigError, FrozenMap, _field, _thaw
+from jzero.config._common import ConfigError, FrozenMap, checked_field, thaw
 from jzero.config._sections import (
-    _CKPT,
-    _MONITOR,
-    _NOT_IMPLEMENTED,
-    _NVME_ONLY,
-    _TORCH_ONLY,
-    _XLA_COLLECTIVES,
+    CKPT,
+    MONITOR,
+    NOT_IMPLEMENTED,
+    NVME_ONLY,
+    TORCH_ONLY,
+    XLA_COLLECTIVES,
     ActivationCheckpointingConfig,
     AutoLayoutConfig,
     BF16Config,
@@ -66,10 +66,10 @@ class OptimizerConfig:
 
     type: str
     """Optimizer name, case-insensitive: Adam, AdamW, Lamb, SGD, Adagrad, Lion."""
-    params: Mapping[str, Any] = _field(factory=FrozenMap)
+    params: Mapping[str, Any] = checked_field(factory=FrozenMap)
     """Constructor parameters with DeepSpeed / PyTorch names (lr, betas, eps, weight_decay ...);
     "auto" takes the value from the optax optimizer passed to ``jzero.initialize``."""
-    legacy_fusion: bool = _field(False, no_effect="XLA fuses the update itself")
+    legacy_fusion: bool = checked_field(False, no_effect="XLA fuses the update itself")
     """DeepSpeed: the old fused Adam/Lamb kernels. No effect."""
 
 
@@ -79,7 +79,7 @@ class SchedulerConfig:
 
     type: str
     """Schedule name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest."""
-    params: Mapping[str, Any] = _field(factory=FrozenMap)
+    params: Mapping[str, Any] = checked_field(factory=FrozenMap)
     """Schedule parameters with DeepSpeed's names."""
 
 
@@ -92,9 +92,9 @@ class MeshConfig:
     be the number of devices.
     """
 
-    data: int = _field(-1, min=-1, nonzero=True)
+    data: int = checked_field(-1, min=-1, nonzero=True)
     """Size of the data-parallel axis; -1 uses all devices left by the other axes."""
-    axes: Mapping[str, int] = _field(factory=FrozenMap, rest=True)
+    axes: Mapping[str, int] = checked_field(factory=FrozenMap, rest=True)
     """The other axes, name -> size (-1: the devices left), written beside ``data`` in YAML."""
 
     def sizes(self) -> dict[str, int]:
@@ -106,18 +106,18 @@ class MeshConfig:
 class TrainConfig:
     """``train``: jzero's training-loop settings (``jzero train``)."""
 
-    steps: int = _field(200, min=1)
+    steps: int = checked_field(200, min=1)
     """Optimizer steps to run."""
-    eval_interval: int = _field(50, min=0)
+    eval_interval: int = checked_field(50, min=0)
     """Evaluate every this many steps; 0 disables evaluation."""
-    eval_batches: int = _field(4, min=1)
+    eval_batches: int = checked_field(4, min=1)
     """Batches per evaluation."""
-    log_dir: str = _field("runs/default", path=True)
+    log_dir: str = checked_field("runs/default", path=True)
     """Directory for logs and metrics (a leading ``~`` is expanded)."""
-    max_consecutive_nonfinite: int = _field(32, min=0)
+    max_consecutive_nonfinite: int = checked_field(32, min=0)
     """jzero's own: stop with an error after this many steps in a row with inf/NaN gradients
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""
-    compile_cache: str | None = _field("auto", path=True)
+    compile_cache: str | None = checked_field("auto", path=True)
     """jzero's own: the directory of JAX's persistent compilation cache, so a restarted or
     resumed run loads its compiled programs instead of compiling them again. ``auto``: a cache
     folder, ``$JAX_COMPILATION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/jzero/compile_cache``
@@ -131,15 +131,15 @@ class TrainConfig:
 class CheckpointConfig:
     """``checkpoint``: jzero's Orbax checkpointing, plus DeepSpeed's own checkpoint keys."""
 
-    directory: str | None = _field(None, path=True)
+    directory: str | None = checked_field(None, path=True)
     """Checkpoint directory (a leading ``~`` is expanded); None disables checkpointing."""
-    save_interval_steps: int = _field(0, min=0)
+    save_interval_steps: int = checked_field(0, min=0)
     """Save every this many steps; 0 saves only at the end (when a directory is set)."""
-    max_to_keep: int | None = _field(3, min=1)
+    max_to_keep: int | None = checked_field(3, min=1)
     """Checkpoints kept on disk; None keeps all."""
-    async_: bool = _field(True, key="async")
+    async_: bool = checked_field(True, key="async")
     """Save in the background while training continues (YAML key ``async``)."""
-    max_consecutive_failures: int = _field(3, min=0)
+    max_consecutive_failures: int = checked_field(3, min=0)
     """jzero's own (DeepSpeed has no such key): a periodic save that fails (a full disk, a
     quota, an I/O error) is one error line and training goes on, the next interval trying again;
     this many failed saves in a row stop the run with an error. 0 never stops. A final save that
@@ -147,23 +147,23 @@ class CheckpointConfig:
     overwrite: bool = False
     """jzero's own: a run started without resuming may replace the checkpoints an earlier run
     left in ``directory``; false refuses to start such a run."""
-    init_from: str | None = _field(None, path=True)
+    init_from: str | None = checked_field(None, path=True)
     """jzero's own: start from these weights instead of a fresh initialisation: a
     ``.safetensors`` file, a sharded export (a directory with ``model.safetensors.index.json``)
     or a jzero checkpoint directory, loaded straight into the plan's shardings (see
     ``jzero.initialize(init_from=...)``, which takes precedence). A resumed run restores its
     own checkpoint over it."""
-    tag_validation: str = _field("Warn", no_effect=_CKPT)
+    tag_validation: str = checked_field("Warn", no_effect=CKPT)
     """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""
-    load_universal: bool = _field(False, no_effect=_CKPT)
+    load_universal: bool = checked_field(False, no_effect=CKPT)
     """DeepSpeed: load a universal checkpoint. No effect (every checkpoint reshards)."""
-    use_node_local_storage: bool = _field(False, no_effect=_CKPT)
+    use_node_local_storage: bool = checked_field(False, no_effect=CKPT)
     """DeepSpeed: write checkpoints to node-local storage. No effect."""
-    parallel_write: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
+    parallel_write: Mapping[str, Any] | None = checked_field(None, no_effect=CKPT)
     """DeepSpeed: parallel checkpoint writing. No effect."""
-    checkpoint_serialization: bool = _field(True, no_effect=_CKPT)
+    checkpoint_serialization: bool = checked_field(True, no_effect=CKPT)
     """DeepSpeed: torch.save's serialization format. No effect."""
-    writer: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
+    writer: Mapping[str, Any] | None = checked_field(None, no_effect=CKPT)
     """DeepSpeed: the checkpoint writer (fast, decoupled ...). No effect."""
 
 
@@ -175,33 +175,33 @@ _PARALLEL = "jzero parallelises over the data axis (and your own mesh axes) only
 class Config:
     """A whole jzero training config: DeepSpeed's ``ds_config`` keys plus jzero's sections."""
 
-    train_batch_size: int | None = _field(None, min=1, **_AUTO)
+    train_batch_size: int | None = checked_field(None, min=1, **_AUTO)
     """Global batch per optimizer step = micro x accumulation x data-parallel size; "auto" ok."""
-    train_micro_batch_size_per_gpu: int | None = _field(None, min=1, **_AUTO)
+    train_micro_batch_size_per_gpu: int | None = checked_field(None, min=1, **_AUTO)
     """Batch per device per forward/backward pass; "auto" ok."""
-    gradient_accumulation_steps: int | None = _field(None, min=1, **_AUTO)
+    gradient_accumulation_steps: int | None = checked_field(None, min=1, **_AUTO)
     """Micro-batches accumulated per optimizer step; "auto" ok."""
-    gradient_clipping: float = _field(1.0, min=0.0, auto=1.0)
+    gradient_clipping: float = checked_field(1.0, min=0.0, auto=1.0)
     """Clip the global gradient norm to this value; 0 disables (DeepSpeed >= 0.19.3: 1.0, which
     "auto" gives too)."""
-    device_memory: int | None = _field(None, size=True)
+    device_memory: int | None = checked_field(None, size=True)
     """jzero's own: the memory of one device for ``zero_optimization.stage: auto``, bytes or
     with units (``12GB``, ``80GiB``), as ``jzero plan --device-memory`` takes it. Without it
     ``stage: auto`` uses the accelerator's ``bytes_limit`` less 10% (on CPU it is required).
     Loads as bytes."""
-    steps_per_print: int | None = _field(10, min=1)
+    steps_per_print: int | None = checked_field(10, min=1)
     """Log every this many steps; None never."""
     seed: int = 0
     """Seed for parameter initialisation and data order."""
-    zero_optimization: ZeroConfig = _field(factory=ZeroConfig)
+    zero_optimization: ZeroConfig = checked_field(factory=ZeroConfig)
     """ZeRO stage and offload."""
     optimizer: OptimizerConfig | None = None
     """The optimizer; None: the engine needs one passed in code."""
     scheduler: SchedulerConfig | None = None
     """The learning-rate schedule; None: constant ``optimizer.params.lr``."""
-    bf16: BF16Config = _field(factory=BF16Config)
+    bf16: BF16Config = checked_field(factory=BF16Config)
     """bfloat16 mixed precision."""
-    fp16: FP16Config = _field(factory=FP16Config)
+    fp16: FP16Config = checked_field(factory=FP16Config)
     """float16 mixed precision."""
     skip_nonfinite: bool | None = None
     """jzero's own: skip the optimizer update of a step whose gradients are inf/NaN, at any
@@ -210,118 +210,126 @@ class Config:
     false is refused with fp16, whose loss scaling must skip an overflowing step."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype of gradient reductions; None: the gradient dtype."""
-    data_types: DataTypesConfig = _field(factory=DataTypesConfig)
+    data_types: DataTypesConfig = checked_field(factory=DataTypesConfig)
     """Accumulation dtypes."""
-    activation_checkpointing: ActivationCheckpointingConfig = _field(
+    activation_checkpointing: ActivationCheckpointingConfig = checked_field(
         factory=ActivationCheckpointingConfig
     )
     """Activation checkpointing of each stacked layer (every scan body), at any stage."""
-    mesh: MeshConfig = _field(factory=MeshConfig)
+    mesh: MeshConfig = checked_field(factory=MeshConfig)
     """Device mesh."""
-    auto_layout: AutoLayoutConfig = _field(factory=AutoLayoutConfig)
+    auto_layout: AutoLayoutConfig = checked_field(factory=AutoLayoutConfig)
     """jzero's own: the bandwidths, FLOP rate and collective latency that rank the candidate
     layouts when a parallel size is ``"auto"`` (:mod:`jzero.engine.auto_layout`)."""
-    model: Mapping[str, Any] = _field(factory=FrozenMap)
+    model: Mapping[str, Any] = checked_field(factory=FrozenMap)
     """Built-in GPT settings (vocab_size, seq_len, num_layers, num_heads, d_model, d_ff ...)."""
-    data: Mapping[str, Any] = _field(factory=FrozenMap)
+    data: Mapping[str, Any] = checked_field(factory=FrozenMap)
     """Data settings for ``jzero train`` (source, path ...)."""
-    train: TrainConfig = _field(factory=TrainConfig)
+    train: TrainConfig = checked_field(factory=TrainConfig)
     """Training-loop settings."""
-    checkpoint: CheckpointConfig = _field(factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = checked_field(factory=CheckpointConfig)
     """Checkpointing."""
-    distributed: Mapping[str, Any] = _field(factory=FrozenMap)
+    distributed: Mapping[str, Any] = checked_field(factory=FrozenMap)
     """Several processes (see :mod:`jzero.distributed`): coordinator_address, num_processes,
     process_id, ...; empty: the ``JZERO_*`` variables or JAX's cluster detection."""
     # DeepSpeed's top-level keys that have no effect in jzero.
-    wall_clock_breakdown: bool = _field(False, no_effect="profile with jax.profiler instead")
+    wall_clock_breakdown: bool = checked_field(False, no_effect="profile with jax.profiler instead")
     """DeepSpeed: time forward/backward/step. No effect."""
-    memory_breakdown: bool = _field(False, no_effect="use `jzero plan` for the memory report")
+    memory_breakdown: bool = checked_field(
+        False, no_effect="use `jzero plan` for the memory report"
+    )
     """DeepSpeed: print memory use. No effect."""
-    dump_state: bool = _field(False, no_effect=_TORCH_ONLY)
+    dump_state: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: print the engine state. No effect."""
-    prescale_gradients: bool = _field(False, no_effect="it only changes fp16 rounding")
+    prescale_gradients: bool = checked_field(False, no_effect="it only changes fp16 rounding")
     """DeepSpeed: scale gradients before the mean reduction. No effect."""
-    gradient_predivide_factor: float = _field(1.0, no_effect="it only changes fp16 rounding")
+    gradient_predivide_factor: float = checked_field(1.0, no_effect="it only changes fp16 rounding")
     """DeepSpeed: divide gradients before the mean reduction. No effect."""
-    sparse_gradients: bool = _field(False, no_effect="JAX gradients are dense")
+    sparse_gradients: bool = checked_field(False, no_effect="JAX gradients are dense")
     """DeepSpeed: sparse embedding gradients. No effect."""
-    disable_allgather: bool = _field(False, no_effect=_XLA_COLLECTIVES)
+    disable_allgather: bool = checked_field(False, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: broadcast instead of all-gather. No effect."""
-    zero_allow_untested_optimizer: bool = _field(
+    zero_allow_untested_optimizer: bool = checked_field(
         False, no_effect="every optax optimizer works with ZeRO"
     )
     """DeepSpeed: allow optimizers untested with ZeRO. No effect."""
-    zero_force_ds_cpu_optimizer: bool = _field(True, no_effect=_TORCH_ONLY)
+    zero_force_ds_cpu_optimizer: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: force DeepSpeed's CPU optimizer with offload. No effect."""
-    dataloader_drop_last: bool = _field(
+    dataloader_drop_last: bool = checked_field(
         False, no_effect="jzero's data loader always drops the last batch"
     )
     """DeepSpeed: drop the last incomplete batch. No effect."""
-    amp: Mapping[str, Any] | None = _field(
+    amp: Mapping[str, Any] | None = checked_field(
         None, no_effect="Apex AMP is PyTorch-only; use bf16 or fp16"
     )
     """DeepSpeed: Apex AMP. No effect."""
-    torch_autocast: Mapping[str, Any] | None = _field(None, no_effect="use bf16 or fp16")
+    torch_autocast: Mapping[str, Any] | None = checked_field(None, no_effect="use bf16 or fp16")
     """DeepSpeed: torch.autocast. No effect."""
-    compile: Mapping[str, Any] | None = _field(None, no_effect="jzero always compiles with XLA")
+    compile: Mapping[str, Any] | None = checked_field(
+        None, no_effect="jzero always compiles with XLA"
+    )
     """DeepSpeed: torch.compile settings. No effect."""
-    elasticity: Mapping[str, Any] | None = _field(
-        None, no_effect=_NOT_IMPLEMENTED + " (elastic batch)"
+    elasticity: Mapping[str, Any] | None = checked_field(
+        None, no_effect=NOT_IMPLEMENTED + " (elastic batch)"
     )
     """DeepSpeed: elastic training. No effect."""
-    aio: Mapping[str, Any] | None = _field(None, no_effect=_NVME_ONLY)
+    aio: Mapping[str, Any] | None = checked_field(None, no_effect=NVME_ONLY)
     """DeepSpeed: asynchronous NVMe I/O. No effect."""
-    flops_profiler: FlopsProfilerConfig = _field(factory=FlopsProfilerConfig)
+    flops_profiler: FlopsProfilerConfig = checked_field(factory=FlopsProfilerConfig)
     """DeepSpeed's FLOPs profiler: the compiled step's FLOPs, bytes, time and MFU at one step,
     and the model's FLOPs per module (:mod:`jzero.profiler`)."""
-    comms_logger: Mapping[str, Any] | None = _field(None, no_effect="collectives are read from HLO")
+    comms_logger: Mapping[str, Any] | None = checked_field(
+        None, no_effect="collectives are read from HLO"
+    )
     """DeepSpeed: communication logger. No effect."""
-    autotuning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    autotuning: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: autotuner. No effect."""
-    tensorboard: TensorBoardConfig = _field(factory=TensorBoardConfig)
+    tensorboard: TensorBoardConfig = checked_field(factory=TensorBoardConfig)
     """DeepSpeed's TensorBoard monitor: the step's metrics as event files (:mod:`jzero.monitor`)."""
-    wandb: WandbConfig = _field(factory=WandbConfig)
+    wandb: WandbConfig = checked_field(factory=WandbConfig)
     """DeepSpeed's Weights & Biases monitor (the ``jzero[wandb]`` extra)."""
-    csv_monitor: CsvMonitorConfig = _field(factory=CsvMonitorConfig)
+    csv_monitor: CsvMonitorConfig = checked_field(factory=CsvMonitorConfig)
     """DeepSpeed's CSV monitor: one CSV file per metric."""
-    comet: Mapping[str, Any] | None = _field(None, no_effect=_MONITOR)
+    comet: Mapping[str, Any] | None = checked_field(None, no_effect=MONITOR)
     """DeepSpeed's Comet monitor. No effect."""
-    timers: Mapping[str, Any] | None = _field(
+    timers: Mapping[str, Any] | None = checked_field(
         None, no_effect="the monitors and metrics.jsonl carry samples/s and tokens/s every step"
     )
     """DeepSpeed: throughput timers. No effect."""
-    log_level: str = _field("info", no_effect="jzero logs through Python's logging module")
+    log_level: str = checked_field("info", no_effect="jzero logs through Python's logging module")
     """DeepSpeed: its logger's level. No effect (set the level of the ``jzero`` logger)."""
-    hybrid_engine: Mapping[str, Any] | None = _field(
-        None, no_effect=_NOT_IMPLEMENTED + " (DeepSpeed-Chat's RLHF generation engine)"
+    hybrid_engine: Mapping[str, Any] | None = checked_field(
+        None, no_effect=NOT_IMPLEMENTED + " (DeepSpeed-Chat's RLHF generation engine)"
     )
     """DeepSpeed-Chat: switch between training and inference kernels. No effect."""
-    compression_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    compression_training: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed Compression. Accepted only with every technique disabled: an enabled one
     would change the model that is trained, so it is an error."""
-    data_efficiency: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    data_efficiency: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: data sampling and routing. No effect (the batches are the ones you pass)."""
-    curriculum_learning: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    curriculum_learning: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: legacy curriculum learning. No effect."""
-    progressive_layer_drop: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    progressive_layer_drop: Mapping[str, Any] | None = checked_field(
+        None, no_effect=NOT_IMPLEMENTED
+    )
     """DeepSpeed: progressive layer dropping. Accepted only with ``enabled: false`` (or no
     ``enabled``): dropping layers changes what is trained, so enabled is an error."""
-    eigenvalue: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    eigenvalue: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: Hessian eigenvalue estimation. No effect."""
-    quantize_training: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    quantize_training: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: MoQ quantize-aware training. Accepted only with ``enabled: false`` (or no
     ``enabled``): quantizing the weights changes what is trained, so enabled is an error."""
-    sparse_attention: Mapping[str, Any] | None = _field(
+    sparse_attention: Mapping[str, Any] | None = checked_field(
         None, no_effect="attention is the model's code in JAX"
     )
     """DeepSpeed: sparse attention kernels. No effect."""
-    nebula: Mapping[str, Any] | None = _field(None, no_effect=_CKPT)
+    nebula: Mapping[str, Any] | None = checked_field(None, no_effect=CKPT)
     """DeepSpeed: Azure Nebula checkpointing. No effect."""
-    graph_harvesting: bool = _field(False, no_effect="jzero always compiles with XLA")
+    graph_harvesting: bool = checked_field(False, no_effect="jzero always compiles with XLA")
     """DeepSpeed: CUDA graph harvesting. No effect."""
-    use_data_before_expert_parallelism: bool = _field(False, no_effect=_PARALLEL)
+    use_data_before_expert_parallelism: bool = checked_field(False, no_effect=_PARALLEL)
     """DeepSpeed: process-group order for MoE. No effect."""
-    seq_parallel_communication_data_type: str = _field("fp32", no_effect=_PARALLEL)
+    seq_parallel_communication_data_type: str = checked_field("fp32", no_effect=_PARALLEL)
     """DeepSpeed: dtype of sequence-parallel collectives. No effect."""
     pipeline: Mapping[str, Any] | None = None
     """DeepSpeed: pipeline parallelism. ``stages: P`` (> 1) builds the mesh
@@ -353,7 +361,7 @@ class Config:
     ``expert``), or listed by jzero's ``expert_params`` (dotted-path globs); ``num_experts``
     (jzero's key; ``model.num_experts`` otherwise) finds their experts dimension. ``enabled:
     false`` turns it off."""
-    sequence_parallel_size: int = _field(1, min=1, auto=1)
+    sequence_parallel_size: int = checked_field(1, min=1, auto=1)
     """DeepSpeed-Ulysses: ``S`` > 1 adds a ``seq`` mesh axis of S devices beside ``data``
     (``{data: N/(S*T), seq: S}``). Its devices share the batch's rows and each computes the
     loss of its own ``T/S`` tokens; around attention two all-to-alls swap the sequence split
@@ -366,7 +374,7 @@ class Config:
     managed_gradient_accumulation: bool = True
     """DeepSpeed: the engine decides the accumulation boundary (true, the default). jzero's
     ``train_step`` is always a whole optimizer step, so false is an error."""
-    auto: tuple[str, ...] = _field((), internal=True)
+    auto: tuple[str, ...] = checked_field((), internal=True)
     """Not a key: the dotted keys written as "auto", in the order read. ``resolve_auto``
     (called by ``jzero.initialize``) resolves them and empties this."""
 
@@ -491,7 +499,7 @@ def _to_dict(obj: Any, path: str = "", auto: frozenset[str] = frozenset()) -> An
                 continue
             out[key] = _to_dict(value, sub, auto)
         return out
-    return _thaw(obj)
+    return thaw(obj)
 
 
 def _default_of(f: dataclasses.Field) -> Any:

@@ -27,12 +27,11 @@ Decisions:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from jzero._util import moved
 from jzero.choices.stages import STAGES, stage_spec
-from jzero.config._common import _field
+from jzero.config._common import checked_field
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -50,15 +49,15 @@ __all__ = [
 StageNumber = Literal[tuple(STAGES)]  # the ZeRO stages, from the one table
 
 # Reasons shared by several no-effect keys.
-_XLA_COLLECTIVES = "XLA schedules, buckets and fuses collectives itself"
+XLA_COLLECTIVES = "XLA schedules, buckets and fuses collectives itself"
 _XLA_GATHER = (
     "stage 3 gathers each parameter where the compiled step uses it; XLA sizes the buffers"
 )
-_TORCH_ONLY = "it configures a PyTorch-specific mechanism with no JAX counterpart"
-_NVME_ONLY = "it tunes DeepSpeed's NVMe engine; jzero's NVMe tier sizes its own I/O"
-_NOT_IMPLEMENTED = "the DeepSpeed feature it configures is not implemented in jzero"
-_MONITOR = "jzero's monitors are tensorboard, csv_monitor and wandb"
-_CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
+TORCH_ONLY = "it configures a PyTorch-specific mechanism with no JAX counterpart"
+NVME_ONLY = "it tunes DeepSpeed's NVMe engine; jzero's NVMe tier sizes its own I/O"
+NOT_IMPLEMENTED = "the DeepSpeed feature it configures is not implemented in jzero"
+MONITOR = "jzero's monitors are tensorboard, csv_monitor and wandb"
+CKPT = "jzero checkpoints with Orbax, which restores onto any mesh"
 _COMM = "jzero applies it at some stages only"  # to_dict's marker; the warning says why
 
 
@@ -125,20 +124,20 @@ class OffloadConfig:
     too)."""
     pin_memory: bool = True
     """Page-locked host memory (``pinned_host``); false uses ``unpinned_host``. DeepSpeed: true."""
-    ratio: float = _field(1.0, min=0.0, max=1.0)
+    ratio: float = checked_field(1.0, min=0.0, max=1.0)
     """Fraction of the optimizer state to offload (DeepSpeed's partial offload): the leaves are
     split between host and device memory by the plan, the largest first, until this fraction
     of the optimizer-state bytes is in host memory."""
-    nvme_path: str | None = _field(None, path=True)
+    nvme_path: str | None = checked_field(None, path=True)
     """With ``device: nvme``: the directory that holds the state's files (a fast local disk);
     it must exist, be writable and have room for twice the state (the step writes the new
     version beside the old one). ``offload_param`` without one uses ``offload_optimizer``'s."""
-    buffer_count: int = _field(4, min=1)
+    buffer_count: int = checked_field(4, min=1)
     """With ``device: nvme``: groups of the state held in host memory at once (read ahead and
     being written); DeepSpeed: 4 for the optimizer state."""
-    buffer_size: int = _field(100_000_000, min=0, no_effect=_NVME_ONLY)
+    buffer_size: int = checked_field(100_000_000, min=0, no_effect=NVME_ONLY)
     """DeepSpeed: NVMe buffer size in elements. No effect."""
-    max_in_cpu: int = _field(1_000_000_000, min=0, no_effect=_NVME_ONLY)
+    max_in_cpu: int = checked_field(1_000_000_000, min=0, no_effect=NVME_ONLY)
     """DeepSpeed: parameter elements kept in CPU memory with NVMe offload. No effect."""
     compute: Literal["device", "host"] = "device"
     """jzero's key, ``offload_optimizer`` with ``device: cpu``: where the offloaded update runs.
@@ -149,11 +148,11 @@ class OffloadConfig:
     """With ``device: nvme``: read the next groups while the current one updates."""
     pipeline_write: bool = False
     """With ``device: nvme``: write a group's results while the next one updates."""
-    fast_init: bool = _field(False, no_effect=_NVME_ONLY)
+    fast_init: bool = checked_field(False, no_effect=NVME_ONLY)
     """DeepSpeed: fast optimizer initialisation with NVMe offload. No effect."""
-    super_offload: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
+    super_offload: bool = checked_field(False, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: SuperOffload for Superchips. No effect."""
-    cpuadam_cores_perc: float = _field(0.8, min=0.0, max=1.0, no_effect=_TORCH_ONLY)
+    cpuadam_cores_perc: float = checked_field(0.8, min=0.0, max=1.0, no_effect=TORCH_ONLY)
     """DeepSpeed: share of CPU cores for CPU Adam. No effect."""
 
 
@@ -161,7 +160,7 @@ class OffloadConfig:
 class ZeroConfig:
     """``zero_optimization``: what is sharded over the data axis, and where it lives."""
 
-    stage: StageNumber = _field(0, auto=3)
+    stage: StageNumber = checked_field(0, auto=3)
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters (the
     allowed values are the rows of :data:`jzero.choices.stages.STAGES`). ``"auto"``: at the first
     batch, the cheapest that fits the device memory (the top-level ``device_memory``, or the
@@ -169,19 +168,19 @@ class ZeroConfig:
     with activation checkpointing (under ``activation_checkpointing: {policy: auto}``), then
     with the optimizer state in host memory (:mod:`jzero.engine.auto_stage`). Until then the
     state rests as at stage 3, the least per device."""
-    stage3_param_persistence_threshold: int = _field(100_000, min=0, auto=100_000)
+    stage3_param_persistence_threshold: int = checked_field(100_000, min=0, auto=100_000)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5).
     "auto" is the default, 1e5 (Hugging Face would write 10 x hidden size)."""
-    offload_optimizer: OffloadConfig = _field(factory=OffloadConfig)
+    offload_optimizer: OffloadConfig = checked_field(factory=OffloadConfig)
     """Optimizer-state offload to host memory (stages 1-3)."""
-    offload_param: OffloadConfig = _field(factory=OffloadConfig)
+    offload_param: OffloadConfig = checked_field(factory=OffloadConfig)
     """Parameter offload to host memory (stage 3 only). Below stage 3 it is ignored (listed in
     the warning and loaded as off), as DeepSpeed ignores it there."""
-    stage3_gather_16bit_weights_on_model_save: bool = _field(False, auto=False)
+    stage3_gather_16bit_weights_on_model_save: bool = checked_field(False, auto=False)
     """Stage 3: gather the full weights when the model is saved for export; "auto": false."""
-    allgather_partitions: bool = _field(True, no_effect=_XLA_COLLECTIVES)
+    allgather_partitions: bool = checked_field(True, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: all-gather vs. broadcasts after the step. No effect."""
-    allgather_bucket_size: int = _field(
+    allgather_bucket_size: int = checked_field(
         500_000_000,
         min=0,
         auto=500_000_000,
@@ -191,11 +190,11 @@ class ZeroConfig:
     """DeepSpeed: elements per all-gather bucket. Here: with ``overlap_comm: true`` at stages 1-2,
     the all-gather of the updated parameters is one collective per bucket of consecutive leaves
     of at most this many elements (0: one per leaf). No effect at stages 0 and 3."""
-    reduce_scatter: bool = _field(
-        True, no_effect=_XLA_COLLECTIVES + "; the stage decides the reduction"
+    reduce_scatter: bool = checked_field(
+        True, no_effect=XLA_COLLECTIVES + "; the stage decides the reduction"
     )
     """DeepSpeed: reduce-scatter vs. all-reduce for gradients. No effect (the stage decides)."""
-    reduce_bucket_size: int = _field(
+    reduce_bucket_size: int = checked_field(
         500_000_000,
         min=0,
         auto=500_000_000,
@@ -207,9 +206,9 @@ class ZeroConfig:
     many elements (0: one per leaf), so a bucket whose gradients are ready can be reduced while
     the backward pass computes the rest. No effect at stage 3, whose reduce-scatters are per
     layer ("auto": the default)."""
-    use_multi_rank_bucket_allreduce: bool = _field(True, no_effect=_XLA_COLLECTIVES)
+    use_multi_rank_bucket_allreduce: bool = checked_field(True, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: merge reduce buckets of ranks into one all-reduce. No effect."""
-    overlap_comm: bool | None = _field(None, no_effect=_COMM, no_effect_when=lambda _: None)
+    overlap_comm: bool | None = checked_field(None, no_effect=_COMM, no_effect_when=lambda _: None)
     """DeepSpeed: overlap communication with compute. Here, when true: stage 3 gathers each
     scanned layer's weights one iteration ahead (the gather of layer i+1 runs while layer i
     computes; two layers gathered at a time), stages 0-2 reduce gradients in buckets of
@@ -217,16 +216,18 @@ class ZeroConfig:
     ``allgather_bucket_size``), and on a GPU the step is compiled with XLA's latency-hiding
     scheduler and pipelined collectives. Left out: off at every stage (DeepSpeed turns it on at
     stage 3; see the module's decisions). False: the plain program."""
-    contiguous_gradients: bool = _field(True, no_effect="XLA allocates gradient buffers itself")
+    contiguous_gradients: bool = checked_field(
+        True, no_effect="XLA allocates gradient buffers itself"
+    )
     """DeepSpeed: copy gradients into one contiguous buffer. No effect."""
-    round_robin_gradients: bool = _field(False, no_effect=_XLA_COLLECTIVES)
+    round_robin_gradients: bool = checked_field(False, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: parallel gradient copies for CPU offload. No effect."""
-    sub_group_size: int = _field(1_000_000_000, min=0)
+    sub_group_size: int = checked_field(1_000_000_000, min=0)
     """With offload: the optimizer step runs over groups of parameter leaves of at most this
     many elements, one group's optimizer state and master weights in device memory at a time
     (a leaf never splits; a group has two leaves or more). DeepSpeed: 1e9. 0, DeepSpeed's "each
     parameter a sub-group of its own", loads as 1, which groups the leaves the same way."""
-    stage3_prefetch_bucket_size: int | None = _field(None, min=0, auto=None)
+    stage3_prefetch_bucket_size: int | None = checked_field(None, min=0, auto=None)
     """DeepSpeed: elements fetched ahead of use at stage 3. Here: a parameter used outside a
     scan may start its forward all-gather at an earlier use, as long as what is gathered from
     there to its own use is at most this many elements (the tie that orders the gathers moves
@@ -235,7 +236,7 @@ class ZeroConfig:
     50M elements at the start). Scanned layers and the backward pass are not prefetched: a
     scan body gathers its own layer, and a backward gather waits for its use's gradient.
     "auto" is "not set" (Hugging Face would write 0.9 x hidden size squared)."""
-    stage3_max_live_parameters: int = _field(1_000_000_000, min=0, auto=1_000_000_000)
+    stage3_max_live_parameters: int = checked_field(1_000_000_000, min=0, auto=1_000_000_000)
     """DeepSpeed: gathered elements kept live at stage 3. jzero gathers one unit at a time (one
     layer's slice of a scanned stack, or a whole leaf used outside a scan), so the largest unit
     must fit: a smaller value is an error at the first step that names both numbers. It also
@@ -252,7 +253,7 @@ class ZeroConfig:
     dimensions merged), at any device count; ``false`` keeps the former rule: such a leaf is
     split on a later dimension that divides, else it stays whole on every device. The NVMe tier
     (``offload_optimizer.device: nvme``) always works as ``false``."""
-    stage3_max_reuse_distance: int | None = _field(None, min=0, auto=None)
+    stage3_max_reuse_distance: int | None = checked_field(None, min=0, auto=None)
     """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
     gathered parameters. Here: from the traced order of the gathers outside scans, a leaf
     whose every next use (a later forward use, e.g. a tied embedding; then its backward use,
@@ -261,27 +262,31 @@ class ZeroConfig:
     ``stage3_max_live_parameters``. Not set: every use gathers (DeepSpeed's default, 1e9,
     would keep nearly every parameter of a model under 500M elements gathered from its
     forward to its backward use). "auto" is "not set"."""
-    stage3_model_persistence_threshold: int = _field(
+    stage3_model_persistence_threshold: int = checked_field(
         2**63 - 1, min=0, no_effect="jzero bounds persistence per parameter only"
     )
     """DeepSpeed: cap on the total persisted (unsharded) elements at stage 3. No effect."""
-    stage3_module_granularity_threshold: int = _field(0, min=0, no_effect=_XLA_GATHER)
+    stage3_module_granularity_threshold: int = checked_field(0, min=0, no_effect=_XLA_GATHER)
     """DeepSpeed: fetch fine-grained modules as one unit. No effect."""
-    stage3_use_all_reduce_for_fetch_params: bool = _field(False, no_effect=_XLA_COLLECTIVES)
+    stage3_use_all_reduce_for_fetch_params: bool = checked_field(False, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: fetch parameters with all-reduce. No effect."""
-    stage3_allgather_sequential: bool = _field(False, no_effect=_XLA_COLLECTIVES)
+    stage3_allgather_sequential: bool = checked_field(False, no_effect=XLA_COLLECTIVES)
     """DeepSpeed: gather parameters one at a time without buckets. No effect."""
-    load_from_fp32_weights: bool = _field(True, no_effect=_CKPT + " and always keeps fp32 state")
+    load_from_fp32_weights: bool = checked_field(
+        True, no_effect=CKPT + " and always keeps fp32 state"
+    )
     """DeepSpeed: initialise fp32 master weights from fp32 checkpoint copies. No effect."""
-    elastic_checkpoint: bool = _field(False, no_effect=_CKPT)
+    elastic_checkpoint: bool = checked_field(False, no_effect=CKPT)
     """DeepSpeed: legacy elastic checkpoints. No effect."""
-    ignore_unused_parameters: bool = _field(True, no_effect="unused parameters get zero gradients")
+    ignore_unused_parameters: bool = checked_field(
+        True, no_effect="unused parameters get zero gradients"
+    )
     """DeepSpeed: tolerate parameters without gradients. No effect."""
-    legacy_stage1: bool = _field(False, no_effect=_TORCH_ONLY)
+    legacy_stage1: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: old stage-1 implementation. No effect."""
-    grad_hooks: bool = _field(True, no_effect=_TORCH_ONLY)
+    grad_hooks: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: gradient hooks for reduction. No effect."""
-    zero_hpz_partition_size: int = _field(1, min=0)
+    zero_hpz_partition_size: int = checked_field(1, min=0)
     """DeepSpeed ZeRO++ hpZ, stage 3: the devices of one host (the secondary partition). Above
     1, gradients and optimizer state stay sharded over every device while the 16-bit
     parameters rest sharded within groups of this many devices (the mesh becomes
@@ -289,64 +294,61 @@ class ZeroConfig:
     only the updated shards cross hosts, once per step. Costs ``k``-way instead of ``N``-way
     sharded parameter bytes per device. 0 or 1: off. Below stage 3 it is ignored (listed in the
     warning and loaded as 1), as DeepSpeed ignores it there."""
-    zero_quantized_weights: bool = _field(False, no_effect=_COMM, no_effect_when=_qwz_no_effect)
+    zero_quantized_weights: bool = checked_field(
+        False, no_effect=_COMM, no_effect_when=_qwz_no_effect
+    )
     """DeepSpeed ZeRO++ qwZ, stage 3: every parameter all-gather (forward, and the backward's
     re-gather) sends int8 values with one float32 scale per block of 256 (about a quarter of
     the float32 bytes, half of bf16) and dequantizes after it; the gradient's reduce-scatter
     stays exact. No effect below stage 3 (listed in the warning)."""
-    zero_quantized_nontrainable_weights: bool = _field(
+    zero_quantized_nontrainable_weights: bool = checked_field(
         False, no_effect=_COMM, no_effect_when=_frozen_no_effect
     )
     """DeepSpeed ZeRO++: quantize frozen weights. No effect: jzero never shards non-trainable
     state, so it has no gather to quantize."""
-    zero_quantized_gradients: bool = _field(False, no_effect=_COMM, no_effect_when=_qgz_no_effect)
+    zero_quantized_gradients: bool = checked_field(
+        False, no_effect=_COMM, no_effect_when=_qgz_no_effect
+    )
     """DeepSpeed ZeRO++ qgZ, stages 1-3: every gradient reduce-scatter over the data axis is an
     all-to-all of int8 chunks (``zero_quantized_gradients_bits``) that each device dequantizes
     and sums in float32, about a quarter of the float32 bytes. All-reduces (stage 0, leaves
     the data axis does not divide) and the replica-axis reduction stay exact. No effect at
     stage 0 (listed in the warning)."""
-    zero_quantized_gradients_bits: Literal[8, 4] = _field(
+    zero_quantized_gradients_bits: Literal[8, 4] = checked_field(
         8, no_effect=_COMM, no_effect_when=_qgz_bits_no_effect
     )
     """jzero's own: the bits a value of ``zero_quantized_gradients``' exchange: 8 (int8) or 4
     (two values a byte, about an eighth of the float32 bytes, with more error)."""
-    zeropp_loco_param: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED)
+    zeropp_loco_param: Mapping[str, Any] | None = checked_field(None, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed ZeRO++: LoCo error feedback. No effect."""
-    mics_shard_size: int = _field(-1, min=-1, nonzero=True)
+    mics_shard_size: int = checked_field(-1, min=-1, nonzero=True)
     """DeepSpeed MiCS: shard over groups of this many devices (one host) and replicate across
     the groups: the mesh becomes ``{replica: N/size, data: size}`` (hybrid sharding, FSDP's
     HSDP), so gathers and reduce-scatters stay inside a group and only the gradient shards
     (``1/size`` of the gradient bytes) are all-reduced across groups. -1: off."""
-    mics_hierarchical_params_gather: bool = _field(
+    mics_hierarchical_params_gather: bool = checked_field(
         False, no_effect="jzero's gathers already stay within one shard group (mesh axis data)"
     )
     """DeepSpeed MiCS: gather within nodes first, then across. No effect: the gathers of a
     MiCS group never cross it."""
-    memory_efficient_linear: bool = _field(True, no_effect=_TORCH_ONLY)
+    memory_efficient_linear: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: memory-efficient linear layer at stage 3. No effect."""
-    pipeline_loading_checkpoint: bool = _field(False, no_effect=_CKPT)
+    pipeline_loading_checkpoint: bool = checked_field(False, no_effect=CKPT)
     """DeepSpeed: load checkpoints in pipeline mode. No effect."""
-    override_module_apply: bool = _field(True, no_effect=_TORCH_ONLY)
+    override_module_apply: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: override ``nn.Module.apply`` at stage 3. No effect."""
-    log_trace_cache_warnings: bool = _field(False, no_effect=_TORCH_ONLY)
+    log_trace_cache_warnings: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: log stage-3 trace-cache warnings. No effect."""
-    enable_sanity_checks: bool = _field(False, no_effect=_TORCH_ONLY)
+    enable_sanity_checks: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: internal sanity checks. No effect."""
-    save_muon_momentum_buffer_in_memory: bool = _field(False, no_effect=_NVME_ONLY)
+    save_muon_momentum_buffer_in_memory: bool = checked_field(False, no_effect=NVME_ONLY)
     """DeepSpeed: keep the Muon momentum off NVMe. No effect."""
-    zenflow: Mapping[str, Any] | None = _field(None, no_effect=_NOT_IMPLEMENTED + " (ZenFlow)")
+    zenflow: Mapping[str, Any] | None = checked_field(
+        None, no_effect=NOT_IMPLEMENTED + " (ZenFlow)"
+    )
     """DeepSpeed ZenFlow settings. No effect."""
-    leaf_module: Mapping[str, Any] | None = _field(None, no_effect=_TORCH_ONLY)
+    leaf_module: Mapping[str, Any] | None = checked_field(None, no_effect=TORCH_ONLY)
     """DeepSpeed: modules treated as stage-3 leaves. No effect."""
-
-    def comm_options(self) -> dict[str, Any]:
-        """Deprecated: :func:`jzero.engine.settings.comm_options` (a
-        :class:`jzero.plan.CommOptions`) is where the config is read for the plan; this gives
-        its fields as a dict, with a ``DeprecationWarning``, for a release."""
-        options = moved(
-            "jzero.config.ZeroConfig.comm_options", "jzero.engine.settings.comm_options"
-        )
-        return asdict(options(self))
 
 
 @dataclass(frozen=True)
@@ -358,14 +360,14 @@ class BF16Config:
     true, unless the top-level ``skip_nonfinite`` is set: then that decides.
     """
 
-    enabled: bool = _field(False, auto=False)
+    enabled: bool = checked_field(False, auto=False)
     """Compute in bfloat16 with fp32 master weights. "auto": true when every floating-point
     parameter passed to ``jzero.initialize`` is bfloat16 (and fp16 is not enabled), else false."""
     check_grad_overflow: bool = True
     """Skip a step whose gradients are inf/NaN (DeepSpeed >= 0.19: true); false applies it."""
     skip_nonfinite: bool = False
     """jzero's older key: true also skips steps with inf/NaN gradients (see above)."""
-    immediate_grad_update: bool = _field(True, no_effect=_TORCH_ONLY)
+    immediate_grad_update: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: apply gradients as they arrive. No effect."""
     bf16_master_weights_and_grads: bool = False
     """No float32 master copy: the bfloat16 params are the master weights and their gradients
@@ -396,27 +398,27 @@ class BF16Config:
 class FP16Config:
     """``fp16``: float16 mixed precision with (dynamic) loss scaling, DeepSpeed's defaults."""
 
-    enabled: bool = _field(False, auto=False)
+    enabled: bool = checked_field(False, auto=False)
     """Compute in float16 with fp32 master weights and loss scaling. "auto": true when every
     floating-point parameter passed to ``jzero.initialize`` is float16 (and bf16 is not
     enabled), else false."""
-    loss_scale: float = _field(0.0, min=0.0)
+    loss_scale: float = checked_field(0.0, min=0.0)
     """0 means dynamic loss scaling; any other value is a fixed loss scale."""
-    initial_scale_power: int = _field(16, min=0)
+    initial_scale_power: int = checked_field(16, min=0)
     """The dynamic loss scale starts at 2**initial_scale_power."""
-    loss_scale_window: int = _field(1000, min=1)
+    loss_scale_window: int = checked_field(1000, min=1)
     """Steps without overflow before the dynamic loss scale is doubled."""
-    hysteresis: int = _field(2, min=1)
+    hysteresis: int = checked_field(2, min=1)
     """Overflows tolerated before the dynamic loss scale is halved."""
     consecutive_hysteresis: bool = False
     """Refill the hysteresis after every step without overflow."""
-    min_loss_scale: float = _field(1.0, min=0.0)
+    min_loss_scale: float = checked_field(1.0, min=0.0)
     """Lower bound of the dynamic loss scale."""
-    auto_cast: bool = _field(
+    auto_cast: bool = checked_field(
         False, no_effect="the model's dtype decides what its inputs are cast to"
     )
     """DeepSpeed: cast inputs to fp16. No effect."""
-    fp16_master_weights_and_grads: bool = _field(False, no_effect=_NOT_IMPLEMENTED)
+    fp16_master_weights_and_grads: bool = checked_field(False, no_effect=NOT_IMPLEMENTED)
     """DeepSpeed: keep master weights in fp16. No effect."""
 
 
@@ -443,7 +445,7 @@ class ActivationCheckpointingConfig:
     found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.replay.remat`).
     """
 
-    policy: str | None = _field(None, auto=None)
+    policy: str | None = checked_field(None, auto=None)
     """jzero's own: what each layer keeps for the backward pass. ``auto`` (with
     ``zero_optimization.stage: auto``): none, unless no stage fits without ``full``. ``none``
     (everything, no remat), ``full`` (only the layer's input; the rest is recomputed:
@@ -466,20 +468,20 @@ class ActivationCheckpointingConfig:
     more than one device (e.g. ``mesh: {data: 4, model: 2}``), and gathered back before the
     layer is recomputed. Without such an axis, or without a policy that checkpoints, it has no
     effect and is listed in the warning."""
-    contiguous_memory_optimization: bool = _field(
+    contiguous_memory_optimization: bool = checked_field(
         False, no_effect="XLA allocates activations itself"
     )
     """DeepSpeed: copy checkpoints into one buffer. No effect."""
-    number_checkpoints: int | None = _field(
+    number_checkpoints: int | None = checked_field(
         None,
         min=0,
         no_effect="there is one checkpoint per layer, in buffers XLA allocates",
     )
     """DeepSpeed: number of checkpoints, to size the contiguous buffer. No effect: every
     iteration of a scan is one checkpoint."""
-    synchronize_checkpoint_boundary: bool = _field(False, no_effect=_TORCH_ONLY)
+    synchronize_checkpoint_boundary: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: synchronise at checkpoint boundaries. No effect."""
-    profile: bool = _field(False, no_effect=_TORCH_ONLY)
+    profile: bool = checked_field(False, no_effect=TORCH_ONLY)
     """DeepSpeed: time the checkpoint functions. No effect."""
 
 
@@ -492,7 +494,7 @@ class FlopsProfilerConfig:
 
     enabled: bool = False
     """Profile one step."""
-    profile_step: int = _field(1, min=1)
+    profile_step: int = checked_field(1, min=1)
     """The step (1-based) to profile. Its program is compiled before the step is timed (the
     step then runs that executable), so even step 1's time is the step's, not the
     compilation's."""
@@ -505,10 +507,10 @@ class FlopsProfilerConfig:
     """Print the per-module table."""
     output_file: str | None = None
     """Write the profile to this file instead of the log."""
-    recompute_fwd_factor: float = _field(0.0, min=0.0, max=1.0)
+    recompute_fwd_factor: float = checked_field(0.0, min=0.0, max=1.0)
     """Forward passes activation checkpointing repeats, as a fraction of one (0 to 1): the
     model FLOPs are (3 + factor) x the forward matmuls."""
-    peak_flops: float | None = _field(None, min=0.0)
+    peak_flops: float | None = checked_field(None, min=0.0)
     """jzero's own: the device's peak FLOP/s for MFU, where the built-in table
     (:data:`jzero.profiler.PEAK_FLOPS`, dense bf16) does not know the device or you compute in
     another precision. Also read by ``jzero train`` for its MFU column."""
@@ -522,7 +524,7 @@ class TensorBoardConfig:
 
     enabled: bool = False
     """Write event files."""
-    output_path: str = _field("", path=True)
+    output_path: str = checked_field("", path=True)
     """Where the job's directory is made. Empty (DeepSpeed's default): ``jzero train``'s
     ``train.log_dir``, or the working directory for an engine in your own loop."""
     job_name: str = "DeepSpeedJobName"
@@ -539,7 +541,7 @@ class CsvMonitorConfig:
 
     enabled: bool = False
     """Write CSV files."""
-    output_path: str = _field("", path=True)
+    output_path: str = checked_field("", path=True)
     """Where the job's directory is made. Empty (DeepSpeed's default): ``jzero train``'s
     ``train.log_dir``, or the working directory for an engine in your own loop."""
     job_name: str = "DeepSpeedJobName"
@@ -573,15 +575,15 @@ class AutoLayoutConfig:
     rates order the candidates; which one is kept is decided by its compiled memory.
     """
 
-    intra_host_gbps: float | None = _field(None, min=0.0)
+    intra_host_gbps: float | None = checked_field(None, min=0.0)
     """Bandwidth of one device's link within a host, GB/s; default per platform (GPU 300, TPU
     100, CPU 10)."""
-    inter_host_gbps: float | None = _field(None, min=0.0)
+    inter_host_gbps: float | None = checked_field(None, min=0.0)
     """Bandwidth of one device's share of the links between hosts, GB/s; default per platform
     (GPU 25, TPU 25, CPU 1)."""
-    tflops: float | None = _field(None, min=0.0)
+    tflops: float | None = checked_field(None, min=0.0)
     """Model FLOPs one device computes per second, in TFLOP/s; default per platform (GPU 200,
     TPU 100, CPU 0.05)."""
-    latency_us: float | None = _field(None, min=0.0)
+    latency_us: float | None = checked_field(None, min=0.0)
     """The fixed cost of one collective, microseconds; default per platform (GPU 10, TPU 10,
     CPU 20)."""

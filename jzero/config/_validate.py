@@ -5,7 +5,7 @@ Decisions:
 * A small validator walks the dataclass fields and their type hints; field metadata carries
   the extra rules. Every error names the dotted path, the value as written, what is allowed,
   and the fix; an unknown key is refused, with the known key it is a near miss of ("did you
-  mean", ``_common._close_match``: equal but for case, separators or British spelling, or
+  mean", ``_common.close_match``: equal but for case, separators or British spelling, or
   an edit or two away), if any.
 * **The top level is read as DeepSpeed reads it**: an unknown key there is ignored and named
   in one warning line (``_comment``, ``comms_config``), unless it is a near miss of a known
@@ -59,11 +59,11 @@ from jzero.choices import SCHEDULES, parse_policy_text, stages
 from jzero.config._common import (
     ConfigError,
     FrozenMap,
-    _close_match,
-    _is_number,
-    _join,
-    _show,
-    _suggest,
+    close_match,
+    is_number,
+    join,
+    show,
+    suggest,
 )
 from jzero.config._optimizers import resolve_optimizer, resolve_scheduler
 from jzero.config._schema import Config
@@ -76,7 +76,7 @@ def _check_number_range(value: int | float, meta: Mapping[str, Any], path: str) 
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo or hi is not None and value > hi:
         bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be {bounds}.")
+        raise ConfigError(f"{path}: {show(value)} is not allowed; it must be {bounds}.")
     if meta.get("nonzero") and value == 0:
         raise ConfigError(f"{path}: 0 is not allowed; it must be -1 (all devices) or >= 1.")
 
@@ -89,7 +89,7 @@ def _coerce(
         size = None if isinstance(value, bool) else read_size(value)
         if size is None or not math.isfinite(size) or size < 1:
             raise ConfigError(
-                f"{path}: {_show(value)} is not a memory size; write a positive number of bytes "
+                f"{path}: {show(value)} is not a memory size; write a positive number of bytes "
                 "with an optional unit (B, KB, MB, GB, TB or KiB, MiB, GiB, TiB), e.g. 12GB."
             )
         return int(size)
@@ -102,17 +102,15 @@ def _coerce(
     if origin is Literal:
         allowed = typing.get_args(tp)
         norm = value.lower() if isinstance(value, str) else value
-        if _is_number(norm) and float(norm).is_integer():
+        if is_number(norm) and float(norm).is_integer():
             norm = int(norm)
         if isinstance(value, bool) or norm not in allowed:
-            options = ", ".join(_show(a) for a in allowed if a not in meta.get("refuse", {}))
-            raise ConfigError(
-                f"{path}: {_show(value)} is not allowed; it must be one of {options}."
-            )
+            options = ", ".join(show(a) for a in allowed if a not in meta.get("refuse", {}))
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be one of {options}.")
         if norm in meta.get("refuse", {}):
             raise ConfigError(
-                f"{path}: {_show(norm)} is not supported: {meta['refuse'][norm]}; jzero supports "
-                f"{' or '.join(_show(a) for a in allowed if a not in meta['refuse'])}, so set one "
+                f"{path}: {show(norm)} is not supported: {meta['refuse'][norm]}; jzero supports "
+                f"{' or '.join(show(a) for a in allowed if a not in meta['refuse'])}, so set one "
                 "of those."
             )
         return norm
@@ -120,25 +118,25 @@ def _coerce(
         return _build(tp, value, path, noted, autos)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be true or false.")
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be true or false.")
         return value
     if tp is int:
-        if not (_is_number(value) and float(value).is_integer()):
-            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be an integer.")
+        if not (is_number(value) and float(value).is_integer()):
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be an integer.")
         _check_number_range(int(value), meta, path)
         return int(value)
     if tp is float:
-        if not _is_number(value):
-            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a number.")
+        if not is_number(value):
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be a number.")
         _check_number_range(float(value), meta, path)
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a string.")
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be a string.")
         return os.path.expanduser(value) if meta.get("path") else value
     if origin is Mapping:
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: {_show(value)} is not allowed; it must be a mapping.")
+            raise ConfigError(f"{path}: {show(value)} is not allowed; it must be a mapping.")
         return FrozenMap(value)
     raise TypeError(f"jzero.config has no rule for the type {tp!r} of {path}.")  # our bug
 
@@ -195,7 +193,7 @@ def _apply_aliases(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[tupl
         value = zero.pop(old)
         if not isinstance(value, bool):
             raise ConfigError(
-                f"zero_optimization.{old}: {_show(value)} is not allowed; it must be true or false."
+                f"zero_optimization.{old}: {show(value)} is not allowed; it must be true or false."
             )
         if value:
             take(old, new, {"device": "cpu"}, f"{new}: {{device: cpu}}")
@@ -219,7 +217,7 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
     """Builds dataclass ``cls`` from the mapping ``raw``; no-effect keys go to ``noted``."""
     if not isinstance(raw, Mapping):
         where = path or "The config"
-        raise ConfigError(f"{where}: {_show(raw)} is not allowed; it must be a mapping of keys.")
+        raise ConfigError(f"{where}: {show(raw)} is not allowed; it must be a mapping of keys.")
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     rest = next((f for f in fields if f.metadata.get("rest")), None)
@@ -235,10 +233,10 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
         by_key[rest.name] = rest
     errors = []
     for key in raw:
-        sub = _join(path, key)
+        sub = join(path, key)
         if key not in by_key:
             errors.append(
-                f"{sub} is not a known key{_suggest(str(key), by_key)}; remove it or fix its name."
+                f"{sub} is not a known key{suggest(str(key), by_key)}; remove it or fix its name."
             )
     if errors:
         raise ConfigError("\n".join(errors))
@@ -247,10 +245,10 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
     for key, f in by_key.items():
         if key not in raw:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ConfigError(f"{_join(path, key)} is required; set it.")
+                raise ConfigError(f"{join(path, key)} is required; set it.")
             continue
         value = raw[key]
-        sub = _join(path, key)
+        sub = join(path, key)
         if "auto" in f.metadata and value == "auto":
             value = f.metadata["auto"]
             autos.append(sub)
@@ -273,10 +271,10 @@ def _mesh_axes(others: Mapping[str, Any], known: Mapping[str, Any], path: str) -
     """The other axes of the ``mesh`` section, name -> size, each checked like ``mesh.data``."""
     axes = {}
     for name, size in others.items():
-        sub = _join(path, name)
+        sub = join(path, name)
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError(
-                f"{sub}: {_show(name)} is not a valid mesh axis name; name an axis with letters, "
+                f"{sub}: {show(name)} is not a valid mesh axis name; name an axis with letters, "
                 "digits and underscores, e.g. model."
             )
         close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
@@ -285,9 +283,9 @@ def _mesh_axes(others: Mapping[str, Any], known: Mapping[str, Any], path: str) -
                 f"{sub} looks like a misspelling of {path}.{close[0]} (did you mean "
                 f"'{close[0]}'?); fix its name, or name the new mesh axis differently."
             )
-        if isinstance(size, bool) or not (_is_number(size) and float(size).is_integer()):
+        if isinstance(size, bool) or not (is_number(size) and float(size).is_integer()):
             raise ConfigError(
-                f"{sub}: {_show(size)} is not allowed; a mesh axis size must be an integer, "
+                f"{sub}: {show(size)} is not allowed; a mesh axis size must be an integer, "
                 "-1 (the devices left) or >= 1."
             )
         axes[name] = int(size)
@@ -332,9 +330,9 @@ def _check_config(cfg: Config, noted: list) -> None:
     _check_unsupported_parallelism(cfg, noted)
     for key in _MODEL_INTS:
         value = cfg.model.get(key)
-        if value is not None and not (_is_number(value) and value == int(value) and value >= 1):
+        if value is not None and not (is_number(value) and value == int(value) and value >= 1):
             raise ConfigError(
-                f"model.{key}: {_show(value)} is not allowed; it must be a positive integer."
+                f"model.{key}: {show(value)} is not allowed; it must be a positive integer."
             )
     _check_activation_checkpointing(cfg, noted)
     heads, width = cfg.model.get("num_heads"), cfg.model.get("d_model")
@@ -436,7 +434,7 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     if pipe is None:
         return []
     if not isinstance(pipe, Mapping):
-        return [f"pipeline: {_show(pipe)} must be a section, e.g. {{stages: 2}}."]
+        return [f"pipeline: {show(pipe)} must be a section, e.g. {{stages: 2}}."]
     errors = []
     unknown = sorted(set(pipe) - set(_PIPE_KEYS))
     if unknown:
@@ -445,25 +443,25 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     stages = pipe.get("stages", 1)
     if stages == "auto":
         stages = 1
-    if isinstance(stages, bool) or not _is_number(stages) or stages != int(stages) or stages < 1:
+    if isinstance(stages, bool) or not is_number(stages) or stages != int(stages) or stages < 1:
         errors.append(
-            f"pipeline.stages: {_show(stages)} is not allowed; it must be a whole number of "
+            f"pipeline.stages: {show(stages)} is not allowed; it must be a whole number of "
             "stages (1: no pipeline parallelism)."
         )
         return errors
     schedule = pipe.get("schedule", "1f1b")
     if schedule not in SCHEDULES:
         errors.append(
-            f"pipeline.schedule: {_show(schedule)} is not a schedule jzero has; use one of "
+            f"pipeline.schedule: {show(schedule)} is not a schedule jzero has; use one of "
             f"{', '.join(SCHEDULES)} (1f1b keeps at most `stages` micro-batches of activations)."
         )
     virtual = pipe.get("virtual_stages", None)
     if virtual is not None and (
-        isinstance(virtual, bool) or not _is_number(virtual) or virtual != int(virtual)
+        isinstance(virtual, bool) or not is_number(virtual) or virtual != int(virtual)
         or virtual < 1
     ):  # fmt: skip
         errors.append(
-            f"pipeline.virtual_stages: {_show(virtual)} is not allowed; it must be a whole "
+            f"pipeline.virtual_stages: {show(virtual)} is not allowed; it must be a whole "
             "number of chunks of layers per stage (2 or more with schedule interleaved_1f1b)."
         )
         return errors
@@ -471,7 +469,7 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     if virtual is not None and int(virtual) > 1 and not interleaved:
         errors.append(
             f"pipeline.virtual_stages: {virtual} chunks of layers per stage need "
-            f"pipeline.schedule: interleaved_1f1b, but the schedule is {_show(schedule)}; set "
+            f"pipeline.schedule: interleaved_1f1b, but the schedule is {show(schedule)}; set "
             "the schedule, or remove virtual_stages."
         )
     if interleaved and virtual is not None and int(virtual) < 2:
@@ -484,13 +482,13 @@ def _pipeline_errors(cfg: Config, noted: list) -> list[str]:
     if stages <= 1:
         return errors
     accum = cfg.gradient_accumulation_steps
-    if _is_number(accum) and accum < stages:
+    if is_number(accum) and accum < stages:
         errors.append(
             f"pipeline.stages: {stages} needs at least {stages} micro-batches "
             f"(gradient_accumulation_steps) to fill the pipeline, but gradient_accumulation_steps "
             f"is {accum}; set it to {stages} or more ({2 * stages} keeps the bubble smaller)."
         )
-    elif interleaved and _is_number(accum) and accum % stages:
+    elif interleaved and is_number(accum) and accum % stages:
         errors.append(
             f"pipeline.schedule: interleaved_1f1b runs the micro-batches in groups of "
             f"pipeline.stages ({stages}), but gradient_accumulation_steps is {accum}; set it to "
@@ -522,7 +520,7 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
     if tp is None:
         return []
     if not isinstance(tp, Mapping):
-        return [f"tensor_parallel: {_show(tp)} must be a section, e.g. {{autotp_size: 2}}."]
+        return [f"tensor_parallel: {show(tp)} must be a section, e.g. {{autotp_size: 2}}."]
     errors = []
     unknown = sorted(set(tp) - set(_TP_KEYS))
     if unknown:
@@ -535,9 +533,9 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
         value = tp.get(key)
         if value is None or (key == "autotp_size" and value == "auto"):
             continue
-        if isinstance(value, bool) or not _is_number(value) or value != int(value) or value < 0:
+        if isinstance(value, bool) or not is_number(value) or value != int(value) or value < 0:
             errors.append(
-                f"tensor_parallel.{key}: {_show(value)} is not allowed; it must be a whole "
+                f"tensor_parallel.{key}: {show(value)} is not allowed; it must be a whole "
                 "number of devices (0 or 1: no tensor parallelism)."
             )
         else:
@@ -548,13 +546,13 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
             f"{sizes['tp_size']} disagree; keep one of them."
         )
     inner, outer = _size(tp, "tp", "tp_size"), max(sizes.values(), default=0)
-    if _is_number(inner) and inner > 1 and outer > 1 and inner != outer:
+    if is_number(inner) and inner > 1 and outer > 1 and inner != outer:
         errors.append(
-            f"tensor_parallel.tp.tp_size: {_show(inner)} does not match the {outer} devices of "
+            f"tensor_parallel.tp.tp_size: {show(inner)} does not match the {outer} devices of "
             "tensor_parallel.autotp_size (DeepSpeed refuses it too); remove tp.tp_size, "
             "DeepSpeed's inference key, or set it to the same size."
         )
-    elif _is_number(inner) and inner > 1 and outer <= 1:
+    elif is_number(inner) and inner > 1 and outer <= 1:
         noted.append(
             (
                 "tensor_parallel.tp.tp_size",
@@ -566,12 +564,12 @@ def _tensor_parallel_errors(cfg: Config, noted: list) -> list[str]:
     plan = tp.get("tp_plan")
     if plan is not None and not isinstance(plan, Mapping):
         errors.append(
-            f"tensor_parallel.tp_plan: {_show(plan)} must map dotted-path patterns to layouts, "
+            f"tensor_parallel.tp_plan: {show(plan)} must map dotted-path patterns to layouts, "
             "e.g. {'*.fc_in.*': colwise}."
         )
     size = max(sizes.values(), default=1)
     heads = tp.get("num_heads", cfg.model.get("num_heads"))
-    if size > 1 and _is_number(heads) and heads % size:
+    if size > 1 and is_number(heads) and heads % size:
         errors.append(
             f"tensor_parallel.autotp_size: {size} does not divide the {heads} attention heads, "
             "so the heads can't be split evenly over the model axis; choose an autotp_size "
@@ -592,7 +590,7 @@ def _expert_errors(cfg: Config) -> list[str]:
     if ep is None:
         return []
     if not isinstance(ep, Mapping):
-        return [f"expert_parallel: {_show(ep)} must be a section, e.g. {{autoep_size: 4}}."]
+        return [f"expert_parallel: {show(ep)} must be a section, e.g. {{autoep_size: 4}}."]
     errors = []
     unknown = sorted(set(ep) - set(_EP_KEYS))
     if unknown:
@@ -602,21 +600,21 @@ def _expert_errors(cfg: Config) -> list[str]:
     size = ep.get("autoep_size", 1)
     if size is None or size == 0 or size == "auto":
         size = 1
-    if isinstance(size, bool) or not _is_number(size) or size != int(size) or size < 1:
+    if isinstance(size, bool) or not is_number(size) or size != int(size) or size < 1:
         errors.append(
-            f"expert_parallel.autoep_size: {_show(size)} is not allowed; it must be a whole "
+            f"expert_parallel.autoep_size: {show(size)} is not allowed; it must be a whole "
             "number of devices to split the experts over (1: no expert parallelism)."
         )
         return errors
     names = ep.get("expert_params")
     if names is not None and not (isinstance(names, str) or all(isinstance(n, str) for n in names)):
         errors.append(
-            f"expert_parallel.expert_params: {_show(names)} must be a list of dotted-path "
+            f"expert_parallel.expert_params: {show(names)} must be a list of dotted-path "
             "globs, e.g. ['blocks.experts.*']."
         )
     experts = ep.get("num_experts", cfg.model.get("num_experts"))
     k = cfg.model.get("experts_per_token")
-    if _is_number(experts) and _is_number(k) and experts and k > experts:
+    if is_number(experts) and is_number(k) and experts and k > experts:
         errors.append(
             f"model.experts_per_token: {k} is more than the {experts} experts "
             "(model.num_experts); each token goes to at most every expert. Set "
@@ -625,7 +623,7 @@ def _expert_errors(cfg: Config) -> list[str]:
     size = int(size)
     if size <= 1 or cfg.autoep_size() <= 1:
         return errors
-    if _is_number(experts) and experts and experts % size:
+    if is_number(experts) and experts and experts % size:
         errors.append(
             f"expert_parallel.autoep_size: {size} does not divide the {experts} experts "
             "(model.num_experts); each device of the expert axis holds an equal share. Use an "
@@ -660,7 +658,7 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
     heads, seq_len = cfg.model.get("num_heads"), cfg.model.get("seq_len")
     for what, n in (("attention heads (model.num_heads)", heads),
                     ("tokens of a sequence (model.seq_len)", seq_len)):  # fmt: skip
-        if sp > 1 and _is_number(n) and n % sp:
+        if sp > 1 and is_number(n) and n % sp:
             errors.append(
                 f"sequence_parallel_size: {sp} does not divide the {n} {what}, so they can't "
                 "be split evenly over the seq axis; choose a sequence_parallel_size among the "
@@ -682,7 +680,7 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
             )
     if cfg.gradient_allreduce_op.lower() != "mean":
         errors.append(
-            f"gradient_allreduce_op: {_show(cfg.gradient_allreduce_op)} is not supported: jzero "
+            f"gradient_allreduce_op: {show(cfg.gradient_allreduce_op)} is not supported: jzero "
             "averages gradients over the data axis (DeepSpeed's default, mean); remove it or "
             "set it to mean, and scale the loss yourself to get a sum."
         )
@@ -715,7 +713,7 @@ def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
         why = (
             "policy is null"
             if policy is None
-            else f"policy {_show(ac.policy)} checkpoints nothing at stage {stage}"
+            else f"policy {show(ac.policy)} checkpoints nothing at stage {stage}"
         )
         raise ConfigError(
             "activation_checkpointing.cpu_checkpointing: true keeps the activations a policy "
@@ -781,7 +779,7 @@ def _drop_unknown_keys(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[
             "their own, with jzero's model and data sections for the rest (see "
             "configs/zero2.yaml)."
         )
-    ignored = [key for key in unknown if _close_match(str(key), known) is None]
+    ignored = [key for key in unknown if close_match(str(key), known) is None]
     if not ignored:
         return raw, []
     return {k: v for k, v in raw.items() if k not in ignored}, [str(k) for k in ignored]
