@@ -46,15 +46,15 @@ from typing import Any
 import numpy as np
 
 from jzero.hlo.parse import (
-    _DTYPE_BYTES,
-    _INSTR,
-    _SHAPE,
+    DTYPE_BYTES,
+    INSTR,
     KINDS,
-    _computations,
-    _operands,
-    _shape_bytes,
-    _text,
+    SHAPE,
+    compiled_text,
+    computations,
+    operand_names,
     replica_groups,
+    shape_bytes,
     source_target_pairs,
 )
 
@@ -116,20 +116,20 @@ def _branch_times(
 ) -> list[int] | None:
     """Per branch of the ``conditional`` on ``line``, how often it runs, when its index reads a
     constant table of ``trip`` entries (one per iteration of the loop it runs in); else None."""
-    m = _INSTR.match(line)
+    m = INSTR.match(line)
     if not m or "branch_computations=" not in line or trip <= 1 or times % trip:
         return None
-    index = _operands(m.group(3))[0].strip().lstrip("%")
+    index = operand_names(m.group(3))[0].strip().lstrip("%")
     tables = {t.group(1): t for t in map(_CONST_TABLE.match, lines) if t}
     found = None
     for other in lines:
         name = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", other)
         if name and name.group(1) == index:
-            found = _INSTR.match(other)
+            found = INSTR.match(other)
             break
     if found is None:
         return None
-    used = [tables[o.strip().lstrip("%")] for o in _operands(found.group(3))
+    used = [tables[o.strip().lstrip("%")] for o in operand_names(found.group(3))
             if o.strip().lstrip("%") in tables]  # fmt: skip
     if len(used) != 1 or int(used[0].group(2)) != trip:
         return None
@@ -140,7 +140,7 @@ def _branch_times(
 def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
     """Every collective executed by a compiled program: ``(kind, full-buffer bytes, times per
     call, instruction line)``, loops multiplied out."""
-    comps, entry = _computations(_text(compiled, tables=True))
+    comps, entry = computations(compiled_text(compiled, tables=True))
     if entry is None:
         return
 
@@ -150,13 +150,13 @@ def _walk(compiled: Any) -> Iterator[tuple[str, int, int, str]]:
         if depth > 64 or name not in comps:
             return
         for line in comps[name]:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if not m:
                 continue
             shape, op, _ = m.groups()
             base = op.removesuffix("-start")
             if base in KINDS and not op.endswith("-done"):
-                sizes = _shape_bytes(shape)
+                sizes = shape_bytes(shape)
                 if op.endswith("-start") and base != "all-reduce":
                     # Async forms return (operands, results): keep the results.
                     sizes = sizes[len(sizes) // 2 :]
@@ -261,8 +261,8 @@ def collectives_by_dtype(compiled: Any) -> dict[str, dict[str, CollectiveStats]]
     """
     out: dict[str, dict[str, CollectiveStats]] = {}
     for kind, size, times, line in _walk(compiled):
-        m = _INSTR.match(line)
-        found = [d for d, _ in _SHAPE.findall(m.group(1) if m else line) if d in _DTYPE_BYTES]
+        m = INSTR.match(line)
+        found = [d for d, _ in SHAPE.findall(m.group(1) if m else line) if d in DTYPE_BYTES]
         dtype = found[-1] if found else "?"  # async forms list operands, then results
         stats = out.setdefault(kind, {}).setdefault(dtype, CollectiveStats(kind))
         stats.count += times

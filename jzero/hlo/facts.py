@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from jzero.hlo.parse import (
-    _INSTR,
-    _NAME,
+    INSTR,
+    INSTR_NAME,
     KINDS,
-    _computations,
-    _operands,
-    _shape_bytes,
-    _text,
+    compiled_text,
+    computations,
+    operand_names,
+    shape_bytes,
 )
 
 __all__ = [
@@ -88,7 +88,7 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
       One :class:`LayoutCopy` per such instruction (each counted once per program, not per
       loop iteration), its output bytes and the collective kind it touches.
     """
-    comps, _ = _computations(_text(compiled))
+    comps, _ = computations(compiled_text(compiled))
     kinds = {f"{k}{s}" for k in KINDS for s in ("", "-start", "-done")}
 
     def root_op(name: str) -> str | None:
@@ -96,7 +96,7 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
         if len(lines) > 3:  # more than parameter(s) and the root: real computation
             return None
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if line.lstrip().startswith("ROOT") and m:
                 return m.group(2)
         return None
@@ -105,7 +105,7 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
     for lines in comps.values():
         info: dict[str, tuple[str, str, list[str], str]] = {}
         for line in lines:
-            n, m = _NAME.match(line), _INSTR.match(line)
+            n, m = INSTR_NAME.match(line), INSTR.match(line)
             if not (n and m):
                 continue
             shape, op, rest = m.groups()
@@ -113,7 +113,7 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
                 callee = re.search(r"calls=%?([\w.\-]+)", line)
                 inner = root_op(callee.group(1)) if callee else None
                 op = inner if inner in _LAYOUT_OPS else op
-            info[n.group(1)] = (op, shape, _operands(rest), line)
+            info[n.group(1)] = (op, shape, operand_names(rest), line)
         for name, (op, shape, operands, line) in info.items():
             if op not in _LAYOUT_OPS:
                 continue
@@ -124,7 +124,7 @@ def layout_copies(compiled: Any) -> list[LayoutCopy]:
                 if other_op in kinds and name in other_operands
             ]
             if touches:
-                size = sum(_shape_bytes(shape))
+                size = sum(shape_bytes(shape))
                 kind = touches[0].removesuffix("-start").removesuffix("-done")
                 found.append(LayoutCopy(name, size, kind, line.strip()[:200]))
     return found
@@ -168,7 +168,7 @@ def _async_kind(op: str, line: str, comps: dict[str, list[str]]) -> str | None:
     if op == "async-start":
         callee = re.search(r"calls=%?([\w.\-]+)", line)
         for inner in comps.get(callee.group(1), []) if callee else []:
-            m = _INSTR.match(inner)
+            m = INSTR.match(inner)
             if m and m.group(2) in KINDS:
                 return m.group(2)
     return None
@@ -188,14 +188,14 @@ def async_collectives(compiled: Any) -> list[AsyncCollective]:
       One :class:`AsyncCollective` per start/done pair, per computation (each counted once, not
       per loop iteration); empty for a program whose collectives are synchronous (CPU).
     """
-    comps, _ = _computations(_text(compiled))
+    comps, _ = computations(compiled_text(compiled))
     found: list[AsyncCollective] = []
     for comp, lines in comps.items():
         instrs = []
         for line in lines:
-            n, m = _NAME.match(line), _INSTR.match(line)
+            n, m = INSTR_NAME.match(line), INSTR.match(line)
             if n and m:
-                instrs.append((n.group(1), m.group(2), _operands(m.group(3)), line))
+                instrs.append((n.group(1), m.group(2), operand_names(m.group(3)), line))
         for i, (name, op, _, line) in enumerate(instrs):
             kind = _async_kind(op, line, comps)
             if kind is None:
@@ -255,18 +255,18 @@ def loop_collectives(compiled: Any) -> list[LoopCollective]:
       One :class:`LoopCollective` per collective instruction in a loop body (its ``-done`` half
       not counted separately).
     """
-    comps, _ = _computations(_text(compiled))
+    comps, _ = computations(compiled_text(compiled))
     bodies = []
     for lines in comps.values():
         for line in lines:
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             body = re.search(r"\bbody=%?([\w.\-]+)", line)
             if m and m.group(2) == "while" and body and body.group(1) not in bodies:
                 bodies.append(body.group(1))
 
     def holds_matmul(name: str, depth: int = 0) -> bool:
         for line in comps.get(name, []):
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if not m:
                 continue
             if m.group(2) in _MATMUL_OPS:
@@ -288,9 +288,9 @@ def _body_collectives(body: str, lines: list[str], holds_matmul: Any) -> list[Lo
     ops: dict[str, tuple[str, list[str], str]] = {}
     users: dict[str, list[str]] = {}
     for line in lines:
-        n, m = _NAME.match(line), _INSTR.match(line)
+        n, m = INSTR_NAME.match(line), INSTR.match(line)
         if n and m:
-            operands = _operands(m.group(3))
+            operands = operand_names(m.group(3))
             ops[n.group(1)] = (m.group(2), operands, line)
             for o in operands:
                 users.setdefault(o, []).append(n.group(1))
@@ -349,13 +349,13 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollective]:
     Returns:
       One :class:`UnorderedCollective` per (collective, loop) pair without an order.
     """
-    comps, entry = _computations(_text(compiled))
+    comps, entry = computations(compiled_text(compiled))
     if entry is None:
         return []
 
     def holds_collective(name: str, depth: int = 0) -> bool:
         for line in comps.get(name, []):
-            m = _INSTR.match(line)
+            m = INSTR.match(line)
             if m and m.group(2).removesuffix("-start") in KINDS:
                 return True
             for callee in re.findall(r"(?:calls|body|condition|to_apply)=%?([\w.\-]+)", line):
@@ -367,13 +367,13 @@ def unordered_collectives(compiled: Any) -> list[UnorderedCollective]:
     preds: dict[str, list[str]] = {}
     loops: list[str] = []
     for line in comps.get(entry, []):
-        n, m = _NAME.match(line), _INSTR.match(line)
+        n, m = INSTR_NAME.match(line), INSTR.match(line)
         if not (n and m):
             continue
         name, op = n.group(1), m.group(2)
         ops[name] = op
         control = re.search(r"control-predecessors=\{([^}]*)\}", line)
-        preds[name] = _operands(m.group(3)) + (
+        preds[name] = operand_names(m.group(3)) + (
             re.findall(r"%([\w.\-]+)", control.group(1)) if control else []
         )
         body = re.search(r"\bbody=%?([\w.\-]+)", line)

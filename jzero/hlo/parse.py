@@ -7,10 +7,10 @@ and
 Decisions:
 
 * The optimized HLO is read as text (``compiled.as_text()``) with a few regular expressions:
-  computations by their headers (:func:`_computations`), instructions as ``name = shape
-  op(operands)`` (``_INSTR``, ``_NAME``, :func:`_operands`), buffer bytes from the shapes' element
-  types (:func:`_shape_bytes`; tuples list every buffer). No XLA bindings are needed, and a
-  saved text reads the same as a live program.
+  computations by their headers (:func:`computations`), instructions as ``name = shape
+  op(operands)`` (``INSTR``, ``INSTR_NAME``, :func:`operand_names`), buffer bytes from the
+  shapes' element types (:func:`shape_bytes`; tuples list every buffer). No XLA bindings are
+  needed, and a saved text reads the same as a live program.
 * Device groups (:func:`replica_groups`) are read in any of XLA's three spellings: explicit
   lists, iota ``[G,S]<=[dims]T(perm)``, and ``mesh[...] device_ids=... {axes}``.
 * :func:`program_text` returns the program before the CPU backend widens 16-bit collectives
@@ -34,32 +34,32 @@ __all__ = ["KINDS", "program_text", "replica_groups"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
     "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
     "f8e4m3fn": 1, "f8e5m2": 1,
 }  # fmt: skip
 
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?.*\{\s*$")
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+INSTR_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 
 
-def _shape_bytes(text: str) -> list[int]:
+def shape_bytes(text: str) -> list[int]:
     out = []
-    for dtype, dims in _SHAPE.findall(text):
-        if dtype not in _DTYPE_BYTES:
+    for dtype, dims in SHAPE.findall(text):
+        if dtype not in DTYPE_BYTES:
             continue
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        out.append(n * _DTYPE_BYTES[dtype])
+        out.append(n * DTYPE_BYTES[dtype])
     return out
 
 
-def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
+def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     """The HLO text's computations (name -> instruction lines) and the entry's name."""
     comps: dict[str, list[str]] = {}
     entry = None
@@ -79,7 +79,7 @@ def _computations(text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _text(compiled: Any, *, tables: bool = False) -> str:
+def compiled_text(compiled: Any, *, tables: bool = False) -> str:
     """A compiled program's HLO text. ``tables``: with its constants printed whole where the
     running jaxlib allows (``as_text()`` elides a constant of more than 10 elements as
     ``{...}``; :mod:`jzero.hlo.collective_bytes` reads a pipeline's schedule table), asked for
@@ -100,7 +100,7 @@ def _text(compiled: Any, *, tables: bool = False) -> str:
         return text
 
 
-def _operands(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     depth, end = 1, len(rest)
     for i, ch in enumerate(rest):
         depth += ch == "("

@@ -24,7 +24,7 @@ from jzero.demo import gpt
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
-from jzero.hlo.parse import _computations
+from jzero.hlo.parse import computations
 from jzero.replay import NoLayerScan
 from jzero.replay.layer_split import split_at_layers, stage_unit
 
@@ -342,7 +342,7 @@ def test_the_compiled_step_moves_activations_between_neighbouring_stages_only():
 def _pass_branches(text):
     """Per branch of the compiled step's pass switch (idle, forward, backward[, weight]): the
     dots and reduce-scatters it runs, nested computations included (counted once each)."""
-    comps, _ = _computations(text)
+    comps, _ = computations(text)
 
     def reach(name, seen):
         if name in comps and name not in seen:
@@ -417,7 +417,7 @@ def test_the_embedding_runs_on_the_first_stage_and_the_loss_on_the_last_only():
 
 def _all_gather_callers(text):
     """Per all-gather in the HLO text, the ops that call its computation, innermost first."""
-    comps, _ = _computations(text)
+    comps, _ = computations(text)
     caller = {}
     for name, lines in comps.items():
         for line in lines:
