@@ -73,7 +73,7 @@ import jax.numpy as jnp
 
 from jzero._util import divisors, dotted
 from jzero.distributed.mesh import EXPERT_AXIS
-from jzero.distributed.sequence import _bound_axis_size
+from jzero.distributed.sequence import bound_axis_size
 
 __all__ = [
     "EXPERT_AXIS",
@@ -266,7 +266,7 @@ def dispatch(x: jax.Array, routing: Routing | SortedRouting, axis: str = EXPERT_
         slots = jnp.take(x, routing.source, axis=0, mode="fill", fill_value=0)
     else:
         slots = jnp.einsum("tec,td->ecd", routing.dispatch_mask.astype(x.dtype), x)
-    size = _bound_axis_size(axis)
+    size = bound_axis_size(axis)
     if size is None or size == 1:
         return slots
     experts = slots.shape[0]
@@ -281,7 +281,7 @@ def dispatch(x: jax.Array, routing: Routing | SortedRouting, axis: str = EXPERT_
 def combine(y: jax.Array, routing: Routing | SortedRouting, axis: str = EXPERT_AXIS) -> jax.Array:
     """The experts' outputs (:func:`dispatch`'s layout) back to the tokens, ``[T, d]``,
     each the gate-weighted sum of its kept choices (one all-to-all where ``axis`` is bound)."""
-    size = _bound_axis_size(axis)
+    size = bound_axis_size(axis)
     if size is not None and size > 1:
         y = jax.lax.all_to_all(y, axis, split_axis=1, concat_axis=0, tiled=True)
     if not isinstance(routing, SortedRouting):

@@ -67,7 +67,7 @@ from jzero.distributed.tensor import MODEL_AXIS
 __all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
 
 
-def _bound_axis_size(axis: str) -> int | None:
+def bound_axis_size(axis: str) -> int | None:
     """The size of the mapped axis ``axis`` where it is bound (``shard_map`` with it manual,
     or ``vmap``/``pmap`` naming it), else ``None``."""
     try:
@@ -148,7 +148,7 @@ def sequence_parallel_attention(
 
     @functools.wraps(attn_fn)
     def wrapped(q: jax.Array, k: jax.Array, v: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
-        size = _bound_axis_size(axis)
+        size = bound_axis_size(axis)
         if size is None or size == 1:
             return attn_fn(q, k, v, *args, **kwargs)
         ndim = q.ndim
@@ -219,7 +219,7 @@ def sequence_chunk(x: jax.Array, axis: str = SEQ_AXIS, dim: int = 1) -> jax.Arra
     Raises:
       ValueError: a length along ``dim`` that the size of ``axis`` does not divide.
     """
-    size = _bound_axis_size(axis)
+    size = bound_axis_size(axis)
     if size is None or size == 1:
         return x
     length = x.shape[dim]
@@ -246,6 +246,6 @@ def sequence_offset(local_len: int, axis: str = SEQ_AXIS) -> jax.Array | int:
       ``jax.lax.axis_index(axis) * local_len`` (a traced int32 scalar) under a bound ``axis``;
       the Python int 0 where it is unbound.
     """
-    if _bound_axis_size(axis) is None:
+    if bound_axis_size(axis) is None:
         return 0
     return jax.lax.axis_index(axis) * local_len

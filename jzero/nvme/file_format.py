@@ -37,8 +37,8 @@ import numpy as np
 _MAGIC = b"JZNVME\x00\x01"
 _PREFIX = struct.Struct("<8sII")  # magic, header length, header CRC-32
 _ALIGN = 4096
-_SUFFIX = ".jznv"
-_TMP = ".jznv.tmp-"
+SUFFIX = ".jznv"
+TMP = ".jznv.tmp-"
 
 
 class NvmeIOError(OSError):
@@ -46,7 +46,7 @@ class NvmeIOError(OSError):
     or a write that failed; the message names the file."""
 
 
-def _host_arrays(arrays: Sequence[Any]) -> list[np.ndarray]:
+def host_arrays(arrays: Sequence[Any]) -> list[np.ndarray]:
     if isinstance(arrays, np.ndarray) or not isinstance(arrays, Sequence):
         raise ValueError(
             f"Pass the arrays of one key as a list, got {type(arrays).__name__}; e.g. "
@@ -99,11 +99,11 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _write_file(
+def write_file(
     directory: str, name: str, arrays: list[np.ndarray], fsync: bool, page_cache: bool
 ) -> int:
     final = os.path.join(directory, name)
-    tmp = os.path.join(directory, f"{name[: -len(_SUFFIX)]}{_TMP}{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(directory, f"{name[: -len(SUFFIX)]}{TMP}{uuid.uuid4().hex[:8]}")
     try:
         head, offsets = _layout(arrays)
         with open(tmp, "wb") as f:
@@ -129,13 +129,13 @@ def _write_file(
                 os.close(dir_fd)
         return size
     except OSError as e:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise NvmeIOError(
             f"Writing {final} failed: {e.strerror or e}. The previous content of that file, if "
             "any, is kept. Check the drive's free space and permissions (nvme_path)."
         ) from e
     except BaseException:
-        _unlink_quietly(tmp)
+        unlink_quietly(tmp)
         raise
 
 
@@ -152,7 +152,7 @@ def _read_exactly(f: Any, buf: memoryview | np.ndarray, path: str, what: str) ->
         got += n
 
 
-def _read_file(path: str, page_cache: bool) -> list[np.ndarray]:
+def read_file(path: str, page_cache: bool) -> list[np.ndarray]:
     try:
         f = open(path, "rb", buffering=0)  # noqa: SIM115
     except FileNotFoundError as e:
@@ -220,7 +220,7 @@ def _read_file(path: str, page_cache: bool) -> list[np.ndarray]:
         raise NvmeIOError(f"Reading {path} failed: {e.strerror or e}.") from e
 
 
-def _check_like(path: str, arrays: list[np.ndarray], like: Sequence[Any]) -> None:
+def check_like(path: str, arrays: list[np.ndarray], like: Sequence[Any]) -> None:
     want = [(tuple(x.shape), np.dtype(x.dtype)) for x in like]
     got = [(a.shape, a.dtype) for a in arrays]
     if want != got:
@@ -231,7 +231,7 @@ def _check_like(path: str, arrays: list[np.ndarray], like: Sequence[Any]) -> Non
         )
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -40,12 +40,12 @@ def host_shards(x: jax.Array) -> list[np.ndarray]:
     return [seen[k] for k in sorted(seen)]
 
 
-def _shard_count(like: Any, sharding: Any) -> int:
+def shard_count(like: Any, sharding: Any) -> int:
     where = sharding.addressable_devices_indices_map(tuple(like.shape))
     return len({_index_key(index, like.shape) for index in where.values()})
 
 
-def _from_host(shards: Sequence[np.ndarray], like: Any, sharding: Any) -> jax.Array:
+def from_host(shards: Sequence[np.ndarray], like: Any, sharding: Any) -> jax.Array:
     """The array ``like`` (shape, dtype) laid out by ``sharding`` from this process's distinct
     shards (as :func:`host_shards` lists them)."""
     shape = tuple(like.shape)

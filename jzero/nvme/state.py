@@ -39,7 +39,7 @@ import numpy as np
 import optax
 
 from jzero import subgroups
-from jzero.nvme.shards import _from_host, _shard_count, host_shards
+from jzero.nvme.shards import from_host, host_shards, shard_count
 from jzero.nvme.store import NvmeStore
 from jzero.plan import PINNED_HOST, Plan, available_memory_kinds, on_device
 from jzero.step import TrainState
@@ -237,8 +237,8 @@ class NvmeState:
             like, sharding = self.like_of(kind, i)
             if host and self.host_kind:
                 sharding = sharding.with_memory_kind(self.host_kind)
-            n = _shard_count(like, sharding)
-            out[(kind, i)] = _from_host(shards[at : at + n], like, sharding)
+            n = shard_count(like, sharding)
+            out[(kind, i)] = from_host(shards[at : at + n], like, sharding)
             at += n
         return out
 

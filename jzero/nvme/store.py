@@ -45,14 +45,14 @@ import numpy as np
 
 from jzero._util import format_bytes, free_bytes
 from jzero.nvme.file_format import (
-    _SUFFIX,
-    _TMP,
+    SUFFIX,
+    TMP,
     NvmeIOError,
-    _check_like,
-    _host_arrays,
-    _read_file,
-    _unlink_quietly,
-    _write_file,
+    check_like,
+    host_arrays,
+    read_file,
+    unlink_quietly,
+    write_file,
 )
 
 __all__ = ["NvmeIOError", "NvmeStore", "check_nvme_path"]
@@ -214,14 +214,14 @@ class NvmeStore:
           ValueError: for a key or array that cannot be stored.
         """
         self._check_open()
-        name, arrays = _file_name(key), _host_arrays(arrays)
+        name, arrays = _file_name(key), host_arrays(arrays)
         with self._lock:
             before = self._writes.get(name)
             self._prefetched.pop(name, None)  # would be stale
         if before is not None:
             _quiet_wait(before)
         try:
-            size = _write_file(self._dir, name, arrays, self.fsync, self.page_cache)
+            size = write_file(self._dir, name, arrays, self.fsync, self.page_cache)
         except BaseException as e:
             failed: Future = Future()
             failed.set_exception(e)
@@ -247,7 +247,7 @@ class NvmeStore:
           ValueError: for a key or array that cannot be stored.
         """
         self._check_open()
-        name, arrays = _file_name(key), _host_arrays(arrays)
+        name, arrays = _file_name(key), host_arrays(arrays)
         self._make_room()
         with self._lock:
             before = self._writes.get(name)
@@ -259,7 +259,7 @@ class NvmeStore:
     def _chained_write(self, before: Future | None, name: str, arrays: list[np.ndarray]) -> int:
         if before is not None:
             _quiet_wait(before)
-        return _write_file(self._dir, name, arrays, self.fsync, self.page_cache)
+        return write_file(self._dir, name, arrays, self.fsync, self.page_cache)
 
     def flush(self) -> None:
         """Waits for every pending write; re-raises the first error any of them had (once)."""
@@ -295,7 +295,7 @@ class NvmeStore:
     def _chained_read(self, before: Future | None, name: str) -> list[np.ndarray]:
         if before is not None:
             _raise_if_write_failed(before, os.path.join(self._dir, name))
-        return _read_file(os.path.join(self._dir, name), self.page_cache)
+        return read_file(os.path.join(self._dir, name), self.page_cache)
 
     def read(self, key: Key, like: Sequence[Any] | None = None) -> list[np.ndarray]:
         """The arrays of ``key``'s file: the prefetched result if :meth:`prefetch` started one,
@@ -320,7 +320,7 @@ class NvmeStore:
         else:
             arrays = self._chained_read(before, name)
         if like is not None:
-            _check_like(os.path.join(self._dir, name), arrays, like)
+            check_like(os.path.join(self._dir, name), arrays, like)
         return arrays
 
     # --- bookkeeping --------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class NvmeStore:
     def keys(self) -> list[str]:
         """The file stems written so far (finished writes)."""
         return sorted(
-            e.name[: -len(_SUFFIX)] for e in os.scandir(self._dir) if e.name.endswith(_SUFFIX)
+            e.name[: -len(SUFFIX)] for e in os.scandir(self._dir) if e.name.endswith(SUFFIX)
         )
 
     def disk_bytes(self) -> int:
@@ -439,7 +439,7 @@ def _file_name(key: Key) -> str:
             f"NVMe store key {key!r} gives the file name {stem!r}; keys may use only letters, "
             "digits, '_', '.' and '-'. Use e.g. (group, shard)."
         )
-    return stem + _SUFFIX
+    return stem + SUFFIX
 
 
 def _raise_if_write_failed(future: Future, path: str) -> None:
@@ -464,9 +464,9 @@ def _remove_store(directory: str, pool: ThreadPoolExecutor) -> None:
         return
     for entry in entries:
         if entry.is_file(follow_symlinks=False) and (
-            entry.name.endswith(_SUFFIX) or _TMP in entry.name
+            entry.name.endswith(SUFFIX) or TMP in entry.name
         ):
-            _unlink_quietly(entry.path)
+            unlink_quietly(entry.path)
     try:
         os.rmdir(directory)
     except OSError:  # someone put other files there: leave them, and the directory

@@ -37,7 +37,7 @@ from jzero.config import (
     resolve_optimizer,
     resolve_scheduler,
 )
-from jzero.optim.lr_schedules import _one_cycle_momentum, _optimizer_lr, build_lr_schedule
+from jzero.optim.lr_schedules import build_lr_schedule, one_cycle_momentum, optimizer_lr
 from jzero.optim.muon_optimizer import muon as muon_tx
 from jzero.optim.quantized import quantized_adam_state
 from jzero.optim.transforms import (
@@ -150,7 +150,7 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
       [-0.5, -0.5]
     """
     if cfg.optimizer is None:
-        _optimizer_lr(cfg)  # raises the "no optimizer section" error
+        optimizer_lr(cfg)  # raises the "no optimizer section" error
     name, p = resolve_optimizer(cfg.optimizer)
     if p.get("state_bits") == 8 and cfg.bf16.bf16_optimizer_states:
         raise ConfigError(
@@ -165,7 +165,7 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
         sched_name, sp = resolve_scheduler(cfg.scheduler)
         if sched_name == "OneCycle" and sp["cycle_momentum"]:
             if name in _WITH_BETAS:
-                hyper["b1"], hyper["b2"] = _one_cycle_momentum(sp), 0.99
+                hyper["b1"], hyper["b2"] = one_cycle_momentum(sp), 0.99
             elif "cycle_momentum" in cfg.scheduler.params:
                 warnings.warn(
                     "scheduler.params.cycle_momentum: true has no effect with "

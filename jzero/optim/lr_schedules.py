@@ -118,7 +118,7 @@ def _one_cycle_lr(p: dict[str, Any]) -> optax.Schedule:
     return schedule
 
 
-def _one_cycle_momentum(p: dict[str, Any]) -> optax.Schedule:
+def one_cycle_momentum(p: dict[str, Any]) -> optax.Schedule:
     lo, hi = p["cycle_min_mom"], p["cycle_max_mom"]
     total = _one_cycle_total(p)
     skip_decay = p["decay_step_size"] == 0 or p["decay_mom_rate"] == 0
@@ -153,7 +153,7 @@ def _lr_range_test(p: dict[str, Any]) -> optax.Schedule:
     return schedule
 
 
-def _optimizer_lr(cfg: Config) -> float:
+def optimizer_lr(cfg: Config) -> float:
     if cfg.optimizer is None:
         raise ConfigError(
             "The config has no optimizer section, so there is no learning rate; add e.g. "
@@ -182,16 +182,16 @@ def build_lr_schedule(cfg: Config) -> optax.Schedule:
       0.25
     """
     if cfg.scheduler is None:
-        lr = _optimizer_lr(cfg)
+        lr = optimizer_lr(cfg)
         return lambda count: jnp.full(jnp.shape(count), lr, jnp.float32)
     name, p = resolve_scheduler(cfg.scheduler)
     if name == "WarmupLR":
-        max_lr = p["warmup_max_lr"] if p["warmup_max_lr"] is not None else _optimizer_lr(cfg)
+        max_lr = p["warmup_max_lr"] if p["warmup_max_lr"] is not None else optimizer_lr(cfg)
         return _warmup_lr(p, max_lr, decay=False)
     if name == "WarmupDecayLR":
         return _warmup_lr(p, p["warmup_max_lr"], decay=True)
     if name == "WarmupCosineLR":
-        return _warmup_cosine_lr(p, _optimizer_lr(cfg))
+        return _warmup_cosine_lr(p, optimizer_lr(cfg))
     if name == "OneCycle":
         return _one_cycle_lr(p)
     return _lr_range_test(p)

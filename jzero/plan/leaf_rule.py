@@ -136,7 +136,7 @@ def axis_entry(axes: str | Sequence[str]) -> str | tuple[str, ...]:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _spec_with(base: P, ndim: int, dim: int | None, axis: str | Sequence[str]) -> P:
+def spec_with(base: P, ndim: int, dim: int | None, axis: str | Sequence[str]) -> P:
     """``base`` with ``axis`` on ``dim``: ZeRO's axes there, less any the leaf's own spec uses
     already (expert parallelism's ``expert`` on an expert leaf's experts dimension)."""
     entries = list(base) + [None] * (ndim - len(base))
@@ -202,7 +202,7 @@ class LeafPlan:
         return self.stored_shape(self.param_dim is not None)
 
 
-def _leaf_plan(
+def leaf_plan(
     path: str,
     x: Any,
     base: P,

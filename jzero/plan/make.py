@@ -62,15 +62,15 @@ from jzero._util import divisors, dotted, under_trace
 from jzero.choices.stages import StageSpec, check_offload, stage_spec
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
 from jzero.plan.leaf_rule import (
-    _leaf_plan,
-    _spec_with,
     axis_entry,
     divisible_dim,
+    leaf_plan,
     spec_axis_names,
+    spec_with,
 )
 from jzero.plan.memory_kinds import (
-    _offloaded_leaves,
-    _with_kind,
+    offloaded_leaves,
+    with_kind,
 )
 from jzero.plan.options import CommOptions, ParallelOptions, PlanOptions, ZeroOptions
 from jzero.plan.plan import Plan
@@ -166,7 +166,7 @@ def make_plan(
         return math.prod(int(mesh.shape[a]) for a in state_axes if a not in own)
 
     leaves = tuple(
-        _leaf_plan(_path_str(path), x, b, shards(b), spec, zero.persistence_threshold, ld,
+        leaf_plan(_path_str(path), x, b, shards(b), spec, zero.persistence_threshold, ld,
                    zero.padding)
         for (path, x), b, ld in zip(flat, bases, layer_dims, strict=True)
     )  # fmt: skip
@@ -174,13 +174,13 @@ def make_plan(
     def shardings(dims: list[int | None], axes: tuple[str, ...] = zero_axes) -> PyTree:
         return treedef.unflatten(
             [
-                NamedSharding(mesh, _spec_with(b, len(leaf.shape), d, axes))
+                NamedSharding(mesh, spec_with(b, len(leaf.shape), d, axes))
                 for leaf, b, d in zip(leaves, bases, dims, strict=True)
             ]
         )
 
     state_dims = [leaf.state_dim for leaf in leaves]
-    params_sh = _with_kind(shardings([leaf.param_dim for leaf in leaves]), zero.offload_params)
+    params_sh = with_kind(shardings([leaf.param_dim for leaf in leaves]), zero.offload_params)
     update_sh = shardings(state_dims, state_axes)
     grads_sh = update_sh if spec.reduce_scatter else shardings([None] * len(leaves))
     replicated = NamedSharding(mesh, P())
@@ -368,7 +368,7 @@ def _own_shape_spec(
     d = leaf.state_dim
     if d is None or d >= common or leaf.merged > 1 or not free[d] or shape[d] % count:
         d = divisible_dim(shape, count, free)
-    return _spec_with(P(*entries), len(shape), d, axes)
+    return spec_with(P(*entries), len(shape), d, axes)
 
 
 def _offloaded_state(
@@ -383,11 +383,11 @@ def _offloaded_state(
 ) -> tuple[PyTree, PyTree]:
     """The optimizer state's and the masters' shardings with ``offload_optimizer``'s memory
     kind: on every leaf, or at ``offload_ratio`` < 1 on the state and masters of the
-    parameter leaves :func:`_offloaded_leaves` picks."""
+    parameter leaves :func:`offloaded_leaves` picks."""
     kind = zero.offload_optimizer
-    host_leaves = _offloaded_leaves(leaves, zero.offload_ratio)
+    host_leaves = offloaded_leaves(leaves, zero.offload_ratio)
     if kind is None or len(host_leaves) == len(leaves):
-        return _with_kind(opt_sh, kind), _with_kind(update_sh, kind)
+        return with_kind(opt_sh, kind), with_kind(update_sh, kind)
     from jzero.subgroups import param_leaf_owner
 
     owner = param_leaf_owner(optimizer, abstract_params, abstract_opt_state)

@@ -25,7 +25,7 @@ Decisions:
   shardings the step computes on.
 * ``offload_optimizer.ratio < 1`` offloads whole parameter leaves' optimizer state and masters,
   the largest first, each taken when it brings the offloaded elements closer to the fraction
-  (:func:`_offloaded_leaves`); a leaf is never split, and every leaf goes at ratio 1.
+  (:func:`offloaded_leaves`); a leaf is never split, and every leaf goes at ratio 1.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def on_device(shardings: PyTree) -> PyTree:
     )
 
 
-def _offloaded_leaves(leaves: Sequence[LeafPlan], ratio: float) -> frozenset[int]:
+def offloaded_leaves(leaves: Sequence[LeafPlan], ratio: float) -> frozenset[int]:
     """The parameter leaves whose optimizer state and masters are offloaded for ``ratio``:
     largest first, each taken when it brings the offloaded elements closer to ``ratio`` of all
     (a leaf is never split); every leaf at ``ratio`` 1."""
@@ -85,7 +85,7 @@ def _offloaded_leaves(leaves: Sequence[LeafPlan], ratio: float) -> frozenset[int
     return frozenset(chosen)
 
 
-def _with_kind(shardings: PyTree, memory_kind: str | None) -> PyTree:
+def with_kind(shardings: PyTree, memory_kind: str | None) -> PyTree:
     if memory_kind is None:
         return shardings
     return jax.tree.map(

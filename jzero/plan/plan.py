@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.choices.stages import StageSpec
-from jzero.plan.leaf_rule import LeafPlan, _spec_with, spec_axis_names
+from jzero.plan.leaf_rule import LeafPlan, spec_axis_names, spec_with
 from jzero.plan.memory_kinds import is_host
 from jzero.plan.precision import Precision, cast_floating
 
@@ -253,7 +253,7 @@ class Plan:
         ``axes`` (less those) on ``dim`` when given; the compiler's axes left out."""
         manual = set(self.batch_axes)
         base = P(*(_only(e, manual) for e in self._bases()[index]))
-        return _spec_with(base, len(self.leaves[index].shape), dim, axes or self.zero_axes)
+        return spec_with(base, len(self.leaves[index].shape), dim, axes or self.zero_axes)
 
     def other_spec(self, index: int, *manual: str) -> P:
         """Leaf ``index``'s own entries on the axes the step leaves to the compiler (a user's
@@ -464,7 +464,7 @@ class Plan:
         ``model``), and ``axes`` on ``dim`` when given; trailing ``None`` left out, so it fits
         a leaf resting with merged leading dimensions too."""
         leaf = self.leaves[index]
-        return _spec_with(self._bases()[index], len(leaf.shape), dim, axes)
+        return spec_with(self._bases()[index], len(leaf.shape), dim, axes)
 
     @property
     def other_entries(self) -> tuple[tuple[Any, ...], ...]:

@@ -48,7 +48,7 @@ import ml_dtypes
 import numpy as np
 
 from jzero._util import path_parts, read_size, write_atomic
-from jzero.weights.format import _NPZ_TABLE, _TO_ST, INDEX_NAME, PATHS_KEY, PathEntry
+from jzero.weights.format import INDEX_NAME, NPZ_TABLE, PATHS_KEY, TO_ST, PathEntry
 
 __all__ = [
     "ExportEntry",
@@ -96,10 +96,10 @@ def _check_entries(entries: Sequence[ExportEntry]) -> None:
                 "so that the dotted leaf paths differ."
             )
         seen.add(e.key)
-        if np.dtype(e.dtype) not in _TO_ST:
+        if np.dtype(e.dtype) not in TO_ST:
             raise ValueError(
                 f"Leaf {e.key!r} has dtype {np.dtype(e.dtype).name}, which safetensors can't "
-                f"store; the supported dtypes are {sorted(d.name for d in _TO_ST)}. "
+                f"store; the supported dtypes are {sorted(d.name for d in TO_ST)}. "
                 "Export it as float32 or bfloat16."
             )
 
@@ -130,7 +130,7 @@ def _write_safetensors(f: Any, entries: Sequence[ExportEntry], fetch: Callable) 
     offset = 0
     for e in entries:
         header[e.key] = {
-            "dtype": _TO_ST[np.dtype(e.dtype)],
+            "dtype": TO_ST[np.dtype(e.dtype)],
             "shape": list(e.shape),
             "data_offsets": [offset, offset + e.nbytes],
         }
@@ -157,7 +157,7 @@ def _write_npz(f: Any, entries: Sequence[ExportEntry], fetch: Callable) -> None:
             "paths": {e.key: list(e.path) for e in entries},
             "dtypes": {e.key: np.dtype(e.dtype).name for e in entries},
         }
-        with zf.open(_NPZ_TABLE + ".npy", mode="w") as member:
+        with zf.open(NPZ_TABLE + ".npy", mode="w") as member:
             np.lib.format.write_array(member, np.asarray(json.dumps(table)), allow_pickle=False)
 
 

@@ -62,10 +62,10 @@ __all__ = [
 
 PATHS_KEY = "jzero.paths"
 INDEX_NAME = "model.safetensors.index.json"
-_NPZ_TABLE = "__jzero__"
+NPZ_TABLE = "__jzero__"
 
 # safetensors dtype names <-> numpy dtypes.
-_TO_ST = {
+TO_ST = {
     np.dtype(np.float64): "F64",
     np.dtype(np.float32): "F32",
     np.dtype(np.float16): "F16",
@@ -80,8 +80,8 @@ _TO_ST = {
     np.dtype(np.uint8): "U8",
     np.dtype(np.bool_): "BOOL",
 }
-_FROM_ST = {v: k for k, v in _TO_ST.items()}
-_BY_NAME = {d.name: d for d in _TO_ST}
+_FROM_ST = {v: k for k, v in TO_ST.items()}
+_BY_NAME = {d.name: d for d in TO_ST}
 
 PathEntry = str | int
 
@@ -383,12 +383,12 @@ def _read_npz(p: Path) -> dict:
     """A jzero ``.npz`` export's tensors by path (no pickles); errors name the file."""
     try:
         with np.load(p, allow_pickle=False) as z:
-            table = _parse_json(str(z[_NPZ_TABLE]), _NPZ_TABLE) if _NPZ_TABLE in z.files else {}
+            table = _parse_json(str(z[NPZ_TABLE]), NPZ_TABLE) if NPZ_TABLE in z.files else {}
             paths_field = table.get("paths", {}) if isinstance(table, dict) else None
             if not (isinstance(paths_field, dict) and isinstance(table.get("dtypes", {}), dict)):
-                raise ValueError(f"{_NPZ_TABLE!r} is not an object of 'paths' and 'dtypes'")
-            keys = [k for k in z.files if k != _NPZ_TABLE]
-            known = _known_paths({PATHS_KEY: paths_field}, f"{_NPZ_TABLE!r} ")
+                raise ValueError(f"{NPZ_TABLE!r} is not an object of 'paths' and 'dtypes'")
+            keys = [k for k in z.files if k != NPZ_TABLE]
+            known = _known_paths({PATHS_KEY: paths_field}, f"{NPZ_TABLE!r} ")
             paths = _paths(keys, known)
             flat = {}
             for k in keys:

@@ -181,7 +181,7 @@ def test_failed_write_keeps_previous_content(store, monkeypatch):
     with pytest.raises(NvmeIOError, match=r"last write of .*w\.jznv failed.*stale"):
         store.read("w")
     # the file on disk is still the old one, whole, and no temporary file is left
-    assert_same_bits(nvme._read_file(store.path_of("w"), True), old)
+    assert_same_bits(nvme.read_file(store.path_of("w"), True), old)
     assert sorted(os.listdir(store.directory)) == ["w.jznv"]
     store.write("w", arrays(3))  # a good write clears the failure
     assert_same_bits(store.read("w"), arrays(3))
@@ -196,7 +196,7 @@ def test_failed_write_read_only_directory(store):
             store.write("r", arrays(1))
     finally:
         os.chmod(store.directory, 0o700)
-    assert_same_bits(nvme._read_file(store.path_of("r"), True), arrays(0))
+    assert_same_bits(nvme.read_file(store.path_of("r"), True), arrays(0))
 
 
 def test_check_nvme_path_missing_and_file(tmp_path):
