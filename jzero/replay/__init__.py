@@ -31,6 +31,7 @@ from typing import Any
 from jzero._util import moved, renamed_module
 from jzero.replay import trace as _trace
 from jzero.replay.backward_split import split_backward as split_backward
+from jzero.replay.gather import GatherOptions as GatherOptions
 from jzero.replay.gather import gathered as gathered
 from jzero.replay.gather import layer_dims as layer_dims
 from jzero.replay.gather import remat_scans as remat_scans
@@ -52,6 +53,7 @@ from jzero.replay.remat import parse_policy as parse_policy
 from jzero.replay.trace import Partition as Partition
 
 __all__ = [
+    "GatherOptions",
     "all_gather",
     "can_overlap",
     "GatherEvent",

@@ -36,6 +36,7 @@ parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,13 +45,13 @@ import jax
 from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
-from jzero.replay.interpreter import _Replay
-from jzero.replay.pending import _Pending
+from jzero.replay.interpreter import GatherOptions, Interpreter
+from jzero.replay.pending import Pending
 from jzero.replay.prefetch import kept_leaves, prefetch_anchors
 from jzero.replay.remat import RematPolicy, parse_policy
-from jzero.replay.trace import PASS_THROUGH, Partition, find_layers, inline_calls, layer_keys
+from jzero.replay.trace import PASS_THROUGH, find_layers, inline_calls, layer_keys
 
-__all__ = ["remat_scans", "gathered", "layer_dims", "replay"]
+__all__ = ["GatherOptions", "remat_scans", "gathered", "layer_dims", "replay"]
 
 
 def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, Any]:
@@ -74,7 +75,7 @@ def replay(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., 
             *abstract_tree(args, weak_type=True)
         )
         closed, segments = _layers(closed, args[0] if args else (), policy)
-        outs = _Replay(None, None, policy).run(
+        outs = Interpreter(None, policy=policy).run(
             closed.jaxpr, closed.consts, jax.tree.leaves(args), segments
         )
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
@@ -87,17 +88,9 @@ def gathered(
     dims: Sequence[int | None],
     full_shapes: Any,
     axis_name: str,
-    grad_dtype: Any = None,
+    options: GatherOptions | None = None,
     policy: RematPolicy | None = None,
-    reshard: bool = True,
     *,
-    prefetch: int = 0,
-    reuse_distance: int | None = None,
-    max_live: int | None = None,
-    partition: Partition | None = None,
-    bits: int = 0,
-    grad_bits: int = 0,
-    overlap: bool = False,
     specs: Sequence[tuple] | None = None,
     axes: Sequence[Any] | None = None,
 ) -> Callable[..., Any]:
@@ -111,32 +104,13 @@ def gathered(
         sharded on, or ``None`` for a leaf that is already whole on every device.
       full_shapes: a pytree like ``params`` of ``jax.ShapeDtypeStruct`` with the full shapes.
       axis_name: the mesh axis the shards are split over.
-      grad_dtype: the dtype the gradients' reduce-scatter runs in; ``None``: the shard's.
+      options: how the parameters are gathered (:class:`GatherOptions`: the gradients' dtype,
+        resharding, DeepSpeed's stage-3 prefetch and reuse, ZeRO++'s quantized gathers,
+        ``overlap_comm``, partitioned activations); ``None``: its defaults.
       policy: the activation-checkpointing policy of every layer (:mod:`jzero.replay.remat`): each
         scan body, and each layer of a Python loop; ``None``: only the scans that gather
         weights are checkpointed, by :data:`remat_save_policy`. Whatever the policy, no
         gathered weight is saved for the backward pass.
-      reshard: gather each weight again in the backward pass (FSDP's
-        ``reshard_after_forward``); ``False`` keeps the forward's gathered weights for the
-        backward pass instead: one all-gather per weight, not two, and every gathered weight
-        alive until its backward use.
-      prefetch: DeepSpeed's ``stage3_prefetch_bucket_size``: a use's gather may start this
-        many gathered elements ahead of it (:func:`prefetch_anchors`); 0: at its use.
-      reuse_distance: DeepSpeed's ``stage3_max_reuse_distance``: leaves reused within this
-        many elements are gathered once and kept (:func:`kept_leaves`); ``None``: none.
-      max_live: DeepSpeed's ``stage3_max_live_parameters``, the cap on what reuse keeps.
-      partition: DeepSpeed's ``partition_activations``: each checkpointed layer's saved input
-        split over the mesh's model-parallel axes (:class:`jzero.replay.trace.Partition`).
-      bits: ZeRO++ qwZ: every gather of a floating parameter sends it quantized to this many
-        bits (8 or 4; :func:`jzero.comm.quantization.quantized_all_gather`); 0: exact.
-      grad_bits: ZeRO++ qgZ: every gather's transpose (the gradient's reduce-scatter) is the
-        quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`; 0: exact.
-      overlap: ``overlap_comm``: a scan that gathers weights fetches each layer one iteration
-        ahead, in the forward and the backward pass, and reduce-scatters each layer's gradient
-        beside the next layer's backward pass (:func:`jzero.replay.overlap.overlapped_scan`). Scans
-        that keep gathered weights (``reshard=False``), tag activations (policy ``none``),
-        partition or offload them, run in reverse, have one iteration or a non-floating carry
-        gather at their own iteration as without it.
       specs: per leaf, its entries (one per dimension) on the mesh's other axes (tensor
         parallelism's ``model``): its gathers run with those axes manual too
         (:func:`jzero.comm.manual.over_axes`); ``None``: no other axis.
@@ -146,6 +120,7 @@ def gathered(
     Returns:
       A function with the same outputs as ``fn``, taking the local shards instead.
     """
+    opts = options if options is not None else GatherOptions()
     sizes = [
         None if d is None else full.shape[d]
         for full, d in zip(jax.tree.leaves(full_shapes), dims, strict=True)
@@ -174,12 +149,12 @@ def gathered(
             return [
                 x
                 if d is None
-                else _Pending(
+                else Pending(
                     x,
                     d,
                     index=i,
-                    bits=bits,
-                    grad_bits=grad_bits,
+                    bits=opts.bits,
+                    grad_bits=opts.grad_bits,
                     size=sizes[i],
                     spec=specs[i] if specs is not None else (),
                     **own_axes(i),
@@ -190,29 +165,21 @@ def gathered(
         flat_args = jax.tree.leaves(args)
         kept: frozenset[int] = frozenset()
         anchors: list[int] = []
-        if sharded and (prefetch or reuse_distance is not None):
-            rec = _Replay(axis_name, grad_dtype, policy, reshard, shards=n, record=True)
+        if sharded and (opts.prefetch or opts.reuse_distance is not None):
+            # the recording pass neither partitions activations nor overlaps the scans
+            plain = dataclasses.replace(opts, partition=None, overlap=False)
+            rec = Interpreter(axis_name, plain, policy, shards=n, record=True)
             jax.eval_shape(
                 lambda sh, a: rec.run(closed.jaxpr, closed.consts, [*pending(sh), *a], segments),
                 abstract_tree(leaves, weak_type=True),
                 abstract_tree(flat_args, weak_type=True),
             )
-            if reuse_distance is not None:
-                limit = max_live if max_live is not None else 2**63
-                kept = kept_leaves(rec.events, reuse_distance, limit)
-            if prefetch:
-                anchors = prefetch_anchors(rec.events, prefetch)
-        rep = _Replay(
-            axis_name,
-            grad_dtype,
-            policy,
-            reshard,
-            shards=n,
-            kept=kept,
-            anchors=anchors,
-            partition=partition,
-            overlap=overlap,
-        )
+            if opts.reuse_distance is not None:
+                limit = opts.max_live if opts.max_live is not None else 2**63
+                kept = kept_leaves(rec.events, opts.reuse_distance, limit)
+            if opts.prefetch:
+                anchors = prefetch_anchors(rec.events, opts.prefetch)
+        rep = Interpreter(axis_name, opts, policy, shards=n, kept=kept, anchors=anchors)
         outs = rep.run(closed.jaxpr, closed.consts, [*pending(leaves), *flat_args], segments)
         outs = [rep.materialize(o) for o in outs]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -1,6 +1,6 @@
 """The replay of a traced loss: stage 3's gathers moved to their uses, layers checkpointed.
 
-The interpreter half of :mod:`jzero.replay.gather`: :class:`_Replay` runs a jaxpr equation by
+The interpreter half of :mod:`jzero.replay.gather`: :class:`Interpreter` runs a jaxpr equation by
 equation with each sharded parameter standing as a pending gather (:mod:`jzero.replay.pending`),
 and re-emits scans and layers where their gathers and checkpoints belong.
 
@@ -63,7 +63,7 @@ from jax.extend import core as jex_core
 
 from jzero.replay.layer_split import STAGE_MARK
 from jzero.replay.overlap import can_overlap, overlapped_scan
-from jzero.replay.pending import _Pending
+from jzero.replay.pending import Pending
 from jzero.replay.prefetch import GatherEvent
 from jzero.replay.remat import LAYER_INPUT, RematPolicy
 from jzero.replay.trace import (
@@ -79,7 +79,7 @@ from jzero.replay.trace import (
     tied,
 )
 
-__all__ = ["GATHERED", "PARTITIONED", "remat_save_policy"]
+__all__ = ["GATHERED", "PARTITIONED", "GatherOptions", "Interpreter", "remat_save_policy"]
 
 # Matmul outputs (the activations) are kept for the backward pass; everything else in a
 # gathered layer, the gathered weights first of all, is recomputed there. Measured on the
@@ -93,39 +93,83 @@ GATHERED = "jzero_gathered_weight"  # the name of a gathered weight kept for bac
 PARTITIONED = "jzero_partitioned_input"  # a layer's input saved split over the model axes
 
 
-class _Replay:
+@dataclasses.dataclass(frozen=True)
+class GatherOptions:
+    """How stage 3 gathers its parameters and what a checkpointed layer saves: the settings of
+    :func:`jzero.replay.gathered` beside the leaves and the remat policy. The defaults gather
+    each parameter exactly at its use, again in the backward pass.
+
+    DeepSpeed's stage-3 knobs (``prefetch``, ``reuse_distance``, ``max_live``) are read by
+    :func:`~jzero.replay.gathered`'s recording pass, ZeRO++'s (``bits``, ``grad_bits``) by each
+    pending gather, the rest by the :class:`Interpreter`.
+    """
+
+    grad_dtype: Any = None
+    """The dtype the gradients' reduce-scatter runs in; ``None``: the shard's."""
+    reshard: bool = True
+    """Gather each weight again in the backward pass (FSDP's ``reshard_after_forward``);
+    ``False`` keeps the forward's gathered weights for the backward pass instead: one
+    all-gather per weight, not two, and every gathered weight alive until its backward use."""
+    prefetch: int = 0
+    """DeepSpeed's ``stage3_prefetch_bucket_size``: a use's gather may start this many gathered
+    elements ahead of it (:func:`~jzero.replay.prefetch.prefetch_anchors`); 0: at its use."""
+    reuse_distance: int | None = None
+    """DeepSpeed's ``stage3_max_reuse_distance``: leaves reused within this many elements are
+    gathered once and kept (:func:`~jzero.replay.prefetch.kept_leaves`); ``None``: none."""
+    max_live: int | None = None
+    """DeepSpeed's ``stage3_max_live_parameters``, the cap on what reuse keeps."""
+    bits: int = 0
+    """ZeRO++ qwZ: every gather of a floating parameter sends it quantized to this many bits
+    (8 or 4; :func:`jzero.comm.quantization.quantized_all_gather`); 0: exact."""
+    grad_bits: int = 0
+    """ZeRO++ qgZ: every gather's transpose (the gradient's reduce-scatter) is the quantized
+    all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`; 0: exact."""
+    overlap: bool = False
+    """``overlap_comm``: a scan that gathers weights fetches each layer one iteration ahead, in
+    the forward and the backward pass, and reduce-scatters each layer's gradient beside the next
+    layer's backward pass (:func:`jzero.replay.overlap.overlapped_scan`). Scans that keep
+    gathered weights (``reshard=False``), tag activations (policy ``none``), partition or
+    offload them, run in reverse, have one iteration or a non-floating carry gather at their
+    own iteration as without it."""
+    partition: Partition | None = None
+    """DeepSpeed's ``partition_activations``: each checkpointed layer's saved input split over
+    the mesh's model-parallel axes (:class:`jzero.replay.trace.Partition`)."""
+
+
+class Interpreter:
     """Replays a jaxpr, moving the gathers of pending parameters as late as their uses allow,
     and re-emitting each scan's body under ``jax.checkpoint`` where ``policy`` asks for it.
 
     ``policy`` None: only the scans that gather weights are checkpointed, with
     :data:`remat_save_policy` (stage 3's default); a :class:`~jzero.replay.remat.RematPolicy`: every
     scan reached outside other scans (see :mod:`jzero.replay.remat` for what each policy keeps).
+    ``options``: the gather's dtype, resharding, overlap and activation partition
+    (:class:`GatherOptions`; its other fields are the caller's). ``shards``: the size of the
+    axis; ``kept`` and ``anchors``: what a recording pass (``record``) found.
     """
 
     def __init__(
         self,
         axis_name: str | None,
-        grad_dtype: Any = None,
-        policy: Any = None,
-        reshard: bool = True,
+        options: GatherOptions | None = None,
+        policy: RematPolicy | None = None,
         *,
         shards: int = 1,
         kept: frozenset[int] = frozenset(),
         anchors: Sequence[int] = (),
         record: bool = False,
-        partition: Partition | None = None,
-        overlap: bool = False,
     ):
+        options = options if options is not None else GatherOptions()
         self.axis_name = axis_name
-        self.overlap = overlap  # gather each scanned layer one iteration ahead
-        self.grad_dtype = grad_dtype
+        self.overlap = options.overlap  # gather each scanned layer one iteration ahead
+        self.grad_dtype = options.grad_dtype
         self.policy: RematPolicy | None = policy
-        self.reshard = reshard  # gather again in the backward pass (see ``gathered``)
+        self.reshard = options.reshard  # gather again in the backward pass (see ``gathered``)
         self.shards = shards  # the size of the axis
         self.kept = kept  # leaves gathered once and kept (``stage3_max_reuse_distance``)
         self.anchors = list(anchors)  # per use, the use its gather waits for (prefetch)
         self.record = record  # only record the gather order (:class:`GatherEvent`), gather nothing
-        self.partition = partition  # saved layer inputs split over model axes (remat policy)
+        self.partition = options.partition  # saved layer inputs split over model axes
         self.events: list[GatherEvent] = []
         self._firsts: list[Any] = []  # per use so far, one element of its first operand
         self._kept_values: dict[Any, Any] = {}
@@ -157,7 +201,7 @@ class _Replay:
                 continue
             eqn = eqns[k]
             invals = [read(v) for v in eqn.invars]
-            if any(isinstance(x, _Pending) for x in invals) or self._rewrites(eqn):
+            if any(isinstance(x, Pending) for x in invals) or self._rewrites(eqn):
                 outs = self._eqn(eqn, invals)
             else:
                 outs = bind(eqn, invals)
@@ -174,7 +218,7 @@ class _Replay:
         Its parameters come in as shards and are gathered at their uses inside, plainly: the
         backward pass recomputes the layer, gathers included, so no gathered weight is saved.
         """
-        pend = [x if isinstance(x, _Pending) else None for x in vals]
+        pend = [x if isinstance(x, Pending) else None for x in vals]
         if self.record:
             leaves = {p.index: p.numel(self.shards) for p in pend if p is not None}
             self.events.append(GatherEvent(leaves, "layer", sum(leaves.values())))
@@ -192,14 +236,14 @@ class _Replay:
             gathered: dict[Any, Any] = {}
             for eqn in eqns:
                 invals = [read(v) for v in eqn.invars]
-                if not any(isinstance(x, _Pending) for x in invals):
+                if not any(isinstance(x, Pending) for x in invals):
                     outs = bind(eqn, invals)
                 elif eqn.primitive.name == "convert_element_type":
                     outs = self._eqn(eqn, invals)
                 else:
-                    anchor = [x for x in invals if not isinstance(x, _Pending)]
+                    anchor = [x for x in invals if not isinstance(x, Pending)]
                     for i, x in enumerate(invals):
-                        if isinstance(x, _Pending):
+                        if isinstance(x, Pending):
                             if x.key not in gathered:
                                 gathered[x.key] = self.materialize(x, anchor)
                             invals[i] = gathered[x.key]
@@ -208,7 +252,7 @@ class _Replay:
             outs = []
             for i, v in enumerate(seg.live_out):
                 x = read(v)
-                if isinstance(x, _Pending):  # a cast parameter another layer uses
+                if isinstance(x, Pending):  # a cast parameter another layer uses
                     out_pend[i], x = x, x.shard
                 outs.append(x)
             return outs
@@ -234,7 +278,7 @@ class _Replay:
 
     def materialize(self, x: Any, anchor: Any = None) -> Any:
         """``x`` gathered if pending (tied to ``anchor``, see :func:`tied`); else ``x``."""
-        if not isinstance(x, _Pending):
+        if not isinstance(x, Pending):
             return x
         if self.record:  # the right shape, nothing gathered
             shape = list(x.shard.shape)
@@ -246,7 +290,7 @@ class _Replay:
 
     def _eqn(self, eqn: Any, invals: list[Any]) -> list[Any]:
         name = eqn.primitive.name
-        if name == "convert_element_type" and isinstance(invals[0], _Pending):
+        if name == "convert_element_type" and isinstance(invals[0], Pending):
             p = invals[0]
             # Narrowing (or same-width) casts run on the shard, so the gather moves fewer
             # bytes; a widening cast (a bf16 parameter upcast by the model) runs after it.
@@ -291,8 +335,8 @@ class _Replay:
         a pipelined GPT at stage 3: keeping the head's logits instead grew the step's
         temporaries by 10%), and each weight is gathered once each way."""
         index, ops = invals[0], invals[1:]
-        pend = [i for i, x in enumerate(ops) if isinstance(x, _Pending)]
-        others = [None if isinstance(x, _Pending) else x for x in ops]
+        pend = [i for i, x in enumerate(ops) if isinstance(x, Pending)]
+        others = [None if isinstance(x, Pending) else x for x in ops]
 
         def branch(closed: Any) -> Callable[[list[Any], list[Any]], list[Any]]:
             def run(shards: list[Any], others: list[Any]) -> list[Any]:
@@ -323,26 +367,26 @@ class _Replay:
         The forward gather waits for one element of this use's operands, or of an earlier
         use's when prefetch lets it start there (``anchors``)."""
         j = len(self._firsts)
-        operands = [x for x in invals if not isinstance(x, _Pending)]
+        operands = [x for x in invals if not isinstance(x, Pending)]
         # Only prefetch ties a gather to an earlier use's operand: without it, no element is
         # taken (the op would be traced on every use for nothing).
         self._firsts.append(first_element(operands) if self.anchors else None)
         if self.record:
-            leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
+            leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, Pending)}
             self.events.append(GatherEvent(leaves, "use", max(leaves.values())))
             return bind(eqn, [self.materialize(x) for x in invals])
         invals = list(invals)
         for i, x in enumerate(invals):
-            if isinstance(x, _Pending) and x.index in self.kept:  # gathered once, kept
+            if isinstance(x, Pending) and x.index in self.kept:  # gathered once, kept
                 if x.key not in self._kept_values:
                     self._kept_values[x.key] = self.materialize(x, operands)
                 invals[i] = self._kept_values[x.key]
         if not self.reshard:  # the gathered value is kept for the backward pass
             return bind(eqn, [self.materialize(x) for x in invals])
-        pending = [i for i, x in enumerate(invals) if isinstance(x, _Pending)]
+        pending = [i for i, x in enumerate(invals) if isinstance(x, Pending)]
         if not pending:
             return bind(eqn, invals)
-        others = [None if isinstance(x, _Pending) else x for x in invals]
+        others = [None if isinstance(x, Pending) else x for x in invals]
         early = self.anchors[j] if j < len(self.anchors) else j
         ahead = [self._firsts[early]] if early < j and self._firsts[early] is not None else []
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
@@ -414,7 +458,7 @@ class _Replay:
         """A scan with pending operands (gathered in its body) or one the policy checkpoints."""
         p = eqn.params
         if self.record:
-            leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, _Pending)}
+            leaves = {x.index: x.numel(self.shards) for x in invals if isinstance(x, Pending)}
             if leaves:
                 self.events.append(GatherEvent(leaves, "scan", max(leaves.values()) // p["length"]))
             return bind(eqn, [self.materialize(x) for x in invals])
@@ -423,14 +467,14 @@ class _Replay:
         init = [self.materialize(x) for x in invals[num_consts : num_consts + num_carry]]
         xs = invals[num_consts + num_carry :]
         # A pending operand scanned over its sharded dim can't be gathered per slice.
-        xs = [x if not isinstance(x, _Pending) or x.dim != 0 else self.materialize(x) for x in xs]
-        gathers = any(isinstance(x, _Pending) for x in xs)
+        xs = [x if not isinstance(x, Pending) or x.dim != 0 else self.materialize(x) for x in xs]
+        gathers = any(isinstance(x, Pending) for x in xs)
         policy = self._body_policy(gathers)
         if policy is None:
             return bind(eqn, [*consts, *init, *xs])
         body_closed = p["jaxpr"]
-        pending = [x if isinstance(x, _Pending) else None for x in xs]
-        xs_vals = [x.shard if isinstance(x, _Pending) else x for x in xs]
+        pending = [x if isinstance(x, Pending) else None for x in xs]
+        xs_vals = [x.shard if isinstance(x, Pending) else x for x in xs]
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
         offload = self.policy is not None and self.policy.offload
         tag = gathers and self.policy is not None and not self.policy.active

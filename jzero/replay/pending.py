@@ -1,7 +1,7 @@
 """A parameter pending its gather, and the all-gather (with a chosen transpose) that resolves it.
 
 The collective half of :mod:`jzero.replay.gather`: :func:`all_gather` moves a shard to the full
-value, and a :class:`_Pending` is a parameter still in its shard that the replay
+value, and a :class:`Pending` is a parameter still in its shard that the replay
 (:mod:`jzero.replay.interpreter`) gathers where it is used.
 
 Decisions:
@@ -40,7 +40,7 @@ __all__ = ["all_gather"]
 
 
 @dataclass(frozen=True)
-class _Pending:
+class Pending:
     """A parameter still in its shard: gathering ``shard`` on ``dim`` gives the full value."""
 
     shard: Any

@@ -61,6 +61,7 @@ from jzero._util import dotted
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
 from jzero.plan import LossScaleState, Plan, on_device, pad_to
 from jzero.replay import (
+    GatherOptions,
     Partition,
     RematPolicy,
     gathered,
@@ -139,21 +140,24 @@ def _local_loss(
     :meth:`Plan.entries_beside` says, and activations are not partitioned over them."""
     if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
         staged = stage_shapes is not None
+        options = GatherOptions(
+            grad_dtype=plan.precision.comm_dtype,
+            reshard=plan.reshard_after_forward,
+            prefetch=_prefetch(plan),
+            reuse_distance=plan.max_reuse_distance,
+            max_live=plan.max_live_parameters,
+            bits=plan.quantized_weights,
+            grad_bits=plan.quantized_gradients,
+            overlap=plan.overlap_comm,
+            partition=None if staged else _partition(plan, policy),
+        )
         return gathered(
             loss_fn,
             plan.param_dims,
             stage_shapes if staged else plan.local_compute_params,
             plan.axis,
-            grad_dtype=plan.precision.comm_dtype,
-            policy=policy,
-            reshard=plan.reshard_after_forward,
-            prefetch=_prefetch(plan),
-            reuse_distance=plan.max_reuse_distance,
-            max_live=plan.max_live_parameters,
-            partition=None if staged else _partition(plan, policy),
-            bits=plan.quantized_weights,
-            grad_bits=plan.quantized_gradients,
-            overlap=plan.overlap_comm,
+            options,
+            policy,
             specs=plan.entries_beside(plan.pipe_axis) if staged else plan.other_entries,
             axes=[plan.leaf_axes(i) for i in range(len(plan.leaves))],
         )
