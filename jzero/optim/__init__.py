@@ -13,8 +13,9 @@ The package has eight parts:
   are their own master weights (DeepSpeed's ``bf16.bf16_master_weights_and_grads``).
 * :mod:`~jzero.optim.muon_optimizer`: ``muon``, Muon with AdamW for the leaves that are no
   matrix, each matrix orthogonalised whole on the device that owns it inside jzero's step
-  (``optimizer: {type: Muon}``); ``from_optax_muon``, the same for an ``optax.contrib.muon``
-  passed in code (``jzero.initialize`` applies it).
+  (``optimizer: {type: Muon}``; its rarely tuned settings in ``MuonOptions``);
+  ``from_optax_muon``, the same for an ``optax.contrib.muon`` passed in code
+  (``jzero.initialize`` applies it).
 * :mod:`~jzero.optim.update_context`: what the step tells an optimizer while it traces the update
   (where each leaf rests); the step imports it, and no optimizer.
 * :mod:`~jzero.optim.quantized`: ``quantized_adam_state``, Adam's moments as 8-bit blockwise
@@ -60,6 +61,7 @@ from jzero.optim.lr_schedules import build_lr_schedule as build_lr_schedule
 from jzero.optim.lr_schedules import current_lr as current_lr
 from jzero.optim.master16 import float32_update as float32_update
 from jzero.optim.master16 import stochastic_round as stochastic_round
+from jzero.optim.muon_optimizer import MuonOptions as MuonOptions
 from jzero.optim.muon_optimizer import exchanges_once as exchanges_once
 from jzero.optim.muon_optimizer import from_optax_muon as from_optax_muon
 from jzero.optim.muon_optimizer import muon as muon
@@ -73,6 +75,7 @@ from jzero.optim.transforms import scale_by_torch_adagrad as scale_by_torch_adag
 from jzero.optim.transforms import scale_by_torch_sgd as scale_by_torch_sgd
 
 __all__ = [
+    "MuonOptions",
     "build_lr_schedule",
     "build_optimizer",
     "current_lr",

@@ -38,6 +38,7 @@ from jzero.config import (
     resolve_scheduler,
 )
 from jzero.optim.lr_schedules import build_lr_schedule, one_cycle_momentum, optimizer_lr
+from jzero.optim.muon_optimizer import MuonOptions
 from jzero.optim.muon_optimizer import muon as muon_tx
 from jzero.optim.quantized import quantized_adam_state
 from jzero.optim.transforms import (
@@ -96,15 +97,17 @@ def _factory(name: str, p: dict[str, Any]) -> Callable[..., optax.GradientTransf
             ratio = 1.0 if p["adam_lr"] is None or not p["lr"] else p["adam_lr"] / p["lr"]
             return muon_tx(
                 learning_rate,
-                adam_learning_rate=learning_rate * ratio,
-                ns_steps=p["ns_steps"],
                 beta=p["momentum"],
-                eps=p["eps"],
                 weight_decay=wd,
+                adam_learning_rate=learning_rate * ratio,
                 adam_weight_decay=wd,
-                nesterov=p["nesterov"],
-                adam_b1=p["betas"][0],
-                adam_b2=p["betas"][1],
+                options=MuonOptions(
+                    ns_steps=p["ns_steps"],
+                    eps=p["eps"],
+                    nesterov=p["nesterov"],
+                    adam_b1=p["betas"][0],
+                    adam_b2=p["betas"][1],
+                ),
             )
 
         return muon

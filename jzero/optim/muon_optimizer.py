@@ -63,6 +63,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -80,6 +81,7 @@ from optax.contrib import MuonDimensionNumbers
 from jzero.optim.update_context import current_update_layout
 
 __all__ = [
+    "MuonOptions",
     "DEFAULT_NS_COEFFS",
     "MuonState",
     "default_dimension_numbers",
@@ -374,39 +376,63 @@ def _scale_by_shape(rule: DimsRule, consistent_rms: float | None) -> optax.Gradi
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
+@dataclasses.dataclass(frozen=True)
+class MuonOptions:
+    """Muon's rarely tuned settings, beside :func:`muon`'s rates and weight decays: the
+    Newton-Schulz iteration, the momentum's form and dtype, the matrices' scaling and the betas
+    of the AdamW that takes the leaves that are no matrix. The names and defaults are
+    ``optax.contrib.muon``'s."""
+
+    ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    ns_coeffs: tuple[float, float, float] = DEFAULT_NS_COEFFS
+    """The quintic iteration's coefficients."""
+    eps: float = 1e-8
+    """Added to a matrix's norm before the iteration, and AdamW's epsilon."""
+    nesterov: bool = True
+    """Nesterov momentum, for Muon and AdamW alike."""
+    mu_dtype: Any = None
+    """The momentum's dtype (Muon's and AdamW's first moment); ``None``: the parameters'."""
+    consistent_rms: float | None = None
+    """Each matrix's direction scaled by ``consistent_rms * sqrt(max(fan_in, fan_out))``
+    (Moonshot's, to match AdamW's update RMS); ``None``: by ``sqrt(max(1, fan_out / fan_in))``
+    (Keller Jordan's)."""
+    adam_b1: float = 0.9
+    """AdamW's first-moment decay."""
+    adam_b2: float = 0.999
+    """AdamW's second-moment decay."""
+    adam_eps_root: float = 0.0
+    """AdamW's epsilon inside the square root."""
+
+
 def muon(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    ns_steps: int = 5,
-    ns_coeffs: tuple[float, float, float] = DEFAULT_NS_COEFFS,
     beta: float = 0.95,
-    eps: float = 1e-8,
     weight_decay: float = 0.0,
-    nesterov: bool = True,
-    mu_dtype: Any = None,
-    adam_b1: float = 0.9,
-    adam_b2: float = 0.999,
-    adam_eps_root: float = 0.0,
-    adam_weight_decay: float = 0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_weight_decay: float = 0.0,
     dimension_numbers: Any = None,
-    consistent_rms: float | None = None,
+    options: MuonOptions | None = None,
 ) -> optax.GradientTransformation:
     """Muon for the matrices, AdamW for every other leaf: ``optax.contrib.muon``'s update, with
     each matrix orthogonalised once, whole, on the device that owns it inside jzero's step.
 
-    The arguments are ``optax.contrib.muon``'s (``dimension_numbers`` is its
+    The arguments are ``optax.contrib.muon``'s, its rarely tuned ones (the Newton-Schulz
+    iteration, ``eps``, ``nesterov``, ``mu_dtype``, ``consistent_rms``, AdamW's betas) grouped
+    in ``options`` (:class:`MuonOptions`). ``dimension_numbers`` is its
     ``muon_weight_dimension_numbers``, or a function of ``(path, shape)``; ``None`` takes
     :func:`default_dimension_numbers`, which leaves embeddings and heads to AdamW, where optax's
-    default makes every 2-D leaf a matrix).
+    default makes every 2-D leaf a matrix. ``adam_learning_rate`` ``None``: ``learning_rate``.
 
     Example:
-      >>> tx = muon(0.02, adam_learning_rate=3e-4)
+      >>> tx = muon(0.02, adam_learning_rate=3e-4, options=MuonOptions(ns_steps=5))
       >>> params = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
       >>> updates, _ = tx.update(params, tx.init(params), params)
       >>> [tuple(updates[k].shape) for k in ("b", "w")]
       [(8,), (4, 8)]
     """
+    o = options if options is not None else MuonOptions()
     rule = _as_rule(dimension_numbers)
 
     def labels(params: PyTree) -> PyTree:
@@ -418,20 +444,20 @@ def muon(
         )
 
     matrices = optax.chain(
-        scale_by_muon(beta, ns_steps, ns_coeffs, eps, nesterov, mu_dtype, rule),
-        _scale_by_shape(rule, consistent_rms),
+        scale_by_muon(beta, o.ns_steps, o.ns_coeffs, o.eps, o.nesterov, o.mu_dtype, rule),
+        _scale_by_shape(rule, o.consistent_rms),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
     others = optax.adamw(
         learning_rate if adam_learning_rate is None else adam_learning_rate,
-        b1=adam_b1,
-        b2=adam_b2,
-        eps=eps,
-        eps_root=adam_eps_root,
+        b1=o.adam_b1,
+        b2=o.adam_b2,
+        eps=o.eps,
+        eps_root=o.adam_eps_root,
         weight_decay=adam_weight_decay,
-        mu_dtype=mu_dtype,
-        nesterov=nesterov,
+        mu_dtype=o.mu_dtype,
+        nesterov=o.nesterov,
     )
     return optax.partition({"muon": matrices, "adam": others}, labels)
 
