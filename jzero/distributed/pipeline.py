@@ -24,7 +24,7 @@ Decisions:
   after ``2 (P - 1 - s) + (V - 1) P`` warm-up forwards. A slot is a chunk's pass, ``1 / V`` of a
   stage's, so the idle fraction falls to ``(P - 1) / (M V + P - 1)``; messages wrap from the
   last stage to the first (the next chunk) and back. The caller hands each stage its chunks in
-  its rows (:func:`run`'s ``chunked``).
+  its rows (:class:`RunOptions`' ``chunked``).
 * **Zero-bubble (ZB-H1)** splits each backward pass in two
   (:mod:`jzero.replay.backward_split`): the input gradient (B), which the previous stage
   waits for, and the weight gradient (W), which nobody waits for. Each stage runs, in each
@@ -84,6 +84,7 @@ __all__ = [
     "PIPE_AXIS",
     "SCHEDULES",
     "Residuals",
+    "RunOptions",
     "Schedule",
     "bubble_fraction",
     "make_schedule",
@@ -458,6 +459,26 @@ def _stage_rows(table: np.ndarray, axis: str) -> jax.Array:
     return jnp.asarray(table)[:, jax.lax.axis_index(axis)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """What :func:`run` takes besides the unit, its inputs and the schedule: the pipeline's
+    axis, and what some schedules (zero-bubble, interleaved) and ZeRO stages (2) need."""
+
+    axis: str = PIPE_AXIS
+    """The mesh axis of the stages, manual inside the caller's ``shard_map``."""
+    reduce: Callable[[list[jax.Array]], list[jax.Array]] | None = None
+    """Applied to each backward pass's parameter gradients before they are added up (ZeRO
+    stage 2's reduce-scatter of each micro-batch's gradients: the sums then hold this device's
+    shard only); the identity when None."""
+    split_backward: Callable[..., Any] | None = None
+    """What cuts the unit's backward pass into input- and weight-gradient passes
+    (:func:`jzero.replay.split_backward`), which the zero-bubble schedule needs."""
+    chunked: Sequence[bool] | None = None
+    """Per parameter, whether it is split in the schedule's ``V`` chunks of layers (its leading
+    dimension: chunk ``v`` the ``v``-th ``1 / V`` of the stage's rows), the others whole in
+    every chunk; an interleaved schedule needs it."""
+
+
 def run(
     unit: Callable[..., tuple[Any, Any]],
     params: list[jax.Array],
@@ -467,10 +488,7 @@ def run(
     seed: jax.Array,
     *,
     grad_dtypes: Sequence[Any],
-    axis: str = PIPE_AXIS,
-    reduce: Callable[[list[jax.Array]], list[jax.Array]] | None = None,
-    split_backward: Callable[..., Any] | None = None,
-    chunked: Sequence[bool] | None = None,
+    options: RunOptions | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Runs ``schedule``: every micro-batch through every stage, forward and backward.
 
@@ -488,20 +506,16 @@ def run(
       schedule: from :func:`make_schedule`.
       seed: the loss's cotangent (1, or the fp16 loss scale), in the loss's dtype.
       grad_dtypes: per parameter, the dtype its gradient is accumulated in.
-      reduce: applied to each backward pass's parameter gradients before they are added up
-        (ZeRO stage 2's reduce-scatter of each micro-batch's gradients: the sums then hold
-        this device's shard only); the identity when None.
-      split_backward: what cuts the unit's backward pass into input- and weight-gradient
-        passes (:func:`jzero.replay.split_backward`), which the zero-bubble schedule needs.
-      chunked: per parameter, whether it is split in the schedule's ``V`` chunks of layers
-        (its leading dimension: chunk ``v`` the ``v``-th ``1 / V`` of the stage's rows), the
-        others whole in every chunk; an interleaved schedule needs it.
+      options: the pipeline's axis and what some schedules and stages need besides
+        (:class:`RunOptions`); ``None``: its defaults.
 
     Returns:
       ``(grads, outs)``: the parameters' gradients summed over the micro-batches (this stage's
       share; zero for a parameter the stage does not use), and ``outs`` summed over the
       micro-batches on the last stage (zeros elsewhere).
     """
+    o = options if options is not None else RunOptions()
+    axis, reduce, split_backward, chunked = o.axis, o.reduce, o.split_backward, o.chunked
     p, v = schedule.stages, schedule.virtual
     position = jax.lax.axis_index(axis)  # this device's place along the pipeline
     mb0 = jax.tree.map(lambda x: x[0], micro_batches)

@@ -369,6 +369,12 @@ def _pipelined_grads(
                             scattered=True)  # fmt: skip
                 return jax.tree.leaves(g)
 
+            options = pipeline.RunOptions(
+                axis=pipe,
+                reduce=reduce if _scatters_each_micro_batch(plan) else None,
+                split_backward=split_backward,
+                chunked=split_leaves,
+            )
             grads, outs = pipeline.run(
                 run_unit,
                 jax.tree.leaves(params),
@@ -377,10 +383,7 @@ def _pipelined_grads(
                 schedule,
                 seed,
                 grad_dtypes=grad_dtypes,
-                axis=pipe,
-                reduce=reduce if _scatters_each_micro_batch(plan) else None,
-                split_backward=split_backward,
-                chunked=split_leaves,
+                options=options,
             )
             grads = [g if s else jax.lax.psum(g, pipe) for g, s in zip(grads, split_leaves,
                      strict=True)]  # fmt: skip
