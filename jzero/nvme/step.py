@@ -99,10 +99,7 @@ class NvmeStep:
                 plan.abstract_opt_state,
                 group,
                 disk.owner,
-                grads_g,
-                master_g,
-                state_g,
-                shared_old,
+                subgroups.GroupLeaves(grads_g, master_g, state_g, shared_old),
             )
             copies = [
                 x.astype(compute) if mixed and jnp.issubdtype(x.dtype, jnp.floating) else x

@@ -19,6 +19,8 @@ from jzero.subgroups.ownership import merge_single_leaf_groups as merge_single_l
 from jzero.subgroups.ownership import owned_state as owned_state
 from jzero.subgroups.ownership import param_leaf_owner as param_leaf_owner
 from jzero.subgroups.ownership import shared_state as shared_state
+from jzero.subgroups.update import GroupLeaves as GroupLeaves
+from jzero.subgroups.update import GroupTransfers as GroupTransfers
 from jzero.subgroups.update import GroupUpdate as GroupUpdate
 from jzero.subgroups.update import grouped_update as grouped_update
 from jzero.subgroups.update import placeholder as placeholder
@@ -28,6 +30,8 @@ from jzero.subgroups.update import update_group_leaves as update_group_leaves
 __all__ = [
     "check_leafwise",
     "grouped_update",
+    "GroupLeaves",
+    "GroupTransfers",
     "GroupUpdate",
     "leaf_groups",
     "merge_single_leaf_groups",

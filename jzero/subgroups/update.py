@@ -43,6 +43,8 @@ import optax
 from jzero.subgroups.ownership import owned_state, param_leaf_owner, shared_state
 
 __all__ = [
+    "GroupLeaves",
+    "GroupTransfers",
     "GroupUpdate",
     "grouped_update",
     "placeholder",
@@ -57,6 +59,43 @@ def placeholder(x: Any) -> jax.Array:
     """The zero-size stand-in for a leaf outside the group: its dtype and rank, every dimension
     0 (a 0-d leaf becomes a scalar zero). Only ``x.dtype`` and ``x.shape`` are read."""
     return jnp.zeros((0,) * len(x.shape), x.dtype)
+
+
+class GroupLeaves(NamedTuple):
+    """One group's own leaves, as a caller that moves one group at a time holds them
+    (:func:`update_group_leaves`).
+
+    Attributes:
+      grads: the group's gradient leaves, in the group's order.
+      params: its parameter leaves, in the group's order.
+      state: the optimizer-state leaves it owns, in the order of :func:`owned_state`.
+      shared_old: the *old* shared state leaves, in the order of :func:`shared_state`.
+    """
+
+    grads: Sequence[Any]
+    params: Sequence[Any]
+    state: Sequence[Any]
+    shared_old: Sequence[Any]
+
+
+class GroupTransfers(NamedTuple):
+    """How :func:`grouped_update` moves each group's arrays around its update (e.g. from host
+    memory into device memory and back); ``None`` fields move nothing.
+
+    Attributes:
+      bring: ``bring(leaves, indices, kind) -> leaves``, applied to each group's parameter
+        (``kind`` ``"params"``, parameter leaf indices) and owned state leaves (``"state"``,
+        state leaf indices) just before its update: e.g. ``jax.device_put`` from host memory.
+      send: the same for each group's results right after its update (back to host memory).
+      keep: ``keep(new_params, indices) -> values``, applied to the group's new parameters
+        before ``send``; what it returns is collected per parameter leaf and returned as a
+        third result (e.g. the 16-bit copies the next step computes with, kept in device
+        memory while the fp32 masters go back to the host).
+    """
+
+    bring: Any = None
+    send: Any = None
+    keep: Any = None
 
 
 class GroupUpdate(NamedTuple):
@@ -171,21 +210,18 @@ def update_group_leaves(
     abstract_opt_state: PyTree,
     group: Sequence[int],
     owner: Sequence[int | None],
-    grads: Sequence[Any],
-    params: Sequence[Any],
-    state: Sequence[Any],
-    shared_old: Sequence[Any],
+    leaves: GroupLeaves,
 ) -> GroupUpdate:
-    """:func:`update_group` given only the group's own leaves (``grads`` and ``params`` in the
-    group's order, ``state`` in :func:`owned_state` order) and the old shared state; the other
-    leaves come from the abstract trees (only their shapes and dtypes are read). How a caller
-    that moves one group at a time (host memory, files) runs the update."""
+    """:func:`update_group` given only the group's own leaves and the old shared state
+    (:class:`GroupLeaves`); the other leaves come from the abstract trees (only their shapes
+    and dtypes are read). How a caller that moves one group at a time (host memory, files)
+    runs the update."""
     p_leaves, p_def = jax.tree.flatten(abstract_params)
     s_leaves, s_def = jax.tree.flatten(abstract_opt_state)
     p_tree, g_tree, s_tree = list(p_leaves), list(p_leaves), list(s_leaves)
-    for i, p, g in zip(group, params, grads, strict=True):
+    for i, p, g in zip(group, leaves.params, leaves.grads, strict=True):
         p_tree[i], g_tree[i] = p, g
-    for k, x in zip(owned_state(owner, group), state, strict=True):
+    for k, x in zip(owned_state(owner, group), leaves.state, strict=True):
         s_tree[k] = x
     return update_group(
         optimizer,
@@ -194,7 +230,7 @@ def update_group_leaves(
         p_def.unflatten(p_tree),
         group,
         owner,
-        shared_old,
+        leaves.shared_old,
     )
 
 
@@ -207,9 +243,7 @@ def grouped_update(
     owner: Sequence[int | None] | None = None,
     *,
     sequential: bool = False,
-    bring: Any = None,
-    send: Any = None,
-    keep: Any = None,
+    transfers: GroupTransfers | None = None,
 ) -> Any:
     """The optimizer step one group at a time; for a leafwise optimizer the same bits as
     ``updates, s = optimizer.update(grads, opt_state, params)`` and
@@ -227,22 +261,17 @@ def grouped_update(
         inputs and group ``g``'s results pass one barrier together, so under ``jit`` group
         ``g + 1`` cannot start (nor its inputs be brought in) before group ``g`` is done.
         The values are the same either way.
-      bring: ``bring(leaves, indices, kind) -> leaves``, applied to each group's parameter
-        (``kind`` ``"params"``, parameter leaf indices) and owned state leaves (``"state"``,
-        state leaf indices) just before its update: e.g. ``jax.device_put`` from host memory.
-      send: the same for each group's results right after its update (back to host memory).
-      keep: ``keep(new_params, indices) -> values``, applied to the group's new parameters
-        before ``send``; what it returns is collected per parameter leaf and returned as a
-        third result (e.g. the 16-bit copies the next step computes with, kept in device
-        memory while the fp32 masters go back to the host).
+      transfers: what moves each group's arrays in before its update and out after it, and
+        what is kept of its new parameters (:class:`GroupTransfers`); ``None``: nothing.
 
     Returns:
       ``(new_params, new_opt_state)`` with the structures of ``params`` and ``opt_state``, and
-      with ``keep`` a third element: the tree of what ``keep`` returned.
+      with a ``keep`` transfer a third element: the tree of what ``keep`` returned.
 
     Raises:
       ValueError: if ``groups`` is not a partition of the parameter leaf indices.
     """
+    bring, send, keep = transfers if transfers is not None else GroupTransfers()
     p_leaves, p_def = jax.tree.flatten(params)
     g_leaves = jax.tree.leaves(grads)
     s_leaves, s_def = jax.tree.flatten(opt_state)
