@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import shlex
@@ -67,7 +68,15 @@ from jzero.distributed.processes import (
     ENV_REPLICAS,
 )
 
-__all__ = ["add_commands", "child_env", "free_port", "is_gloo_chatter", "launch", "main"]
+__all__ = [
+    "LaunchOutput",
+    "add_commands",
+    "child_env",
+    "free_port",
+    "is_gloo_chatter",
+    "launch",
+    "main",
+]
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 DEFAULT_GRACE_PERIOD = 30.0
@@ -254,6 +263,19 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchOutput:
+    """Where :func:`launch` passes its children's output, each line prefixed ``[pN] ``."""
+
+    stdout: IO[str] | None = None
+    """Where the children's standard output goes; ``None``: ``sys.stdout``."""
+    stderr: IO[str] | None = None
+    """Where their standard error and the launcher's messages go; ``None``: ``sys.stderr``."""
+    keep_gloo_lines: bool = False
+    """Also pass on Gloo's reports of the communicators it connected (see the module's
+    decisions); ``jzero launch`` keeps them when the command has ``--verbose``."""
+
+
 def launch(
     command: Sequence[str],
     num_processes: int,
@@ -263,9 +285,7 @@ def launch(
     grace_period: float = DEFAULT_GRACE_PERIOD,
     replicas: int | None = None,
     env: Mapping[str, str] | None = None,
-    stdout: IO[str] | None = None,
-    stderr: IO[str] | None = None,
-    keep_gloo_lines: bool = False,
+    output: LaunchOutput | None = None,
 ) -> int:
     """Runs ``command`` as ``num_processes`` local processes of one distributed program.
 
@@ -281,10 +301,8 @@ def launch(
       replicas: hybrid sharding's replica groups (``JZERO_REPLICAS`` in every child; see the
         module docstring); ``None``: the config's mesh as written.
       env: the base environment; ``os.environ`` by default.
-      stdout / stderr: where the prefixed lines go; ``sys.stdout`` / ``sys.stderr`` by default.
-      keep_gloo_lines: also pass on Gloo's reports of the communicators it connected (see
-        the module's decisions); ``jzero launch`` keeps them when the command has
-        ``--verbose``.
+      output: where the children's prefixed lines go and which are dropped
+        (:class:`LaunchOutput`); ``None``: its defaults.
 
     Returns:
       0 when every process succeeded, else the first failing process's exit code (128 +
@@ -312,7 +330,8 @@ def launch(
     argv = _resolve_command(command)
     base = os.environ if env is None else env
     _check_runnable(argv, base)
-    out, err = stdout or sys.stdout, stderr or sys.stderr
+    output = output if output is not None else LaunchOutput()
+    out, err = output.stdout or sys.stdout, output.stderr or sys.stderr
     port = free_port() if port is None else port
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
@@ -342,7 +361,7 @@ def launch(
                     "command's spelling and that it is on PATH (or give its full path)."
                 ) from e
             procs.append(p)
-            drop = None if keep_gloo_lines else is_gloo_chatter
+            drop = None if output.keep_gloo_lines else is_gloo_chatter
             for stream, sink in ((p.stdout, out), (p.stderr, err)):
                 t = threading.Thread(
                     target=_forward, args=(stream, sink, f"[p{pid}] ", lock, drop), daemon=True
@@ -397,7 +416,7 @@ def _run(args: argparse.Namespace) -> int:
         port=args.port,
         grace_period=args.grace_period,
         replicas=args.replicas,
-        keep_gloo_lines="--verbose" in args.command,
+        output=LaunchOutput(keep_gloo_lines="--verbose" in args.command),
     )
 
 

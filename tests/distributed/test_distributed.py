@@ -117,7 +117,7 @@ def test_launch_command_line_and_child_environment(monkeypatch):
     monkeypatch.setattr(launch, "launch", lambda *a, **kw: calls.append(kw) or 0)
     for extra in ([], ["--verbose"]):  # jzero train --verbose shows every library's lines
         launch._run(ap.parse_args(["launch", "-n", "2", "--", "jzero", "train", "c", *extra]))
-    assert [kw["keep_gloo_lines"] for kw in calls] == [False, True]
+    assert [kw["output"].keep_gloo_lines for kw in calls] == [False, True]
 
 
 # -- starting the runtime -------------------------------------------------------------------------
