@@ -14,9 +14,6 @@ The public surface fits on one screen:
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
 
-from typing import Any as _Any
-
-from jzero._util import renamed_module as _renamed_module
 from jzero.config import Config as Config
 from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
@@ -64,16 +61,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-# jzero.groups is jzero.subgroups now; the old package and its modules import for a release.
-_GROUPS = _renamed_module("jzero.groups", "jzero.subgroups")
-for _module in ("leafwise", "ownership", "update"):
-    _renamed_module(f"jzero.groups.{_module}", f"jzero.subgroups.{_module}")
-del _module
-
-
-def __getattr__(name: str) -> _Any:
-    """``jzero.groups``: the deprecated alias of :mod:`jzero.subgroups`, whose names warn."""
-    if name == "groups":
-        return _GROUPS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

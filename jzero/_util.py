@@ -30,15 +30,6 @@ Decisions:
   system holding a path (``statvfs``'s ``f_bavail``, as ``df`` shows it), read at the nearest
   existing folder, so a directory not made yet is measured on the disk it will be made on. The
   NVMe tier checks it before it creates its files, a checkpoint before each save.
-* **Moved names** (:func:`moved`): a public name that moved to a package above its old
-  module (the config's translation to :mod:`jzero.engine.settings`) stays reachable at the
-  old path for a release through that module's ``__getattr__``, which warns
-  (``DeprecationWarning``) and imports the new home by name when the old name is used, so the
-  old module takes no import of a package above it. A module that was renamed stays importable
-  under its old dotted name (:func:`renamed_module`): an alias made in ``sys.modules`` only, not
-  a file, whose every name read warns the same way. Being no file, the alias is never bound as
-  an attribute of its package, so a package that exports a function of the module's old name
-  (``jzero.comm.quantize``, the function) keeps exporting that function.
 * **Files are replaced whole** (:func:`write_atomic`): written to a fresh file created
   exclusively beside the target (``.<name>.<random>.partial``; a pre-existing file or symlink
   there is never written through), with the permissions a plain ``open`` would give, then
@@ -50,15 +41,12 @@ Decisions:
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import re
 import shutil
-import sys
 import tempfile
 import types
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -72,66 +60,10 @@ __all__ = [
     "is_creator",
     "path_parts",
     "read_size",
-    "renamed_module",
     "write_atomic",
 ]
 
 # -- leaf paths ----------------------------------------------------------------------------------
-
-
-def moved(old: str, new: str) -> Any:
-    """The object at the dotted path ``new``, for the deprecated name ``old`` that moved there,
-    with a ``DeprecationWarning`` naming the new import. Return it from the old module's
-    ``__getattr__``."""
-    warnings.warn(
-        f"{old} moved to {new}; use that (the old name will be removed in a later release).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    module, _, name = new.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def renamed_module(
-    old: str, new: str, renamed: Mapping[str, str] | None = None
-) -> types.ModuleType:
-    """Registers the deprecated module name ``old`` for the module ``new`` it was renamed to, and
-    returns the alias: ``import old`` and ``from old import name`` keep working, and each name
-    read from it warns (``DeprecationWarning``) with its new import (see the module's decisions).
-
-    ``renamed`` maps an old name to the dotted path of its new home where that is not
-    ``new.<name>`` (a name that was renamed or moved with the module); a submodule of a renamed
-    package is registered on its own (``import old.sub`` reads ``sys.modules`` only)."""
-    if old in sys.modules:
-        return sys.modules[old]
-    renamed = dict(renamed or {})
-    alias = types.ModuleType(old, f"Deprecated alias of :mod:`{new}`.")
-
-    def __getattr__(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(f"module {old!r} has no attribute {name!r}")
-        target = renamed.get(name, f"{new}.{name}")
-        module, _, attr = target.rpartition(".")
-        found = getattr(importlib.import_module(module), attr, _MISSING)
-        if found is _MISSING:
-            try:
-                found = importlib.import_module(target)  # a submodule not imported yet
-            except ModuleNotFoundError:
-                raise AttributeError(f"module {old!r} has no attribute {name!r}") from None
-        warnings.warn(
-            f"{old}.{name} moved to {target}; use that (the old name will be removed in a later "
-            "release).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return found
-
-    alias.__getattr__ = __getattr__  # type: ignore[method-assign]  # PEP 562, per module
-    sys.modules[old] = alias
-    return alias
-
-
-_MISSING = object()
 
 
 def divisors(n: int) -> list[int]:

@@ -15,13 +15,9 @@ Only Orbax checkpoints live here: exporting a checkpoint's weights is
 :func:`jzero.weights.export_checkpoint`, which reads through this package (never the reverse).
 
 The names below are the package's public surface; the modules' other names serve the package.
-"Layout" elsewhere is where leaves rest on devices; the module ``layout`` is ``format`` now, and
-``jzero.checkpoint.layout`` still imports for a release, with a ``DeprecationWarning``.
+What a step holds on disk is its ``format``: "layout" elsewhere is where leaves rest on devices.
 """
 
-from typing import Any
-
-from jzero._util import renamed_module
 from jzero.checkpoint.checkpointer import Checkpointer as Checkpointer
 from jzero.checkpoint.dirs import TMP_SUFFIX as TMP_SUFFIX
 from jzero.checkpoint.dirs import CheckpointWriteError as CheckpointWriteError
@@ -55,12 +51,3 @@ __all__ = [
     "list_steps",
     "read_info",
 ]
-
-_LAYOUT = renamed_module(f"{__name__}.layout", f"{__name__}.format")
-
-
-def __getattr__(name: str) -> Any:
-    """``layout``: the deprecated alias of :mod:`~jzero.checkpoint.format`, whose names warn."""
-    if name == "layout":
-        return _LAYOUT
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

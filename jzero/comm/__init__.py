@@ -8,12 +8,9 @@ Import direction: imports nothing else of jzero's; imported by :mod:`jzero.repla
 * :mod:`~jzero.comm.manual`: ZeRO's collectives on arrays split over other axes (tensor
   parallelism), run with those axes manual too.
 
-``jzero.comm.quantize`` is the function; its module was ``jzero.comm.quantize`` before it became
-``quantization``, and that module path still imports for a release, with a ``DeprecationWarning``
-(:func:`jzero._util.renamed_module`).
+``jzero.comm.quantize`` is the function; its module is ``quantization``.
 """
 
-from jzero._util import renamed_module
 from jzero.comm.manual import over_axes as over_axes
 from jzero.comm.manual import spec_axes as spec_axes
 from jzero.comm.manual import trailing_spec as trailing_spec
@@ -49,5 +46,3 @@ __all__ = [
     "to_rows",
     "trailing_spec",
 ]
-
-renamed_module(f"{__name__}.quantize", f"{__name__}.quantization")

@@ -250,8 +250,8 @@ class ZeroConfig:
     pad_shards: bool = True
     """jzero's own: a leaf whose leading dimension the shard count does not divide is sharded
     anyway, padded with zeros to a multiple of it (or, for state only, with its leading
-    dimensions merged), at any device count; ``false`` keeps the former rule: such a leaf is
-    split on a later dimension that divides, else it stays whole on every device. The NVMe tier
+    dimensions merged), at any device count; ``false`` never pads: such a leaf is split on a
+    later dimension that divides, else it stays whole on every device. The NVMe tier
     (``offload_optimizer.device: nvme``) always works as ``false``."""
     stage3_max_reuse_distance: int | None = checked_field(None, min=0, auto=None)
     """DeepSpeed: keep a gathered parameter if it is reused within this many elements of other
@@ -366,7 +366,7 @@ class BF16Config:
     check_grad_overflow: bool = True
     """Skip a step whose gradients are inf/NaN (DeepSpeed >= 0.19: true); false applies it."""
     skip_nonfinite: bool = False
-    """jzero's older key: true also skips steps with inf/NaN gradients (see above)."""
+    """jzero's own key: true also skips steps with inf/NaN gradients (see above)."""
     immediate_grad_update: bool = checked_field(True, no_effect=TORCH_ONLY)
     """DeepSpeed: apply gradients as they arrive. No effect."""
     bf16_master_weights_and_grads: bool = False

@@ -13,8 +13,7 @@ plan, the step, the memory estimator) knows no model of its own:
   reachable as ``jzero.memory.plan_report``).
 
 Import direction: imports the engine, :mod:`jzero.memory`, :mod:`jzero.monitor` and the rest
-of the library; only :mod:`jzero.cli` (and the deprecated aliases ``jzero.train``,
-``jzero.data``, ``jzero.models``) import it.
+of the library; only :mod:`jzero.cli` imports it.
 """
 
 from jzero.demo import data as data

@@ -9,8 +9,7 @@ ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
 * :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
 * :mod:`~jzero.distributed.processes`: the processes of a run (how many, which one this is, the
   coordinator) from settings, ``JZERO_*`` variables or a detected Slurm, Open MPI or Kubernetes
-  job (imports no JAX). It was ``layout``, which still imports for a release with a
-  ``DeprecationWarning``: "layout" is where leaves rest on devices.
+  job (imports no JAX). "Layout" elsewhere is where leaves rest on devices.
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
 * :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
@@ -27,9 +26,6 @@ ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
   stopped together (``python -m jzero.distributed.launch``).
 """
 
-from typing import Any
-
-from jzero._util import renamed_module
 from jzero.distributed import expert as expert
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
@@ -123,13 +119,3 @@ __all__ = [
     "sequence_parallel_attention",
     "TPChoice",
 ]
-
-_LAYOUT = renamed_module(f"{__name__}.layout", f"{__name__}.processes")
-
-
-def __getattr__(name: str) -> Any:
-    """``layout``: the deprecated alias of :mod:`~jzero.distributed.processes`, whose names
-    warn."""
-    if name == "layout":
-        return _LAYOUT
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,10 +25,11 @@ Decisions:
   0, at DEBUG from the others.
 * CPU processes exchange collectives through gloo (JAX's CPU default; set if a user unset it).
 * Per-process data: each process passes its own rows of the global batch, process ``p`` rows
-  ``p*b : (p+1)*b`` with ``b = B / process_count`` (as :class:`jzero.data.BatchIterator` yields
-  them). :func:`global_batch` joins them into one global ``jax.Array`` and checks that the mesh
-  puts process ``p``'s devices on exactly those rows, so that 2 processes x 4 devices train on
-  the same global batch, row for row, as 1 process x 8 devices.
+  ``p*b : (p+1)*b`` with ``b = B / process_count`` (as
+  :class:`jzero.demo.data.BatchIterator` yields them). :func:`global_batch` joins them into one
+  global ``jax.Array`` and checks that the mesh puts process ``p``'s devices on exactly those
+  rows, so that 2 processes x 4 devices train on the same global batch, row for row, as 1
+  process x 8 devices.
 """
 
 from __future__ import annotations
@@ -321,7 +322,8 @@ def check_batch(
             raise ValueError(
                 f"Batch leaf {name!r} has leading dim {lead}, but {whose} of the global "
                 f"train_batch_size {global_batch_size}. Pass this process's slice of {expected} "
-                "rows (jzero.data.BatchIterator with process_index/process_count yields it)."
+                "rows (jzero.demo.data.BatchIterator with process_index/process_count yields "
+                "it)."
             )
         raise ValueError(
             f"Batch leaf {name!r} has leading dim {lead} but train_batch_size is "

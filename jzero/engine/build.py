@@ -3,7 +3,7 @@
 It reads the config, builds the mesh and the plan, creates the parameters and the optimizer
 state directly in their shards (or, under the NVMe tier, in their files) and hands them to
 :class:`jzero.engine.Engine`, which does everything after. ``initialize`` is importable from
-:mod:`jzero` and :mod:`jzero.engine` as before.
+:mod:`jzero` and :mod:`jzero.engine`.
 
 ``initialize`` reads as the sequence of its steps, each a function below it: load the config,
 gather the model's inputs (a Flax or Equinox model through its adapter), the mesh, the
@@ -55,7 +55,7 @@ from jzero.step import TrainState, init_train_state
 
 __all__ = ["initialize"]
 
-logger = logging.getLogger("jzero.engine")  # the engine's log name, as before this module split
+logger = logging.getLogger("jzero.engine")  # the engine's one log name, for all its modules
 PyTree = Any
 
 

@@ -2,7 +2,7 @@
 values the core takes.
 
 The core (:mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.step`, :mod:`jzero.comm`,
-:mod:`jzero.groups`) knows no config: each package owns the option types it reads
+:mod:`jzero.subgroups`) knows no config: each package owns the option types it reads
 (:class:`jzero.plan.PlanOptions` and its groups, :class:`jzero.plan.Precision`,
 :class:`jzero.replay.RematPolicy`, :class:`jzero.step.StepOptions`), and this module is the one
 place that maps config fields onto them. ``jzero.initialize`` and the engine call it; a user who
@@ -114,7 +114,8 @@ def zero_options(zero: config_lib.ZeroConfig, devices: Any = None) -> ZeroOption
         max_live_parameters=zero.stage3_max_live_parameters,
         hpz=zero.zero_hpz_partition_size > 1,
         # The NVMe tier's files hold shards as they are split evenly: there a leaf the shard
-        # count does not divide stays whole (the former rule), elsewhere it rests padded.
+        # count does not divide is split on a later dimension or stays whole (no padding),
+        # elsewhere it rests padded.
         padding=zero.pad_shards and zero.offload_optimizer.device != "nvme",
     )
 

@@ -111,11 +111,7 @@ def _plan_on(engine: Any, devices: int) -> Any:
     specs = None
     if any(tuple(b) for b in local.base_specs):
         specs = jax.tree.structure(local.abstract_params).unflatten(list(local.base_specs))
-    return plan_lib.make_plan(
-        local.abstract_params,
-        engine.optimizer,
-        mesh,
-        local.stage,
+    options = plan_lib.PlanOptions().replace(
         axis=local.axis,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         param_specs=specs,
@@ -123,9 +119,16 @@ def _plan_on(engine: Any, devices: int) -> Any:
         offload_optimizer=_host_kind(local.opt_state),
         offload_ratio=zero.offload_optimizer.ratio,
         offload_params=_host_kind(local.params),
-        layer_dims=local.layer_dims if local.layers_traced else None,
         reshard_after_forward=local.reshard_after_forward,
         hpz=local.hpz,
+    )
+    return plan_lib.make_plan(
+        local.abstract_params,
+        engine.optimizer,
+        mesh,
+        local.stage,
+        options,
+        layer_dims=local.layer_dims if local.layers_traced else None,
     )
 
 

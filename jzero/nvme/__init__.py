@@ -14,12 +14,10 @@ imported only by :mod:`jzero.engine` (the core step never imports it).
 * :mod:`~jzero.nvme.initial_state`: :func:`first_version`, the state made straight into its
   files, group by group.
 
-The modules ``first_version`` and ``host_shards`` were named after their function, which the
-package exports under the same name; they are ``initial_state`` and ``shards`` now, and the old
-module paths still import for a release, with a ``DeprecationWarning``.
+The package exports ``first_version`` and ``host_shards``, the functions; their modules are
+named for what they hold (``initial_state``, ``shards``), so no module shadows its function.
 """
 
-from jzero._util import renamed_module
 from jzero.nvme.file_format import NvmeIOError as NvmeIOError
 from jzero.nvme.initial_state import first_version as first_version
 from jzero.nvme.options import NvmeOptions as NvmeOptions
@@ -43,6 +41,3 @@ __all__ = [
     "NvmeStore",
     "state_bytes",
 ]
-
-renamed_module(f"{__name__}.first_version", f"{__name__}.initial_state")
-renamed_module(f"{__name__}.host_shards", f"{__name__}.shards")

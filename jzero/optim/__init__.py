@@ -22,9 +22,8 @@ The package has eight parts:
   codes (``optimizer.params.state_bits: 8``).
 
 "Schedule" alone means the pipeline's (``pipeline.schedule``); here it is always the learning
-rate's. Renamed, and importable under the old name for a release with a ``DeprecationWarning``:
-the module ``schedules`` (now ``lr_schedules``) and its ``build_schedule`` (``build_lr_schedule``),
-and the module ``muon`` (now ``muon_optimizer``; ``jzero.optim.muon`` is the function).
+rate's (the module ``lr_schedules``, its ``build_lr_schedule``). ``jzero.optim.muon`` is the
+function; its module is ``muon_optimizer``.
 
 Decisions:
 
@@ -52,9 +51,6 @@ Decisions:
   ``jit`` with shardings does, not to local shards inside ``shard_map``.
 """
 
-from typing import Any
-
-from jzero._util import moved, renamed_module
 from jzero.optim.builder import build_optimizer as build_optimizer
 from jzero.optim.low_precision import low_precision_state as low_precision_state
 from jzero.optim.lr_schedules import build_lr_schedule as build_lr_schedule
@@ -87,25 +83,3 @@ __all__ = [
     "quantized_adam_state",
     "stochastic_round",
 ]
-
-_SCHEDULES = renamed_module(
-    f"{__name__}.schedules",
-    f"{__name__}.lr_schedules",
-    {"build_schedule": f"{__name__}.lr_schedules.build_lr_schedule"},
-)
-renamed_module(
-    f"{__name__}.muon",
-    f"{__name__}.muon_optimizer",
-    {"update_layout": f"{__name__}.update_context.update_layout"},
-)
-
-
-def __getattr__(name: str) -> Any:
-    """``build_schedule`` is :func:`build_lr_schedule`, and the module ``schedules`` is
-    :mod:`~jzero.optim.lr_schedules`; the old names stay for a release (the module's names warn
-    when read, ``build_schedule`` when used)."""
-    if name == "build_schedule":
-        return moved(f"{__name__}.{name}", f"{__name__}.lr_schedules.build_lr_schedule")
-    if name == "schedules":
-        return _SCHEDULES
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ Decisions:
   and code that read it are unaffected), and the rest (labels, shape scaling, weight decay,
   AdamW) stays optax's code. Rebuilding from hyperparameters would need every factory's
   closure read and would change the state; a transformation of the user's own class (methods,
-  not closures) is not rewritten, and ``initialize`` then warns as before.
+  not closures) is not rewritten: ``initialize`` warns, naming :func:`muon`.
 * **Outside jzero's step** (a plain ``jax.jit`` on one device, the leafwise check, the streamed
   update of ``sub_group_size``) there is no layout: each leaf is orthogonalised where it is.
   The update is leafwise over whole leaves either way, so grouped updates stay exact.

@@ -104,13 +104,3 @@ __all__ = [
     "update_view",
     "ZeroOptions",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """``memory_kinds_from_config`` moved to :func:`jzero.engine.settings.memory_kinds`; the
-    old name stays for a release, with a ``DeprecationWarning``."""
-    if name == "memory_kinds_from_config":
-        from jzero._util import moved
-
-        return moved(f"{__name__}.{name}", "jzero.engine.settings.memory_kinds")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

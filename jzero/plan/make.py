@@ -9,8 +9,9 @@ Decisions:
 
 * What the plan is told beyond the params, the optimizer, the mesh and the stage is one typed
   value, :class:`~jzero.plan.options.PlanOptions` (made from a config by
-  :mod:`jzero.engine.settings`); the former keywords still replace its fields by name. What
-  only the loss's trace knows (``layer_dims``, ``pipe_leaves``) is passed beside it.
+  :mod:`jzero.engine.settings`; by hand, ``PlanOptions().replace(persistence_threshold=0)``
+  sets fields by name). What only the loss's trace knows (``layer_dims``, ``pipe_leaves``) is
+  passed beside it.
 * The plan is computed from abstract values only (``jax.ShapeDtypeStruct``), so it exists before
   any parameter is allocated and works for meshes larger than the machine (an abstract mesh).
 * Leaf rule: each leaf is sharded on its leading dimension, padded to a multiple of the shard
@@ -98,7 +99,6 @@ def make_plan(
     *,
     layer_dims: Sequence[int | None] | None = None,
     pipe_leaves: Sequence[bool] | None = None,
-    **fields: Any,
 ) -> Plan:
     """Derives the sharding plan for a stage from abstract params, an optax transform and a mesh.
 
@@ -115,15 +115,11 @@ def make_plan(
       pipe_leaves: per leaf, whether the loss's layer scan consumes it
         (:func:`jzero.replay.split_at_layers`): its stacked dimension is split over the
         options' ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
-      **fields: fields of ``options`` replaced by name (:meth:`PlanOptions.replace`:
-        ``persistence_threshold=0``, ``precision=...``, ``overlap_comm=True``), the keywords
-        ``make_plan`` took before :class:`PlanOptions`.
 
     Returns:
       The :class:`Plan`.
     """
     options = options if options is not None else PlanOptions()
-    options = options.replace(**fields) if fields else options
     zero, comm, par, precision = options.zero, options.comm, options.parallel, options.precision
     spec = stage if isinstance(stage, StageSpec) else stage_spec(stage)
     if zero.offload_optimizer is not None:

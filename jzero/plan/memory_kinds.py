@@ -37,7 +37,6 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jzero._util import moved
 from jzero.plan.leaf_rule import LeafPlan
 
 __all__ = [
@@ -130,12 +129,3 @@ def check_memory_kind(kind: str, what: str, devices: Sequence[Any] | None = None
         f"{what} asks for host memory of kind {kind!r}, but the {platform} devices address only "
         f"{have}. In the config, {hint}."
     )
-
-
-def __getattr__(name: str) -> Any:
-    """``memory_kinds_from_config`` moved to :func:`jzero.engine.settings.memory_kinds` (the
-    config is read once, there); the old name stays for a release, with a
-    ``DeprecationWarning``."""
-    if name == "memory_kinds_from_config":
-        return moved(f"{__name__}.{name}", "jzero.engine.settings.memory_kinds")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,14 +7,13 @@ Decisions:
   (:class:`ZeroOptions`), the collectives' (:class:`CommOptions`), the other parallelisms'
   layout (:class:`ParallelOptions`) and the run's :class:`~jzero.plan.precision.Precision`.
   :mod:`jzero.engine.settings` makes them from a validated config, once; code that builds a
-  plan by hand makes them directly (or passes their fields by name to ``make_plan``).
-* Each field keeps ``make_plan``'s former keyword name and default, so
-  ``make_plan(..., persistence_threshold=0)`` still reads as it did:
-  :meth:`PlanOptions.replace` sends each name to the group that holds it.
+  plan by hand makes them directly, or names the fields it changes:
+  ``PlanOptions().replace(persistence_threshold=0)`` sends each name to the group that holds it
+  (no two groups share a field name).
 * What the loss's trace decides (the stacked-layer dimensions, the leaves a pipeline splits)
   is not an option: ``make_plan`` takes it beside them (``layer_dims=``, ``pipe_leaves=``).
 * Nothing here reads a config or validates: the values are checked where they are used
-  (``make_plan``), with the same messages as before.
+  (``make_plan``).
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ class ZeroOptions:
         ``replica`` axis and a stage that shards parameters. A mesh with a ``replica`` axis
         without it is hybrid sharding.
       padding: shard a leaf whose leading dimension the shard count does not divide by padding
-        it (:mod:`jzero.plan.padding`); ``False``: the former rule, where such a leaf is split
-        on a later dimension that divides, else stays whole (the NVMe tier's files need it).
+        it (:mod:`jzero.plan.padding`); ``False``: no padding, such a leaf is split on a later
+        dimension that divides, else stays whole (the NVMe tier's files need it).
     """
 
     persistence_threshold: int = 100_000
@@ -173,8 +172,8 @@ class PlanOptions:
             if not owner:
                 known = sorted({n for g in _GROUPS for n in _field_names(getattr(self, g))})
                 raise TypeError(
-                    f"make_plan got an unexpected keyword argument {name!r}; the plan's options "
-                    f"are precision and {', '.join(known)}."
+                    f"PlanOptions.replace got an unexpected keyword argument {name!r}; the "
+                    f"plan's options are precision and {', '.join(known)}."
                 )
             groups[owner[0]][name] = value
         new = dataclasses.replace(self, **top) if top else self

@@ -67,7 +67,7 @@ class Plan:
       params: shardings of the params at rest.
       grads: shardings of the reduced gradients, as the optimizer update sees them.
       update_layout: shardings the optimizer update runs in (params are cut to these for the
-        update); :attr:`update` is its old name.
+        update).
       abstract_opt_state: the optimizer state as ``jax.ShapeDtypeStruct``.
       opt_state: shardings of the optimizer state.
       batch: sharding of every batch leaf (leading dim over the data axis).
@@ -189,11 +189,6 @@ class Plan:
     def stored_opt(self) -> PyTree:
         """The optimizer state as it rests (a parameter's mirrors padded like it)."""
         return self.abstract_opt_state if self.stored_opt_state is None else self.stored_opt_state
-
-    @property
-    def update(self) -> PyTree:
-        """The old name of :attr:`update_layout`."""
-        return self.update_layout
 
     @property
     def zero_axes(self) -> tuple[str, ...]:

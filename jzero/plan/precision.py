@@ -63,8 +63,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzero._util import moved
-
 __all__ = ["LossScaleState", "Precision", "cast_floating", "next_loss_scale"]
 
 PyTree = Any
@@ -239,11 +237,3 @@ def next_loss_scale(precision: Precision, state: LossScaleState, finite: jax.Arr
         skipped=skipped,
         nonfinite=nonfinite,
     )
-
-
-def __getattr__(name: str) -> Any:
-    """``from_config`` moved to :func:`jzero.engine.settings.precision` (the config is read
-    once, there); the old name stays for a release, with a ``DeprecationWarning``."""
-    if name == "from_config":
-        return moved(f"{__name__}.from_config", "jzero.engine.settings.precision")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,17 +19,11 @@ it is given.
 * :mod:`~jzero.replay.remat`: rematerialisation (activation checkpointing) policies.
 
 The package exports what is used outside it; the jaxpr tools and the remat constants are read
-from their modules (``jzero.replay.trace.tie_to``). Those names, ``Event`` (now
-:class:`~jzero.replay.prefetch.GatherEvent`: :mod:`jzero.monitor` has an ``Event`` of its own)
-and the modules ``param_gather`` (now ``pending``) and ``overlapped_scan`` (now ``overlap``;
-``jzero.replay.overlapped_scan`` is the function) still work here for a release, with a
-``DeprecationWarning`` naming the new import.
+from their modules (``jzero.replay.trace.tie_to``). A gather's record is
+:class:`~jzero.replay.prefetch.GatherEvent` (:mod:`jzero.monitor` has an ``Event`` of its own);
+``jzero.replay.overlapped_scan`` is the function, its module ``overlap``.
 """
 
-from typing import Any
-
-from jzero._util import moved, renamed_module
-from jzero.replay import trace as _trace
 from jzero.replay.backward_split import split_backward as split_backward
 from jzero.replay.gather import GatherOptions as GatherOptions
 from jzero.replay.gather import gathered as gathered
@@ -75,27 +69,3 @@ __all__ = [
     "split_backward",
     "stage_unit",
 ]
-
-# Names this package exported once, read from their modules now (old name -> new dotted path).
-_MOVED = {
-    "Event": "jzero.replay.prefetch.GatherEvent",
-    "ACTIVATION": "jzero.replay.remat.ACTIVATION",
-    "LAYER_INPUT": "jzero.replay.remat.LAYER_INPUT",
-    "POLICIES": "jzero.choices.POLICIES",
-    "LayerSplit": "jzero.replay.layer_split.LayerSplit",
-    # trace's own names, but the one this package still exports
-    **{name: f"jzero.replay.trace.{name}" for name in _trace.__all__ if name not in __all__},
-}
-
-_PARAM_GATHER = renamed_module(f"{__name__}.param_gather", f"{__name__}.pending")
-renamed_module(f"{__name__}.overlapped_scan", f"{__name__}.overlap")
-
-
-def __getattr__(name: str) -> Any:
-    """A name in ``_MOVED``: its new home, with a ``DeprecationWarning`` (for a release); the
-    module ``param_gather``: its alias, whose names warn when read."""
-    if name in _MOVED:
-        return moved(f"{__name__}.{name}", _MOVED[name])
-    if name == "param_gather":
-        return _PARAM_GATHER
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

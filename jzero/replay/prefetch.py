@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from jzero._util import moved
 
 __all__ = ["GatherEvent", "kept_leaves", "prefetch_anchors"]
 
@@ -83,11 +80,3 @@ def prefetch_anchors(events: Sequence[GatherEvent], bucket: int) -> list[int]:
             i -= 1
         anchors.append(i)
     return anchors
-
-
-def __getattr__(name: str) -> Any:
-    """``Event`` is :class:`GatherEvent` (``jzero.monitor`` has an ``Event`` of its own); the old
-    name stays for a release, with a ``DeprecationWarning``."""
-    if name == "Event":
-        return moved(f"{__name__}.Event", f"{__name__}.GatherEvent")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

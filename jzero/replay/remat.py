@@ -84,7 +84,6 @@ from typing import Any
 import jax
 import jax.ad_checkpoint
 
-from jzero._util import moved
 from jzero.choices.remat import ALLOWED, NAMES, POLICIES, parse_policy_text
 from jzero.plan.memory_kinds import PINNED_HOST
 
@@ -183,11 +182,3 @@ def parse_policy(
         return None
     kind, names = parse_policy_text(text)
     return RematPolicy(kind, names, offload, partition)
-
-
-def __getattr__(name: str) -> Any:
-    """``from_config`` moved to :func:`jzero.engine.settings.remat_policy` (the config is read
-    once, there); the old name stays for a release, with a ``DeprecationWarning``."""
-    if name == "from_config":
-        return moved(f"{__name__}.from_config", "jzero.engine.settings.remat_policy")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

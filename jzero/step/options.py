@@ -7,9 +7,8 @@ Decisions:
   (accumulation, clipping, rematerialisation, the offloaded update's grouping and where it
   runs); :mod:`jzero.engine.settings` makes it from a validated config, once. What belongs to
   the caller's code (whether the loss returns aux or takes extra state, the schedule for the
-  ``lr`` metric, donation) stays a keyword of ``make_train_step``.
-* Each field keeps ``make_train_step``'s former keyword name and default, so
-  ``make_train_step(..., gradient_clipping=1.0)`` still reads as it did.
+  ``lr`` metric, donation) stays a keyword of ``make_train_step``. Code that builds a step by
+  hand names the fields it sets: ``StepOptions(gradient_clipping=1.0)``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -74,17 +73,16 @@ def make_eval_step(
     *,
     has_aux: bool | None = None,
     takes_extra: bool = False,
-    stateful: bool | None = None,
     micro_batches: int = 1,
 ) -> Callable[[PyTree, PyTree, PyTree], jax.Array]:
     """Builds the jitted ``(params, extra, batch) -> mean loss`` over a global batch.
 
     At stage 3 the parameters are gathered layer by layer, as in the train step. ``has_aux``
-    and ``takes_extra`` as in :func:`make_train_step` (``stateful`` is ``takes_extra``'s old
-    name). Under pipeline parallelism each stage runs its own layers on the rows in up to
-    ``micro_batches`` micro-batches (the most that divides a device's rows), forward only.
+    and ``takes_extra`` as in :func:`make_train_step`. Under pipeline parallelism each stage
+    runs its own layers on the rows in up to ``micro_batches`` micro-batches (the most that
+    divides a device's rows), forward only.
     """
-    full_loss = _with_extra(loss_fn, has_aux, takes_extra or bool(stateful))
+    full_loss = _with_extra(loss_fn, has_aux, takes_extra)
     treedef = jax.tree.structure(plan.abstract_params)
     in_specs = treedef.unflatten(
         [plan.manual_spec(i, leaf.param_dim) for i, leaf in enumerate(plan.leaves)]
@@ -126,10 +124,8 @@ def make_train_step(
     *,
     has_aux: bool | None = None,
     takes_extra: bool = False,
-    stateful: bool | None = None,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
     donate: bool = True,
-    **fields: Any,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]:
     """Builds the jitted step ``(state, batch) -> (state, metrics)`` for a plan.
 
@@ -149,15 +145,12 @@ def make_train_step(
       takes_extra: ``loss_fn(params, extra, batch) -> (loss, (aux, new_extra))`` carries the
         non-trainable model state (``TrainState.extra``: BatchNorm statistics, RNG counters)
         through the micro-batches; floating leaves of the new state are averaged over the data
-        axis. ``stateful`` is its old name, still accepted.
+        axis.
       learning_rate: the schedule, for the ``lr`` metric; else read from an
         ``inject_hyperparams`` state when present. With neither the learning rate is unknown
         and ``lr`` is left out of the metrics.
       donate: donate the incoming state's buffers to the new state: arrays taken from the
         state before the step (``state.params``) are deleted by it; copy what you keep.
-      **fields: fields of ``options`` replaced by name (``gradient_clipping=1.0``,
-        ``accumulation_steps=4``, ``remat_policy="full"``), the keywords ``make_train_step``
-        took before :class:`~jzero.step.StepOptions`.
 
     Returns:
       The jitted step, taking a state from :func:`init_train_state`. Its metrics, float32
@@ -172,9 +165,8 @@ def make_train_step(
       and stage; without mixed precision the params are the master weights. The
       :class:`~jzero.plan.precision.LossScaleState` counts skipped and non-finite steps always.
     """
-    opts = _options(options, fields)
+    opts = options if options is not None else StepOptions()
     prec = plan.precision
-    takes_extra = takes_extra or bool(stateful)
     gradients = _gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
     on_host = opts.offload_compute == "host"
     if opts.offload_compute not in ("device", "host"):
@@ -250,7 +242,6 @@ def make_gradient_step(
     has_aux: bool | None = None,
     takes_extra: bool = False,
     learning_rate: Callable[[jax.Array], jax.Array] | None = None,
-    **fields: Any,
 ) -> Callable[[TrainState, PyTree], tuple[Any, ...]]:
     """The train step without its update, for callers that run the update themselves (the
     NVMe tier, :mod:`jzero.nvme.step`): the jitted ``(state, batch) -> (grads, applied,
@@ -260,7 +251,8 @@ def make_gradient_step(
     :func:`make_train_step` (the options' ``sub_group_size`` and ``offload_compute`` are the
     caller's update's); the state is not donated."""
     prec = plan.precision
-    gradients = _gradient_part(plan, loss_fn, _options(options, fields), has_aux, takes_extra)
+    opts = options if options is not None else StepOptions()
+    gradients = _gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
 
     def step(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
         _, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
@@ -277,12 +269,6 @@ def make_gradient_step(
         out_shardings=(on_device(plan.grads), *(plan.replicated,) * 4),
         compiler_options=compiler_options(plan) or None,
     )
-
-
-def _options(options: StepOptions | None, fields: dict[str, Any]) -> StepOptions:
-    """``options`` (default: :class:`StepOptions`'s) with ``fields`` replaced by name."""
-    options = options if options is not None else StepOptions()
-    return dataclasses.replace(options, **fields) if fields else options
 
 
 def _metrics(

@@ -8,9 +8,8 @@ Import direction: imports nothing else of jzero's (pure pytree and optax logic);
 * :mod:`~jzero.subgroups.update`: one group's optimizer update, and the update group by group.
 * :mod:`~jzero.subgroups.leafwise`: the check that an optimizer's update is leafwise.
 
-A "group" here is always a sub-group of ``sub_group_size``; the package was ``jzero.groups``, a
-name the buckets, replica groups and process groups elsewhere share. ``jzero.groups`` and its
-modules still import for a release, with a ``DeprecationWarning`` (registered by :mod:`jzero`).
+A "group" here is always a sub-group of ``sub_group_size``; the package is named ``subgroups``
+because buckets, replica groups and process groups elsewhere are groups too.
 """
 
 from jzero.subgroups.leafwise import check_leafwise as check_leafwise

@@ -28,7 +28,7 @@ Decisions:
 * A ``.npz`` records each tensor's dtype by name beside the paths (numpy's format has no
   bfloat16); a member stored in another dtype is viewed as the recorded one.
 * This module writes nothing and imports no JAX. Its public names are :mod:`jzero.weights`'s
-  (``jzero.export.load_exported`` and ``read_index`` keep working through the alias module).
+  (``jzero.weights.load_exported``, ``jzero.weights.read_index``).
 * One check of a header entry against the file (:func:`tensor_layout`: dtype, shape, offsets)
   serves this reader and the sharded one (:mod:`jzero.weights.sharded`).
 """

@@ -34,7 +34,9 @@ from jzero.checkpoint import (
     list_steps,
 )
 from jzero.cli.checkpoint import add_commands
+from jzero.plan import PlanOptions
 from jzero.step import (
+    StepOptions,
     from_logical,
     init_train_state,
     logical_view,
@@ -52,10 +54,13 @@ def optimizer():
     return optax.adamw(1e-2, weight_decay=1e-2)
 
 
+KEEP_NONE_WHOLE = PlanOptions().replace(persistence_threshold=0)
+
+
 def make_plan(stage, num_devices=8, dtype=jnp.float32):
     mesh = jzero.make_mesh(num_devices, devices=jax.devices()[:num_devices])
     params = toy.make_params(dtype=dtype)
-    return jzero.make_plan(params, optimizer(), mesh, stage, persistence_threshold=0)
+    return jzero.make_plan(params, optimizer(), mesh, stage, KEEP_NONE_WHOLE)
 
 
 def fresh_state(plan, dtype=jnp.float32):
@@ -84,7 +89,9 @@ def uninterrupted(stage, directory, dtype=np.float32):
     (step function, losses, grad norms, final params, params at the save)."""
     with jax.enable_x64(dtype == np.float64):
         plan = make_plan(stage, dtype=dtype)
-        step_fn = jzero.make_train_step(plan, toy.loss_fn, optimizer(), gradient_clipping=CLIP)
+        step_fn = jzero.make_train_step(
+            plan, toy.loss_fn, optimizer(), StepOptions(gradient_clipping=CLIP)
+        )
         state, losses, norms = fresh_state(plan, dtype), [], []
         with Checkpointer(directory) as ckpt:
             for i, batch in enumerate(batches(dtype)):
@@ -413,7 +420,7 @@ def test_missing_directory_and_step(saved3, tmp_path):
 
 def test_shape_mismatch_names_the_leaf(saved3):
     params = toy.make_params(d=32)
-    plan = jzero.make_plan(params, optimizer(), jzero.make_mesh(8), 3, persistence_threshold=0)
+    plan = jzero.make_plan(params, optimizer(), jzero.make_mesh(8), 3, KEEP_NONE_WHOLE)
     with pytest.raises(
         CheckpointError,
         match=r"Leaf 'params.blocks.b' has shape \(4, 64\) in step 5 .* but \(4, 32\) in the",

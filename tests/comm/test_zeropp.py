@@ -20,7 +20,7 @@ import jzero
 from jzero import hlo
 from jzero.config import JzeroConfigWarning, load_config
 from jzero.engine import settings
-from jzero.plan import make_plan
+from jzero.plan import PlanOptions, make_plan
 
 # int8 rounds each gathered weight (qwZ) or each device's gradient contribution (qgZ) to within
 # half its block's scale, absmax / 254: 0.4% of the block's largest element, far above float32
@@ -166,12 +166,18 @@ def test_make_plan_refuses_quantization_where_the_stage_has_no_such_collective()
     params = {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}
     mesh = jzero.make_mesh({"data": 8})
     with pytest.raises(ValueError, match="quantized_weights .* stage 2 keeps parameters whole"):
-        make_plan(params, optax.adam(1e-3), mesh, 2, quantized_weights=8)
+        make_plan(params, optax.adam(1e-3), mesh, 2, PlanOptions().replace(quantized_weights=8))
     with pytest.raises(ValueError, match="stage 0 all-reduces its gradients"):
-        make_plan(params, optax.adam(1e-3), mesh, 0, quantized_gradients=8)
+        make_plan(params, optax.adam(1e-3), mesh, 0, PlanOptions().replace(quantized_gradients=8))
     with pytest.raises(ValueError, match="pass 8 or 4 bits"):
-        make_plan(params, optax.adam(1e-3), mesh, 3, quantized_weights=6)
-    plan = make_plan(params, optax.adam(1e-3), mesh, 3, quantized_weights=8, quantized_gradients=4)
+        make_plan(params, optax.adam(1e-3), mesh, 3, PlanOptions().replace(quantized_weights=6))
+    plan = make_plan(
+        params,
+        optax.adam(1e-3),
+        mesh,
+        3,
+        PlanOptions().replace(quantized_weights=8, quantized_gradients=4),
+    )
     assert "ZeRO++ qwZ: int8 parameter gathers" in plan.describe()
     assert "ZeRO++ qgZ: int4 gradient reduce-scatters" in plan.describe()
 

@@ -21,7 +21,7 @@ from jzero import config as config_lib
 from jzero.checkpoint import Checkpointer, abstract_target
 from jzero.demo import gpt
 from jzero.hlo import layout_copies
-from jzero.plan import is_contiguous, make_plan, shard_dim
+from jzero.plan import PlanOptions, is_contiguous, make_plan, shard_dim
 from jzero.replay import layer_dims
 from jzero.step import (
     from_logical,
@@ -67,8 +67,14 @@ def test_each_leaf_is_sharded_on_its_leading_dimension_padded_where_needed(stage
         "odd": None, "odd_lead": None,
     }  # fmt: skip
     mesh = jzero.make_mesh(N)
-    plan = make_plan(params, optax.adam(1e-3), mesh, stage, persistence_threshold=0,
-                     layer_dims=dims)  # fmt: skip
+    plan = make_plan(
+        params,
+        optax.adam(1e-3),
+        mesh,
+        stage,
+        PlanOptions().replace(persistence_threshold=0),
+        layer_dims=dims,
+    )
     by_name = {leaf.path: leaf for leaf in plan.leaves}
     for leaf in plan.leaves:
         layer = (leaf.layer_dim,) if leaf.layer_dim is not None and stage == 3 else ()
@@ -109,7 +115,9 @@ def test_state_of_a_stack_shorter_than_the_shard_count_rests_merged():
               "odd": jax.ShapeDtypeStruct((4, 5, 3), np.float32)}  # fmt: skip
     mesh = jzero.make_mesh(N)
     for stage in (1, 2, 3):
-        plan = make_plan(params, optax.adam(1e-3), mesh, stage, persistence_threshold=0)
+        plan = make_plan(
+            params, optax.adam(1e-3), mesh, stage, PlanOptions().replace(persistence_threshold=0)
+        )
         by_name = {leaf.path: leaf for leaf in plan.leaves}
         w, odd = by_name["w"], by_name["odd"]
         if stage < 3:
@@ -199,7 +207,7 @@ def test_a_checkpoint_in_the_former_layout_restores_bit_identically(tmp_path):
     params, tx = toy.make_params(d=16), optax.adamw(1e-2)
     for stage, n in ((3, 8), (1, 4)):
         mesh = jzero.make_mesh(n, devices=jax.devices()[:n])
-        plan = make_plan(params, tx, mesh, stage, persistence_threshold=0)
+        plan = make_plan(params, tx, mesh, stage, PlanOptions().replace(persistence_threshold=0))
         abstract = jax.eval_shape(functools.partial(init_train_state, plan, optimizer=tx), params)
         # Checkpoints hold logical shapes: read into layouts jit accepts for them, then pad.
         logical = logical_state(plan, abstract)

@@ -17,7 +17,7 @@ from jzero.engine import settings
 from jzero.hlo import collectives_by_dtype, program_text
 from jzero.optim import float32_update, low_precision_state, stochastic_round
 from jzero.optim.master16 import apply_rounded, rounding_key
-from jzero.plan import to_logical
+from jzero.plan import PlanOptions, to_logical
 from jzero.step import init_train_state, make_gradient_step, make_train_step, streamed_groups
 
 N = 8
@@ -284,7 +284,11 @@ def test_one_step_is_the_float32_update_rounded_to_bf16_in_shards(rounding):
     prec = settings.precision(load_config(bf16(rounding=rounding)))
     tx = float32_update(optax.adamw(1e-2, weight_decay=0.01))
     plan = jzero.make_plan(
-        params, tx, jzero.make_mesh({"data": N}), 2, persistence_threshold=0, precision=prec
+        params,
+        tx,
+        jzero.make_mesh({"data": N}),
+        2,
+        PlanOptions().replace(persistence_threshold=0, precision=prec),
     )
     batch = mlp_batches(1)[0]
     state = init_train_state(plan, params, tx)

@@ -17,6 +17,7 @@ from repo import FIXTURES
 
 import jzero
 from jzero.engine import settings
+from jzero.plan import PlanOptions
 from jzero.plan import memory_kinds as offload
 
 BATCH = 32
@@ -196,10 +197,10 @@ def test_offload_below_its_stage_is_refused():
     # it (tests/config/test_config_ds_accept.py). The plan a user builds refuses both.
     params, mesh, tx = toy.make_params(), jzero.make_mesh({"data": 8}), optax.adam(1e-3)
     with pytest.raises(ValueError) as info:
-        jzero.make_plan(params, tx, mesh, 0, offload_optimizer="pinned_host")
+        jzero.make_plan(params, tx, mesh, 0, PlanOptions().replace(offload_optimizer="pinned_host"))
     assert str(info.value) == below_optimizer
     with pytest.raises(ValueError) as info:
-        jzero.make_plan(params, tx, mesh, 2, offload_params="pinned_host")
+        jzero.make_plan(params, tx, mesh, 2, PlanOptions().replace(offload_params="pinned_host"))
     assert str(info.value) == below_params
 
 

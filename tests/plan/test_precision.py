@@ -15,6 +15,7 @@ from numerics import EPS, needs_float16
 import jzero
 from jzero.engine import settings
 from jzero.hlo import collectives, program_text
+from jzero.plan import PlanOptions
 from jzero.step import logical_view
 
 STAGES = (0, 1, 2, 3)
@@ -132,8 +133,9 @@ def test_per_device_bytes_equal_the_k12_formulas(stage):
         tx,
         jzero.make_mesh({"data": N}),
         stage,
-        persistence_threshold=0,
-        precision=settings.precision(jzero.load_config(cfg)),
+        PlanOptions().replace(
+            persistence_threshold=0, precision=settings.precision(jzero.load_config(cfg))
+        ),
     )
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / N, 2: 2 * psi + 14 * psi / N, 3: 16 * psi / N}
     count = 4  # Adam's step count, a replicated int32

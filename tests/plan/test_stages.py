@@ -14,6 +14,7 @@ from jzero import memory
 from jzero.choices import stages
 from jzero.config import JzeroConfigWarning, load_config
 from jzero.memory._measure import offload_variants
+from jzero.plan import PlanOptions
 
 PARAM_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
 
@@ -26,7 +27,13 @@ def rules_of_stage_2():
     config_allows = zero.offload_param.device == "cpu"  # else ignored, as DeepSpeed does
     try:
         params, tx = toy.make_params(), optax.sgd(0.1)
-        jzero.make_plan(params, tx, jzero.make_mesh({"data": 8}), 2, offload_params="pinned_host")
+        jzero.make_plan(
+            params,
+            tx,
+            jzero.make_mesh({"data": 8}),
+            2,
+            PlanOptions().replace(offload_params="pinned_host"),
+        )
         plan_allows = True
     except ValueError:
         plan_allows = False

@@ -86,8 +86,7 @@ def forbidden_imports(root: Path) -> list[str]:
     """The imports that cross the config's wall: the core (plan, replay, step, comm, groups)
     importing the config or the engine (whose ``settings`` translates it), and the config or
     the choices it validates against importing anything of jzero's but themselves and
-    ``jzero._util``. Deprecated names reach their new home through ``jzero._util.moved``, by
-    name, so they add no import."""
+    ``jzero._util``."""
     name = root.name
     core = tuple(p.replace("jzero", name, 1) for p in CORE)
     config_side = (f"{name}.config", f"{name}.choices")
@@ -101,12 +100,12 @@ def forbidden_imports(root: Path) -> list[str]:
     return found
 
 
-ABOVE_MEMORY = ("jzero.engine", "jzero.demo", "jzero.models", "jzero.train", "jzero.data")
+ABOVE_MEMORY = ("jzero.engine", "jzero.demo")
 
 
 def memory_imports_above(root: Path) -> list[str]:
     """The imports that lift the memory estimator above what it measures: ``jzero.memory``
-    importing the engine or the demo's model, data or loop (or their deprecated aliases).
+    importing the engine or the demo's model, data or loop.
     Its measured report takes an engine, and :func:`jzero.memory.measure_stages` a model, from
     the caller; ``plan_report`` (the built-in GPT's) is reached by name, adding no import."""
     name = root.name
@@ -133,11 +132,11 @@ def test_the_memory_check_finds_an_engine_or_a_model_imported(tmp_path):
     (pkg / "memory" / "a.py").write_text(
         "from jzero.plan import make_plan\n\n\ndef f():\n    from jzero.engine import initialize\n"
     )
-    (pkg / "memory" / "b.py").write_text("import jzero.models.gpt\nfrom ..demo import gpt\n")
+    (pkg / "memory" / "b.py").write_text("import jzero.demo.gpt\nfrom ..demo import gpt\n")
     (pkg / "engine" / "c.py").write_text("from jzero.memory import estimate\n")
     assert memory_imports_above(pkg) == [
         "jzero/memory/a.py:5 jzero.engine",
-        "jzero/memory/b.py:1 jzero.models.gpt",
+        "jzero/memory/b.py:1 jzero.demo.gpt",
         "jzero/memory/b.py:2 jzero.demo",
     ]
 
@@ -155,7 +154,7 @@ def test_the_import_check_finds_the_core_reading_the_config_and_back(tmp_path):
     (pkg / "plan" / "a.py").write_text("from jzero.choices import stages\nimport jzero.config\n")
     (pkg / "step" / "b.py").write_text("def f():\n    from ..engine import settings\n")
     (pkg / "config" / "c.py").write_text(
-        "from jzero._util import moved\nfrom jzero.choices import stages\n"
+        "from jzero._util import read_size\nfrom jzero.choices import stages\n"
         "from jzero.distributed import pipeline\n"
     )
     (pkg / "choices" / "d.py").write_text("from jzero.plan import a\n")
@@ -202,3 +201,104 @@ def test_every_package_states_its_responsibility_and_curates_its_names():
             if isinstance(t, ast.Name)
         ]
         assert "__all__" in names, f"{init} curates no public names (__all__)"
+
+
+DEPRECATIONS = {"DeprecationWarning", "PendingDeprecationWarning"}
+ALIAS_HELPERS = ("moved", "renamed_module")  # what kept a former name importable, in _util
+
+
+def _called(node: ast.AST) -> str:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def _warns_deprecation(call: ast.Call) -> bool:
+    category = call.args[1] if len(call.args) > 1 else None
+    category = next((k.value for k in call.keywords if k.arg == "category"), category)
+    return _called(call.func) == "warn" and _called(category) in DEPRECATIONS
+
+
+def _only_reexports(path: Path, tree: ast.Module, root: Path) -> bool:
+    """Whether the module does nothing but import another module's names and list them (and
+    warn): a module of imports, ``__all__`` and ``warn`` calls, or a package's ``__init__``
+    of those that imports none of its own modules."""
+    name = _module_name(path, root)
+    init = path.name == "__init__.py"
+    here = name if init else name.rsplit(".", 1)[0]
+    sources = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            if _called(node.value.func) != "warn":
+                return False
+        elif isinstance(node, ast.Import):
+            sources += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            sources.append(".".join(base + ([node.module] if node.module else [])))
+        elif not (
+            isinstance(node, ast.Assign)
+            and all(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        ):
+            return False
+    ours = [s for s in sources if s.split(".")[0] == root.name]
+    return bool(ours) and not (init and any(_under(s, (name,)) for s in ours))
+
+
+def alias_modules(root: Path) -> list[str]:
+    """``file:line what`` for each trace of a former name kept importable: a module whose
+    docstring calls it a deprecated alias, a module that only re-exports another module's
+    names, a ``warn`` with a ``DeprecationWarning``, and the helpers that made such aliases
+    (``moved``, ``renamed_module`` in ``_util.py``). The CHANGELOG records the renames; the
+    tree holds only the names there are. (The config's ``JzeroConfigDeprecationWarning``, for
+    DeepSpeed's own deprecated keys in a user's file, is a ``FutureWarning`` and no alias.)"""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent)
+        tree = ast.parse(path.read_text(), str(path))
+        if (ast.get_docstring(tree) or "").lower().startswith("deprecated alias"):
+            found.append(f"{where}:1 is a deprecated alias")
+        if _only_reexports(path, tree, root):
+            found.append(f"{where}:1 only re-exports another module's names")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _warns_deprecation(node):
+                found.append(f"{where}:{node.lineno} warns a DeprecationWarning")
+            if isinstance(node, ast.FunctionDef) and path == root / "_util.py":
+                if node.name in ALIAS_HELPERS:
+                    found.append(f"{where}:{node.lineno} defines {node.name}")
+    return found
+
+
+def test_no_alias_module_and_no_deprecated_name_is_kept():
+    assert alias_modules(JZERO) == []
+
+
+def test_the_alias_check_finds_an_alias_planted_in_a_copy(tmp_path):
+    import shutil
+
+    pkg = tmp_path / "jzero"
+    shutil.copytree(JZERO, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "data.py").write_text(
+        '"""Deprecated alias of :mod:`jzero.demo.data`."""\n\nimport warnings\n\n'
+        "from jzero.demo.data import BatchIterator as BatchIterator\n\n"
+        '__all__ = ["BatchIterator"]\n\n'
+        'warnings.warn("jzero.data is deprecated", DeprecationWarning, stacklevel=2)\n'
+    )
+    (pkg / "models").mkdir()
+    (pkg / "models" / "__init__.py").write_text(
+        '"""The built-in GPT."""\n\nfrom ..demo.gpt import GPT as GPT\n\n__all__ = ["GPT"]\n'
+    )
+    (pkg / "choices" / "former.py").write_text(
+        '"""Names."""\n\nNEW = 1\n\n\ndef __getattr__(name):\n    import warnings\n\n'
+        '    warnings.warn(f"{name} moved", category=DeprecationWarning)\n    return NEW\n'
+    )
+    util = (pkg / "_util.py").read_text() + "\n\ndef renamed_module(old, new):\n    pass\n"
+    (pkg / "_util.py").write_text(util)
+    assert alias_modules(pkg) == [
+        f"jzero/_util.py:{util.count(chr(10)) - 1} defines renamed_module",
+        "jzero/choices/former.py:9 warns a DeprecationWarning",
+        "jzero/data.py:1 is a deprecated alias",
+        "jzero/data.py:1 only re-exports another module's names",
+        "jzero/data.py:9 warns a DeprecationWarning",
+        "jzero/models/__init__.py:1 only re-exports another module's names",
+    ]

@@ -25,6 +25,7 @@ from jzero.config import ConfigError, load_config
 from jzero.engine import settings
 from jzero.hlo import collectives
 from jzero.replay import gather, remat, trace
+from jzero.step import StepOptions
 
 L, D, F, B = 8, 32, 512, 2048  # per device: 256 rows, a 256 x 512 hidden activation per layer
 ITEM = 8  # bytes of a float64 activation
@@ -168,7 +169,7 @@ def test_cpu_checkpointing_trains_with_unchanged_losses():
     inside the layer scan), it compiles, and it trains exactly as without it."""
     e = engine(0, {"policy": "full", "cpu_checkpointing": True})
     policy = settings.remat_policy(e.config)
-    step = jzero.make_train_step(e.plan, scan_loss, e.optimizer, remat_policy=policy)
+    step = jzero.make_train_step(e.plan, scan_loss, e.optimizer, StepOptions(remat_policy=policy))
     text = str(jax.make_jaxpr(step)(e.state, batches(1)[0]))
     assert "<host>" in text and remat.LAYER_INPUT in text
     assert_reference(losses(e))

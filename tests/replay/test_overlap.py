@@ -26,7 +26,7 @@ from jzero import hlo
 from jzero.comm import overlap
 from jzero.config import JzeroConfigWarning
 from jzero.engine import settings
-from jzero.plan import make_plan
+from jzero.plan import PlanOptions, make_plan
 
 F64 = "float64"
 
@@ -140,7 +140,8 @@ def test_bucket_groups_and_rows():
 
 def plan_for(stage, **kw):
     params = {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}
-    return make_plan(params, optax.adam(1e-3), jzero.make_mesh({"data": 8}), stage, **kw)
+    options = PlanOptions().replace(**kw)
+    return make_plan(params, optax.adam(1e-3), jzero.make_mesh({"data": 8}), stage, options)
 
 
 def test_gpu_compile_options_follow_the_config_and_cpu_gets_none():

@@ -17,9 +17,9 @@ from numerics import EPS
 import jzero
 from jzero.distributed import make_mesh
 from jzero.engine.settings import precision as from_config
-from jzero.plan import make_plan
+from jzero.plan import PlanOptions, make_plan
 from jzero.plan.precision import Precision
-from jzero.step import init_train_state, make_train_step
+from jzero.step import StepOptions, init_train_state, make_train_step
 
 STAGE = 2  # gradients and optimizer state sharded: the skip must keep shards as they were
 BATCH = 16
@@ -52,9 +52,9 @@ def _stepper(skip: bool):
         tx,
         make_mesh({"data": 8}),
         STAGE,
-        precision=Precision(skip_nonfinite=skip),
+        PlanOptions(precision=Precision(skip_nonfinite=skip)),
     )
-    step = make_train_step(plan, toy.loss_fn, tx, gradient_clipping=1.0)
+    step = make_train_step(plan, toy.loss_fn, tx, StepOptions(gradient_clipping=1.0))
     return plan, tx, step
 
 

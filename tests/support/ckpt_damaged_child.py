@@ -20,13 +20,16 @@ import toy
 
 import jzero
 from jzero.checkpoint import Checkpointer, CheckpointError
+from jzero.plan import PlanOptions
 from jzero.step import init_train_state, restore_target
 
 
 def main(directory: str) -> None:
     params = toy.make_params()
     tx = optax.adamw(1e-2, weight_decay=1e-2)
-    plan = jzero.make_plan(params, tx, jzero.make_mesh(-1), 3, persistence_threshold=0)
+    plan = jzero.make_plan(
+        params, tx, jzero.make_mesh(-1), 3, PlanOptions().replace(persistence_threshold=0)
+    )
     abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
     target = restore_target(plan, abstract)  # logical shapes: checkpoints hold no padding
     try:

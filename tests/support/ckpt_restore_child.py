@@ -18,7 +18,8 @@ import toy
 
 import jzero
 from jzero.checkpoint import Checkpointer
-from jzero.step import from_logical, init_train_state, logical_view, restore_target
+from jzero.plan import PlanOptions
+from jzero.step import StepOptions, from_logical, init_train_state, logical_view, restore_target
 
 GLOBAL_BATCH = 32
 CLIP = 0.5
@@ -28,14 +29,16 @@ def main(directory: str, stage: int, num_steps: int, out: str) -> None:
     jax.config.update("jax_enable_x64", True)
     params = toy.make_params(dtype=np.float64)
     tx = optax.adamw(1e-2, weight_decay=1e-2)
-    plan = jzero.make_plan(params, tx, jzero.make_mesh(-1), stage, persistence_threshold=0)
+    plan = jzero.make_plan(
+        params, tx, jzero.make_mesh(-1), stage, PlanOptions().replace(persistence_threshold=0)
+    )
     abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
     target = restore_target(plan, abstract)  # logical shapes: checkpoints hold no padding
     with Checkpointer(directory) as ckpt:
         state, meta = ckpt.restore(target)
     state = from_logical(plan, state)  # padded into this plan's resting shapes
     start = int(state.step)
-    step_fn = jzero.make_train_step(plan, toy.loss_fn, tx, gradient_clipping=CLIP)
+    step_fn = jzero.make_train_step(plan, toy.loss_fn, tx, StepOptions(gradient_clipping=CLIP))
     batches = toy.make_batches(num_steps, GLOBAL_BATCH, dtype=np.float64)
     losses, norms = [], []
     for batch in batches[start:]:

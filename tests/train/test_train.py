@@ -1,4 +1,4 @@
-"""`jzero.train.run`, the `jzero train` loop as a library function: no argparse, its summary
+"""`jzero.demo.train.run`, the `jzero train` loop as a library function: no argparse, its summary
 returned, written and printed alike, and a SIGTERM stops it after the step with a checkpoint."""
 
 import json
