@@ -3,7 +3,7 @@
 Run: ``python benchmarks/memory.py [--config configs/zero2.yaml] [--device-memory 80GB]``
 (8 virtual CPU devices are set up when no accelerator is present). The first table is
 :func:`jzero.memory.estimate` for the ZeRO paper's example (7.5e9 parameters on 64 devices);
-the second is :func:`jzero.memory.plan_report`, from the compiled step of each stage.
+the second is :func:`jzero.demo.plan.plan_report`, from the compiled step of each stage.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     )
 
 from jzero import memory  # noqa: E402
+from jzero.demo.plan import plan_report  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -26,7 +27,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     print(memory.estimate(7.5e9, 64, 8, args.device_memory).table())
     print()
-    print(memory.plan_report(args.config, device_memory=args.device_memory).table())
+    print(plan_report(args.config, device_memory=args.device_memory).table())
 
 
 if __name__ == "__main__":

@@ -128,17 +128,15 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     devices.use_cpu_devices(args.cpu_devices)
+    from jzero.demo import plan
+
     if args.auto:  # the parallel sizes "auto": the ranked candidates, each compiled
-        from jzero.demo.plan import auto_layout_table
-
-        print(auto_layout_table(args.config, args.device_memory, overrides=args.set or ()))
+        print(plan.auto_layout_table(args.config, args.device_memory, overrides=args.set or ()))
         return 0
-    from jzero import memory
-
     extra = {}  # "auto" is the library's default, and is not passed
     if args.compare_ac != "auto":
         extra["compare_checkpointing"] = args.compare_ac == "always"
-    result = memory.plan_report(
+    result = plan.plan_report(
         args.config,
         devices=args.devices,
         device_memory=args.device_memory,

@@ -6,8 +6,8 @@ shards), here as an abstract engine (``initialize(..., abstract=True)``, shapes 
 stage the model does not fit is planned all the same), and its step compiled for a global
 batch of ``model.seq_len + 1`` int32 tokens. What is measured and how the rows are chosen is
 :mod:`jzero.memory`'s (its ``_measure`` decisions); this module only knows the model, so the
-estimator package imports neither the engine nor a model. ``jzero.memory.plan_report`` is
-this function.
+estimator package imports neither the engine nor a model (nor reaches back here: callers
+import :func:`plan_report` from this module).
 """
 
 from __future__ import annotations
@@ -81,16 +81,9 @@ def plan_report(
     Returns:
       A :class:`jzero.memory.PlanReport`; ``print(result.table())``.
     """
+    rows = memory.StageRows(stages, offload, compare_checkpointing)
     return memory.measure_stages(
-        config,
-        _gpt,
-        devices,
-        device_memory,
-        overrides=overrides,
-        margin=margin,
-        offload=offload,
-        stages=stages,
-        compare_checkpointing=compare_checkpointing,
+        config, _gpt, devices, device_memory, overrides=overrides, margin=margin, rows=rows
     )
 
 

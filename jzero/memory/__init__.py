@@ -12,9 +12,9 @@ recommendation):
   ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once, and
   the compiled step's ``memory_analysis()``, with the config's activation checkpointing and
   the opposite setting (temporaries, peak). The model (and its engine) comes from the caller:
-  :func:`plan_report`, ``jzero plan``'s measurement of the built-in GPT, is
-  :func:`jzero.demo.plan.plan_report`, reached here by name (this package imports neither the
-  engine nor a model; ``tests/project/test_house.py`` checks it).
+  ``jzero plan``'s measurement of the built-in GPT is :func:`jzero.demo.plan.plan_report`
+  (this package imports neither the engine nor a model, nor reaches them by name;
+  ``tests/project/test_house.py`` checks it).
 * :func:`memory_report` is the same report for one existing engine (its own activation
   checkpointing only).
 
@@ -33,11 +33,8 @@ Every public name lives in one of the private modules below and is re-exported h
 
 Decisions common to all of them: GB means 10^9 bytes; "fits" keeps a margin of the device
 memory (10% by default) free. Callers reach the entry points through this package's attributes
-(``memory.plan_report``), so replacing one here (as a test does) replaces it for them.
+(``memory.estimate``), so replacing one here replaces it for them.
 """
-
-import importlib
-from typing import Any
 
 from jzero.memory._estimate import BUFFER_FACTOR as BUFFER_FACTOR
 from jzero.memory._estimate import Estimate as Estimate
@@ -48,6 +45,7 @@ from jzero.memory._estimate import transformer_activations as transformer_activa
 from jzero.memory._format import GB as GB
 from jzero.memory._format import Recommendation as Recommendation
 from jzero.memory._format import parse_size as parse_size
+from jzero.memory._measure import StageRows as StageRows
 from jzero.memory._measure import measure_stages as measure_stages
 from jzero.memory._measure import memory_report as memory_report
 from jzero.memory._plot import plot_bars as plot_bars
@@ -60,19 +58,11 @@ __all__ = [
     "PlanReport",
     "Recommendation",
     "StageMemory",
+    "StageRows",
     "estimate",
     "measure_stages",
     "memory_report",
     "parse_size",
-    "plan_report",
     "plot_bars",
     "transformer_activations",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """:func:`plan_report` lives with the model it builds (:mod:`jzero.demo.plan`): imported
-    at first use, by name, so this package imports no engine and no model."""
-    if name == "plan_report":
-        return importlib.import_module("jzero.demo.plan").plan_report
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

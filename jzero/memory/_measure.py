@@ -48,7 +48,7 @@ from jzero.memory._format import _check_margin, _positive, _recommend, parse_siz
 from jzero.memory._report import PlanReport, StageMemory
 from jzero.plan import HOST_MEMORY_KINDS
 
-__all__ = ["measure_stages", "memory_report", "offload_variants"]
+__all__ = ["StageRows", "measure_stages", "memory_report", "offload_variants"]
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,21 @@ def _with_zero(cfg: Any, stage: int, offload: str, sizes: tuple[int, int, int] |
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class StageRows:
+    """Which rows :func:`measure_stages` compiles, each costing one compilation."""
+
+    stages: Sequence[int] = (0, 1, 2, 3)
+    """The ZeRO stages to measure."""
+    offload: bool | None = None
+    """Also measure the stages with offload to host memory: ``True`` always, ``False`` never,
+    ``None`` only when a device memory is given and no stage fits without."""
+    compare_checkpointing: bool | None = None
+    """Also compile each row with the opposite activation-checkpointing setting: ``True``
+    always, ``False`` never, ``None`` always without a device memory and with one only where it
+    can change the recommendation (see the module's decisions)."""
+
+
 def measure_stages(
     config: Any,
     model: Callable[[Any], tuple[str, Callable[[Any, Any], tuple[Any, Any]]]],
@@ -250,9 +265,7 @@ def measure_stages(
     *,
     overrides: Sequence[str] = (),
     margin: float = 0.1,
-    offload: bool | None = None,
-    stages: Sequence[int] = (0, 1, 2, 3),
-    compare_checkpointing: bool | None = None,
+    rows: StageRows | None = None,
 ) -> PlanReport:
     """Every ZeRO stage of a config's model side by side, measured from the compiled step.
 
@@ -269,8 +282,10 @@ def measure_stages(
         title (``"GPT 2 layers, d_model 32"``); ``build(cfg, mesh) -> (engine, batch)`` makes
         the abstract engine of a row's config on ``mesh`` (``None``: the config's own) and a
         global batch of ``jax.ShapeDtypeStruct`` for its step.
-      devices, device_memory, overrides, margin, offload, stages, compare_checkpointing: as
-        :func:`jzero.demo.plan.plan_report` describes them.
+      devices, device_memory, overrides, margin: as :func:`jzero.demo.plan.plan_report`
+        describes them.
+      rows: the rows to compile (:class:`StageRows`: the stages, their offload variants, the
+        opposite activation checkpointing); ``None``: its defaults.
 
     Returns:
       A :class:`PlanReport`; ``print(result.table())``.
@@ -281,6 +296,9 @@ def measure_stages(
     from jzero.distributed import make_mesh
     from jzero.plan import stage_spec
 
+    choice = rows if rows is not None else StageRows()
+    stages, offload = choice.stages, choice.offload
+    compare_checkpointing = choice.compare_checkpointing
     if not stages:
         raise ValueError("stages is empty; pass the ZeRO stages to measure, e.g. (0, 1, 2, 3).")
     stages = tuple(stage_spec(s).stage for s in stages)  # a clear error for a bad stage
@@ -354,12 +372,12 @@ def measure_stages(
         return _stage_memory(engine, batch, plan)
 
     seen: dict[str, Any] = {}
-    rows = [measure_row(stage, "none") for stage in stages]
+    measured = [measure_row(stage, "none") for stage in stages]
     n = seen["devices"] if n is None else n
-    options = [(r.stage, r.offload, p, peak) for r in rows for p, _, peak in r.variants()]
+    options = [(r.stage, r.offload, p, peak) for r in measured for p, _, peak in r.variants()]
     fits = _recommend(options, memory, margin)
     if offload or (offload is None and fits is not None and not fits.fits):
-        rows += [measure_row(stage, name) for stage, name in offload_variants(stages)]
+        measured += [measure_row(stage, name) for stage, name in offload_variants(stages)]
     micro, accum = seen["micro"]
     title = (
         f"jzero plan: {model_name}, {seen['psi']:,} parameters, {n} devices"
@@ -371,4 +389,4 @@ def measure_stages(
         )
         + f", micro batch {micro} x {accum} accumulation"
     )
-    return PlanReport(title, tuple(rows), n, seen["devices"], memory, margin)
+    return PlanReport(title, tuple(measured), n, seen["devices"], memory, margin)

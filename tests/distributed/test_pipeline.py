@@ -21,6 +21,7 @@ from numerics import max_rel_error, needs_float16
 
 import jzero
 from jzero.demo import gpt
+from jzero.demo.plan import plan_report
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
@@ -714,7 +715,7 @@ def test_fp16_loss_scaling_seeds_the_pipeline_with_the_scale():
 
 def test_jzero_plan_for_another_device_count_refuses_a_pipelined_mesh_with_the_fix():
     with pytest.raises(ValueError, match=r"--devices 16.*mesh also has \{'pipe': 2\}.*drop "):
-        jzero.memory.plan_report(
+        plan_report(
             "configs/zero2.yaml",
             devices=16,
             overrides=["pipeline.stages=2", "gradient_accumulation_steps=2"],

@@ -405,7 +405,7 @@ def test_the_estimate_divides_the_model_by_t_and_shards_the_rest_over_the_data_g
 
 
 def test_jzero_plan_reports_per_device_bytes_and_the_model_axis_traffic():
-    from jzero import memory
+    from jzero.demo.plan import plan_report
 
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -414,8 +414,8 @@ def test_jzero_plan_reports_per_device_bytes_and_the_model_axis_traffic():
                   "d_model": 32, "d_ff": 64},
     }  # fmt: skip
     with jax.enable_x64(False):
-        plain = memory.plan_report(cfg, stages=(1,), compare_checkpointing=False)
-        split = memory.plan_report(
+        plain = plan_report(cfg, stages=(1,), compare_checkpointing=False)
+        split = plan_report(
             cfg,
             stages=(1,),
             compare_checkpointing=False,

@@ -12,6 +12,7 @@ from cli_runs import run_cli
 
 import jzero
 from jzero import memory
+from jzero.demo import plan
 
 TINY = {"vocab_size": 256, "seq_len": 16, "num_layers": 2, "num_heads": 2, "d_model": 32}
 CONFIG = {
@@ -222,7 +223,7 @@ def test_plot_bars_stay_readable_and_say_what_fits(tmp_path):
 def report():
     """Every stage of the tiny GPT, compiled once each on the 8 CPU devices (without the
     activation-checkpointing comparison: tests/memory/test_memory_activations.py has it)."""
-    return memory.plan_report(CONFIG, compare_checkpointing=False)
+    return plan.plan_report(CONFIG, compare_checkpointing=False)
 
 
 def test_plan_model_state_is_what_the_compiled_step_takes_as_arguments(report):
@@ -296,16 +297,16 @@ def test_plan_table_names_every_column_and_where_it_was_measured(report):
 
 def test_plan_errors_are_clear():
     with pytest.raises(ValueError) as e:
-        memory.plan_report(
+        plan.plan_report(
             {**CONFIG, "train_micro_batch_size_per_gpu": None, "train_batch_size": 32}, devices=6
         )
     assert "train_batch_size=32" in str(e.value) and "data-parallel size of 6" in str(e.value)
     assert "32 is not divisible by 1 x 6 = 6" in str(e.value)
     with pytest.raises(ValueError) as e:
-        memory.plan_report(CONFIG, devices="0")
+        plan.plan_report(CONFIG, devices="0")
     assert str(e.value) == "devices: '0' is not allowed; it must be a positive integer, e.g. 8."
     with pytest.raises(ValueError, match=r"^zero_optimization\.stage: 5 is not a ZeRO stage"):
-        memory.plan_report(CONFIG, stages=(5,))
+        plan.plan_report(CONFIG, stages=(5,))
 
 
 def test_plan_cli_prints_the_table_and_writes_a_png(report, tmp_path, capsys, monkeypatch):
@@ -317,7 +318,7 @@ def test_plan_cli_prints_the_table_and_writes_a_png(report, tmp_path, capsys, mo
         calls.append((str(config), devices, device_memory, tuple(overrides), margin))
         return report.with_device_memory(device_memory)  # the compiled fixture, no recompiling
 
-    monkeypatch.setattr(memory, "plan_report", fake_plan_report)
+    monkeypatch.setattr(plan, "plan_report", fake_plan_report)
     plot = tmp_path / "plan.png"
     mem = str(math.floor(report.row(0).peak / 0.9) - 1)
     argv = ["plan", str(config), "--device-memory", mem, "--set", "seed=1", "--plot", str(plot)]
@@ -370,7 +371,7 @@ def test_plan_for_more_devices_than_the_machine_has(report):
     # 16 devices on an 8-device machine: the model state is planned on an abstract mesh, the
     # compiled part is measured locally (and said to be). Without the activation-checkpointing
     # comparison: the fixture's stage 3 step, not one more (test_memory_activations.py has it).
-    wide = memory.plan_report(CONFIG, devices=16, stages=(3,), compare_checkpointing=False)
+    wide = plan.plan_report(CONFIG, devices=16, stages=(3,), compare_checkpointing=False)
     assert wide.devices == 16 and wide.measured_devices == 8
     full = 4 * PSI  # every leaf of the tiny GPT splits 16 ways too
     row = wide.row(3)

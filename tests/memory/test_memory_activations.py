@@ -11,6 +11,7 @@ import pytest
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
+from jzero.demo import plan
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -145,7 +146,7 @@ def test_estimate_cli_shows_totals_with_and_without_checkpointing(capsys):
 def both():
     """Stages 0 and 1 of the tiny GPT, each compiled without and with activation checkpointing
     (no device memory: both are measured); 4 compilations."""
-    return memory.plan_report(CONFIG, stages=(0, 1))
+    return plan.plan_report(CONFIG, stages=(0, 1))
 
 
 def table_unit(table):
@@ -219,13 +220,13 @@ def test_plan_cli_measures_checkpointing_only_where_it_can_change_the_advice(
 ):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(CONFIG))
-    real, reports = memory.plan_report, []
+    real, reports = plan.plan_report, []
 
     def two_stages(*args, **kwargs):  # the real measurement, of stages 0 and 1 only
         reports.append(real(*args, stages=(0, 1), **kwargs))
         return reports[-1]
 
-    monkeypatch.setattr(memory, "plan_report", two_stages)
+    monkeypatch.setattr(plan, "plan_report", two_stages)
     p = peaks(both)
     mem = str(math.ceil(p[1, False] / 0.9))  # stage 1 fits without; stage 0 does not
     assert run_cli(["plan", str(config), "--device-memory", mem]) == 0
@@ -253,7 +254,7 @@ def test_plan_cli_measures_checkpointing_only_where_it_can_change_the_advice(
     assert "Recommendation: ZeRO stage 1; it needs " in out
     # --compare-ac never/always reach the library; auto (the default) is its default.
     calls = []
-    monkeypatch.setattr(memory, "plan_report", lambda *a, **k: calls.append(k) or both)
+    monkeypatch.setattr(plan, "plan_report", lambda *a, **k: calls.append(k) or both)
     for flag in ("never", "always"):
         run_cli(["plan", str(config), "--compare-ac", flag])
     assert [c.get("compare_checkpointing") for c in calls] == [False, True]
@@ -264,9 +265,7 @@ def test_plan_of_a_config_that_checkpoints_compares_without(both):
     p = peaks(both)
     # Stage 1 fits with checkpointing (the config's) but not without: the step without it is
     # measured as well, to know that it does not fit.
-    report = memory.plan_report(
-        CHECKPOINTED, device_memory=math.ceil(p[1, True] / 0.9), stages=(1,)
-    )
+    report = plan.plan_report(CHECKPOINTED, device_memory=math.ceil(p[1, True] / 0.9), stages=(1,))
     (row,) = report.rows
     assert (row.checkpointing, row.other_checkpointing) == ("full", "none")
     assert row.temp_bytes == both.row(1).temp_with(True)
