@@ -71,7 +71,7 @@ from jzero.replay import (
     stage_unit,
 )
 from jzero.step.options import StepOptions
-from jzero.step.state import TrainState, _to_device
+from jzero.step.state import TrainState, to_device
 
 PyTree = Any
 
@@ -91,7 +91,7 @@ def _loss_and_aux(out: Any) -> tuple[Any, Any]:
     )
 
 
-def _with_extra(loss_fn: LossFn, has_aux: bool | None, takes_extra: bool) -> LossFn:
+def with_extra(loss_fn: LossFn, has_aux: bool | None, takes_extra: bool) -> LossFn:
     """Every loss as ``f(params, extra, batch) -> (loss, (aux, new_extra))``.
 
     ``has_aux`` None: whether the loss returns ``(loss, aux)`` is read from what it returns
@@ -129,7 +129,7 @@ def _float_aux(aux: PyTree) -> PyTree:
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), aux)
 
 
-def _local_loss(
+def local_loss(
     plan: Plan, loss_fn: LossFn, policy: RematPolicy | None = None, stage_shapes: PyTree = None
 ) -> LossFn:
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
@@ -181,7 +181,7 @@ def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
     return Partition(plan.mesh, plan.auto_axes) if plan.auto_axes else None
 
 
-def _gradient_part(
+def gradient_part(
     plan: Plan,
     loss_fn: LossFn,
     options: StepOptions,
@@ -195,7 +195,7 @@ def _gradient_part(
     remat_policy = options.remat_policy
     if isinstance(remat_policy, str):
         remat_policy = parse_policy(remat_policy)
-    full_loss = _with_extra(loss_fn, has_aux, takes_extra)
+    full_loss = with_extra(loss_fn, has_aux, takes_extra)
     grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
     prec = plan.precision
 
@@ -206,7 +206,7 @@ def _gradient_part(
                 "jzero.step.init_train_state(plan, params, optimizer)."
             )
         _check_batch_rows(batch, accum * plan.data_parallel_size, accum)
-        params = _to_device(state.params, plan.params)
+        params = to_device(state.params, plan.params)
         ls = state.loss_scale
         loss, aux, grads, extra = grads_fn(params, state.extra, ls.scale, batch)
         grads = jax.lax.with_sharding_constraint(grads, on_device(plan.grads))
@@ -253,7 +253,7 @@ def _local_grads(
     # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,
     # at the accumulation boundary.
     reduce_each = plan.stage.shard_grads
-    local = _local_loss(plan, full_loss, policy)
+    local = local_loss(plan, full_loss, policy)
 
     def scaled(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
         """The loss to differentiate (times the loss scale under fp16), and what to report."""
@@ -502,7 +502,7 @@ def _stage_unit(
     many units the model's layers make (``P``, or ``P V`` chunks under interleaving)."""
     treedef = jax.tree.structure(plan.abstract_params)
     split = split_at_layers(loss_only, stage_shapes, extra, mb, stages=units or plan.pipe_size)
-    unit = _local_loss(plan, stage_unit(split), policy, stage_shapes)
+    unit = local_loss(plan, stage_unit(split), policy, stage_shapes)
 
     def run_unit(ps: list[Any], c: Any, first: Any, last: Any, mb: PyTree) -> Any:
         return unit(treedef.unflatten(ps), c, first, last, extra, mb)

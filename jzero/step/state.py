@@ -11,7 +11,7 @@ Decisions:
 * Leaves whose sharded dimension the shard count does not divide rest padded with zeros
   (:mod:`jzero.plan.padding`): the state holds the plan's ``stored_*`` shapes.
 * Offloaded leaves (a host memory kind in the plan) are brought into device memory inside the
-  step (:func:`_to_device`), so XLA schedules the copies; the step's ``out_shardings`` send the
+  step (:func:`to_device`), so XLA schedules the copies; the step's ``out_shardings`` send the
   results back.
 * The step's ``shard_map`` specs come from the plan (:meth:`jzero.plan.Plan.manual_spec`:
   ZeRO's axes on the sharded dimension, and a leaf's own manual axes, ``expert``).
@@ -269,7 +269,7 @@ def find_learning_rate(opt_state: PyTree) -> jax.Array | None:
     return found[0] if found else None
 
 
-def _to_device(tree: PyTree, shardings: PyTree) -> PyTree:
+def to_device(tree: PyTree, shardings: PyTree) -> PyTree:
     """Brings offloaded (host-memory) leaves into device memory inside the step."""
     return jax.tree.map(
         lambda x, s: jax.device_put(x, jax.memory.Space.Device) if is_host(s) else x,

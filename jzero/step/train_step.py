@@ -42,24 +42,24 @@ from jzero.optim.update_context import update_layout
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
 from jzero.step.gradients import (
     LossFn,
-    _gradient_part,
-    _local_loss,
-    _with_extra,
+    gradient_part,
+    local_loss,
     pipelined_loss,
+    with_extra,
 )
 from jzero.step.options import StepOptions
 from jzero.step.state import (
     TrainState,
-    _to_device,
     find_learning_rate,
     state_shardings,
+    to_device,
 )
 from jzero.step.streaming import streamed_groups, streamed_update
 from jzero.step.update import (
-    _apply_updates,
-    _keep_old_when_nonfinite,
-    _params_at_rest,
-    _update_inputs,
+    apply_updates,
+    keep_old_when_nonfinite,
+    params_at_rest,
+    update_inputs,
 )
 
 __all__ = ["make_eval_step", "make_train_step"]
@@ -82,12 +82,12 @@ def make_eval_step(
     runs its own layers on the rows in up to ``micro_batches`` micro-batches (the most that
     divides a device's rows), forward only.
     """
-    full_loss = _with_extra(loss_fn, has_aux, takes_extra)
+    full_loss = with_extra(loss_fn, has_aux, takes_extra)
     treedef = jax.tree.structure(plan.abstract_params)
     in_specs = treedef.unflatten(
         [plan.manual_spec(i, leaf.param_dim) for i, leaf in enumerate(plan.leaves)]
     )
-    local = _local_loss(plan, full_loss)
+    local = local_loss(plan, full_loss)
 
     def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
         if plan.pipe_axis:
@@ -109,7 +109,7 @@ def make_eval_step(
         check_vma=False,
     )
     return jax.jit(
-        lambda params, extra, batch: fn(_to_device(params, plan.params), extra, batch),
+        lambda params, extra, batch: fn(to_device(params, plan.params), extra, batch),
         in_shardings=(plan.params, plan.replicated, plan.batch),
         out_shardings=plan.replicated,
         compiler_options=compiler_options(plan) or None,
@@ -167,7 +167,7 @@ def make_train_step(
     """
     opts = options if options is not None else StepOptions()
     prec = plan.precision
-    gradients = _gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
+    gradients = gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
     on_host = opts.offload_compute == "host"
     if opts.offload_compute not in ("device", "host"):
         raise ValueError(
@@ -197,20 +197,20 @@ def make_train_step(
                 on_host,
             )
             if prec.skips:
-                extra = _keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
-            new_params = _params_at_rest(plan, copies)
+                extra = keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
+            new_params = params_at_rest(plan, copies)
         else:
-            master, opt_state = _update_inputs(plan, state, params)
+            master, opt_state = update_inputs(plan, state, params)
             grads = to_logical(grads, plan.abstract_params, on_device(plan.grads))
             # Muon orthogonalises each matrix whole where the update layout deals it out.
             with update_layout(on_device(plan.update_layout)):
                 updates, new_opt_state = optimizer.update(grads, opt_state, master)
-            new_master = _apply_updates(plan, master, updates, state.step)
+            new_master = apply_updates(plan, master, updates, state.step)
             if prec.skips:  # a skipped step leaves every bit of the state as it was
-                new_master, new_opt_state, extra = _keep_old_when_nonfinite(
+                new_master, new_opt_state, extra = keep_old_when_nonfinite(
                     finite, (new_master, new_opt_state, extra), (master, opt_state, state.extra)
                 )
-            new_params = _params_at_rest(plan, new_master)
+            new_params = params_at_rest(plan, new_master)
         applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
         ls = state.loss_scale
         new_state = TrainState(
@@ -252,12 +252,12 @@ def make_gradient_step(
     caller's update's); the state is not donated."""
     prec = plan.precision
     opts = options if options is not None else StepOptions()
-    gradients = _gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
+    gradients = gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
 
     def step(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
         _, grads, grad_norm, finite, loss, aux, extra = gradients(state, batch)
         if prec.skips:
-            extra = _keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
+            extra = keep_old_when_nonfinite(finite, ((), (), extra), ((), (), state.extra))[2]
         applied = (finite if prec.skips else jnp.bool_(True)).astype(jnp.int32)
         ls = state.loss_scale
         lr = learning_rate(state.step) if learning_rate else find_learning_rate(state.opt_state)

@@ -7,13 +7,13 @@ Decisions:
   like LAMB) computes what it would on one device, while each device only does the arithmetic
   for its own shard.
 * It updates the float32 master weights under mixed precision; otherwise the params
-  themselves, cut to the update layout with no communication (:func:`_update_inputs`). With
+  themselves, cut to the update layout with no communication (:func:`update_inputs`). With
   16-bit masters (``bf16.bf16_master_weights_and_grads``) those params are bfloat16: the
   optimizer runs in float32 (:func:`jzero.optim.float32_update`) and the new shard is rounded
-  to bfloat16 there, to nearest or stochastically (:func:`_apply_updates`).
+  to bfloat16 there, to nearest or stochastically (:func:`apply_updates`).
 * A skipped step (non-finite gradients under skipping) keeps every bit of the masters and the
   optimizer state, and the floating model state (BatchNorm statistics may hold the same NaN);
-  integer model state (RNG counters) advances as usual (:func:`_keep_old_when_nonfinite`).
+  integer model state (RNG counters) advances as usual (:func:`keep_old_when_nonfinite`).
 * The params the next step computes with are gathered from the updated shards explicitly,
   inside ``shard_map``, so the collective's dtype is exactly the one chosen: a 16-bit
   communication dtype rounds each shard before the all-gather (half the bytes), a float32 one
@@ -43,21 +43,21 @@ from jzero.plan import (
     unpad_to,
     update_view,
 )
-from jzero.step.state import TrainState, _to_device
+from jzero.step.state import TrainState, to_device
 
 __all__ = ["params_at_rest"]
 
 PyTree = Any
 
 
-def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree, PyTree]:
+def update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree, PyTree]:
     """What the optax update runs on, on the device, at the logical shapes (padded leaves cut,
     :mod:`jzero.plan.padding`): the local shard of the master weights (the float32 masters
     under mixed precision, else the params themselves cut to the update layout, with no
     communication) and the optimizer state."""
     if plan.precision.mixed:
         master = to_logical(
-            _to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
+            to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
         )
     else:
         master = jax.tree.map(
@@ -68,14 +68,14 @@ def _update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTre
             on_device(plan.update_layout),
         )
     opt_state = to_logical(
-        _to_device(state.opt_state, plan.opt_state),
+        to_device(state.opt_state, plan.opt_state),
         plan.abstract_opt_state,
         on_device(plan.opt_state),
     )
     return master, opt_state
 
 
-def _apply_updates(plan: Plan, master: PyTree, updates: PyTree, step: jax.Array) -> PyTree:
+def apply_updates(plan: Plan, master: PyTree, updates: PyTree, step: jax.Array) -> PyTree:
     """The new masters: ``optax.apply_updates`` (16-bit masters: the sum in float32 rounded to
     nearest), or with 16-bit masters and ``stochastic_rounding`` rounded stochastically with
     keys from the update count ``step`` and each leaf's index
@@ -85,7 +85,7 @@ def _apply_updates(plan: Plan, master: PyTree, updates: PyTree, step: jax.Array)
     return apply_rounded(master, updates, step if sr else None)
 
 
-def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
+def keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple:
     """A skipped step's ``(master, opt_state, extra)``: the old values where ``finite`` is
     false. Floating model state (BatchNorm statistics may hold the same NaN) is kept too;
     integer model state (RNG counters) advances as usual."""
@@ -104,12 +104,7 @@ def _keep_old_when_nonfinite(finite: jax.Array, new: tuple, old: tuple) -> tuple
 
 def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     """The params the next step computes with, from updated master shards in the update
-    layout (the 16-bit copies of them work too: the rounding is the same)."""
-    return _params_at_rest(plan, master)
-
-
-def _params_at_rest(plan: Plan, master: PyTree) -> PyTree:
-    """The params the next step computes with, from the updated master shards.
+    layout (the 16-bit copies of them work too: the rounding is the same).
 
     Leaves that rest whole but are updated in shards are all-gathered explicitly (inside
     ``shard_map``, so the collective's dtype is exactly the one chosen here). Under mixed
