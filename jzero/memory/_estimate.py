@@ -98,13 +98,13 @@ from jzero.distributed.pipeline import Schedule, make_schedule
 from jzero.memory._format import (
     GB,
     Recommendation,
-    _check_margin,
-    _positive,
-    _recommend,
-    _recommended,
-    _render,
+    check_margin,
+    check_positive,
     find_row,
     parse_size,
+    recommend,
+    recommended_index,
+    render_columns,
 )
 from jzero.memory._plot import plot_bars
 from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
@@ -139,15 +139,17 @@ _COUNT_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 def _count(value: object, what: str, example: str) -> float:
     """A positive parameter count: a number, or a string such as ``7.5e9``, ``7.5B``,
     ``350M`` (suffixes K, M, B, T: powers of 1000, any case); else the error of
-    :func:`_positive`."""
+    :func:`check_positive`."""
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBtT])\s*", value)
         if m:
             try:
-                return _positive(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()], what, "")
+                return check_positive(
+                    float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()], what, ""
+                )
             except ValueError:
                 pass
-    return _positive(value, what, example)
+    return check_positive(value, what, example)
 
 
 def _model_states(
@@ -364,7 +366,7 @@ class Estimate:
                 continue
             options.append((r.stage, r.offload, "none", r.total_bytes(False)))
             options.append((r.stage, r.offload, "full", r.total_bytes(True)))
-        return _recommend(options, self.device_memory, self.margin, ("GB", GB))
+        return recommend(options, self.device_memory, self.margin, ("GB", GB))
 
     def row(self, stage: int, offload: str = "none") -> EstimateRow:
         """The row of one option."""
@@ -445,7 +447,7 @@ class Estimate:
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
             "GB = 10^9 bytes",
-            *_render(header, rows, (1, len(header) - 1)),
+            *render_columns(header, rows, (1, len(header) - 1)),
             (
                 f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}"
                 if k == 12
@@ -549,7 +551,7 @@ class Estimate:
         title = f"ZeRO estimate: {self.params:.3g} parameters on {self.devices} devices"
         acs = (False, True) if self.counts_activations else (False,)
         options = [(r.stage, r.offload, ac) for r in self.rows for ac in acs]
-        pick = _recommended(options, self.recommendation)
+        pick = recommended_index(options, self.recommendation)
         plot_bars(
             path,
             title,
@@ -691,18 +693,18 @@ def estimate(
       8.0
     """
     psi = _count(params, "params", "7.5e9")
-    n = _positive(devices, "devices", "64", integer=True)
+    n = check_positive(devices, "devices", "64", integer=True)
     if devices_per_node is None:
         per_node = math.gcd(n, 8)
     else:
-        per_node = _positive(devices_per_node, "devices_per_node", "8", integer=True)
+        per_node = check_positive(devices_per_node, "devices_per_node", "8", integer=True)
         if n % per_node:
             raise ValueError(
                 f"devices_per_node: {per_node} does not divide devices={n}, but the devices must "
                 f"fill whole nodes. Pass a devices_per_node that divides {n}, e.g. "
                 f"{math.gcd(n, per_node)}."
             )
-    r = _positive(replicas, "replicas", "2", integer=True)
+    r = check_positive(replicas, "replicas", "2", integer=True)
     if n % r:
         raise ValueError(
             f"replicas: {r} does not divide devices={n}; each replica group must have the same "
@@ -722,10 +724,10 @@ def estimate(
             f"largest_layer_params: {largest_layer_params!r} is not allowed; it must be between "
             f"0 and the parameter count {psi:.4g}."
         )
-    tp = _positive(tensor_parallel, "tensor_parallel", "2", integer=True)
-    sp = _positive(sequence_parallel, "sequence_parallel", "4", integer=True)
-    pp = _positive(pipeline, "pipeline", "2", integer=True)
-    mb = 2 * pp if micro_batches is None else _positive(micro_batches, "micro_batches", "8",
+    tp = check_positive(tensor_parallel, "tensor_parallel", "2", integer=True)
+    sp = check_positive(sequence_parallel, "sequence_parallel", "4", integer=True)
+    pp = check_positive(pipeline, "pipeline", "2", integer=True)
+    mb = 2 * pp if micro_batches is None else check_positive(micro_batches, "micro_batches", "8",
                                                         integer=True)  # fmt: skip
     if pp > 1 and mb < pp:
         raise ValueError(
@@ -788,7 +790,7 @@ def estimate(
                 "(e.g. 2048, 1, 4096, 32, 32) or none of them."
             )
         shape = {
-            k: _positive(v, k, ex, integer=True)
+            k: check_positive(v, k, ex, integer=True)
             for (k, v), ex in zip(given.items(), ("2048", "1", "4096", "32", "32"), strict=True)
         }
         if activation_dtype not in _DTYPE_BYTES:
@@ -872,7 +874,7 @@ def estimate(
         for spec, o, d, h, disk in rows
     )
     return Estimate(
-        psi_all, n, per_node, out, memory, _check_margin(margin), ll * tp, buf, shape,
+        psi_all, n, per_node, out, memory, check_margin(margin), ll * tp, buf, shape,
         activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, virtual_stages, n_experts, ep,
         psi_e, opt_dtype, master,
     )  # fmt: skip
@@ -893,7 +895,7 @@ def _check_experts(
             "each MoE layer, e.g. 8, or 0 (no mixture of experts)."
         )
     e = int(e)
-    ep = _positive(expert_parallel, "expert_parallel", "4", integer=True)
+    ep = check_positive(expert_parallel, "expert_parallel", "4", integer=True)
     try:
         none = not isinstance(expert_params, bool) and float(expert_params) == 0
     except (TypeError, ValueError):

@@ -65,7 +65,7 @@ def parse_size(value: str | float, what: str = "device memory") -> int:
     return int(number)
 
 
-def _positive(value: Any, what: str, example: str, integer: bool = False) -> Any:
+def check_positive(value: Any, what: str, example: str, integer: bool = False) -> Any:
     try:
         number = float(value) if not isinstance(value, bool) else math.nan
     except (TypeError, ValueError):
@@ -76,7 +76,7 @@ def _positive(value: Any, what: str, example: str, integer: bool = False) -> Any
     return int(number) if integer else number
 
 
-def _check_margin(margin: float) -> float:
+def check_margin(margin: float) -> float:
     if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < 1:
         raise ValueError(
             f"margin: {margin!r} is not allowed; it is the fraction of device memory kept free "
@@ -85,11 +85,11 @@ def _check_margin(margin: float) -> float:
     return float(margin)
 
 
-def _fmt(n: float, unit: tuple[str, float]) -> str:
+def in_unit(n: float, unit: tuple[str, float]) -> str:
     return f"{n / unit[1]:.2f}"
 
 
-def _unit_for(n: float) -> tuple[str, float]:
+def unit_for(n: float) -> tuple[str, float]:
     return byte_unit(n)
 
 
@@ -97,7 +97,7 @@ def _format_size(n: float, unit: tuple[str, float] | None = None) -> str:
     return format_bytes(n, digits=2, unit=unit)
 
 
-def _render(
+def render_columns(
     header: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (1,)
 ) -> list[str]:
     """Aligned text columns; the columns listed in ``left`` are left-aligned."""
@@ -116,14 +116,14 @@ def _render(
 # -- recommendation ------------------------------------------------------------------------------
 
 
-def _ac_on(checkpointing: str | None) -> bool:
+def recomputes(checkpointing: str | None) -> bool:
     """Whether an option's activation-checkpointing policy recomputes anything."""
     return checkpointing not in (None, "none")
 
 
 def _option_name(stage: int, offload: str, checkpointing: str | None) -> str:
     what = f"ZeRO stage {stage}"
-    if _ac_on(checkpointing):
+    if recomputes(checkpointing):
         what += f" with activation checkpointing (policy {checkpointing})"
     if offload != "none":
         what += f" with {offload} offload to host memory"
@@ -164,7 +164,7 @@ class Recommendation:
     @property
     def activation_checkpointing(self) -> bool:
         """Whether the recommended option uses activation checkpointing."""
-        return _ac_on(self.checkpointing)
+        return recomputes(self.checkpointing)
 
     @property
     def lever(self) -> str | None:
@@ -215,7 +215,7 @@ class Recommendation:
             )
         groups: dict[str, list[str]] = {}
         for stage, offload, checkpointing, missing in self.short:
-            key = ("with" if _ac_on(checkpointing) else "without") + " activation checkpointing"
+            key = ("with" if recomputes(checkpointing) else "without") + " activation checkpointing"
             if offload != "none":
                 key = f"{offload} offload, {key}"
             groups.setdefault(key, []).append(f"stage {stage} by {show(missing)}")
@@ -227,10 +227,10 @@ class Recommendation:
 
 def _lever_key(option: Sequence[Any]) -> tuple[bool, int, bool, int]:
     stage, offload, checkpointing = option[0], option[1], option[2]
-    return (offload != "none", _OFFLOAD_ORDER.index(offload), _ac_on(checkpointing), stage)
+    return (offload != "none", _OFFLOAD_ORDER.index(offload), recomputes(checkpointing), stage)
 
 
-def _recommend(
+def recommend(
     options: Sequence[tuple[int, str, str | None, float]],
     device_memory: int | None,
     margin: float,
@@ -241,7 +241,7 @@ def _recommend(
         return None
     usable = device_memory * (1 - margin)
     ordered = sorted(options, key=_lever_key)
-    weighed = any(_ac_on(o[2]) for o in ordered)
+    weighed = any(recomputes(o[2]) for o in ordered)
     short = tuple((s, o, c, n - usable) for s, o, c, n in ordered if n > usable) if weighed else ()
     pick = next((o for o in ordered if o[3] <= usable), None)
     fits = pick is not None
@@ -257,7 +257,7 @@ def _recommend(
     )
 
 
-def _recommended(
+def recommended_index(
     options: Sequence[tuple[int, str, bool]], recommendation: Recommendation | None
 ) -> int | None:
     """The index in ``options`` (stage, offload, activation checkpointing) of the recommended

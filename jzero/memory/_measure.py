@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jzero.memory._format import _check_margin, _positive, _recommend, parse_size
+from jzero.memory._format import check_margin, check_positive, parse_size, recommend
 from jzero.memory._report import PlanReport, StageMemory
 from jzero.plan import HOST_MEMORY_KINDS
 
@@ -209,7 +209,7 @@ def memory_report(
       A :class:`PlanReport` with one row.
     """
     local = engine.plan.num_shards
-    n = local if devices is None else _positive(devices, "devices", str(local), integer=True)
+    n = local if devices is None else check_positive(devices, "devices", str(local), integer=True)
     if batch is not None:
         engine.fit_layout(batch)  # the final plan: stacked layers found in the traced loss
     row = _stage_memory(engine, batch, None if n == local else _plan_on(engine, n))
@@ -217,7 +217,7 @@ def memory_report(
     title = f"jzero memory report: ZeRO stage {row.stage}, {n} devices"
     memory = None if device_memory is None else parse_size(device_memory)
     measured = local if batch is not None else None
-    return PlanReport(title, (row,), n, measured, memory, _check_margin(margin))
+    return PlanReport(title, (row,), n, measured, memory, check_margin(margin))
 
 
 def _with_zero(cfg: Any, stage: int, offload: str, sizes: tuple[int, int, int] | None) -> Any:
@@ -305,11 +305,11 @@ def measure_stages(
     cfg = config_lib.load_config(config, overrides=overrides)
     model_name, build = model(cfg)
     memory = None if device_memory is None else parse_size(device_memory)
-    margin = _check_margin(margin)
+    margin = check_margin(margin)
     local_n = jax.device_count()
     mesh, sizes, n = None, None, None
     if devices is not None:
-        n = _positive(devices, "devices", str(local_n), integer=True)
+        n = check_positive(devices, "devices", str(local_n), integer=True)
         others = {k: v for k, v in cfg.mesh_sizes().items() if k != "data" and v not in (1, -1)}
         if others:
             raise ValueError(
@@ -375,7 +375,7 @@ def measure_stages(
     measured = [measure_row(stage, "none") for stage in stages]
     n = seen["devices"] if n is None else n
     options = [(r.stage, r.offload, p, peak) for r in measured for p, _, peak in r.variants()]
-    fits = _recommend(options, memory, margin)
+    fits = recommend(options, memory, margin)
     if offload or (offload is None and fits is not None and not fits.fits):
         measured += [measure_row(stage, name) for stage, name in offload_variants(stages)]
     micro, accum = seen["micro"]

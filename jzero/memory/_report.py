@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 from jzero.memory._format import (
     Recommendation,
-    _ac_on,
-    _fmt,
-    _recommend,
-    _recommended,
-    _render,
-    _unit_for,
     find_row,
+    in_unit,
     parse_size,
+    recommend,
+    recommended_index,
+    recomputes,
+    render_columns,
+    unit_for,
 )
 from jzero.memory._plot import plot_bars
 
@@ -134,12 +134,12 @@ class StageMemory:
     def temp_with(self, checkpointing: bool) -> int | None:
         """Temporaries (activations, gradients, gathered layers) of the step compiled without
         (``False``) or with (``True``) activation checkpointing; ``None`` if not measured."""
-        return next((t for p, t, _ in self.variants() if _ac_on(p) == checkpointing), None)
+        return next((t for p, t, _ in self.variants() if recomputes(p) == checkpointing), None)
 
     def peak_with(self, checkpointing: bool) -> int | None:
         """:attr:`peak` without (``False``) or with (``True``) activation checkpointing;
         ``None`` if not measured."""
-        return next((k for p, _, k in self.variants() if _ac_on(p) == checkpointing), None)
+        return next((k for p, _, k in self.variants() if recomputes(p) == checkpointing), None)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class PlanReport:
         """The cheapest option whose peak fits: lowest stage, then activation checkpointing,
         then offload; ``None`` without a device memory."""
         options = [(r.stage, r.offload, p, peak) for r in self.rows for p, _, peak in r.variants()]
-        return _recommend(options, self.device_memory, self.margin)
+        return recommend(options, self.device_memory, self.margin)
 
     def _largest(self) -> int:
         return max([peak for r in self.rows for _, _, peak in r.variants()] + [1])
@@ -180,12 +180,12 @@ class PlanReport:
     def table(self) -> str:
         """The report as text: categories, gathered layer, measured memory, peak, advice."""
         keys = list(dict.fromkeys(k for r in self.rows for k in r.device))
-        unit = _unit_for(self._largest())
+        unit = unit_for(self._largest())
         usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
         header = ["stage", "offload", *(k.replace("_", " ") for k in keys), "host", "gathered"]
         compare = self.compares_checkpointing
         other = next((r.other_checkpointing for r in self.rows if r.other_checkpointing), None)
-        alt = "AC" if _ac_on(other) else "no AC"
+        alt = "AC" if recomputes(other) else "no AC"
         comm = any(r.comm_bytes is not None for r in self.rows)
         cross = any(r.cross_replica_bytes is not None for r in self.rows)
         model = any(r.model_axis_bytes is not None for r in self.rows)
@@ -200,8 +200,8 @@ class PlanReport:
         header += ["fits"] if usable is not None else []
         rows = []
         for r in self.rows:
-            cells = [str(r.stage), r.offload, *(_fmt(r.device.get(k, 0), unit) for k in keys)]
-            cells += [_fmt(sum(r.host.values()), unit), _fmt(r.gathered_layer, unit)]
+            cells = [str(r.stage), r.offload, *(in_unit(r.device.get(k, 0), unit) for k in keys)]
+            cells += [in_unit(sum(r.host.values()), unit), in_unit(r.gathered_layer, unit)]
             for shown, v in (
                 (comm, r.comm_bytes),
                 (cross, r.cross_replica_bytes),
@@ -211,13 +211,13 @@ class PlanReport:
                 (expert, r.expert_axis_bytes),
             ):
                 if shown:
-                    cells.append("-" if v is None else _fmt(v, unit))
+                    cells.append("-" if v is None else in_unit(v, unit))
             for v in (r.argument_bytes, r.temp_bytes):
-                cells.append("-" if v is None else _fmt(v, unit))
-            cells.append(_fmt(r.peak, unit))
+                cells.append("-" if v is None else in_unit(v, unit))
+            cells.append(in_unit(r.peak, unit))
             if compare:
                 for v in (r.other_temp_bytes, r.other_peak_bytes):
-                    cells.append("-" if v is None else _fmt(v, unit))
+                    cells.append("-" if v is None else in_unit(v, unit))
             if usable is not None:
                 cells.append(_fits(r, usable))
             rows.append(cells)
@@ -226,7 +226,7 @@ class PlanReport:
             if self.measured_devices is None
             else f"measured on the local {self.measured_devices} devices"
         )
-        lines = [self.title, f"Per-device memory ({unit[0]})", *_render(header, rows)]
+        lines = [self.title, f"Per-device memory ({unit[0]})", *render_columns(header, rows)]
         lines += [
             f"model state (params ... host, gathered): the plan on {self.devices} devices; "
             f"args, temp: compiled step's memory_analysis(), {where}.",
@@ -277,7 +277,7 @@ class PlanReport:
                     device["activations and temporaries"] = float(rest)
                 label = f"{r.stage}\n{r.offload}"
                 if self.compares_checkpointing:
-                    label += "\n+AC" if _ac_on(policy) else "\nno AC"
+                    label += "\n+AC" if recomputes(policy) else "\nno AC"
                 out.append((label, device, host if i == 0 else {}))
         return out
 
@@ -286,9 +286,11 @@ class PlanReport:
         and the recommended one starred; each activation-checkpointing setting measured is a
         bar of its own."""
         limit = None if self.device_memory is None else self.device_memory * (1 - self.margin)
-        unit = _unit_for(self._largest())
-        options = [(r.stage, r.offload, _ac_on(p)) for r in self.rows for p, _, _ in r.variants()]
-        pick = _recommended(options, self.recommendation)
+        unit = unit_for(self._largest())
+        options = [
+            (r.stage, r.offload, recomputes(p)) for r in self.rows for p, _, _ in r.variants()
+        ]
+        pick = recommended_index(options, self.recommendation)
         plot_bars(path, self.title, self.bars(), limit=limit, unit=unit, recommended=pick)
 
 
