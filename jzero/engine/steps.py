@@ -115,11 +115,8 @@ def profiled_step(engine: Any, step: Callable[..., Any], batch: PyTree) -> dict[
         compiled,
         seconds,
         step=engine.iteration + 1,
-        devices=engine.mesh.devices.size,
-        device=engine.mesh.devices.flat[0],
-        depth=fp.module_depth,
-        peak=fp.peak_flops,
-        recompute_fwd_factor=fp.recompute_fwd_factor,
+        devices=list(engine.mesh.devices.flat),
+        options=profiler.ProfileOptions(fp.module_depth, fp.peak_flops, fp.recompute_fwd_factor),
     )
     engine.flops_profile = result
     text = result.format(fp.top_modules, fp.detailed)

@@ -21,8 +21,9 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ from jzero.profiler.report import FlopsProfile as FlopsProfile
 __all__ = [
     "PEAK_FLOPS",
     "FlopsProfile",
+    "ProfileOptions",
     "StepCost",
     "mfu",
     "module_flops",
@@ -58,6 +60,20 @@ def params_per_module(params: Any, depth: int = -1) -> dict[str, int]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfileOptions:
+    """How :func:`profile` reads a step: DeepSpeed's ``flops_profiler`` settings that shape the
+    profile (the printout's own, ``top_modules`` and ``detailed``, go to
+    :meth:`FlopsProfile.format`)."""
+
+    depth: int = -1
+    """The per-module table's grouping (DeepSpeed's ``module_depth``); -1: whole paths."""
+    peak: float | None = None
+    """The peak FLOP/s per device, overriding :data:`PEAK_FLOPS`; ``None``: the table's."""
+    recompute_fwd_factor: float = 0.0
+    """Forward passes repeated by activation checkpointing."""
+
+
 def profile(
     loss: Callable[..., Any],
     params: Any,
@@ -66,11 +82,8 @@ def profile(
     seconds: float,
     *,
     step: int,
-    devices: int,
-    device: Any,
-    depth: int = -1,
-    peak: float | None = None,
-    recompute_fwd_factor: float = 0.0,
+    devices: Sequence[Any],
+    options: ProfileOptions | None = None,
 ) -> FlopsProfile:
     """One step's :class:`FlopsProfile`.
 
@@ -81,19 +94,19 @@ def profile(
       compiled: the step's ``jax.stages.Compiled``.
       seconds: the step's measured time.
       step: which step it was.
-      devices: the devices the step ran on.
-      device: one of them (its kind picks the peak).
-      depth: the per-module table's grouping (DeepSpeed's ``module_depth``).
-      peak: the peak FLOP/s per device, overriding the table.
-      recompute_fwd_factor: forward passes repeated by activation checkpointing.
+      devices: the devices the step ran on (the first one's kind picks the peak).
+      options: the module table's depth, the peak and the recomputation
+        (:class:`ProfileOptions`); ``None``: its defaults.
     """
+    o = options if options is not None else ProfileOptions()
+    device = devices[0]
     return FlopsProfile(
         step=step,
-        cost=step_cost(compiled, devices),
+        cost=step_cost(compiled, len(devices)),
         seconds=seconds,
-        forward=module_flops(loss, params, *args, depth=depth),
-        params=params_per_module(params, depth),
-        peak=peak_flops(device, peak),
+        forward=module_flops(loss, params, *args, depth=o.depth),
+        params=params_per_module(params, o.depth),
+        peak=peak_flops(device, o.peak),
         device_kind=str(getattr(device, "device_kind", "")),
-        recompute_fwd_factor=recompute_fwd_factor,
+        recompute_fwd_factor=o.recompute_fwd_factor,
     )
