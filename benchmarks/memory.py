@@ -18,6 +18,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 from jzero import memory  # noqa: E402
 from jzero.demo.plan import plan_report  # noqa: E402
+from jzero.memory import ModelShape, ParallelLayout  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -25,7 +26,11 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default="configs/zero2.yaml")
     ap.add_argument("--device-memory", default="80GB")
     args = ap.parse_args(argv)
-    print(memory.estimate(7.5e9, 64, 8, args.device_memory).table())
+    print(
+        memory.estimate(
+            ModelShape(7.5e9), ParallelLayout(64, devices_per_node=8), args.device_memory
+        ).table()
+    )
     print()
     print(plan_report(args.config, device_memory=args.device_memory).table())
 

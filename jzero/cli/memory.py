@@ -95,33 +95,38 @@ def _estimate(args: argparse.Namespace) -> int:
             "together (part of --params), e.g. --expert-params 6e9: they are sharded apart from "
             "the dense parameters. Pass --expert-params, or leave out --experts."
         )
-    result = memory.estimate(
+    model = memory.ModelShape(
         args.params,
-        args.devices,
-        args.devices_per_node,
-        args.device_memory,
-        args.offload,
         largest_layer_params=args.largest_layer_params or 0,
-        margin=args.margin,
         seq_len=args.seq_len,
-        micro_batch=args.micro_batch,
         hidden=args.hidden,
         layers=args.layers,
         heads=args.heads,
-        activation_dtype=args.activation_dtype,
+        experts=args.experts or 0,
+        expert_params=args.expert_params or 0,
+    )
+    layout = memory.ParallelLayout(
+        args.devices,
+        args.devices_per_node,
+        micro_batch=args.micro_batch,
         replicas=args.replicas,
-        sub_group_size=args.sub_group_size,
         tensor_parallel=args.tensor_parallel,
         sequence_parallel=args.sequence_parallel,
         pipeline=args.pipeline,
         micro_batches=args.micro_batches,
         pipeline_schedule=args.pipeline_schedule,
         virtual_stages=args.virtual_stages,
-        experts=args.experts or 0,
         expert_parallel=args.expert_parallel,
-        expert_params=args.expert_params or 0,
-        optimizer_dtype=args.optimizer_dtype,
-        master_dtype=args.master_dtype,
+    )
+    dtypes = memory.Dtypes(args.activation_dtype, args.optimizer_dtype, args.master_dtype)
+    result = memory.estimate(
+        model,
+        layout,
+        args.device_memory,
+        args.offload,
+        margin=args.margin,
+        dtypes=dtypes,
+        sub_group_size=args.sub_group_size,
     )
     return _print_report(result, args.plot)
 

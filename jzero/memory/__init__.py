@@ -25,8 +25,9 @@ Every public name lives in one of the private modules below and is re-exported h
   :class:`Recommendation`, which weighs the levers in the order of their cost: the lowest stage
   that fits without activation checkpointing or offload, then activation checkpointing, then
   offload; it names the lever and how short every other option is.
-* ``_estimate``: :func:`estimate`, :func:`transformer_activations` and the
-  :class:`Estimate` / :class:`EstimateRow`.
+* ``_estimate``: :func:`estimate` of a :class:`ModelShape` on a :class:`ParallelLayout` (in
+  :class:`Dtypes`), :func:`transformer_activations` and the :class:`Estimate` /
+  :class:`EstimateRow`.
 * ``_report``: :class:`StageMemory` and :class:`PlanReport`, the measured report's rows and table.
 * ``_measure``: :func:`measure_stages` and :func:`memory_report`, which compile.
 * ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
@@ -37,9 +38,12 @@ memory (10% by default) free. Callers reach the entry points through this packag
 """
 
 from jzero.memory._estimate import BUFFER_FACTOR as BUFFER_FACTOR
+from jzero.memory._estimate import Dtypes as Dtypes
 from jzero.memory._estimate import Estimate as Estimate
 from jzero.memory._estimate import EstimateRow as EstimateRow
+from jzero.memory._estimate import ModelShape as ModelShape
 from jzero.memory._estimate import Offload as Offload
+from jzero.memory._estimate import ParallelLayout as ParallelLayout
 from jzero.memory._estimate import estimate as estimate
 from jzero.memory._estimate import transformer_activations as transformer_activations
 from jzero.memory._format import GB as GB
@@ -53,8 +57,11 @@ from jzero.memory._report import PlanReport as PlanReport
 from jzero.memory._report import StageMemory as StageMemory
 
 __all__ = [
+    "Dtypes",
     "Estimate",
     "EstimateRow",
+    "ModelShape",
+    "ParallelLayout",
     "PlanReport",
     "Recommendation",
     "StageMemory",

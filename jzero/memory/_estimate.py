@@ -111,9 +111,12 @@ from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
 __all__ = [
     "BUFFER_FACTOR",
+    "Dtypes",
     "Estimate",
     "EstimateRow",
+    "ModelShape",
     "Offload",
+    "ParallelLayout",
     "estimate",
     "transformer_activations",
 ]
@@ -563,135 +566,177 @@ class Estimate:
         )
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What :func:`estimate` knows of the model: its parameter count, the largest layer stage 3
+    gathers whole, the transformer's shape for the activation term (all of ``seq_len``,
+    ``hidden``, ``layers`` and ``heads``, with the layout's ``micro_batch``, or none of them)
+    and its experts. Values are checked by :func:`estimate`, which names the bad one."""
+
+    params: float | str
+    """The parameter count Psi, e.g. ``7.5e9`` or ``"7.5B"``."""
+    largest_layer_params: float = 0
+    """Parameters of the largest layer, gathered whole at stage 3."""
+    seq_len: int | None = None
+    """Sequence length s, for the activation term."""
+    hidden: int | None = None
+    """Hidden size h, for the activation term."""
+    layers: int | None = None
+    """Transformer layers L, for the activation term."""
+    heads: int | None = None
+    """Attention heads a, for the activation term."""
+    experts: int = 0
+    """The experts E of each MoE layer; 0: no mixture of experts."""
+    expert_params: float | str = 0
+    """Psi_e, the parameters of all the experts of all MoE layers, part of ``params`` (a count
+    as ``params``, e.g. ``6e9`` or ``"6B"``); needed with ``experts``. They are counted apart
+    from the dense Psi_d = Psi - Psi_e, as DeepSpeed shards them: a device holds E/E_p
+    experts, Psi_e/E_p parameters, whose states ZeRO shards only over the N/E_p devices of
+    their expert data-parallel group (the ``data`` axis), while the dense parameters are
+    sharded over all N. Each stage's formula then holds for Psi_d over N plus Psi_e/E_p over
+    N/E_p: at stage 3 16 Psi/N as without experts, at stage 1 ``4 (Psi_d + Psi_e/E_p) + 12
+    Psi/N``. DeepSpeed's estimators have no such term. Each row's
+    :attr:`~EstimateRow.expert_bytes` and :attr:`~EstimateRow.dense_bytes` split its model
+    states, and the table shows them as columns. With E_p = 1 the totals are those without
+    experts."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How :func:`estimate`'s devices are laid out: how many, per node, the parallel sizes
+    beside ZeRO's data axis, the micro-batches and the pipeline's schedule."""
+
+    devices: int
+    """The number of data-parallel devices N."""
+    devices_per_node: int | None = None
+    """Devices per node (host figures are per node); ``None``: the largest divisor of
+    ``devices`` up to 8."""
+    micro_batch: int | None = None
+    """Micro batch per device b, for the activation term (with the model's shape)."""
+    replicas: int = 1
+    """Hybrid sharding's replica groups R (``mesh: {replica: R, data: N/R}``,
+    ``mics_shard_size: N/R``): state is sharded within each group of ``N/R`` devices and only
+    the gradient shards cross the groups; 1: one group of all N."""
+    tensor_parallel: int = 1
+    """AutoTP's model axis T (``tensor_parallel.autotp_size``): each device holds ``Psi / T``
+    of the model, ZeRO-sharded over the ``N / T`` devices of its data group (x ``seq``), and the
+    activations split as :func:`transformer_activations` says. With the transformer's shape,
+    the model-axis traffic is Megatron's: 4 all-reduces of ``s b h`` a layer (2 forward, 2
+    backward), ``2 (T-1)/T`` of the buffer each on a ring."""
+    sequence_parallel: int = 1
+    """Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over it too (DeepSpeed's
+    way), the activations divide by S, and with the transformer's shape its traffic is 8
+    all-to-alls of ``s b h / S`` a layer, ``(S-1)/S`` each."""
+    pipeline: int = 1
+    """The pipeline stages P (``pipeline.stages``): each device holds ``Psi / P`` (its stage's
+    layers; the embedding and head are counted as spread too), ZeRO-sharded over the
+    ``N / (R T P)`` devices of its stage; with the transformer's shape a stage runs ``L / P``
+    layers and keeps the activations of ``P`` micro-batches of them under 1F1B (the first
+    stage's, the most), ``M`` under GPipe, and its traffic is one micro-batch's ``s b h``
+    activations forward and their gradient back, ``M`` times a step."""
+    micro_batches: int | None = None
+    """The micro-batches M a step (``gradient_accumulation_steps``); ``None``: 2P."""
+    pipeline_schedule: str = "1f1b"
+    """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``: a stage keeps the
+    activations of the most micro-batches its table has in flight (``M`` under GPipe, ``P``
+    under 1F1B and zero-bubble, a chunk's ``1 / V`` each under interleaving)."""
+    virtual_stages: int | None = None
+    """``V``, the chunks of layers per stage under ``interleaved_1f1b`` (``None``: 2 there,
+    else 1)."""
+    expert_parallel: int = 1
+    """The expert axis E_p (``expert_parallel.autoep_size``; the mesh ``{data: N/E_p, expert:
+    E_p}``); it divides ``devices`` (per replica group) and the model's ``experts``; composes
+    with ``tensor_parallel`` (the experts stay whole over ``model``), ``sequence_parallel``
+    and ``pipeline``; lists no NVMe rows."""
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes :func:`estimate` counts the activations and the optimizer state in."""
+
+    activations: str = "bf16"
+    """``"bf16"`` (as the mixed-precision model states), ``"fp16"`` or ``"fp32"``."""
+    optimizer: str = "fp32"
+    """The optimizer state's dtype at rest: ``"fp32"`` (the ZeRO paper's K = 12, fp32 master
+    4 + moments 4 + 4) or ``"bf16"`` (alias ``"bfloat16"``; jzero's ``bf16: {enabled: true,
+    bf16_optimizer_states: true}``: Adam's moments in bfloat16, the masters fp32, K = 4 + 2 + 2
+    = 8). K is the optimizer-state part of every stage's formula (stage 1 ``4 Psi + K Psi/N``),
+    of the offloaded host rows and of the NVMe tier; nothing else changes."""
+    master: str = "fp32"
+    """The master weights' dtype: ``"fp32"`` (a 4-byte copy in K) or ``"bf16"`` (alias
+    ``"bfloat16"``; ``bf16.bf16_master_weights_and_grads``: the bf16 params are the masters, K
+    drops by 4, to 8, or to 4 with ``optimizer="bf16"``)."""
+
+
 def estimate(
-    params: float | str,
-    devices: int,
-    devices_per_node: int | None = None,
+    model: ModelShape,
+    layout: ParallelLayout,
     device_memory: int | str | None = None,
     offload: Offload | None = None,
     *,
-    largest_layer_params: float = 0,
     margin: float = 0.1,
-    additional_buffer_factor: float = BUFFER_FACTOR,
-    seq_len: int | None = None,
-    micro_batch: int | None = None,
-    hidden: int | None = None,
-    layers: int | None = None,
-    heads: int | None = None,
-    activation_dtype: str = "bf16",
-    replicas: int = 1,
+    dtypes: Dtypes | None = None,
     sub_group_size: float = 1e9,
-    tensor_parallel: int = 1,
-    sequence_parallel: int = 1,
-    pipeline: int = 1,
-    micro_batches: int | None = None,
-    pipeline_schedule: str = "1f1b",
-    virtual_stages: int | None = None,
-    experts: int = 0,
-    expert_parallel: int = 1,
-    expert_params: float | str = 0,
-    optimizer_dtype: str = "fp32",
-    master_dtype: str = "fp32",
+    additional_buffer_factor: float = BUFFER_FACTOR,
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
     Model states follow the ZeRO paper and DeepSpeed's estimators (see the module docstring).
-    Given a transformer's shape (all of ``seq_len``, ``micro_batch``, ``hidden``, ``layers``,
-    ``heads``), activations are added per device from Korthikanti et al. 2022, "Reducing
-    Activation Recomputation in Large Transformer Models": per layer ``s b h (34 + 5 a s / h)``
-    bytes in 16-bit without recomputation, ``2 s b h`` per layer with full recomputation (plus
-    one layer rebuilt in the backward pass); fp32 doubles the 16-bit part
-    (:func:`transformer_activations`). Each option then has a total without and with
-    activation checkpointing, and the recommendation weighs stage, then activation
+    Given a transformer's shape (all of the model's ``seq_len``, ``hidden``, ``layers``,
+    ``heads`` and the layout's ``micro_batch``), activations are added per device from
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    per layer ``s b h (34 + 5 a s / h)`` bytes in 16-bit without recomputation, ``2 s b h`` per
+    layer with full recomputation (plus one layer rebuilt in the backward pass); fp32 doubles
+    the 16-bit part (:func:`transformer_activations`). Each option then has a total without
+    and with activation checkpointing, and the recommendation weighs stage, then activation
     checkpointing, then offload.
 
     Args:
-      params: the parameter count Psi, e.g. ``7.5e9``.
-      devices: the number of data-parallel devices N.
-      devices_per_node: devices per node (host figures are per node); by default the largest
-        divisor of ``devices`` up to 8.
+      model: the parameter count, largest layer, transformer shape and experts
+        (:class:`ModelShape`).
+      layout: the devices, per node, the parallel sizes and the pipeline's micro-batches and
+        schedule (:class:`ParallelLayout`).
       device_memory: the memory of one device (bytes, or a size such as ``"80GB"``); with it
         the result marks what fits and recommends a stage.
       offload: ``None`` lists every option, ``"none"`` only those without offload, ``"cpu"``
         only those with offload to host memory.
-      largest_layer_params: parameters of the largest layer, gathered whole at stage 3.
       margin: fraction of the device memory kept free (fragmentation, the runtime, and
         activations when the transformer's shape is not given).
-      additional_buffer_factor: DeepSpeed's slack on host memory.
-      seq_len: sequence length s, for the activation term.
-      micro_batch: micro batch per device b, for the activation term.
-      hidden: hidden size h, for the activation term.
-      layers: transformer layers L, for the activation term.
-      heads: attention heads a, for the activation term.
-      activation_dtype: ``"bf16"`` (default, as the mixed-precision model states),
-        ``"fp16"`` or ``"fp32"``.
+      dtypes: the activations', the optimizer state's and the master weights' dtypes
+        (:class:`Dtypes`); ``None``: bf16 activations, fp32 optimizer state and masters.
       sub_group_size: DeepSpeed's ``sub_group_size``, the elements of one group of the
         state the NVMe tier holds in host memory at a time (4 buffers of it).
-      replicas: hybrid sharding's replica groups R (``mesh: {replica: R, data: N/R}``,
-        ``mics_shard_size: N/R``): state is sharded within each group of ``N/R`` devices and
-        only the gradient shards cross the groups; 1 (default): one group of all N.
-      tensor_parallel: AutoTP's model axis T (``tensor_parallel.autotp_size``): each device
-        holds ``Psi / T`` of the model, ZeRO-sharded over the ``N / T`` devices of its data
-        group (x ``seq``), and the activations split as :func:`transformer_activations` says.
-        With the transformer's shape, the model-axis traffic is Megatron's: 4 all-reduces of
-        ``s b h`` a layer (2 forward, 2 backward), ``2 (T-1)/T`` of the buffer each on a ring.
-      sequence_parallel: Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over
-        it too (DeepSpeed's way), the activations divide by S, and with the transformer's
-        shape its traffic is 8 all-to-alls of ``s b h / S`` a layer, ``(S-1)/S`` each.
-      pipeline: the pipeline stages P (``pipeline.stages``): each device holds ``Psi / P`` (its
-        stage's layers; the embedding and head are counted as spread too), ZeRO-sharded over
-        the ``N / (R T P)`` devices of its stage; with the transformer's shape a stage runs
-        ``L / P`` layers and keeps the activations of ``P`` micro-batches of them under 1F1B
-        (the first stage's, the most), ``M`` under GPipe, and its traffic is one micro-batch's
-        ``s b h`` activations forward and their gradient back, ``M`` times a step.
-      micro_batches: the micro-batches M a step (``gradient_accumulation_steps``); default 2P.
-      pipeline_schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved_1f1b"`` or
-        ``"zero_bubble"``: a stage keeps the activations of the most micro-batches its table
-        has in flight (``M`` under GPipe, ``P`` under 1F1B and zero-bubble, a chunk's
-        ``1 / V`` each under interleaving).
-      virtual_stages: ``V``, the chunks of layers per stage under ``interleaved_1f1b``
-        (default 2 there, else 1).
-      experts: the experts E of each MoE layer; 0 (default): no mixture of experts.
-      expert_parallel: the expert axis E_p (``expert_parallel.autoep_size``; the mesh
-        ``{data: N/E_p, expert: E_p}``); it divides ``devices`` (per replica group) and
-        ``experts``; composes with ``tensor_parallel`` (the experts stay whole over ``model``),
-        ``sequence_parallel`` and ``pipeline``; lists no NVMe rows.
-      expert_params: Psi_e, the parameters of all the experts of all MoE layers, part of
-        ``params`` (a count as ``params``, e.g. ``6e9`` or ``"6B"``); needed with ``experts``.
-        They are counted apart from the dense Psi_d = Psi - Psi_e, as DeepSpeed shards them:
-        a device holds E/E_p experts, Psi_e/E_p parameters, whose states ZeRO shards only
-        over the N/E_p devices of their expert data-parallel group (the ``data`` axis), while
-        the dense parameters are sharded over all N. Each stage's formula then holds for Psi_d
-        over N plus Psi_e/E_p over N/E_p: at stage 3 16 Psi/N as without experts, at stage 1
-        ``4 (Psi_d + Psi_e/E_p) + 12 Psi/N``. DeepSpeed's estimators have no such term.
-        Each row's :attr:`~EstimateRow.expert_bytes` and :attr:`~EstimateRow.dense_bytes`
-        split its model states, and the table shows them as columns. With E_p = 1 the
-        totals are those without experts.
-      optimizer_dtype: the optimizer state's dtype at rest: ``"fp32"`` (default: the ZeRO
-        paper's K = 12, fp32 master 4 + moments 4 + 4) or ``"bf16"`` (alias ``"bfloat16"``;
-        jzero's ``bf16: {enabled: true, bf16_optimizer_states: true}``: Adam's moments in
-        bfloat16, the masters fp32, K = 4 + 2 + 2 = 8). K is the optimizer-state part of every
-        stage's formula (stage 1 ``4 Psi + K Psi/N``), of the offloaded host rows and of the
-        NVMe tier; nothing else changes.
-      master_dtype: the master weights' dtype: ``"fp32"`` (default: a 4-byte copy in K) or
-        ``"bf16"`` (alias ``"bfloat16"``; ``bf16.bf16_master_weights_and_grads``: the bf16
-        params are the masters, K drops by 4, to 8, or to 4 with ``optimizer_dtype="bf16"``).
+      additional_buffer_factor: DeepSpeed's slack on host memory.
 
     Returns:
       An :class:`Estimate`; ``print(result.table())``.
 
     Example:
-      >>> e = estimate(7.5e9, 64)
+      >>> e = estimate(ModelShape(7.5e9), ParallelLayout(64))
       >>> round(e.row(0).device_bytes / 1e9, 1), round(e.row(3).device_bytes / 1e9, 3)
       (120.0, 1.875)
-      >>> moe = estimate("1B", 8, experts=8, expert_parallel=4, expert_params="0.75B")
+      >>> moe = estimate(ModelShape("1B", experts=8, expert_params="0.75B"),
+      ...                ParallelLayout(8, expert_parallel=4))
       >>> [moe.row(1).expert_bytes / 1e9, moe.row(1).dense_bytes / 1e9]  # 4x0.1875 + 12x0.75/8
       [1.875, 1.375]
-      >>> estimate(1e9, 8, optimizer_dtype="bf16").row(1).device_bytes / 1e9  # 4 + 8/8
+      >>> one_b, eight = ModelShape(1e9), ParallelLayout(8)
+      >>> estimate(one_b, eight, dtypes=Dtypes(optimizer="bf16")).row(1).device_bytes / 1e9
       5.0
-      >>> estimate(1e9, 8, optimizer_dtype="bf16", master_dtype="bf16").row(0).device_bytes / 1e9
+      >>> sixteen_bit = Dtypes(optimizer="bf16", master="bf16")  # 2 + 2 + 4 bytes at stage 0
+      >>> estimate(one_b, eight, dtypes=sixteen_bit).row(0).device_bytes / 1e9
       8.0
     """
+    params, largest_layer_params = model.params, model.largest_layer_params
+    seq_len, hidden, layers, heads = model.seq_len, model.hidden, model.layers, model.heads
+    experts, expert_params = model.experts, model.expert_params
+    devices, devices_per_node, replicas = layout.devices, layout.devices_per_node, layout.replicas
+    micro_batch, tensor_parallel = layout.micro_batch, layout.tensor_parallel
+    sequence_parallel, pipeline = layout.sequence_parallel, layout.pipeline
+    micro_batches, pipeline_schedule = layout.micro_batches, layout.pipeline_schedule
+    virtual_stages, expert_parallel = layout.virtual_stages, layout.expert_parallel
+    dtypes = dtypes if dtypes is not None else Dtypes()
+    activation_dtype, optimizer_dtype = dtypes.activations, dtypes.optimizer
+    master_dtype = dtypes.master
     psi = _count(params, "params", "7.5e9")
     n = check_positive(devices, "devices", "64", integer=True)
     if devices_per_node is None:

@@ -14,9 +14,11 @@ from cli_runs import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
+from jzero.memory import ModelShape, ParallelLayout
 
 PSI, PSI_E, N, E = 1_000_000_000, 750_000_000, 8, 8
 PSI_D = PSI - PSI_E
+MODEL, LAYOUT = ModelShape(PSI), ParallelLayout(N)  # the estimate's plain case
 GB = 10**9
 
 
@@ -29,8 +31,9 @@ def states(stage, psi, n):
     return params, grads, opt
 
 
-def moe(ep, **kw):
-    return memory.estimate(PSI, N, experts=E, expert_parallel=ep, expert_params=PSI_E, **kw)
+def moe(ep, device_memory=None, **layout):
+    model = ModelShape(PSI, experts=E, expert_params=PSI_E)
+    return memory.estimate(model, ParallelLayout(N, expert_parallel=ep, **layout), device_memory)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
@@ -91,21 +94,23 @@ def test_offload_rows_split_the_same_way():
 
 
 @pytest.mark.parametrize(
-    "kw",
+    "largest, layout, offload",
     [
-        {},
-        {"largest_layer_params": 50_000_000},
-        {"replicas": 2},
-        {"pipeline": 2},
-        {"devices_per_node": 4, "offload": "cpu"},
+        (0, {}, None),
+        (50_000_000, {}, None),
+        (0, {"replicas": 2}, None),
+        (0, {"pipeline": 2}, None),
+        (0, {"devices_per_node": 4}, "cpu"),
     ],
 )
-def test_one_expert_group_is_todays_estimate(kw):
+def test_one_expert_group_is_todays_estimate(largest, layout, offload):
     """E_p = 1 shards the experts over all N, as any parameter: the split adds up to the
     totals of the same Psi without experts, row for row (offload, host, disk too). (Beside
     tensor parallelism it does not: the experts stay whole over ``model``, as AutoTP leaves
     them, where dense parameters are split.)"""
-    split, plain = moe(1, **kw), memory.estimate(PSI, N, **kw)
+    experts = ModelShape(PSI, largest, experts=E, expert_params=PSI_E)
+    split = memory.estimate(experts, ParallelLayout(N, expert_parallel=1, **layout), None, offload)
+    plain = memory.estimate(ModelShape(PSI, largest), ParallelLayout(N, **layout), None, offload)
     assert [(r.stage, r.offload) for r in split.rows] == [(r.stage, r.offload) for r in plain.rows]
     for a, b in zip(split.rows, plain.rows, strict=True):
         assert a.expert_bytes > 0 or a.offload == "optimizer+params"  # nothing on the device
@@ -125,14 +130,19 @@ def test_the_recommendation_weighs_the_totals():
 
 
 def test_counts_read_suffixes():
-    a = memory.estimate("1B", N, experts=E, expert_parallel=4, expert_params="750M")
+    a = memory.estimate(
+        ModelShape("1B", experts=E, expert_params="750M"), ParallelLayout(N, expert_parallel=4)
+    )
     assert a.params == PSI and a.expert_params == PSI_E
     assert a.rows == moe(4).rows
-    assert memory.estimate("7.5e9", 64).rows == memory.estimate(7.5e9, 64).rows
+    assert (
+        memory.estimate(ModelShape("7.5e9"), ParallelLayout(64)).rows
+        == memory.estimate(ModelShape(7.5e9), ParallelLayout(64)).rows
+    )
 
 
 def test_the_table_shows_expert_and_dense_columns_only_with_experts():
-    plain = memory.estimate(PSI, N).table()
+    plain = memory.estimate(MODEL, LAYOUT).table()
     assert "expert GB" not in plain and "Psi_e" not in plain
     table = moe(4).table()
     header = table.splitlines()[1].split()
@@ -159,7 +169,7 @@ def test_estimate_cli_prints_the_expert_and_dense_columns(capsys):
     assert capsys.readouterr().out == moe(8).table() + "\n"
     # without the expert flags, nothing changes
     assert run_cli(["estimate", "--params", "1e9", "--devices", "8"]) == 0
-    assert capsys.readouterr().out == memory.estimate(PSI, N).table() + "\n"
+    assert capsys.readouterr().out == memory.estimate(MODEL, LAYOUT).table() + "\n"
     with pytest.raises(ValueError) as e:
         run_cli(argv)
     assert str(e.value) == (
@@ -176,10 +186,10 @@ def test_estimate_cli_prints_the_expert_and_dense_columns(capsys):
 
 
 def test_bad_expert_arguments_are_clear_errors():
-    def error(**kw):
-        args = {"experts": E, "expert_parallel": 1, "expert_params": PSI_E, **kw}
+    def error(experts=E, expert_params=PSI_E, expert_parallel=1, **layout):
+        model = ModelShape(PSI, experts=experts, expert_params=expert_params)
         with pytest.raises(ValueError) as e:
-            memory.estimate(PSI, N, **args)
+            memory.estimate(model, ParallelLayout(N, expert_parallel=expert_parallel, **layout))
         return str(e.value)
 
     assert error(expert_parallel=3) == (

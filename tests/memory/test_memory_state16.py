@@ -14,9 +14,11 @@ from cli_runs import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
+from jzero.memory import Dtypes, ModelShape, ParallelLayout
 
 PSI, N = 1_000_000_000, 8
 PSI_E, E, EP = 750_000_000, 8, 4
+MODEL, LAYOUT = ModelShape(PSI), ParallelLayout(N)  # the estimate's plain case
 GB = 10**9
 
 
@@ -30,7 +32,7 @@ def states(stage, psi, n, k):
 
 
 def test_bf16_state_per_stage_device_bytes_by_hand():
-    e = memory.estimate(PSI, N, optimizer_dtype="bf16")
+    e = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16"))
     assert e.optimizer_bytes == 8 and e.optimizer_dtype == "bf16"
     # stage 0 (2+2+8) Psi; 1: 4 Psi + 8 Psi/N; 2: 2 Psi + 10 Psi/N; 3: 12 Psi/N
     expected = {
@@ -47,7 +49,7 @@ def test_bf16_state_per_stage_device_bytes_by_hand():
         got = tuple(row.device.get(k, 0) for k in names)
         assert got == states(stage, PSI, N, 8)
     # only the optimizer state shrinks: params and grads are the fp32 state's
-    fp32 = memory.estimate(PSI, N)
+    fp32 = memory.estimate(MODEL, LAYOUT)
     for stage in range(4):
         a, b = e.row(stage).device, fp32.row(stage).device
         assert a.get("params") == b.get("params") and a.get("grads") == b.get("grads")
@@ -55,8 +57,8 @@ def test_bf16_state_per_stage_device_bytes_by_hand():
 
 
 def test_bf16_state_offload_host_and_nvme_rows_use_k8():
-    e = memory.estimate(PSI, N, optimizer_dtype="bf16")
-    fp32 = memory.estimate(PSI, N)
+    e = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16"))
+    fp32 = memory.estimate(MODEL, LAYOUT)
     nodes, per_node = 1, 8
     # stage 3 optimizer offload: (4 + K) Psi / nodes x 1.5 on the host (16 with fp32)
     assert e.row(3, "optimizer").host_bytes == 12 * PSI // nodes * 3 // 2 == 18 * GB
@@ -66,9 +68,13 @@ def test_bf16_state_offload_host_and_nvme_rows_use_k8():
     assert fp32.row(3, "optimizer+params").host_bytes == 18 * PSI // nodes * 3 // 2
     # stages 1-2: Psi x max(4 N, 4 + K) x 1.5; with N = 8 the 4 N of fp32 gradients dominates
     assert e.row(1, "optimizer").host_bytes == PSI * 32 * 3 // 2
-    one = memory.estimate(PSI, 1, optimizer_dtype="bf16")  # N = 1: max(4, 12) = 12
+    # N = 1: max(4, 12) = 12
+    one = memory.estimate(ModelShape(PSI), ParallelLayout(1), dtypes=Dtypes(optimizer="bf16"))
     assert one.row(1, "optimizer").host_bytes == PSI * 12 * 3 // 2
-    assert memory.estimate(PSI, 1).row(1, "optimizer").host_bytes == PSI * 16 * 3 // 2
+    assert (
+        memory.estimate(ModelShape(PSI), ParallelLayout(1)).row(1, "optimizer").host_bytes
+        == PSI * 16 * 3 // 2
+    )
     # the device side of offload is unchanged (16-bit params only)
     assert e.row(1, "optimizer").device_bytes == fp32.row(1, "optimizer").device_bytes
     # nvme: 4 buffers of min(sub_group_size, Psi/N) x K x 1.5 per device; disk 2 K Psi / nodes
@@ -81,23 +87,25 @@ def test_bf16_state_offload_host_and_nvme_rows_use_k8():
 
 
 def test_default_and_fp32_are_todays_numbers_and_bfloat16_is_an_alias():
-    today = memory.estimate(PSI, N)
+    today = memory.estimate(MODEL, LAYOUT)
     assert today.optimizer_bytes == 12 and today.optimizer_dtype == "fp32"
     for stage in range(4):
         assert today.row(stage).device_bytes == sum(states(stage, PSI, N, 12))
     stages = [today.row(s).device_bytes for s in range(4)]
     assert stages == [16 * GB, 5_500_000_000, 3_750_000_000, 2 * GB]
-    fp32 = memory.estimate(PSI, N, optimizer_dtype="fp32")
+    fp32 = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="fp32"))
     assert fp32 == today and fp32.table() == today.table()
-    alias = memory.estimate(PSI, N, optimizer_dtype="bfloat16")
-    bf16 = memory.estimate(PSI, N, optimizer_dtype="bf16")
+    alias = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bfloat16"))
+    bf16 = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16"))
     assert alias == bf16 and alias.optimizer_dtype == "bf16"
     assert bf16.rows != today.rows
 
 
 def test_experts_split_adds_up_with_bf16_state():
     e = memory.estimate(
-        PSI, N, experts=E, expert_parallel=EP, expert_params=PSI_E, optimizer_dtype="bf16"
+        ModelShape(PSI, experts=E, expert_params=PSI_E),
+        ParallelLayout(N, expert_parallel=EP),
+        dtypes=Dtypes(optimizer="bf16"),
     )
     names = ("params", "grads", "optimizer state")
     for stage in range(4):
@@ -117,16 +125,18 @@ def test_experts_split_adds_up_with_bf16_state():
     assert e.row(3, "optimizer").host_bytes == pytest.approx(12 * PSI * 1.5)
     # with E_p = 1 the experts are plain parameters: the totals are those without experts
     one = memory.estimate(
-        PSI, N, experts=E, expert_parallel=1, expert_params=PSI_E, optimizer_dtype="bf16"
+        ModelShape(PSI, experts=E, expert_params=PSI_E),
+        ParallelLayout(N, expert_parallel=1),
+        dtypes=Dtypes(optimizer="bf16"),
     )
-    plain = memory.estimate(PSI, N, optimizer_dtype="bf16")
+    plain = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16"))
     for stage in range(4):
         assert one.row(stage).device_bytes == pytest.approx(plain.row(stage).device_bytes)
     assert "(stage 3: 12 Psi_e/N, " in e.table()
 
 
 def test_table_states_k():
-    bf16 = memory.estimate(PSI, N, optimizer_dtype="bf16").table()
+    bf16 = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16")).table()
     assert (
         "device: ZeRO paper, mixed-precision Adam with 16-bit optimizer state (K = 8: fp32 "
         "master 4 + bf16 moments 2 + 2, bf16.bf16_optimizer_states): stage 0 12 Psi, stage 1 "
@@ -136,7 +146,7 @@ def test_table_states_k():
     assert "max(4 N, 12) x 1.5;" in bf16
     assert "4 LL / 12 Psi/nodes x 1.5" in bf16 and "4 LL / 14 Psi/nodes x 1.5" in bf16
     assert "x 8 B x 1.5); disk 2 x 8 Psi/nodes." in bf16
-    fp32 = memory.estimate(PSI, N).table()
+    fp32 = memory.estimate(MODEL, LAYOUT).table()
     assert "mixed-precision Adam (K = 12): stage 0 16 Psi, stage 1 4 Psi + 12 Psi/N" in fp32
     assert "max(4 N, 16) x 1.5;" in fp32 and "disk 2 x 12 Psi/nodes." in fp32
     assert "K = 8" not in fp32
@@ -146,12 +156,12 @@ def test_estimate_cli_optimizer_dtype(capsys):
     argv = ["estimate", "--params", "1B", "--devices", "8"]
     assert run_cli([*argv, "--optimizer-dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert out == memory.estimate(PSI, N, optimizer_dtype="bf16").table() + "\n"
+    assert out == memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16")).table() + "\n"
     assert "(K = 8: fp32 master 4 + bf16 moments 2 + 2, bf16.bf16_optimizer_states)" in out
     stage1 = next(line for line in out.splitlines() if line.split()[:2] == ["1", "none"])
     assert stage1.split()[2] == "5.00"
     assert run_cli([*argv, "--optimizer-dtype", "fp32"]) == 0
-    assert capsys.readouterr().out == memory.estimate(PSI, N).table() + "\n"
+    assert capsys.readouterr().out == memory.estimate(MODEL, LAYOUT).table() + "\n"
     assert run_cli(argv) == 0
     assert "(K = 12)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -168,7 +178,7 @@ def test_estimate_cli_optimizer_dtype(capsys):
 @pytest.mark.parametrize("bad", ["fp16", "float32", "", None, 8])
 def test_bad_optimizer_dtype_is_a_clear_error(bad):
     with pytest.raises(ValueError) as e:
-        memory.estimate(PSI, N, optimizer_dtype=bad)
+        memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer=bad))
     assert str(e.value) == (
         f"optimizer_dtype: {bad!r} is not allowed; it must be one of 'fp32', 'bf16', "
         "'bfloat16'. Pass 'fp32' (the default, K = 12 bytes of optimizer state a parameter) "

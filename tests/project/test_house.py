@@ -423,12 +423,10 @@ def test_the_cycle_check_finds_a_circle_closed_inside_a_function_or_by_name(tmp_
     ]
 
 
-# jzero.engine's initialize is being restructured (issue 58, item 1), and memory.estimate is
-# to take a model shape and a layout (item 4); empty this set then.
+# jzero.engine's initialize is being restructured (issue 58, item 1); empty this set then.
 LONG_SIGNATURES_ALLOWED = {
     "jzero/engine/build.py initialize",
     "jzero/engine/engine.py Engine.__init__",
-    "jzero/memory/_estimate.py estimate",
 }
 
 
