@@ -9,8 +9,7 @@ plan, the step, the memory estimator) knows no model of its own:
   :class:`~jzero.demo.data.BatchIterator`.
 * :mod:`~jzero.demo.train`: the ``jzero train`` loop as a library function, :func:`run`.
 * :mod:`~jzero.demo.plan`: ``jzero plan``'s measurement, :func:`plan_report`: the built-in GPT
-  of a config at every stage (:func:`jzero.memory.measure_stages` with this model; also
-  reachable as ``jzero.memory.plan_report``).
+  of a config at every stage (:func:`jzero.memory.measure_stages` with this model).
 
 Import direction: imports the engine, :mod:`jzero.memory`, :mod:`jzero.monitor` and the rest
 of the library; only :mod:`jzero.cli` imports it.
