@@ -88,12 +88,14 @@ def run_case(cfg: gpt.GPTConfig, rows: int, fraction: float, steps: int, after: 
     model = {"seq_len": cfg.seq_len, "num_layers": cfg.num_layers, "num_heads": cfg.num_heads}
     probe = _engine(cfg, _settings(rows, "1TB", model))
     auto, batch = probe.auto_layout, _batch(rows, cfg)
-    ranked = auto_layout.ranked_table(auto, probe, batch, measure=False)
-    first = auto_layout.measure_row(auto, probe, batch, ranked[0])
+    ranked = auto_layout.ranked_table(auto, probe.setup, batch, measure=False)
+    first = auto_layout.measure_row(auto, probe.setup, batch, ranked[0])
     budget = int(first.need * fraction)
     fits = []
     for row in [first, *ranked[1:]]:  # in rank order, until the kept one and two more fit
-        row = row if row.need is not None else auto_layout.measure_row(auto, probe, batch, row)
+        row = (
+            row if row.need is not None else auto_layout.measure_row(auto, probe.setup, batch, row)
+        )
         if row.need is not None and row.need <= budget:
             fits.append(row)
         if len(fits) == 1 + after:

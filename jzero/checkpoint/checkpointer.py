@@ -430,6 +430,14 @@ class Checkpointer:
         logger.info("jzero: restored checkpoint step %d from %s", step, self.directory)
         return state, meta
 
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The meta saved with ``step`` (by default the latest), read without the state."""
+        step = dirs.resolve_step(self.directory, step)
+        step_dir = dirs.verified_step_dir(self.directory, step)
+        return orbax_io.read_or_fail(
+            lambda: orbax_io.read_json(step_dir, META), step, self.directory
+        )
+
     def latest_step(self) -> int | None:
         """The committed step written last, or ``None``; a save in flight is not counted."""
         return latest_step(self.directory)

@@ -120,5 +120,5 @@ def auto_layout_table(
     auto = engine.auto_layout
     shape = (cfg.train_batch_size, model_cfg.seq_len + 1)
     batch = {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
-    rows = auto_layout.ranked_table(auto, engine, batch)
+    rows = auto_layout.ranked_table(auto, engine.setup, batch)
     return auto_layout.format_table(rows, auto.budget)

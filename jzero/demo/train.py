@@ -497,6 +497,12 @@ def run(
             uncache()
 
 
+def _batch_shapes(cfg: Config, model_cfg: Any, rows: int | None = None) -> Any:
+    """The shapes of this process's rows of a global batch (``rows``; default the config's)."""
+    rows = (rows or cfg.train_batch_size) // jax.process_count()
+    return {"tokens": jax.ShapeDtypeStruct((rows, model_cfg.seq_len + 1), np.int32)}
+
+
 def _train(
     cfg: Config, stop: _StopOnSignal, *, steps: int | None, fresh: bool, progress: bool
 ) -> dict[str, Any]:
@@ -515,11 +521,12 @@ def _train(
             "device, e.g. --set train_micro_batch_size_per_gpu=8) or train_batch_size (the "
             "global batch)."
         )
-    engine = initialize(
-        model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
-        loss_fn=gpt.nnx_loss_fn,
-        config=cfg,
-    )
+    model = {"model": lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)), "config": cfg}
+    if cfg.train_batch_size:  # the batch's shapes known: the state made in its final layout
+        engine = initialize(loss_fn=gpt.nnx_loss_fn, batch=_batch_shapes(cfg, model_cfg), **model)
+    else:  # the global batch follows from the plan's data-parallel size
+        engine = initialize(loss_fn=gpt.nnx_loss_fn, **model)
+        engine.resolve(_batch_shapes(cfg, model_cfg, engine.train_batch_size))
     source = dict(cfg.data)
     tokens = data_lib.load_tokens(
         source.get("source", "stdlib"), source.get("path"), source.get("max_bytes")

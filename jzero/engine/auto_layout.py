@@ -52,7 +52,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -456,12 +455,13 @@ def _allowed(cfg: config_lib.Config, shape: ModelShape) -> str:
     return "; ".join(f"{a} in {c}" for a, c in _choices(cfg, shape).items())
 
 
-def model_shape(engine: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape:
-    """The :class:`ModelShape` of ``engine``'s model on a global ``batch`` (shapes suffice)."""
+def model_shape(setup: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape:
+    """The :class:`ModelShape` of the model of ``setup`` (a :class:`jzero.engine.resolve.Setup`)
+    on a global ``batch`` (shapes suffice)."""
     from jzero.engine import figures, layout
 
-    cfg = engine.config
-    params = jax.tree.leaves(engine.plan.abstract_params)
+    cfg = setup.config
+    params = jax.tree.leaves(setup.plan.abstract_params)
     itemsize = max(np.dtype(x.dtype).itemsize for x in params)
     half = cfg.bf16.enabled or cfg.fp16.enabled
     comm = {"fp32": 4, "fp16": 2, "bf16": 2}.get(cfg.communication_data_type or "", 0)
@@ -475,7 +475,7 @@ def model_shape(engine: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape
     )
     layers = cfg.model.get("num_layers")
     if layers is None and "pipeline.stages" in keys:
-        dims, _ = layout.traced_layers(engine, batch)
+        dims, _ = layout.traced_layers(setup, batch)
         found = [x.shape[d] for x, d in zip(params, dims, strict=True) if d is not None]
         layers = max(found) if found else None
     return ModelShape(
@@ -485,7 +485,7 @@ def model_shape(engine: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape
         params=sum(math.prod(x.shape) for x in params),
         grad_bytes=comm or (2 if half else itemsize),
         act_bytes=2 if half else itemsize,
-        flops=figures.model_flops(engine, batch, engine._model_flops),
+        flops=figures.model_flops(setup, batch),
         hidden=int(hidden),
         seq_len=int(seq_len) if seq_len else None,
         heads=int(heads) if heads else None,
@@ -521,48 +521,40 @@ def _as_step_takes(raw: Any, plan: Any, rows: int) -> Any:
     return distributed.global_batch(raw, plan.batch, rows)
 
 
-def _measure(auto: AutoLayout, engine: Any, raw: Any, row: Row) -> tuple[int, Any]:
+def _measure(auto: AutoLayout, setup: Any, raw: Any, row: Row) -> tuple[int, Any]:
     """A candidate's compiled peak and what it built: config, plan, step, replan."""
     from jzero.engine import layout
 
-    cfg = row.config(engine.config)
+    cfg = row.config(setup.config)
     batch = _global_shapes(raw, int(cfg.train_batch_size))
     replan = auto.planner(cfg)
-    first = replan()
-    micro = cfg.train_micro_batch_size_per_gpu
-    shim = types.SimpleNamespace(
-        micro_batch_size=micro,
-        plan=first,
-        takes_extra=engine.takes_extra,
-        state=engine.state,
-        loss_fn=engine.loss_fn,
-    )
-    dims, piped = layout.traced_layers(shim, batch)
+    sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, row.layout.accumulation)
+    candidate = dataclasses.replace(setup, config=cfg, plan=replan(), sizes=sizes)
+    dims, piped = layout.traced_layers(candidate, batch)
     plan = replan(layer_dims=dims, **piped)
     placed = _as_step_takes(raw, plan, int(cfg.train_batch_size))
-    need, step = compiled_need(engine, cfg, plan, placed, row.layout.accumulation)
+    need, step = compiled_need(dataclasses.replace(candidate, plan=plan), placed)
     return need, (cfg, plan, step, replan)
 
 
-def _tried(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> tuple[Row, Any]:
+def _tried(auto: AutoLayout, setup: Any, batch: Any, row: Row) -> tuple[Row, Any]:
     """``row`` with its compiled need and what it built, or with the error that refused it
     (a layout the model refuses) and ``None``."""
     try:
-        need, built = _measure(auto, engine, batch, row)
+        need, built = _measure(auto, setup, batch, row)
     except (ValueError, config_lib.ConfigError) as e:
         return dataclasses.replace(row, error=str(e).split(";")[0][:160]), None
     return dataclasses.replace(row, need=need), built
 
 
-def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
-    """The candidate ``auto`` keeps for ``engine``'s step on ``batch`` (this process's rows;
-    shapes suffice): compiled in rank order, the first that fits kept; one log line."""
-    shape = model_shape(
-        engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys
-    )
+def choose_layout(auto: AutoLayout, setup: Any, batch: Any) -> Choice:
+    """The candidate ``auto`` keeps for the step of ``setup`` (a
+    :class:`jzero.engine.resolve.Setup`) on ``batch`` (this process's rows; shapes suffice):
+    compiled in rank order, the first that fits kept; one log line."""
+    shape = model_shape(setup, _global_shapes(batch, int(setup.config.train_batch_size)), auto.keys)
     tried: list[Row] = []
-    for row in auto.ranked(engine.config, shape):
-        row, built = _tried(auto, engine, batch, row)
+    for row in auto.ranked(setup.config, shape):
+        row, built = _tried(auto, setup, batch, row)
         if built is not None and row.need <= auto.budget:
             cfg, plan, step, replan = built
             logger.info(auto.describe(row, tried))
@@ -573,21 +565,20 @@ def choose_layout(auto: AutoLayout, engine: Any, batch: Any) -> Choice:
     raise auto.no_fit(tried)
 
 
-def measure_row(auto: AutoLayout, engine: Any, batch: Any, row: Row) -> Row:
+def measure_row(auto: AutoLayout, setup: Any, batch: Any, row: Row) -> Row:
     """``row`` with its compiled need (or the error that refused it), on the global ``batch``."""
-    return _tried(auto, engine, batch, row)[0]
+    return _tried(auto, setup, batch, row)[0]
 
 
-def ranked_table(auto: AutoLayout, engine: Any, batch: Any, *, measure: bool = True) -> list[Row]:
-    """Every candidate in rank order, each compiled for its need when ``measure`` (``jzero plan
-    --auto``): nothing is kept or trained."""
-    shape = model_shape(
-        engine, _global_shapes(batch, int(engine.config.train_batch_size)), auto.keys
-    )
-    rows = auto.ranked(engine.config, shape)
+def ranked_table(auto: AutoLayout, setup: Any, batch: Any, *, measure: bool = True) -> list[Row]:
+    """Every candidate in rank order for ``setup`` (a :class:`jzero.engine.resolve.Setup`, e.g.
+    ``engine.setup``), each compiled for its need when ``measure`` (``jzero plan --auto``):
+    nothing is kept or trained."""
+    shape = model_shape(setup, _global_shapes(batch, int(setup.config.train_batch_size)), auto.keys)
+    rows = auto.ranked(setup.config, shape)
     if not measure:
         return rows
-    return [measure_row(auto, engine, batch, row) for row in rows]
+    return [measure_row(auto, setup, batch, row) for row in rows]
 
 
 def format_table(rows: Sequence[Row], budget: int) -> str:

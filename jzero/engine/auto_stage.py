@@ -32,8 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-
 from jzero import config as config_lib
 from jzero._util import format_bytes
 from jzero.engine.figures import compiled_peak_bytes as peak_bytes
@@ -165,46 +163,28 @@ class AutoStage:
         return line
 
 
-def abstract_state(shapes: Any, shardings: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves with the shardings a plan gives them (``shardings`` may
-    be a prefix: one sharding for a whole subtree, as for the model's extra state)."""
-
-    def place(sharding: Any, subtree: Any) -> Any:
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), subtree
-        )
-
-    return jax.tree.map(place, shardings, shapes)
-
-
-def compiled_need(
-    engine: Any, cfg: config_lib.Config, plan: Any, batch: Any, accumulation: int | None
-) -> tuple[int, Any]:
-    """A candidate setting's step for ``engine`` (built as the engine builds its own,
-    :func:`jzero.engine.steps.build_step`; ``accumulation`` ``None``: the config's) compiled on
-    the state's shapes in ``plan``'s layout, and its peak bytes per device: ``(need, step)``;
-    the step's first call runs the executable compiled here."""
+def compiled_need(setup: Any, batch: Any) -> tuple[int, Any]:
+    """A candidate's step (``setup``, a :class:`jzero.engine.resolve.Setup` holding the
+    candidate's config, plan and batch sizes; built as the engine builds its own,
+    :func:`jzero.engine.steps.build_step`) compiled on the state's shapes in its plan's layout
+    (nothing allocated), and its peak bytes per device: ``(need, step)``; the step's first call
+    runs the executable compiled here."""
     from jzero.engine import steps
-    from jzero.step import logical_state, state_shardings, stored_state
+    from jzero.step import init_train_state
 
-    step = steps.build_step(
-        plan,
-        cfg,
-        engine.loss_fn,
-        engine.optimizer,
-        accumulation_steps=accumulation,
-        takes_extra=engine.takes_extra,
-        learning_rate=engine.learning_rate,
+    plan = setup.plan
+    step = steps.build_step(setup)
+    shapes = init_train_state(
+        plan, plan.abstract_params, setup.optimizer, setup.extra, abstract=True
     )
-    logical = logical_state(engine.plan, engine.state)
-    shapes = abstract_state(stored_state(plan, logical), state_shardings(plan))
     compiled = step.lower(shapes, batch).compile()
-    host = sum(plan.host_state_bytes(accumulation or 1).values())
+    host = sum(plan.host_state_bytes(setup.accumulation_steps or 1).values())
     return peak_bytes(compiled, host), step
 
 
-def choose_stage(auto: AutoStage, engine: Any, batch: Any) -> tuple[config_lib.Config, Any, Any]:
-    """The setting ``auto`` chooses for ``engine``'s step on the global ``batch``: each
+def choose_stage(auto: AutoStage, setup: Any, batch: Any) -> tuple[config_lib.Config, Any, Any]:
+    """The setting ``auto`` chooses for the step of ``setup`` (a
+    :class:`jzero.engine.resolve.Setup`) on the global ``batch``: each
     candidate's plan (for the layers the loss's scans consume) and step (built as the engine
     builds its own, :func:`jzero.engine.steps.build_step`), compiled on the state's shapes in
     its layout, the first that fits kept; one log line says which, and what was rejected.
@@ -214,12 +194,12 @@ def choose_stage(auto: AutoStage, engine: Any, batch: Any) -> tuple[config_lib.C
     """
     from jzero.engine import layout
 
-    dims, piped = layout.traced_layers(engine, batch)
+    dims, piped = layout.traced_layers(setup, batch)
 
     def measure(c: Candidate) -> tuple[int, Any]:
-        cfg = c.config(engine.config)
+        cfg = c.config(setup.config)
         plan = auto.planner(cfg)(layer_dims=dims, **piped)
-        need, step = compiled_need(engine, cfg, plan, batch, engine.accumulation_steps)
+        need, step = compiled_need(dataclasses.replace(setup, config=cfg, plan=plan), batch)
         return need, (cfg, plan, step)
 
     chosen, need, (cfg, plan, step), rejected = auto.choose(measure)

@@ -48,8 +48,9 @@ from jzero import distributed, monitor, optim
 from jzero._util import abstract_tree, divisors, dotted
 from jzero.distributed import make_mesh
 from jzero.engine import settings
-from jzero.engine.checks import _check_mesh_splits
+from jzero.engine.checks import check_mesh_splits
 from jzero.engine.engine import Engine
+from jzero.engine.resolve import Setup
 from jzero.plan import Plan, make_plan
 from jzero.step import TrainState, init_train_state
 
@@ -163,8 +164,9 @@ def _note_optax_muon(plan: Any, tx: optax.GradientTransformation) -> None:
             "jzero: an optax.contrib.muon that jzero cannot see into (a transformation of "
             "your own class?) updates the sharded matrices where they rest, so under ZeRO "
             "stage %d every Newton-Schulz iteration runs collectives; "
-            "jzero.optim.muon(...) takes the same arguments and orthogonalises each matrix "
-            "once, whole (one exchange in and one out).",
+            "jzero.optim.muon(...) takes the same rates (the rarer settings as one "
+            "jzero.optim.MuonOptions) and orthogonalises each matrix once, whole (one exchange "
+            "in and one out).",
             plan.stage.stage,
         )
 
@@ -183,6 +185,7 @@ def initialize(
     init_from: str | Any = None,
     name_map: Mapping[str, str] | Callable[[str], str] | None = None,
     abstract: bool = False,
+    batch: PyTree | None = None,
 ) -> Engine:
     """Builds a ZeRO engine, DeepSpeed's ``deepspeed.initialize`` for JAX.
 
@@ -214,11 +217,21 @@ def initialize(
         their shardings), as a meta-device model in FSDP: nothing is created on a device, so a
         model too large for a stage can be planned at it. ``engine.lower(batch)`` and the
         memory and communication reports work; training, evaluating and saving are refused.
+      batch: a batch as ``train_step`` will take it (this process's rows), or its shapes
+        (``jax.ShapeDtypeStruct``): every decision that waits for a batch (the parallel sizes
+        ``"auto"``, the batch sizes, ``stage: auto``, the layers the loss's scans consume) is
+        taken now, and the state is created once, in its final layout. Without it a config that
+        needs one waits for the first batch, and creates the state then.
 
     Returns:
       The :class:`Engine`.
     """
     cfg = _load(config)
+    if abstract and cfg.zero_optimization.offload_optimizer.device == "nvme":
+        raise ValueError(
+            "initialize(abstract=True) creates no state, and the NVMe tier's state lives in "
+            "its files. Plan with offload_optimizer.device cpu (or none) instead."
+        )
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
     model_in = _model_inputs(params, loss_fn, init_fn, model, init_args, param_specs)
@@ -249,24 +262,30 @@ def initialize(
         else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
     init_from = init_from if init_from is not None else cfg.checkpoint.init_from
-    state, nvme = _first_state(cfg, plan, model_in, shapes, key, tx, init_from, name_map, abstract)
+    if init_from is None:  # the values checked now, though the state may be made later
+        _initial_values(plan, model_in.params, shapes, model_in.init_fn, key, None, None, abstract)
     _log_built(plan, sizes)
     adapted = model_in.adapted
-    return Engine(
+    setup = Setup(
         config=cfg,
         plan=plan,
-        state=state,
         loss_fn=model_in.loss_fn,
         optimizer=tx,
         learning_rate=schedule,
-        batch_sizes=sizes,
         takes_extra=adapted is not None,
+        extra=abstract_tree(model_in.extra) if adapted is None else adapted.abstract_extra,
         to_model=None if adapted is None else adapted.to_model,
+        sizes=sizes,
         replan=replan,
-        nvme=nvme,
         auto_stage=auto,
         auto_layout=layout,
     )
+
+    def make_state(s: Setup) -> tuple[TrainState, Any]:
+        args = (s.config, s.plan, model_in, shapes, key, s.optimizer)
+        return _first_state(*args, init_from, name_map, abstract)
+
+    return Engine(setup, make_state, batch=batch, abstract=abstract)
 
 
 # -- initialize's steps, in the order it takes them ---------------------------------------------
@@ -405,7 +424,7 @@ def _first_plan(
     leafwise optimizer to stream."""
     plan = replan()
     if not stage_chosen_later:
-        _check_mesh_splits(plan, mesh)
+        check_mesh_splits(plan, mesh)
     if plan.seq_axis is not None:
         _check_sequence_parallel(cfg)
     _note_optax_muon(plan, tx)
@@ -433,17 +452,8 @@ def _first_state(
     A model built by its init function is built once, in the one init program, unless its
     weights come from ``init_from`` or go to the NVMe tier's files: its non-trainable state is
     then made on its own."""
-    on_disk = cfg.zero_optimization.offload_optimizer.device == "nvme"
     values = _initial_values(
-        plan,
-        model_in.params,
-        shapes,
-        model_in.init_fn,
-        key,
-        init_from,
-        name_map,
-        abstract,
-        nvme=on_disk,
+        plan, model_in.params, shapes, model_in.init_fn, key, init_from, name_map, abstract
     )
     adapted, extra = model_in.adapted, model_in.extra
     nvme = None if abstract else _nvme_state(settings.nvme_options(cfg), plan, tx)  # paths first
@@ -491,18 +501,11 @@ def _initial_values(
     init_from: str | Any,
     name_map: Any,
     abstract: bool,
-    *,
-    nvme: bool,
 ) -> Any:
     """What the state's parameters are made from: their shapes (``abstract``), the weights
     ``init_from`` names (each process reading its own shards), ``init_fn`` (called inside the
     init's program) or the params given."""
     if abstract:
-        if nvme:
-            raise ValueError(
-                "initialize(abstract=True) creates no state, and the NVMe tier's state lives in "
-                "its files. Plan with offload_optimizer.device cpu (or none) instead."
-            )
         values = plan.abstract_params  # nothing is read: init_from only gives the values
     elif init_from is not None:
         from jzero import weights

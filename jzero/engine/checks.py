@@ -3,12 +3,12 @@ before a save.
 
 Decisions:
 
-* ``stage3_max_live_parameters`` is checked when the first step re-plans for the loss's scans
-  (``engine.fit_layout``): stage 3 gathers one unit at a time (a layer of a scanned stack, or a
-  whole leaf used outside a scan). A limit below the largest unit is a warning, and that unit
-  is gathered whole anyway: DeepSpeed's limit bounds what it keeps and prefetches, and it too
-  fetches a module whatever its size, so such a config trains as it does there. 0 (Axolotl's
-  configs) keeps nothing beyond the unit in use and says nothing.
+* ``stage3_max_live_parameters`` is checked when the plan is fitted to the loss's scans
+  (:func:`jzero.engine.resolve.fit_layers`): stage 3 gathers one unit at a time (a layer of a
+  scanned stack, or a whole leaf used outside a scan). A limit below the largest unit is a
+  warning, and that unit is gathered whole anyway: DeepSpeed's limit bounds what it keeps and
+  prefetches, and it too fetches a module whatever its size, so such a config trains as it does
+  there. 0 (Axolotl's configs) keeps nothing beyond the unit in use and says nothing.
 * A stage above 0 over a data axis of one device splits nothing: :class:`JzeroMeshWarning`
   says so at ``initialize`` (on a lone CPU device, with the ``XLA_FLAGS`` line that gives
   more), since a Python user without that flag otherwise "shards" over one device silently.
@@ -32,7 +32,7 @@ from jzero.plan import Plan
 PyTree = Any
 
 
-def _check_live_parameters(plan: Plan, limit: int) -> None:
+def check_live_parameters(plan: Plan, limit: int) -> None:
     """Stage 3 gathers one unit at a time: a ``stage3_max_live_parameters`` below the largest
     one is a warning (the unit is gathered whole all the same, as DeepSpeed fetches it)."""
     from jzero.config import JzeroConfigWarning
@@ -50,7 +50,7 @@ def _check_live_parameters(plan: Plan, limit: int) -> None:
         )
 
 
-def _check_mesh_splits(plan: Plan, mesh: jax.sharding.Mesh) -> None:
+def check_mesh_splits(plan: Plan, mesh: jax.sharding.Mesh) -> None:
     """A ZeRO stage above 0 whose state is split into one shard: a warning naming the mesh
     and the fix (on one CPU device, the ``XLA_FLAGS`` line for virtual devices)."""
     from jzero.config import JzeroMeshWarning
@@ -79,7 +79,7 @@ def _check_mesh_splits(plan: Plan, mesh: jax.sharding.Mesh) -> None:
     )
 
 
-def _finite(*trees: PyTree) -> bool:
+def finite(*trees: PyTree) -> bool:
     """Whether every floating value of ``trees`` is finite, on all processes.
 
     Reads each process's own shards on the host (a save copies them there anyway), so it

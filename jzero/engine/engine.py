@@ -1,20 +1,29 @@
 """The engine: the one stateful object, a thin shell over the pure plan and step.
 
-``jzero.initialize`` (:mod:`jzero.engine.build`) reads the config, builds the mesh and the plan,
-creates the parameters and the optimizer state directly in their shards, and returns an
-:class:`Engine`. The engine keeps the state between steps and its bookkeeping (the batch sizes,
-the iteration, the step built, the checkpointer and monitors opened); each method is a few
-lines over :mod:`jzero.plan` and :mod:`jzero.step` and the engine's own modules, which hold
-the work:
+``jzero.initialize`` (:mod:`jzero.engine.build`) reads the config, builds the mesh and the plan
+and returns an :class:`Engine` over a :class:`~jzero.engine.resolve.Setup` (the run, apart from
+its state). The engine keeps the setup, the state and its bookkeeping (the iteration, the step
+built, the checkpointer and monitors opened); each method is a few lines over
+:mod:`jzero.plan`, :mod:`jzero.step` and the engine's own modules, which hold the work:
 
+* :mod:`~jzero.engine.resolve`: the decisions that wait for a batch's shapes (layout, batch
+  sizes, ``stage: auto``, the layers the loss's scans consume), taken once, before the state
+  exists;
 * :mod:`~jzero.engine.steps`: the one builder of the train step, whatever the offload tier,
   and the step ``flops_profiler`` profiles;
-* :mod:`~jzero.engine.layout`: the layers the loss's scans consume, and the leaves a re-plan
-  for them moves; :mod:`~jzero.engine.auto_stage`: ``stage: auto``'s choice;
 * :mod:`~jzero.engine.figures`: the model's FLOPs and the peak memory per device;
 * :mod:`~jzero.engine.saving`: checkpoints written and read back;
 * :mod:`jzero.monitor` (:func:`~jzero.monitor.train_log`): what a step writes to the
   monitors; :mod:`jzero.weights`: the 16-bit export.
+
+Decisions:
+
+* **The state is created once, in its final layout.** It is made when first needed (a step,
+  an evaluation, a save, ``engine.state`` read), after :func:`~jzero.engine.resolve.resolve`
+  has taken every decision the shapes it knows allow: those of ``initialize(batch=...)``, else
+  of the first batch. A restore before that reads the checkpoint straight into the layout, with
+  no state made first. Only a state read before any batch's shapes are known is made in the
+  provisional layout and moved once, at the first batch (a log line says so).
 
 A user who wants full control calls the plan and the step directly.
 """
@@ -22,7 +31,6 @@ A user who wants full control calls the plan and the step directly.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import time
 import weakref
@@ -35,12 +43,12 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed
-from jzero.engine import figures, layout, saving, steps
-from jzero.engine.checks import _check_live_parameters
+from jzero.engine import figures, layout, resolve, saving, steps
+from jzero.engine.resolve import Setup
 from jzero.plan import Plan
 from jzero.step import (
     TrainState,
-    is_abstract,
+    init_train_state,
     logical_view,
     make_eval_step,
     relayout,
@@ -56,44 +64,29 @@ class Engine:
     """Trains one model with one ZeRO plan. Build it with :func:`jzero.initialize`.
 
     Attributes:
-      config: the resolved :class:`jzero.config.Config`.
-      plan: the sharding :class:`jzero.plan.Plan`.
+      setup: the run's :class:`jzero.engine.resolve.Setup` (config, plan, loss, optimizer,
+        batch sizes); ``config``, ``plan`` and the batch sizes below read it.
       state: the :class:`jzero.step.TrainState` (params, optimizer state, step).
       train_batch_size / micro_batch_size / accumulation_steps: the resolved batch arithmetic.
     """
 
     def __init__(
         self,
+        setup: Setup,
+        make_state: Callable[[Setup], tuple[TrainState, Any]] | None,
         *,
-        config: config_lib.Config,
-        plan: Plan,
-        state: TrainState,
-        loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation,
-        learning_rate: Callable[[jax.Array], jax.Array] | None,
-        batch_sizes: tuple[int, int, int],
-        takes_extra: bool = False,
-        to_model: Callable[[PyTree, PyTree], Any] | None = None,
-        replan: Callable[..., Plan] | None = None,
-        nvme: Any = None,
-        auto_stage: Any = None,
-        auto_layout: Any = None,
+        batch: PyTree | None = None,
+        abstract: bool = False,
     ):
-        self.config = config
-        self.plan = plan
-        self.state = state
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.learning_rate = learning_rate
-        # None: all "auto"; the first batch given to train_step decides (_take_batch_sizes).
-        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = (
-            batch_sizes if batch_sizes is not None else (None, None, None)
-        )
-        self.takes_extra = takes_extra  # the loss takes and returns ``state.extra``
-        self._to_model = to_model
-        self._replan = replan  # make_plan with this engine's arguments, for layer_dims=
-        self._layout_fitted = replan is None
-        self._step: Callable[..., Any] | None = None  # built at the first step (fit_layout)
+        """``make_state(setup) -> (state, nvme)`` creates the state in ``setup``'s plan (and
+        the NVMe tier's files, or ``None``); ``batch``: the shapes ``initialize`` was given, if
+        any; ``abstract``: the state is shapes only."""
+        self.setup = setup
+        self._make_state = make_state
+        self._state: TrainState | None = None
+        self._shapes = batch  # a batch's shapes, known before the first batch (initialize)
+        self._abstract = abstract
+        self._step: Callable[..., Any] | None = None  # built at the first step
         self._eval: Callable[..., Any] | None = None
         self.iteration = 0
         """Train steps run so far, skipped ones included: the number checkpoints are saved as."""
@@ -101,9 +94,7 @@ class Engine:
         """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
         self._ckpt: Any = None
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
-        self._disk = nvme  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
-        self._auto_stage = auto_stage  # stage "auto": chosen at the first batch (auto_stage.py)
-        self._auto_layout = auto_layout  # sizes "auto": chosen at the first batch (auto_layout.py)
+        self._disk: Any = None  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
         self.flops_profile: Any = None
         """The :class:`jzero.profiler.FlopsProfile` of ``flops_profiler.profile_step``, once run."""
         self.monitor_dir: str | None = None
@@ -114,16 +105,133 @@ class Engine:
         sequence length); ``None`` leaves it out."""
         self._monitors: Any = None  # jzero.monitor.Monitors, opened at first use
         self._train_log: Any = None  # jzero.monitor.TrainLog, from the first monitored step
-        self._model_flops: dict[Any, float] = {}  # traced once per batch shape (figures.py)
+        # Made now where its final layout is known; a layout search waits for the first need,
+        # so that a restore first narrows it to the checkpoint's layout.
+        known = batch is not None and setup.auto_layout is None
+        if known or not resolve.waits_for_batch(setup):
+            self._made_state()
+
+    # -- the setup ---------------------------------------------------------------------------
+    @property
+    def config(self) -> config_lib.Config:
+        """The resolved :class:`jzero.config.Config` (it records every decision taken)."""
+        return self.setup.config
+
+    @property
+    def plan(self) -> Plan:
+        """The sharding :class:`jzero.plan.Plan`."""
+        return self.setup.plan
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss as the step runs it."""
+        return self.setup.loss_fn
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optax transformation the step applies."""
+        return self.setup.optimizer
+
+    @property
+    def learning_rate(self) -> Callable[[jax.Array], jax.Array] | None:
+        """The config's learning-rate schedule (``None`` for an optimizer given in code)."""
+        return self.setup.learning_rate
+
+    @property
+    def takes_extra(self) -> bool:
+        """Whether the loss takes and returns the model's non-trainable state."""
+        return self.setup.takes_extra
+
+    @property
+    def train_batch_size(self) -> int | None:
+        """The global batch (``None`` until the first batch sets it, every batch key "auto")."""
+        return None if self.setup.sizes is None else self.setup.sizes[0]
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The rows one device takes per micro-batch."""
+        return self.setup.micro_batch_size
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """The micro-batches one step accumulates."""
+        return self.setup.accumulation_steps
+
+    def resolve(self, batch: PyTree, *, train: bool = True) -> None:
+        """Takes every decision still waiting for a batch's shapes, on ``batch`` (this
+        process's rows, arrays or ``jax.ShapeDtypeStruct``; nothing runs): the parallel sizes
+        ``"auto"``, the batch sizes, ``stage: auto`` and the stacked-layer dimensions the
+        loss's scans consume (:func:`jzero.engine.resolve.resolve`). The first ``train_step``,
+        ``evaluate`` or ``lower`` calls it, and ``initialize(batch=...)``; call it yourself to
+        see the final plan (``describe()``) before. ``train=False``: an evaluation batch, which
+        leaves the batch sizes and ``stage: auto`` to a train batch."""
+        if not resolve.waits_for_batch(self.setup) and self.setup.sizes is not None:
+            return
+        old = self.setup.plan
+        self.setup, step = resolve.resolve(self.setup, batch, train=train)
+        if self.setup.plan is not old:
+            self._step, self._eval = step, None
+            if self._state is not None:  # made before the shapes were known: moved once
+                self._move(old, self.setup.plan)
+
+    def _move(self, old: Plan, new: Plan) -> None:
+        """The state made under ``old`` moved to ``new``'s layout (only the leaves that
+        changed; under the NVMe tier, the files group by group)."""
+        moved = layout.moved_leaves(old, new)
+        if self._disk is not None:
+            if moved:
+                self._state = self._disk.relayout(self._state, new)
+            else:
+                self._disk.use_plan(new)
+        elif moved or layout.shardings_differ(old, new):
+            self._state = relayout(self._state, old, new)
+        if moved:
+            layout.log_moved(moved)
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def state(self) -> TrainState:
+        """The :class:`jzero.step.TrainState`, created at its first use (see the module's
+        decisions)."""
+        return self._made_state()
+
+    def _made_state(self) -> TrainState:
+        """The state, made now if it was not yet (the decisions the known shapes allow taken
+        first)."""
+        if self._state is None:
+            if self._shapes is not None:
+                self.resolve(self._shapes)
+            if resolve.waits_for_batch(self.setup):
+                logger.info(
+                    "jzero: the state is made before a batch's shapes are known, so its layout "
+                    "may move once at the first batch; pass batch= (shapes suffice) to "
+                    "jzero.initialize to make it in its final layout."
+                )
+            self._state, self._disk = self._make_state(self.setup)
+            self._make_state = None  # made once: the caller's arrays are not held after
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self._state = state
+
+    def _abstract_state(self) -> TrainState:
+        """The state's shapes in the plan's layout, made or not (nothing is created)."""
+        if self._state is not None:
+            return self._state
+        plan = self.plan
+        return init_train_state(
+            plan, plan.abstract_params, self.optimizer, self.setup.extra, abstract=True
+        )
 
     def _full_state(self) -> TrainState:
         """The state with everything in memory: under the NVMe tier, the optimizer state (and
         masters, and parameters on NVMe) read back from their files; else :attr:`state`."""
+        state = self.state
         if self._disk is None:
-            return self.state
-        return self._disk.materialize(self.state)
+            return state
+        return self._disk.materialize(state)
 
-    # -- state -------------------------------------------------------------------------------
     @property
     def params(self) -> PyTree:
         """The current parameters, sharded per the plan, at their logical shapes.
@@ -153,12 +261,12 @@ class Engine:
     def model(self) -> Any:
         """The trained model: a Flax NNX or Equinox module (or Linen variables) over the current
         arrays."""
-        if self._to_model is None:
+        if self.setup.to_model is None:
             raise AttributeError(
                 "engine.model exists for Flax and Equinox models (jzero.initialize(model=...)); "
                 "this engine trains a plain pytree: use engine.params."
             )
-        return self._to_model(self.params, self.state.extra)
+        return self.setup.to_model(self.params, self.state.extra)
 
     @property
     def opt_state(self) -> PyTree:
@@ -181,42 +289,8 @@ class Engine:
         return self.plan.mesh
 
     # -- the step ----------------------------------------------------------------------------
-    def _take_batch_sizes(self, batch: PyTree) -> None:
-        """With every batch key "auto", the first batch sets them: its leading dimension (times
-        the processes) is the global batch, split over the data axis and
-        ``gradient_accumulation_steps`` (1 unless set); the config records the values."""
-        if self.train_batch_size is not None:
-            return
-        leads = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-        if len(leads) != 1 or None in leads:
-            raise ValueError(
-                "The config sets no batch size, so the first batch sets them, but its leaves have "
-                f"leading dims {sorted(leads, key=str)}; pass a batch whose leaves share one "
-                "leading dim, or set train_micro_batch_size_per_gpu in the config."
-            )
-        cfg = dataclasses.replace(
-            self.config,
-            train_batch_size=leads.pop() * jax.process_count(),
-            gradient_accumulation_steps=self.config.gradient_accumulation_steps or 1,
-        )
-        sizes = config_lib.resolve_batch_sizes(cfg, self.plan.data_parallel_size)
-        self.config = dataclasses.replace(
-            cfg,
-            train_micro_batch_size_per_gpu=sizes[1],
-            gradient_accumulation_steps=sizes[2],
-        )
-        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = sizes
-        logger.info(
-            "jzero: batch sizes from the first batch: train_batch_size %d = "
-            "train_micro_batch_size_per_gpu %d x gradient_accumulation_steps %d x data-parallel %d",
-            *sizes,
-            self.plan.data_parallel_size,
-        )
-
     def _check_batch(self, batch: PyTree) -> None:
-        if self._auto_layout is not None:
-            self._choose_layout(batch)
-        self._take_batch_sizes(batch)
+        self.resolve(batch)
         distributed.check_batch(
             batch,
             self.train_batch_size,
@@ -231,81 +305,13 @@ class Engine:
         self._check_batch(batch)
         return distributed.global_batch(batch, self.plan.batch, self.train_batch_size)
 
-    def fit_layout(self, batch: PyTree) -> None:
-        """Finds the stacked-layer dimensions the loss's scans consume, once.
-
-        The loss is traced on a micro-batch of ``batch``'s shapes (arrays or
-        ``jax.ShapeDtypeStruct``; nothing runs). Where the plan shards parameters at rest
-        (stage 3) on such a dimension, the engine re-plans and moves the state to the new layout,
-        so each layer is gathered on its own. The first ``train_step``, ``evaluate`` or
-        ``lower`` calls it; call it yourself to see the final plan (``describe()``) before.
-        """
-        if self._layout_fitted:
-            return
-        self._layout_fitted = True
-        if not (self.plan.stage.shard_params or self.plan.pipe_axis or self.plan.expert_axis):
-            return
-        dims, piped = layout.traced_layers(self, batch)
-        new = self._replan(layer_dims=dims, **piped)
-        _check_live_parameters(new, self.config.zero_optimization.stage3_max_live_parameters)
-        moved = layout.moved_leaves(self.plan, new)
-        if not moved:
-            self.plan = new
-            if self._disk is not None:
-                self._disk.use_plan(new)
-            return
-        if self._disk is not None:  # the files too, group by group
-            self.state = self._disk.relayout(self.state, new)
-        else:
-            self.state = relayout(self.state, self.plan, new)
-        self.plan = new
-        self._step = self._eval = None
-        layout.log_moved(moved)
-
-    def _choose_stage(self, batch: PyTree) -> None:
-        """``zero_optimization.stage: auto``: the candidate chosen (:mod:`jzero.engine.auto_stage`)
-        becomes this engine's config, plan and step, the state moved to its layout once."""
-        from jzero.engine import auto_stage
-
-        auto, self._auto_stage = self._auto_stage, None
-        cfg, plan, step = auto_stage.choose_stage(auto, self, batch)
-        self.state = relayout(self.state, self.plan, plan)
-        self.plan, self.config, self._step, self._eval = plan, cfg, step, None
-        self._replan = auto.planner(cfg)
-        self._layout_fitted = True
-
-    def _choose_layout(self, batch: PyTree) -> None:
-        """Parallel sizes ``"auto"``: the layout chosen (:mod:`jzero.engine.auto_layout`) becomes
-        this engine's config, mesh, plan, step and batch sizes, the state moved to it once."""
-        from jzero.engine import auto_layout
-
-        auto, self._auto_layout = self._auto_layout, None
-        choice = auto_layout.choose_layout(auto, self, batch)
-        self.state = relayout(self.state, self.plan, choice.plan)
-        self.plan, self.config, self._step, self._eval = (
-            choice.plan,
-            choice.config,
-            choice.step,
-            None,
-        )
-        self._replan, self._layout_fitted, self._auto_stage = choice.replan, True, None
-        self.train_batch_size, self.micro_batch_size, self.accumulation_steps = choice.sizes
-
     def _step_fn(self, batch: PyTree) -> Callable[..., Any]:
-        if self._auto_stage is not None:
-            self._choose_stage(batch)
-        self.fit_layout(batch)
-        if self._step is None:  # whether the loss returns aux is read when the step traces
-            self._step = steps.build_step(
-                self.plan,
-                self.config,
-                self.loss_fn,
-                self.optimizer,
-                accumulation_steps=self.accumulation_steps,
-                takes_extra=self.takes_extra,
-                learning_rate=self.learning_rate,
-                nvme=self._disk,
-            )
+        """The step for the global ``batch`` (the decisions its shapes allow taken first, the
+        state made), built once; whether the loss returns aux is read when the step traces."""
+        self.resolve(batch)
+        self._made_state()  # in the final layout; the NVMe tier's files with it
+        if self._step is None:
+            self._step = steps.build_step(self.setup, self._disk)
         return self._step
 
     def train_step(self, batch: PyTree) -> dict[str, jax.Array]:
@@ -321,7 +327,10 @@ class Engine:
         batch = self._global(batch)
         fp = self.config.flops_profiler
         if fp.enabled and self.iteration + 1 == fp.profile_step:
-            metrics = steps.profiled_step(self, self._step_fn(batch), batch)
+            step = self._step_fn(batch)
+            self.state, metrics, self.flops_profile = steps.profiled_step(
+                self.setup, step, self.state, batch, self.iteration + 1
+            )
         else:
             self.state, metrics = self._step_fn(batch)(self.state, batch)
         self.iteration += 1
@@ -358,7 +367,9 @@ class Engine:
         if self._train_log is None:
             from jzero import monitor
 
-            self._train_log = monitor.train_log(self, batch, figures.peak_bytes(self, batch))
+            step = self._step_fn(batch)
+            peak = figures.peak_bytes(self.setup, step, self.state, batch)
+            self._train_log = monitor.train_log(self, batch, peak)
         self._train_log.log(metrics, self.iteration, started)
 
     def peak_bytes(self, batch: PyTree) -> Callable[[], int | None]:
@@ -368,7 +379,8 @@ class Engine:
         none, the compiled step's peak, of the executable the step runs (not compiled again).
         ``None`` where the allocator names no peak. The figure the monitors' ``peak_bytes``
         and ``jzero train`` report (:mod:`jzero.engine.figures`)."""
-        return figures.peak_bytes(self, self._global(batch))
+        batch = self._global(batch)
+        return figures.peak_bytes(self.setup, self._step_fn(batch), self.state, batch)
 
     def step_cost(self, batch: PyTree) -> Any:
         """XLA's cost of the compiled step for this batch's shapes (a
@@ -383,10 +395,10 @@ class Engine:
         ``jax.ShapeDtypeStruct``): 3x the loss's forward matmuls, plus the forward passes
         ``flops_profiler.recompute_fwd_factor`` says activation checkpointing repeats. What MFU
         is computed from (:mod:`jzero.profiler`); traced, never run, once per batch shape."""
-        return figures.model_flops(self, batch, self._model_flops)
+        return figures.model_flops(self.setup, batch)
 
     def _check_concrete(self, what: str) -> None:
-        if is_abstract(self.state):
+        if self._abstract:
             raise ValueError(
                 f"This engine was built with initialize(..., abstract=True): it holds the "
                 f"state's shapes only, so it cannot {what}. It lowers steps "
@@ -400,8 +412,7 @@ class Engine:
         The batch's leading dim must be divisible by the data-parallel size.
         """
         self._check_concrete("evaluate")
-        if self._auto_layout is not None:
-            self._choose_layout(batch)
+        self.resolve(batch, train=False)
         lead = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
         count = jax.process_count()  # several processes: each passes its rows
         total = round(next(iter(lead)) / distributed.batch_share(self.plan.batch)) if lead else 0
@@ -413,7 +424,7 @@ class Engine:
                 "size."
             )
         batch = distributed.global_batch(batch, self.plan.batch, total)
-        self.fit_layout(batch)
+        self._made_state()
         if self._eval is None:
             self._eval = make_eval_step(
                 self.plan,
@@ -515,11 +526,17 @@ class Engine:
           The checkpoint's meta: ``config``, ``iteration``, ``data``, ``stage``, ``devices``.
         """
         ckpt = self._checkpointer()
-        self.state, meta = saving.restore(ckpt, step, self.plan, self.state, self._disk)
-        if self._auto_layout is not None:  # the layout the run chose: no search again
+        if self.setup.auto_layout is not None:  # the layout the run chose: no search again
             from jzero.engine import auto_layout
 
-            auto_layout.adopt_saved(self._auto_layout, meta.get("config"))
+            auto_layout.adopt_saved(self.setup.auto_layout, ckpt.read_meta(step).get("config"))
+        if self._state is None and self._shapes is not None:
+            self.resolve(self._shapes)  # the final layout first: the checkpoint is read into it
+        on_disk = self.config.zero_optimization.offload_optimizer.device == "nvme"
+        if self._state is not None or on_disk or self._abstract:
+            self.state, meta = saving.restore(ckpt, step, self.plan, self.state, self._disk)
+        else:  # no state made yet: the checkpoint is the state
+            self._state, meta = saving.restore(ckpt, step, self.plan, self._abstract_state())
         self.iteration = int(meta.get("iteration", self.global_step))
         restored = ckpt.latest_step() if step is None else int(step)
         self._unchanged_since = restored if restored == self.iteration else None
@@ -574,7 +591,7 @@ class Engine:
         """The search the parallel sizes ``"auto"`` run at the first batch
         (:class:`jzero.engine.auto_layout.AutoLayout`: its budget, rates and candidates'
         stages), or ``None`` once the layout is chosen or when no size is ``"auto"``."""
-        return self._auto_layout
+        return self.setup.auto_layout
 
     def describe(self) -> str:
         """The plan report: every leaf's shape, spec per category and per-device bytes."""

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero._util import is_creator
-from jzero.engine.flax_adapter import Adapted, _split_aux
+from jzero.engine.flax_adapter import Adapted, split_aux
 
 __all__ = ["adapt", "is_equinox"]
 
@@ -103,7 +103,7 @@ def adapt(model: Any, loss_fn: Callable[..., Any], abstract: Any = None) -> Adap
         return eqx.combine(params, extra, static)
 
     def loss_with_extra(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
-        loss, aux = _split_aux(loss_fn(to_model(params, extra), batch))
+        loss, aux = split_aux(loss_fn(to_model(params, extra), batch))
         return loss, (aux, extra)
 
     return Adapted(

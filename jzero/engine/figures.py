@@ -37,10 +37,11 @@ def _shapes(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def traceable_loss(engine: Any, batch: PyTree) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """The engine's loss as ``loss(params, extra, batch)`` and the shapes of ``(extra, batch)``."""
-    args = (_shapes(engine.state.extra), _shapes(batch))
-    loss = engine.loss_fn if engine.takes_extra else (lambda p, _, b: engine.loss_fn(p, b))
+def traceable_loss(setup: Any, batch: PyTree) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The loss of ``setup`` (a :class:`jzero.engine.resolve.Setup`) as
+    ``loss(params, extra, batch)`` and the shapes of ``(extra, batch)``."""
+    args = (_shapes(setup.extra), _shapes(batch))
+    loss = setup.loss_fn if setup.takes_extra else (lambda p, _, b: setup.loss_fn(p, b))
     return loss, args
 
 
@@ -49,17 +50,18 @@ def _key(tree: PyTree) -> tuple[Any, ...]:
     return (treedef, *((tuple(np.shape(x)), np.dtype(x.dtype)) for x in leaves))
 
 
-def model_flops(engine: Any, batch: PyTree, traced: dict[Any, float]) -> float:
-    """The model's FLOPs of one step of ``engine`` on a global batch of ``batch``'s shapes
-    (arrays or ``jax.ShapeDtypeStruct``), kept in ``traced`` by the shapes they were traced at
-    (see the module's decisions)."""
+def model_flops(setup: Any, batch: PyTree) -> float:
+    """The model's FLOPs of one step of ``setup`` (a :class:`jzero.engine.resolve.Setup`) on a
+    global batch of ``batch``'s shapes (arrays or ``jax.ShapeDtypeStruct``), kept in
+    ``setup.traced`` by the shapes they were traced at (see the module's decisions)."""
     from jzero import profiler
 
-    factor = engine.config.flops_profiler.recompute_fwd_factor
-    params = engine.plan.abstract_params
-    key = (_key(params), _key(engine.state.extra), _key(batch), factor)
+    factor = setup.config.flops_profiler.recompute_fwd_factor
+    params = setup.plan.abstract_params
+    traced = setup.traced
+    key = (_key(params), _key(setup.extra), _key(batch), factor)
     if key not in traced:
-        loss, args = traceable_loss(engine, batch)
+        loss, args = traceable_loss(setup, batch)
         forward = sum(profiler.module_flops(loss, params, *args).values())
         traced[key] = (3.0 + factor) * forward
     return traced[key]
@@ -75,16 +77,18 @@ def compiled_peak_bytes(compiled: Any, host_state_bytes: int) -> int:
     return int(args + mem.temp_size_in_bytes + fresh)
 
 
-def peak_bytes(engine: Any, batch: PyTree) -> Callable[[], int | None]:
-    """A function that reads the peak memory per device of ``engine``'s step on the global
-    batch ``batch`` (as the step takes it): see the module's decisions. ``None`` where the
-    allocator's statistics name no peak."""
-    device = engine.mesh.local_devices[0]
+def peak_bytes(
+    setup: Any, step: Callable[..., Any], state: Any, batch: PyTree
+) -> Callable[[], int | None]:
+    """A function that reads the peak memory per device of ``step`` (the step of ``setup``, as
+    the engine runs it) on ``state`` and the global batch ``batch`` (as the step takes it): see
+    the module's decisions. ``None`` where the allocator's statistics name no peak."""
+    plan = setup.plan
+    device = plan.mesh.local_devices[0]
     if device.memory_stats() is not None:
         return lambda: device.memory_stats().get("peak_bytes_in_use")
-    step = engine._step_fn(batch)  # the step it runs, built (and its layout fitted) once
     if not hasattr(step, "lower"):
         return lambda: None
-    host = sum(engine.plan.host_state_bytes(engine.accumulation_steps or 1).values())
-    peak = compiled_peak_bytes(step.lower(engine.state, batch).compile(), host)
+    host = sum(plan.host_state_bytes(setup.accumulation_steps or 1).values())
+    peak = compiled_peak_bytes(step.lower(state, batch).compile(), host)
     return lambda: peak

@@ -65,7 +65,7 @@ class Adapted:
     param_specs: PyTree | None = None
 
 
-def _split_aux(out: Any) -> tuple[Any, Any]:
+def split_aux(out: Any) -> tuple[Any, Any]:
     if isinstance(out, tuple) and len(out) == 2:
         return out
     return out, {}
@@ -116,7 +116,7 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
 
     def loss_with_extra(params: PyTree, extra: PyTree, batch: PyTree) -> Any:
         module = to_model(params, extra)
-        loss, aux = _split_aux(loss_fn(module, batch))
+        loss, aux = split_aux(loss_fn(module, batch))
         _, _, new_extra = nnx.split(module, nnx.Param, ...)
         return loss, (aux, new_extra.to_pure_dict())
 
@@ -155,7 +155,7 @@ def _adapt_linen(model: linen.Module, loss_fn: Callable[..., Any], init_args: tu
             out, new_extra = loss_fn(params, extra, batch)
         else:
             out, new_extra = loss_fn(params, batch), extra
-        loss, aux = _split_aux(out)
+        loss, aux = split_aux(out)
         return loss, (aux, dict(new_extra))
 
     def to_model(params: PyTree, extra: PyTree) -> Any:

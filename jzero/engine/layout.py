@@ -8,8 +8,9 @@ Decisions:
   data axis): :func:`jzero.replay.layer_dims` finds the dimension each scan consumes, and under
   pipelining :func:`jzero.replay.split_at_layers` the leaves its layer scan splits into stages.
 * **A leaf moves when its resting layout changes**: the dimension its parameter or its
-  optimizer state is split on, its resting (padded) shape, or its base spec. The engine moves
-  only the state those leaves hold (:meth:`jzero.engine.Engine.fit_layout`).
+  optimizer state is split on, its resting (padded) shape, or its base spec. That happens only
+  to a state created before the batch's shapes were known (read before the first batch, with no
+  ``initialize(batch=...)``); the engine then moves the leaves that changed, once.
 """
 
 from __future__ import annotations
@@ -22,27 +23,29 @@ import numpy as np
 
 from jzero.plan import Plan
 
-__all__ = ["log_moved", "moved_leaves", "traced_layers"]
+__all__ = ["log_moved", "moved_leaves", "shardings_differ", "traced_layers"]
 
 logger = logging.getLogger(__name__)
 PyTree = Any
 
 
-def traced_layers(engine: Any, batch: PyTree) -> tuple[Any, dict[str, Any]]:
-    """The stacked-layer dimensions ``engine``'s loss's scans consume (traced on a micro-batch
-    of ``batch``'s shapes), and under pipelining the leaves its layer scan splits
-    (``{"pipe_leaves": ...}``, the keywords a re-plan takes; else empty)."""
+def traced_layers(setup: Any, batch: PyTree) -> tuple[Any, dict[str, Any]]:
+    """The stacked-layer dimensions the loss of ``setup`` (a :class:`jzero.engine.resolve.Setup`)
+    consumes in its scans (traced on a micro-batch of ``batch``'s shapes), and under pipelining
+    the leaves its layer scan splits (``{"pipe_leaves": ...}``, the keywords a re-plan takes;
+    else empty)."""
     from jzero.replay import layer_dims, split_at_layers
 
-    rows = engine.micro_batch_size  # before the first train batch (all "auto"): this one's
+    plan = setup.plan
+    rows = setup.micro_batch_size  # before the first train batch (all "auto"): this one's
     if rows is None:
-        rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // engine.plan.data_parallel_size)
+        rows = max(1, np.shape(jax.tree.leaves(batch)[0])[0] // plan.data_parallel_size)
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), batch)
-    args = (engine.state.extra, micro) if engine.takes_extra else (micro,)
-    dims = layer_dims(engine.loss_fn, engine.plan.abstract_params, *args)
+    args = (setup.extra, micro) if setup.takes_extra else (micro,)
+    dims = layer_dims(setup.loss_fn, plan.abstract_params, *args)
     piped = {}
-    if engine.plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
-        split = split_at_layers(engine.loss_fn, engine.plan.compute_params, *args)
+    if plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
+        split = split_at_layers(setup.loss_fn, plan.compute_params, *args)
         piped = {"pipe_leaves": split.scanned}
     return dims, piped
 
@@ -63,6 +66,14 @@ def moved_leaves(old: Plan, new: Plan) -> list[str]:
         for leaf, a, b in zip(new.leaves, _layout(new), _layout(old), strict=True)
         if a != b
     ]
+
+
+def shardings_differ(old: Plan, new: Plan) -> bool:
+    """Whether a state resting under ``old`` rests elsewhere under ``new``: another mesh, stage
+    or memory kind, though no leaf's split changed."""
+    from jzero.step import state_shardings
+
+    return jax.tree.leaves(state_shardings(old)) != jax.tree.leaves(state_shardings(new))
 
 
 def log_moved(moved: list[str]) -> None:

@@ -28,7 +28,7 @@ import logging
 from typing import Any
 
 from jzero import config as config_lib
-from jzero.engine.checks import _finite
+from jzero.engine.checks import finite
 from jzero.plan import Plan
 from jzero.step import (
     TrainState,
@@ -80,7 +80,7 @@ def save(
     Returns:
       Whether a save started.
     """
-    if not _finite(state.params, state.master):
+    if not finite(state.params, state.master):
         logger.warning(
             "jzero: NOT saving checkpoint step %d: the parameters hold inf/NaN (a step with "
             "non-finite gradients was applied). The checkpoints on disk (%s) are kept. Set "

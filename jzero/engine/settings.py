@@ -343,7 +343,7 @@ def _experts(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) 
 
 def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """Pipeline parallelism (``pipeline.stages`` > 1): the ``pipe`` axis and the schedule; the
-    leaves it splits are known once the loss is traced (the engine's ``fit_layout``)."""
+    leaves it splits are known once the loss is traced (:mod:`jzero.engine.resolve`)."""
     stages = cfg.pipeline_stages()
     _require_axis("pipeline.stages", stages, PIPE_AXIS, mesh)
     if mesh.shape.get(PIPE_AXIS, 1) <= 1:

@@ -23,11 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 
-from jzero import config as config_lib
 from jzero.engine import figures, settings
-from jzero.plan import Plan
 from jzero.step import make_train_step
 
 __all__ = ["build_step", "profiled_step"]
@@ -36,39 +33,23 @@ logger = logging.getLogger(__name__)
 PyTree = Any
 
 
-def build_step(
-    plan: Plan,
-    cfg: config_lib.Config,
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    *,
-    accumulation_steps: int | None,
-    takes_extra: bool,
-    learning_rate: Callable[[jax.Array], jax.Array] | None,
-    nvme: Any = None,
-) -> Callable[..., Any]:
-    """The train step of ``plan`` under ``cfg``'s step settings.
-
-    Args:
-      plan: the plan the state is laid out by.
-      cfg: the config whose step settings (accumulation, clipping, remat, the offloaded
-        update, the NVMe tier's pipelining) the step follows.
-      loss_fn: the loss, as the engine holds it.
-      optimizer: the optax transformation.
-      accumulation_steps: the micro-batches a step accumulates (``None``: the config's).
-      takes_extra: the loss takes and returns the model's non-trainable state.
-      learning_rate: the schedule, for the ``lr`` metric; ``None`` where jzero does not know it.
-      nvme: the NVMe tier's files (:class:`jzero.nvme.NvmeState`), or ``None`` without the tier.
+def build_step(setup: Any, nvme: Any = None) -> Callable[..., Any]:
+    """The train step of ``setup`` (a :class:`jzero.engine.resolve.Setup`): its plan, under its
+    config's step settings (accumulation, clipping, remat, the offloaded update, the NVMe tier's
+    pipelining), for its loss and optimizer; ``nvme``: the NVMe tier's files
+    (:class:`jzero.nvme.NvmeState`), or ``None`` without the tier.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``, with ``.lower(state, batch)``.
     """
-    options = settings.step_options(cfg, accumulation_steps)
+    cfg, loss_fn = setup.config, setup.loss_fn
+    takes_extra, learning_rate = setup.takes_extra, setup.learning_rate
+    options = settings.step_options(cfg, setup.accumulation_steps)
     if nvme is None:
         return make_train_step(
-            plan,
+            setup.plan,
             loss_fn,
-            optimizer,
+            setup.optimizer,
             options,
             takes_extra=takes_extra,
             learning_rate=learning_rate,
@@ -87,38 +68,40 @@ def build_step(
     )
 
 
-def profiled_step(engine: Any, step: Callable[..., Any], batch: PyTree) -> dict[str, jax.Array]:
-    """Runs ``step`` once under ``flops_profiler`` (see the module's decisions): ``engine.state``
-    becomes the step's result as soon as it exists (the old one was donated to it), and
-    ``engine.flops_profile`` the :class:`jzero.profiler.FlopsProfile`.
+def profiled_step(
+    setup: Any, step: Callable[..., Any], state: Any, batch: PyTree, iteration: int
+) -> tuple[Any, dict[str, jax.Array], Any]:
+    """Runs ``step`` (of ``setup``) once on ``state`` under ``flops_profiler`` (see the module's
+    decisions), as train step ``iteration``.
 
     Returns:
-      The step's metrics.
+      The new state (the old one was donated to the step), the step's metrics and the
+      :class:`jzero.profiler.FlopsProfile` (``None`` for a step that is not one program).
     """
     from jzero import profiler
 
-    fp = engine.config.flops_profiler
+    fp = setup.config.flops_profiler
     if not hasattr(step, "lower"):  # the NVMe tier runs several programs a step
         logger.warning("jzero: flops_profiler does not profile the NVMe tier's step.")
-        engine.state, metrics = step(engine.state, batch)
-        return metrics
-    compiled = step.lower(engine.state, batch).compile()
+        state, metrics = step(state, batch)
+        return state, metrics, None
+    compiled = step.lower(state, batch).compile()
     start = time.perf_counter()
-    engine.state, metrics = step(engine.state, batch)
+    state, metrics = step(state, batch)
     jax.block_until_ready(metrics)
     seconds = time.perf_counter() - start
-    loss, args = figures.traceable_loss(engine, batch)
+    loss, args = figures.traceable_loss(setup, batch)
+    mesh = setup.plan.mesh
     result = profiler.profile(
         loss,
-        engine.plan.abstract_params,
+        setup.plan.abstract_params,
         args,
         compiled,
         seconds,
-        step=engine.iteration + 1,
-        devices=list(engine.mesh.devices.flat),
+        step=iteration,
+        devices=list(mesh.devices.flat),
         options=profiler.ProfileOptions(fp.module_depth, fp.peak_flops, fp.recompute_fwd_factor),
     )
-    engine.flops_profile = result
     text = result.format(fp.top_modules, fp.detailed)
     if jax.process_index() == 0:
         if fp.output_file:
@@ -126,4 +109,4 @@ def profiled_step(engine: Any, step: Callable[..., Any], batch: PyTree) -> dict[
                 f.write(text + "\n")
         else:
             logger.info("\n%s", text)
-    return metrics
+    return state, metrics, result

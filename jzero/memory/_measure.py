@@ -211,7 +211,7 @@ def memory_report(
     local = engine.plan.num_shards
     n = local if devices is None else check_positive(devices, "devices", str(local), integer=True)
     if batch is not None:
-        engine.fit_layout(batch)  # the final plan: stacked layers found in the traced loss
+        engine.resolve(batch)  # the final plan: stacked layers found in the traced loss
     row = _stage_memory(engine, batch, None if n == local else _plan_on(engine, n))
     row = dataclasses.replace(row, checkpointing=_policy(engine.config))
     title = f"jzero memory report: ZeRO stage {row.stage}, {n} devices"
@@ -361,7 +361,7 @@ def measure_stages(
 
     def measure(base: Any, stage: int, offload_name: str) -> StageMemory:
         engine, batch = build(_with_zero(base, stage, offload_name, sizes), mesh)
-        engine.fit_layout(batch)
+        engine.resolve(batch)
         seen.setdefault("devices", engine.plan.num_shards)
         seen.setdefault("mesh", dict(engine.mesh.shape))
         seen.setdefault("replicas", engine.plan.num_replicas)

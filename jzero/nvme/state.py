@@ -24,7 +24,7 @@ Decisions:
 * :func:`jzero.nvme.initial_state.first_version` makes the first version group by group, so the full
   optimizer state never exists in memory, in training or before it.
 * A change of the plan's layout at the first step (stage 3's stacked-layer dimensions,
-  ``engine.fit_layout``) re-lays the files group by group (:meth:`NvmeState.relayout`).
+  ``engine.resolve``) re-lays the files group by group (:meth:`NvmeState.relayout`).
 """
 
 from __future__ import annotations

@@ -236,14 +236,13 @@ def _group_update(
     plan: Plan, optimizer: optax.GradientTransformation, owner: list[int | None], group: list[int]
 ) -> Any:
     """``(grads, masters, owned state, shared state) -> GroupUpdate`` of ``group``."""
-    return functools.partial(
-        subgroups.update_group_leaves,
-        optimizer,
-        plan.abstract_params,
-        plan.abstract_opt_state,
-        group,
-        owner,
-    )
+
+    def update(grads: Any, masters: Any, states: Any, shared: Any) -> Any:
+        leaves = subgroups.GroupLeaves(grads, masters, states, shared)
+        abstract = (plan.abstract_params, plan.abstract_opt_state)
+        return subgroups.update_group_leaves(optimizer, *abstract, group, owner, leaves)
+
+    return update
 
 
 def _host_update(

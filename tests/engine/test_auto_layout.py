@@ -110,9 +110,7 @@ def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, cap
     with CompileCounter() as second:
         e.train_step(batches()[1])
     assert second.programs == 0, second.names
-    from jzero.engine.figures import peak_bytes
-
-    assert peak_bytes(e, e._global(batches()[1]))() <= budget
+    assert e.peak_bytes(batches()[1])() <= budget
     e.save()
     e.wait_until_finished()
     went_on = float(e.train_step(batches()[0])["loss"])

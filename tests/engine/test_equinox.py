@@ -143,7 +143,7 @@ def _temp(stage, layers=6, width=64, length=T, **extra):
         optimizer=optax.sgd(1e-2), config=config(stage, **extra),
     )  # fmt: skip
     batch = batches(1, length)[0]
-    engine.fit_layout(batch)
+    engine.resolve(batch)
     compiled = engine.lower(batch).compile()
     params = sum(leaf.size * 8 for leaf in jax.tree.leaves(engine.params))
     return compiled.memory_analysis().temp_size_in_bytes, params, engine

@@ -51,7 +51,8 @@ def test_monitors_hold_the_steps_metrics(tmp_path, monkeypatch):
         wandb={"enabled": True, "project": "jzero-tests", "group": "monitors"},
     )
     batches = toy.make_batches(STEPS, BATCH)
-    engine = jzero.initialize(params=toy.make_params(), loss_fn=toy.loss_fn, config=cfg)
+    # batch=: the state is made at initialize, so the counters below see the steps alone.
+    engine = jzero.initialize(toy.make_params(), toy.loss_fn, config=cfg, batch=batches[0])
     with CompileCounter() as compiled:
         losses = [float(engine.train_step(b)["loss"]) for b in batches]
     engine.monitor.write_events([("Custom/accuracy", 0.5, 7)])  # a user's own event
@@ -94,7 +95,7 @@ def test_monitors_hold_the_steps_metrics(tmp_path, monkeypatch):
 
     # The monitors cost no compilation: the peak bytes on CPU come from the step's executable.
     quiet = jzero.initialize(
-        params=toy.make_params(), loss_fn=toy.loss_fn, config=_config(tmp_path)
+        toy.make_params(), toy.loss_fn, config=_config(tmp_path), batch=batches[0]
     )
     assert not quiet.monitor.enabled
     with CompileCounter() as unmonitored:

@@ -90,8 +90,14 @@ def test_parameters_on_nvme_train_like_the_run_in_memory(bf16, tmp_path):
 
 
 def test_initialize_writes_the_state_straight_to_its_files(tmp_path):
+    # batch=: the layout is final at initialize (stage 3 fits its stacked layers), so the state
+    # is made there, in its files.
     e = jzero.initialize(
-        toy.make_params(), toy.loss_fn, optax.adamw(1e-2), on_nvme(tmp_path, bf16=True)
+        toy.make_params(),
+        toy.loss_fn,
+        optax.adamw(1e-2),
+        on_nvme(tmp_path, bf16=True),
+        batch=toy.make_batches(1, BATCH)[0],
     )
     plain = jzero.initialize(toy.make_params(), toy.loss_fn, optax.adamw(1e-2), config(3, True))
     # Before any step: version 0 on disk, placeholders in the engine's state.
@@ -119,9 +125,10 @@ def test_initialize_writes_the_state_straight_to_its_files(tmp_path):
 
 
 def test_a_layout_change_at_the_first_step_relays_the_files(tmp_path):
-    """8 stacked layers on 8 devices: the first step moves the stacked leaves off their layer
-    dimension (``fit_layout``); the files are re-laid group by group and training matches the
-    run in memory."""
+    """8 stacked layers on 8 devices, the state read before any batch's shapes are known (so
+    made in the provisional layout): the first step moves the stacked leaves off their layer
+    dimension (``engine.resolve``); the files are re-laid group by group and training matches
+    the run in memory."""
     tx = optax.adam(1e-2)
 
     def run(cfg):  # in float64: the re-laid files must hold what the run in memory holds
@@ -129,6 +136,7 @@ def test_a_layout_change_at_the_first_step_relays_the_files(tmp_path):
         with jax.enable_x64(True):
             params = toy.make_params(num_layers=8, dtype=F64)
             e = jzero.initialize(params, toy.loss_fn, tx, cfg)
+            assert e.state is not None  # made now, before the layer dimensions are known
             metrics = [e.train_step(b) for b in toy.make_batches(STEPS, 16, dtype=np.float64)]
             dims = {leaf.path: leaf.param_dim for leaf in e.plan.leaves}
             norms = [float(m["grad_norm"]) for m in metrics]
@@ -186,7 +194,8 @@ def test_checkpoints_move_between_the_tiers(tmp_path, x64):
     def engine(on_disk, ckpt):
         cfg = on_nvme(tmp_path / "nvme") if on_disk else config(3)
         cfg["checkpoint"] = {"directory": str(tmp_path / ckpt)}
-        return jzero.initialize(toy.make_params(dtype=F64), toy.loss_fn, tx, cfg)
+        params = toy.make_params(dtype=F64)  # batch=: the state made at initialize
+        return jzero.initialize(params, toy.loss_fn, tx, cfg, batch=batches[0])
 
     for saver_on_disk in (True, False):
         ckpt = f"ckpt-{saver_on_disk}"

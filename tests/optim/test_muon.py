@@ -178,7 +178,7 @@ def test_an_optax_muon_jzero_cannot_see_into_warns_and_pays_collectives_in_every
     with caplog.at_level("WARNING", logger="jzero"):
         counts, _, _ = step_collectives(config(3, optimizer=None), tx)
     notes = [r.getMessage() for r in caplog.records if "optax.contrib.muon" in r.getMessage()]
-    assert len(notes) == 1 and "jzero.optim.muon(...) takes the same arguments" in notes[0]
+    assert len(notes) == 1 and "jzero.optim.muon(...) takes the same rates" in notes[0]
     adamw, _, _ = step_collectives(config(3, optimizer={"type": "AdamW", "params": {"lr": LR}}))
     # Five iterations on four matrices: more than one extra all-reduce per iteration.
     assert counts["all-reduce"] - adamw.get("all-reduce", 0) >= 5

@@ -148,7 +148,7 @@ def test_hpz_pads_to_the_state_shard_count():
     cfg = {**config(3, zero_hpz_partition_size=3), "mesh": {"replica": 2, "data": 3}}
     with jax.enable_x64(True):
         engine = engine_at(6, cfg)
-        engine.fit_layout(reference()[1][0])
+        engine.resolve(reference()[1][0])
         assert engine.plan.hpz and engine.plan.state_shards == 6
         assert all(leaf.padded % 6 == 0 for leaf in engine.plan.leaves)
         assert_trains_like_optax(engine)

@@ -333,15 +333,6 @@ def test_the_alias_check_finds_an_alias_planted_in_a_copy(tmp_path):
     ]
 
 
-# jzero.engine's private imports are being removed (issue 58, item 3); empty this set then.
-PRIVATE_IMPORTS_ALLOWED = {
-    "jzero/engine/build.py _check_mesh_splits",
-    "jzero/engine/engine.py _check_live_parameters",
-    "jzero/engine/equinox_adapter.py _split_aux",
-    "jzero/engine/saving.py _finite",
-}
-
-
 def _file_and_name(found: str) -> str:
     """``file name`` of a ``file:line name ...`` finding (the line moves with every edit)."""
     where, name = found.split(" ")[:2]
@@ -350,7 +341,7 @@ def _file_and_name(found: str) -> str:
 
 def test_no_module_imports_a_private_name_of_a_sibling_module():
     found = private_imports(JZERO, siblings=True)
-    assert [f for f in found if _file_and_name(f) not in PRIVATE_IMPORTS_ALLOWED] == []
+    assert found == []
 
 
 def test_the_sibling_check_finds_a_private_name_imported_within_its_package(tmp_path):
@@ -426,7 +417,6 @@ def test_the_cycle_check_finds_a_circle_closed_inside_a_function_or_by_name(tmp_
 # jzero.engine's initialize is being restructured (issue 58, item 1); empty this set then.
 LONG_SIGNATURES_ALLOWED = {
     "jzero/engine/build.py initialize",
-    "jzero/engine/engine.py Engine.__init__",
 }
 
 

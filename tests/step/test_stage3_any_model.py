@@ -198,7 +198,7 @@ def test_max_live_parameters_below_the_largest_layer_warns_and_trains():
         )
         with warnings.catch_warnings():
             warnings.simplefilter("error", JzeroConfigWarning)
-            engine.fit_layout(batches(1, np.float64)[0])
+            engine.resolve(batches(1, np.float64)[0])
         assert engine.plan.largest_gathered() == (D * D, "w")
 
 
