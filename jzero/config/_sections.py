@@ -166,8 +166,8 @@ class ZeroConfig:
     batch, the cheapest that fits the device memory (the top-level ``device_memory``, or the
     accelerator's own less 10%), measured from each candidate's compiled step: stages 0-3, then
     with activation checkpointing (under ``activation_checkpointing: {policy: auto}``), then
-    with the optimizer state in host memory (:mod:`jzero.engine.auto_stage`). Until then the
-    state rests as at stage 3, the least per device."""
+    with the optimizer state in host memory (:mod:`jzero.engine.auto_stage`). The state is made
+    after the choice, in the chosen layout (:mod:`jzero.engine.resolve`)."""
     stage3_param_persistence_threshold: int = checked_field(100_000, min=0, auto=100_000)
     """Stage 3: parameters with fewer elements than this stay replicated (DeepSpeed: 1e5).
     "auto" is the default, 1e5 (Hugging Face would write 10 x hidden size)."""

@@ -17,8 +17,8 @@ Decisions:
   allocator's fragmentation, other programs). On CPU there is no such figure: ``device_memory``
   is then required.
 * **Compiled once.** The chosen candidate's jitted step is the engine's step: its first call
-  runs the executable the measurement compiled. Until the first batch the state rests as at
-  stage 3 (the least per device), and is moved once to the chosen layout.
+  runs the executable the measurement compiled. The candidates compile on abstract state, so
+  the state is made after the choice, once, in the chosen layout (:mod:`jzero.engine.resolve`).
 * **Recorded.** The engine's config holds the chosen stage, offload and checkpointing policy,
   so ``describe()``, checkpoints' metadata and ``jzero train``'s summary name them; one log line
   lists every rejected candidate and how far it was short.
