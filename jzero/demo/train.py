@@ -101,6 +101,7 @@ from jzero.config import Config, load_config
 from jzero.demo import data as data_lib
 from jzero.demo import gpt
 from jzero.engine import Engine, initialize
+from jzero.plan import host_state_bytes, model_state_bytes
 
 __all__ = ["ending", "exit_code", "format_summary", "run", "strict_json"]
 
@@ -527,17 +528,16 @@ def _train(
     else:  # the global batch follows from the plan's data-parallel size
         engine = initialize(loss_fn=gpt.nnx_loss_fn, **model)
         engine.resolve(_batch_shapes(cfg, model_cfg, engine.train_batch_size))
+    rows = engine.train_batch_size or cfg.train_batch_size  # an "auto" layout: the config's
     source = dict(cfg.data)
     tokens = data_lib.load_tokens(
         source.get("source", "stdlib"), source.get("path"), source.get("max_bytes")
     )
     train_tokens, eval_tokens = data_lib.split_train_eval(tokens, source.get("eval_fraction", 0.05))
     rank = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    batches = data_lib.BatchIterator(
-        train_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.seed, **rank
-    )
+    batches = data_lib.BatchIterator(train_tokens, rows, model_cfg.seq_len, cfg.seed, **rank)
     eval_set = data_lib.eval_batches(
-        eval_tokens, engine.train_batch_size, model_cfg.seq_len, cfg.train.eval_batches, **rank
+        eval_tokens, rows, model_cfg.seq_len, cfg.train.eval_batches, **rank
     )
     engine.data_iterator = batches  # checkpoints carry the data position
     resumed = None
@@ -557,14 +557,14 @@ def _train(
     engine.monitor_dir = str(log_dir)  # monitors without an output_path write beside metrics
     engine.tokens_per_sample = model_cfg.seq_len
     peak = _peak_bytes(engine, batches)  # on CPU compiles the step: the plan is final after
-    by_category = engine.plan.model_state_bytes()
+    by_category = model_state_bytes(engine.plan)
     on_disk = 0
     if cfg.zero_optimization.offload_optimizer.device == "nvme":  # between steps, in files
         on_disk = by_category.pop("opt_state", 0) + by_category.pop("master_params", 0)
         if cfg.zero_optimization.offload_param.device == "nvme":
             on_disk += by_category.pop("params", 0)
     state_bytes = sum(by_category.values())
-    host_bytes = sum(engine.plan.host_state_bytes().values())
+    host_bytes = sum(host_state_bytes(engine.plan).values())
     tokens_per_step = engine.train_batch_size * model_cfg.seq_len
     logger.info("\n%s", engine.describe())
     logger.info(
