@@ -17,8 +17,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     )
 
 from jzero import memory  # noqa: E402
+from jzero.costs import ModelShape, ParallelDims  # noqa: E402
 from jzero.demo.plan import plan_report  # noqa: E402
-from jzero.memory import ModelShape, ParallelLayout  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     print(
         memory.estimate(
-            ModelShape(7.5e9), ParallelLayout(64, devices_per_node=8), args.device_memory
+            ModelShape(7.5e9), ParallelDims(64, devices_per_node=8), args.device_memory
         ).table()
     )
     print()

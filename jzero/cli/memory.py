@@ -87,7 +87,7 @@ and how much each option that does not fit is short."""
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from jzero import memory
+    from jzero import costs, memory
 
     if args.experts is not None and args.expert_params is None:
         raise ValueError(
@@ -95,7 +95,7 @@ def _estimate(args: argparse.Namespace) -> int:
             "together (part of --params), e.g. --expert-params 6e9: they are sharded apart from "
             "the dense parameters. Pass --expert-params, or leave out --experts."
         )
-    model = memory.ModelShape(
+    model = costs.ModelShape(
         args.params,
         largest_layer_params=args.largest_layer_params or 0,
         seq_len=args.seq_len,
@@ -105,20 +105,20 @@ def _estimate(args: argparse.Namespace) -> int:
         experts=args.experts or 0,
         expert_params=args.expert_params or 0,
     )
-    layout = memory.ParallelLayout(
+    layout = costs.ParallelDims(
         args.devices,
         args.devices_per_node,
         micro_batch=args.micro_batch,
-        replicas=args.replicas,
-        tensor_parallel=args.tensor_parallel,
-        sequence_parallel=args.sequence_parallel,
-        pipeline=args.pipeline,
+        replica=args.replicas,
+        model=args.tensor_parallel,
+        seq=args.sequence_parallel,
+        pipe=args.pipeline,
+        expert=args.expert_parallel,
         micro_batches=args.micro_batches,
-        pipeline_schedule=args.pipeline_schedule,
-        virtual_stages=args.virtual_stages,
-        expert_parallel=args.expert_parallel,
+        schedule=args.pipeline_schedule,
+        virtual=args.virtual_stages,
     )
-    dtypes = memory.Dtypes(args.activation_dtype, args.optimizer_dtype, args.master_dtype)
+    dtypes = costs.Dtypes(args.activation_dtype, args.optimizer_dtype, args.master_dtype)
     result = memory.estimate(
         model,
         layout,

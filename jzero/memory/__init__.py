@@ -3,10 +3,11 @@
 Three entry points share one report shape (rows of per-device bytes, a table, a plot and a
 recommendation):
 
-* :func:`estimate` is closed-form, for any model size and device count (the ZeRO paper's
-  model-state bytes, DeepSpeed's estimators for offload and host memory, and, given a
-  transformer's shape, its activations without and with full recomputation from Korthikanti
-  et al. 2022: :func:`transformer_activations`).
+* :func:`estimate` is closed-form, for any model size and device count: the formulas of
+  :mod:`jzero.costs` (the ZeRO paper's model-state bytes, DeepSpeed's estimators for offload
+  and host memory, and, given a transformer's shape, its activations without and with full
+  recomputation from Korthikanti et al. 2022) over its :class:`~jzero.costs.ModelShape` and
+  :class:`~jzero.costs.ParallelDims`, checked, tabled and weighed here.
 * :func:`measure_stages` measures a config's model at every stage: per-device bytes of each
   model-state category from the plan (``Plan.model_state_bytes`` on the device,
   ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once, and
@@ -25,9 +26,9 @@ Every public name lives in one of the private modules below and is re-exported h
   :class:`Recommendation`, which weighs the levers in the order of their cost: the lowest stage
   that fits without activation checkpointing or offload, then activation checkpointing, then
   offload; it names the lever and how short every other option is.
-* ``_estimate``: :func:`estimate` of a :class:`ModelShape` on a :class:`ParallelLayout` (in
-  :class:`Dtypes`), :func:`transformer_activations` and the :class:`Estimate` /
-  :class:`EstimateRow`.
+* ``_estimate``: :func:`estimate` of a :class:`~jzero.costs.ModelShape` on a
+  :class:`~jzero.costs.ParallelDims` (in :class:`~jzero.costs.Dtypes`), and the
+  :class:`Estimate` / :class:`EstimateRow`.
 * ``_report``: :class:`StageMemory` and :class:`PlanReport`, the measured report's rows and table.
 * ``_measure``: :func:`measure_stages` and :func:`memory_report`, which compile.
 * ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
@@ -37,15 +38,10 @@ memory (10% by default) free. Callers reach the entry points through this packag
 (``memory.estimate``), so replacing one here replaces it for them.
 """
 
-from jzero.memory._estimate import BUFFER_FACTOR as BUFFER_FACTOR
-from jzero.memory._estimate import Dtypes as Dtypes
 from jzero.memory._estimate import Estimate as Estimate
 from jzero.memory._estimate import EstimateRow as EstimateRow
-from jzero.memory._estimate import ModelShape as ModelShape
 from jzero.memory._estimate import Offload as Offload
-from jzero.memory._estimate import ParallelLayout as ParallelLayout
 from jzero.memory._estimate import estimate as estimate
-from jzero.memory._estimate import transformer_activations as transformer_activations
 from jzero.memory._format import GB as GB
 from jzero.memory._format import Recommendation as Recommendation
 from jzero.memory._format import parse_size as parse_size
@@ -57,11 +53,8 @@ from jzero.memory._report import PlanReport as PlanReport
 from jzero.memory._report import StageMemory as StageMemory
 
 __all__ = [
-    "Dtypes",
     "Estimate",
     "EstimateRow",
-    "ModelShape",
-    "ParallelLayout",
     "PlanReport",
     "Recommendation",
     "StageMemory",
@@ -71,5 +64,4 @@ __all__ = [
     "memory_report",
     "parse_size",
     "plot_bars",
-    "transformer_activations",
 ]

@@ -8,7 +8,7 @@ Decisions:
   (:meth:`~jzero.choices.stages.StageSpec.model_state_bytes`, the formulas printed by
   :func:`~jzero.choices.stages.formula_text`); the communication per step is
   :meth:`~jzero.choices.stages.StageSpec.traffic`.
-* Offload and host memory follow DeepSpeed's estimators (:func:`_model_states`;
+* Offload and host memory follow DeepSpeed's estimators (:func:`jzero.costs.model_states`;
   ``additional_buffer_factor`` 1.5, host memory per node), where LL is the largest layer's
   parameter count: a stage that shards the parameters also holds that layer gathered (4 bytes
   a parameter: its 16-bit params and grads), and its host holds only that layer while loading
@@ -35,14 +35,14 @@ Decisions:
   x 1.5, per device of a node; DeepSpeed's default ``sub_group_size`` of 1e9 makes a group a
   whole shard of most models: set it lower for the NVMe tier); disk per node the masters and
   moments twice (``2 x 12 Psi / nodes``: the step writes the new version beside the old).
-* Hybrid sharding (``replicas`` R > 1, DeepSpeed's MiCS, FSDP's HSDP): each of the R replica
+* Hybrid sharding (``replica`` R > 1, DeepSpeed's MiCS, FSDP's HSDP): each of the R replica
   groups holds the whole model state sharded over its ``D = N / R`` devices, so the sharded
   terms divide by D (host memory per node likewise, the replica group's ``D / devices per node``
   nodes sharing it). The cross-host column is the communication that crosses nodes per step:
   with replicas, only the gradient shards (:meth:`~jzero.choices.stages.StageSpec.replica_traffic`,
   ``2 Psi / D``; all of stage 0's all-reduce); without, on several nodes, all of the stage's
   traffic; on one node, none.
-* Experts (mixture of experts, ``experts`` E per MoE layer, ``expert_parallel`` E_p,
+* Experts (mixture of experts, ``experts`` E per MoE layer, the layout's ``expert`` E_p,
   ``expert_params`` Psi_e of the ``params``, DeepSpeed-MoE's expert parallelism; jzero's
   ``expert_parallel: {autoep_size: E_p}``, mesh ``{data: N/E_p, expert: E_p}``): the expert and
   the dense parameters are counted apart, because ZeRO shards them over different groups. Each
@@ -64,7 +64,7 @@ Decisions:
   Expert parallelism does not compose with the NVMe tier in jzero yet (the config refuses it),
   so the estimate lists no NVMe rows with E_p > 1. The tokens' all-to-alls and the MoE
   layers' dispatch buffers are not counted.
-* 16-bit optimizer state (``optimizer_dtype="bf16"``, jzero's ``bf16: {enabled: true,
+* 16-bit optimizer state (``Dtypes(optimizer="bf16")``, jzero's ``bf16: {enabled: true,
   bf16_optimizer_states: true}``, :mod:`jzero.optim.low_precision`): Adam's two moments rest
   in bfloat16 (2 bytes each instead of 4) while the master weights stay fp32, so K = 4 + 2 + 2
   = 8 instead of 12. K replaces 12 wherever the optimizer state is counted: every stage's
@@ -73,10 +73,10 @@ Decisions:
   params 2 + 4 + K, ``max(4 N, 16)`` = ``max(4 N, 4 + K)``: 12, 14, ``max(4 N, 12)``) and the
   NVMe tier's buffers and disk (K bytes of masters and moments). The params, the gradients,
   the fp32 model the host holds while loading and the activations are unchanged.
-* 16-bit master weights (``master_dtype="bf16"``, jzero's ``bf16: {enabled: true,
+* 16-bit master weights (``Dtypes(master="bf16")``, jzero's ``bf16: {enabled: true,
   bf16_master_weights_and_grads: true}``, :mod:`jzero.optim.master16`): the bfloat16 params
   are the masters, so the fp32 copy's 4 bytes leave K: K = 8 (fp32 moments) or, with
-  ``optimizer_dtype="bf16"`` as well, K = 4, DeepSpeed 0.19's 2 + 2 + 4 = 8 bytes a parameter
+  ``optimizer="bf16"`` as well, K = 4, DeepSpeed 0.19's 2 + 2 + 4 = 8 bytes a parameter
   at stage 0 (stage 1 4 Psi + 4 Psi/N, stage 2 2 Psi + 6 Psi/N, stage 3 8 Psi/N). The
   offloaded host rows take the same K; there are no NVMe rows (jzero's config refuses the
   NVMe tier with bf16 masters); the params and gradients are unchanged (16-bit already).
@@ -84,6 +84,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -91,9 +92,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from jzero import costs
 from jzero._util import divisors
 from jzero.choices.pipeline import SCHEDULES
 from jzero.choices.pipeline import virtual_stages as virtual_stages_of
+from jzero.costs import DTYPE_BYTES, OPTIMIZER_DTYPES, Dtypes, ModelShape, ParallelDims
 from jzero.distributed.pipeline import Schedule, make_schedule
 from jzero.memory._format import (
     GB,
@@ -109,29 +112,9 @@ from jzero.memory._format import (
 from jzero.memory._plot import plot_bars
 from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
-__all__ = [
-    "BUFFER_FACTOR",
-    "Dtypes",
-    "Estimate",
-    "EstimateRow",
-    "ModelShape",
-    "Offload",
-    "ParallelLayout",
-    "estimate",
-    "transformer_activations",
-]
+__all__ = ["Estimate", "EstimateRow", "Offload", "estimate"]
 
-BUFFER_FACTOR = 1.5
 Offload = Literal["none", "cpu"]
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_OPTIMIZER_DTYPES = {"fp32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-"""The accepted ``optimizer_dtype`` values and the name each stands for."""
-_OPTIMIZER_K = {"fp32": 12, "bf16": 8}
-"""K, the optimizer state's bytes per parameter: the fp32 master (4) and Adam's two moments
-(4 + 4 in fp32, 2 + 2 in bf16 with ``bf16.bf16_optimizer_states``)."""
-_MASTER_BYTES = {"fp32": 4, "bf16": 0}
-"""The master weights' part of K: the fp32 copy (4), or none when the bf16 params are the
-masters (``bf16.bf16_master_weights_and_grads``; their 2 bytes are the params')."""
 _SHAPE = ("seq_len", "micro_batch", "hidden", "layers", "heads")
 _EXPERT = "expert "
 """The prefix of an :class:`EstimateRow`'s device categories that hold the experts' model
@@ -153,84 +136,6 @@ def _count(value: object, what: str, example: str) -> float:
             except ValueError:
                 pass
     return check_positive(value, what, example)
-
-
-def _model_states(
-    spec: StageSpec,
-    option: str,
-    psi: float,
-    n: int,
-    ll: float,
-    buf: float,
-    nodes: int,
-    per_node: int,
-    k: int = 12,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(device, host) bytes of one stage's row with one offload option, from its flags: the
-    ZeRO paper's model states without offload (:meth:`StageSpec.model_state_bytes`), and
-    DeepSpeed's estimators with it (``estimate_zero2_model_states_mem_needs`` where the
-    parameters are whole, ``estimate_zero3_...`` where they are sharded). Sharded parameters
-    add the largest layer gathered at once (4 bytes: its 16-bit params and grads). ``k`` is
-    the optimizer state's bytes per parameter, K (12; 8 with bf16 moments): the estimators'
-    16 and 18 host bytes are 4 + K and 6 + K (fp32 gradients 4, 16-bit params 2)."""
-    gathered = {"gathered layer": 4 * ll} if spec.shard_params else {}
-    if option == "none":
-        # Loading, the host holds the fp32 model (at stage 3 only the largest layer at once).
-        loading = 4 * (ll if spec.shard_params else psi) * per_node * buf
-        return {**spec.model_state_bytes(psi, n, k), **gathered}, {"loading": loading}
-    if option == "optimizer":
-        params = {"params": spec.model_state_bytes(psi, n, k)["params"]}
-        if spec.shard_params:
-            host = (4 + k) * psi / nodes * buf
-            return {**params, **gathered}, {"grads and optimizer state": host}
-        return params, {"grads and optimizer state": psi * max(4 * n, 4 + k) * buf}
-    return gathered, {"params, grads and optimizer state": (6 + k) * psi / nodes * buf}
-
-
-def transformer_activations(
-    seq_len: int,
-    micro_batch: int,
-    hidden: int,
-    layers: int,
-    heads: int,
-    dtype: str = "bf16",
-    tensor_parallel: int = 1,
-    sequence_parallel: int = 1,
-) -> tuple[float, float]:
-    """Activation bytes per device of a transformer's layers, without and with full recomputation.
-
-    Korthikanti et al. 2022 (arXiv:2205.05198), section 4: per layer ``s b h (34 + 5 a s / h)``
-    bytes with 16-bit activations and 1-byte dropout masks. In ``fp32`` the 16-bit part doubles
-    and the masks stay 1 byte: per layer ``s b h (32 k + 2) + a s^2 b (4 k + 1)``,
-    k = bytes per element / 2. Full recomputation keeps each layer's input, ``2 k s b h`` per
-    layer, plus one layer's activations rebuilt in the backward pass.
-
-    Args:
-      seq_len: sequence length s.
-      micro_batch: micro batch per device b.
-      hidden: hidden size h.
-      layers: transformer layers L.
-      heads: attention heads a.
-      dtype: the activations' dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
-      tensor_parallel: the model axis t: the paper's tensor-parallel split, per layer
-        ``s b h (10 + 24 / t + 5 a s / (h t))`` (the norms' and residual's activations whole
-        on every device of the axis, the attention's and MLP's split).
-      sequence_parallel: the seq axis S (Ulysses): each device holds ``s / S`` tokens outside
-        attention and ``a / S`` heads of the whole sequence inside it, so everything divides
-        by S.
-
-    Returns:
-      ``(without, with_full_recomputation)`` in bytes.
-
-    Example:
-      >>> [x / 2**30 for x in transformer_activations(2048, 1, 4096, 32, 32)]  # GiB, 16-bit
-      [28.5, 1.390625]
-    """
-    s, b, h, n, a = seq_len, micro_batch, hidden, layers, heads
-    k = _DTYPE_BYTES[dtype] / 2
-    t, sp = tensor_parallel, sequence_parallel
-    per_layer = (s * b * h * (8 * k + 2 + 24 * k / t) + a * s * s * b * (4 * k + 1) / t) / sp
-    return n * per_layer, n * 2 * k * s * b * h / sp + per_layer
 
 
 @dataclass(frozen=True)
@@ -297,42 +202,45 @@ class EstimateRow:
 class Estimate:
     """The result of :func:`estimate`; ``table()`` prints it, ``plot(path)`` draws it.
 
-    ``experts`` (E), ``expert_parallel`` (E_p) and ``expert_params`` (Psi_e, part of
+    ``experts`` (E), ``layout.expert`` (E_p) and ``expert_params`` (Psi_e, part of
     ``params``) are 0, 1 and 0 without experts; ``optimizer_dtype`` is ``"fp32"`` (K = 12)
     or ``"bf16"`` (K = 8, :attr:`optimizer_bytes`); ``master_dtype`` ``"bf16"`` takes the
     fp32 master's 4 bytes out of K (8 or 4)."""
 
     params: float
-    devices: int
-    devices_per_node: int
+    layout: ParallelDims
+    """The devices' layout, its sizes resolved (``devices_per_node``, ``micro_batches`` and
+    ``virtual`` set)."""
     rows: tuple[EstimateRow, ...]
     device_memory: int | None = None
     margin: float = 0.1
     largest_layer_params: float = 0
-    additional_buffer_factor: float = BUFFER_FACTOR
+    additional_buffer_factor: float = costs.BUFFER_FACTOR
     shape: Mapping[str, int] | None = None
     activation_dtype: str = "bf16"
-    replicas: int = 1
-    tensor_parallel: int = 1
-    sequence_parallel: int = 1
-    pipeline: int = 1
-    micro_batches: int = 1
-    pipeline_schedule: str = "1f1b"
-    virtual_stages: int = 1
     experts: int = 0
-    expert_parallel: int = 1
     expert_params: float = 0
     optimizer_dtype: str = "fp32"
     master_dtype: str = "fp32"
+
+    @property
+    def devices(self) -> int:
+        """The devices N."""
+        return self.layout.devices
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices per node."""
+        return int(self.layout.devices_per_node or 1)
 
     @functools.cached_property
     def pipeline_table(self) -> Schedule | None:
         """The pipeline schedule's table (its bubble, what a stage keeps in flight), or None
         without a pipeline."""
-        if self.pipeline <= 1:
+        if self.layout.pipe <= 1:
             return None
         return make_schedule(
-            self.pipeline_schedule, self.pipeline, self.micro_batches, self.virtual_stages
+            self.layout.schedule, self.layout.pipe, self.layout.micro_batches, self.layout.virtual
         )
 
     @property
@@ -340,18 +248,18 @@ class Estimate:
         """K, the optimizer state's bytes per parameter: 12 (fp32 master and moments), 8 with
         ``optimizer_dtype="bf16"`` (fp32 master, bf16 moments); 4 fewer with
         ``master_dtype="bf16"`` (no fp32 master: 8, or 4 with bf16 moments)."""
-        return _OPTIMIZER_K[self.optimizer_dtype] - 4 + _MASTER_BYTES[self.master_dtype]
+        return costs.optimizer_bytes(self.optimizer_dtype, self.master_dtype)
 
     @property
     def shards(self) -> int:
         """Devices each sharded state is split over: ``devices / (replicas x T x P)``."""
-        return self.devices // self.replicas // self.tensor_parallel // self.pipeline
+        return self.layout.shards
 
     @property
     def expert_shards(self) -> int:
         """Devices each expert parameter's state is sharded over, its expert data-parallel
         group: ``shards / E_p``."""
-        return self.shards // self.expert_parallel
+        return self.shards // self.layout.expert
 
     @property
     def counts_activations(self) -> bool:
@@ -388,9 +296,9 @@ class Estimate:
         disk = any(r.disk for r in self.rows)
         header += ["host GB/node"] + (["disk GB/node"] if disk else []) + ["comm/step"]
         header += ["cross-host/step"]
-        split = act and (self.tensor_parallel > 1 or self.sequence_parallel > 1)
+        split = act and (self.layout.model > 1 or self.layout.seq > 1)
         header += ["model GB/step", "seq GB/step"] if split else []
-        piped = act and self.pipeline > 1
+        piped = act and self.layout.pipe > 1
         header += ["pipe GB/step"] if piped else []
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
@@ -415,32 +323,32 @@ class Estimate:
                     cells.append("AC" if act and r.total_bytes(True) <= usable else "no")
             rows.append([*cells, r.comm])
         hybrid = (
-            f", hybrid: {self.replicas} replicas of {self.shards} devices (N in the formulas "
+            f", hybrid: {self.layout.replica} replicas of {self.shards} devices (N in the formulas "
             f"is {self.shards})"
-            if self.replicas > 1
+            if self.layout.replica > 1
             else ""
         )
-        if self.tensor_parallel > 1 or self.sequence_parallel > 1:
+        if self.layout.model > 1 or self.layout.seq > 1:
             hybrid += (
-                f", tensor_parallel T = {self.tensor_parallel}, sequence_parallel S = "
-                f"{self.sequence_parallel}: each device holds "
+                f", tensor_parallel T = {self.layout.model}, sequence_parallel S = "
+                f"{self.layout.seq}: each device holds "
                 + (
-                    f"Psi_d/T = {(self.params - self.expert_params) / self.tensor_parallel:.4g} "
+                    f"Psi_d/T = {(self.params - self.expert_params) / self.layout.model:.4g} "
                     "dense parameters (the experts whole)"
                     if moe
-                    else f"Psi/T = {self.params / self.tensor_parallel:.4g} parameters"
+                    else f"Psi/T = {self.params / self.layout.model:.4g} parameters"
                 )
                 + f", ZeRO-sharded over N = {self.shards} (data x seq)"
             )
-        if self.pipeline > 1:
-            p, m = self.pipeline, self.micro_batches
+        if self.layout.pipe > 1:
+            p, m = self.layout.pipe, self.layout.micro_batches
             hybrid += (
-                f", pipeline P = {p} stages ({self.pipeline_schedule}, M = {m} micro-batches, "
+                f", pipeline P = {p} stages ({self.layout.schedule}, M = {m} micro-batches, "
                 f"bubble from its table {self.pipeline_table.bubble:.3g}): each device holds "
                 f"Psi/P of the layers, ZeRO-sharded over its stage's {self.shards} devices"
             )
         if moe:
-            e, ep = self.experts, self.expert_parallel
+            e, ep = self.experts, self.layout.expert
             hybrid += (
                 f", experts: E = {e} per MoE layer, E_p = {ep} (each device holds {e // ep} of "
                 f"them), Psi_e = {self.expert_params:.4g} expert and Psi_d = "
@@ -486,7 +394,7 @@ class Estimate:
             ),
         ]
         if moe:
-            ep, n_e = self.expert_parallel, self.expert_shards
+            ep, n_e = self.layout.expert, self.expert_shards
             nvme_note = "\n  No nvme rows: jzero's expert parallelism does not compose with it yet."
             lines += [
                 "experts (DeepSpeed's expert data-parallel groups): expert GB is the experts' "
@@ -500,7 +408,7 @@ class Estimate:
                 + (nvme_note if ep > 1 and any(r.offload != "none" for r in self.rows) else ""),
             ]
         if act:
-            sh, k = self.shape or {}, _DTYPE_BYTES[self.activation_dtype] / 2
+            sh, k = self.shape or {}, DTYPE_BYTES[self.activation_dtype] / 2
             lines += [
                 f"activations per device (s = {sh['seq_len']}, b = {sh['micro_batch']}, "
                 f"h = {sh['hidden']}, L = {sh['layers']}, a = {sh['heads']}, "
@@ -512,7 +420,7 @@ class Estimate:
                 "  fits: yes (without AC), AC (only with activation checkpointing), no.",
             ]
             if split:
-                t, sp = self.tensor_parallel, self.sequence_parallel
+                t, sp = self.layout.model, self.layout.seq
                 lines += [
                     f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
                     f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
@@ -522,10 +430,10 @@ class Estimate:
                     "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
                 ]
             if piped:
-                held = self.pipeline_table.slots / self.virtual_stages  # a chunk: 1/V
+                held = self.pipeline_table.slots / self.layout.virtual  # a chunk: 1/V
                 lines += [
                     f"  pipeline: a stage runs L/P layers and keeps {held:g} micro-batches of "
-                    f"their activations ({self.pipeline_schedule}: the most passes in flight "
+                    f"their activations ({self.layout.schedule}: the most passes in flight "
                     "in its table); pipe GB/step: each of the M micro-batches sends its s b h "
                     "activations to the next stage and their gradient back (V times under "
                     "interleaving: each chunk boundary).",
@@ -566,118 +474,16 @@ class Estimate:
         )
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What :func:`estimate` knows of the model: its parameter count, the largest layer stage 3
-    gathers whole, the transformer's shape for the activation term (all of ``seq_len``,
-    ``hidden``, ``layers`` and ``heads``, with the layout's ``micro_batch``, or none of them)
-    and its experts. Values are checked by :func:`estimate`, which names the bad one."""
-
-    params: float | str
-    """The parameter count Psi, e.g. ``7.5e9`` or ``"7.5B"``."""
-    largest_layer_params: float = 0
-    """Parameters of the largest layer, gathered whole at stage 3."""
-    seq_len: int | None = None
-    """Sequence length s, for the activation term."""
-    hidden: int | None = None
-    """Hidden size h, for the activation term."""
-    layers: int | None = None
-    """Transformer layers L, for the activation term."""
-    heads: int | None = None
-    """Attention heads a, for the activation term."""
-    experts: int = 0
-    """The experts E of each MoE layer; 0: no mixture of experts."""
-    expert_params: float | str = 0
-    """Psi_e, the parameters of all the experts of all MoE layers, part of ``params`` (a count
-    as ``params``, e.g. ``6e9`` or ``"6B"``); needed with ``experts``. They are counted apart
-    from the dense Psi_d = Psi - Psi_e, as DeepSpeed shards them: a device holds E/E_p
-    experts, Psi_e/E_p parameters, whose states ZeRO shards only over the N/E_p devices of
-    their expert data-parallel group (the ``data`` axis), while the dense parameters are
-    sharded over all N. Each stage's formula then holds for Psi_d over N plus Psi_e/E_p over
-    N/E_p: at stage 3 16 Psi/N as without experts, at stage 1 ``4 (Psi_d + Psi_e/E_p) + 12
-    Psi/N``. DeepSpeed's estimators have no such term. Each row's
-    :attr:`~EstimateRow.expert_bytes` and :attr:`~EstimateRow.dense_bytes` split its model
-    states, and the table shows them as columns. With E_p = 1 the totals are those without
-    experts."""
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How :func:`estimate`'s devices are laid out: how many, per node, the parallel sizes
-    beside ZeRO's data axis, the micro-batches and the pipeline's schedule."""
-
-    devices: int
-    """The number of data-parallel devices N."""
-    devices_per_node: int | None = None
-    """Devices per node (host figures are per node); ``None``: the largest divisor of
-    ``devices`` up to 8."""
-    micro_batch: int | None = None
-    """Micro batch per device b, for the activation term (with the model's shape)."""
-    replicas: int = 1
-    """Hybrid sharding's replica groups R (``mesh: {replica: R, data: N/R}``,
-    ``mics_shard_size: N/R``): state is sharded within each group of ``N/R`` devices and only
-    the gradient shards cross the groups; 1: one group of all N."""
-    tensor_parallel: int = 1
-    """AutoTP's model axis T (``tensor_parallel.autotp_size``): each device holds ``Psi / T``
-    of the model, ZeRO-sharded over the ``N / T`` devices of its data group (x ``seq``), and the
-    activations split as :func:`transformer_activations` says. With the transformer's shape,
-    the model-axis traffic is Megatron's: 4 all-reduces of ``s b h`` a layer (2 forward, 2
-    backward), ``2 (T-1)/T`` of the buffer each on a ring."""
-    sequence_parallel: int = 1
-    """Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over it too (DeepSpeed's
-    way), the activations divide by S, and with the transformer's shape its traffic is 8
-    all-to-alls of ``s b h / S`` a layer, ``(S-1)/S`` each."""
-    pipeline: int = 1
-    """The pipeline stages P (``pipeline.stages``): each device holds ``Psi / P`` (its stage's
-    layers; the embedding and head are counted as spread too), ZeRO-sharded over the
-    ``N / (R T P)`` devices of its stage; with the transformer's shape a stage runs ``L / P``
-    layers and keeps the activations of ``P`` micro-batches of them under 1F1B (the first
-    stage's, the most), ``M`` under GPipe, and its traffic is one micro-batch's ``s b h``
-    activations forward and their gradient back, ``M`` times a step."""
-    micro_batches: int | None = None
-    """The micro-batches M a step (``gradient_accumulation_steps``); ``None``: 2P."""
-    pipeline_schedule: str = "1f1b"
-    """``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``: a stage keeps the
-    activations of the most micro-batches its table has in flight (``M`` under GPipe, ``P``
-    under 1F1B and zero-bubble, a chunk's ``1 / V`` each under interleaving)."""
-    virtual_stages: int | None = None
-    """``V``, the chunks of layers per stage under ``interleaved_1f1b`` (``None``: 2 there,
-    else 1)."""
-    expert_parallel: int = 1
-    """The expert axis E_p (``expert_parallel.autoep_size``; the mesh ``{data: N/E_p, expert:
-    E_p}``); it divides ``devices`` (per replica group) and the model's ``experts``; composes
-    with ``tensor_parallel`` (the experts stay whole over ``model``), ``sequence_parallel``
-    and ``pipeline``; lists no NVMe rows."""
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """The dtypes :func:`estimate` counts the activations and the optimizer state in."""
-
-    activations: str = "bf16"
-    """``"bf16"`` (as the mixed-precision model states), ``"fp16"`` or ``"fp32"``."""
-    optimizer: str = "fp32"
-    """The optimizer state's dtype at rest: ``"fp32"`` (the ZeRO paper's K = 12, fp32 master
-    4 + moments 4 + 4) or ``"bf16"`` (alias ``"bfloat16"``; jzero's ``bf16: {enabled: true,
-    bf16_optimizer_states: true}``: Adam's moments in bfloat16, the masters fp32, K = 4 + 2 + 2
-    = 8). K is the optimizer-state part of every stage's formula (stage 1 ``4 Psi + K Psi/N``),
-    of the offloaded host rows and of the NVMe tier; nothing else changes."""
-    master: str = "fp32"
-    """The master weights' dtype: ``"fp32"`` (a 4-byte copy in K) or ``"bf16"`` (alias
-    ``"bfloat16"``; ``bf16.bf16_master_weights_and_grads``: the bf16 params are the masters, K
-    drops by 4, to 8, or to 4 with ``optimizer="bf16"``)."""
-
-
 def estimate(
     model: ModelShape,
-    layout: ParallelLayout,
+    layout: ParallelDims,
     device_memory: int | str | None = None,
     offload: Offload | None = None,
     *,
     margin: float = 0.1,
     dtypes: Dtypes | None = None,
     sub_group_size: float = 1e9,
-    additional_buffer_factor: float = BUFFER_FACTOR,
+    additional_buffer_factor: float = costs.BUFFER_FACTOR,
 ) -> Estimate:
     """Closed-form per-device memory of ZeRO stages 0-3, with and without offload.
 
@@ -687,15 +493,16 @@ def estimate(
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
     per layer ``s b h (34 + 5 a s / h)`` bytes in 16-bit without recomputation, ``2 s b h`` per
     layer with full recomputation (plus one layer rebuilt in the backward pass); fp32 doubles
-    the 16-bit part (:func:`transformer_activations`). Each option then has a total without
-    and with activation checkpointing, and the recommendation weighs stage, then activation
-    checkpointing, then offload.
+    the 16-bit part (:func:`jzero.costs.transformer_activations`). Each option then has a
+    total without and with activation checkpointing, and the recommendation weighs stage,
+    then activation checkpointing, then offload.
 
     Args:
       model: the parameter count, largest layer, transformer shape and experts
-        (:class:`ModelShape`).
-      layout: the devices, per node, the parallel sizes and the pipeline's micro-batches and
-        schedule (:class:`ParallelLayout`).
+        (:class:`jzero.costs.ModelShape`).
+      layout: the devices, per node, the mesh's axes, the micro batch and the pipeline's
+        micro-batches and schedule (:class:`jzero.costs.ParallelDims`; ``data`` is what the
+        other axes leave of the devices N).
       device_memory: the memory of one device (bytes, or a size such as ``"80GB"``); with it
         the result marks what fits and recommends a stage.
       offload: ``None`` lists every option, ``"none"`` only those without offload, ``"cpu"``
@@ -703,7 +510,7 @@ def estimate(
       margin: fraction of the device memory kept free (fragmentation, the runtime, and
         activations when the transformer's shape is not given).
       dtypes: the activations', the optimizer state's and the master weights' dtypes
-        (:class:`Dtypes`); ``None``: bf16 activations, fp32 optimizer state and masters.
+        (:class:`jzero.costs.Dtypes`); ``None``: bf16 activations, fp32 optimizer state and masters.
       sub_group_size: DeepSpeed's ``sub_group_size``, the elements of one group of the
         state the NVMe tier holds in host memory at a time (4 buffers of it).
       additional_buffer_factor: DeepSpeed's slack on host memory.
@@ -712,14 +519,14 @@ def estimate(
       An :class:`Estimate`; ``print(result.table())``.
 
     Example:
-      >>> e = estimate(ModelShape(7.5e9), ParallelLayout(64))
+      >>> e = estimate(ModelShape(7.5e9), ParallelDims(64))
       >>> round(e.row(0).device_bytes / 1e9, 1), round(e.row(3).device_bytes / 1e9, 3)
       (120.0, 1.875)
       >>> moe = estimate(ModelShape("1B", experts=8, expert_params="0.75B"),
-      ...                ParallelLayout(8, expert_parallel=4))
+      ...                ParallelDims(8, expert=4))
       >>> [moe.row(1).expert_bytes / 1e9, moe.row(1).dense_bytes / 1e9]  # 4x0.1875 + 12x0.75/8
       [1.875, 1.375]
-      >>> one_b, eight = ModelShape(1e9), ParallelLayout(8)
+      >>> one_b, eight = ModelShape(1e9), ParallelDims(8)
       >>> estimate(one_b, eight, dtypes=Dtypes(optimizer="bf16")).row(1).device_bytes / 1e9
       5.0
       >>> sixteen_bit = Dtypes(optimizer="bf16", master="bf16")  # 2 + 2 + 4 bytes at stage 0
@@ -729,11 +536,11 @@ def estimate(
     params, largest_layer_params = model.params, model.largest_layer_params
     seq_len, hidden, layers, heads = model.seq_len, model.hidden, model.layers, model.heads
     experts, expert_params = model.experts, model.expert_params
-    devices, devices_per_node, replicas = layout.devices, layout.devices_per_node, layout.replicas
-    micro_batch, tensor_parallel = layout.micro_batch, layout.tensor_parallel
-    sequence_parallel, pipeline = layout.sequence_parallel, layout.pipeline
-    micro_batches, pipeline_schedule = layout.micro_batches, layout.pipeline_schedule
-    virtual_stages, expert_parallel = layout.virtual_stages, layout.expert_parallel
+    devices, devices_per_node, replicas = layout.devices, layout.devices_per_node, layout.replica
+    micro_batch, tensor_parallel = layout.micro_batch, layout.model
+    sequence_parallel, pipeline = layout.seq, layout.pipe
+    micro_batches, pipeline_schedule = layout.micro_batches, layout.schedule
+    virtual_stages, expert_parallel = layout.virtual, layout.expert
     dtypes = dtypes if dtypes is not None else Dtypes()
     activation_dtype, optimizer_dtype = dtypes.activations, dtypes.optimizer
     master_dtype = dtypes.master
@@ -804,22 +611,22 @@ def estimate(
             f"sequence_parallel={sp} x pipeline={pp} x expert_parallel={expert_parallel}; pass "
             f"sizes whose product divides {n}."
         )
-    if optimizer_dtype not in _OPTIMIZER_DTYPES:
+    if optimizer_dtype not in OPTIMIZER_DTYPES:
         raise ValueError(
             f"optimizer_dtype: {optimizer_dtype!r} is not allowed; it must be one of "
-            f"{', '.join(map(repr, _OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, K = 12 bytes "
+            f"{', '.join(map(repr, OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, K = 12 bytes "
             "of optimizer state a parameter) or 'bf16' for bf16.bf16_optimizer_states (K = 8)."
         )
-    opt_dtype = _OPTIMIZER_DTYPES[optimizer_dtype]
-    if master_dtype not in _OPTIMIZER_DTYPES:
+    opt_dtype = OPTIMIZER_DTYPES[optimizer_dtype]
+    if master_dtype not in OPTIMIZER_DTYPES:
         raise ValueError(
             f"master_dtype: {master_dtype!r} is not allowed; it must be one of "
-            f"{', '.join(map(repr, _OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, a 4-byte fp32 "
+            f"{', '.join(map(repr, OPTIMIZER_DTYPES))}. Pass 'fp32' (the default, a 4-byte fp32 "
             "master copy in K) or 'bf16' for bf16.bf16_master_weights_and_grads (no copy: K "
             "drops by 4)."
         )
-    master = _OPTIMIZER_DTYPES[master_dtype]
-    k = _OPTIMIZER_K[opt_dtype] - 4 + _MASTER_BYTES[master]
+    master = OPTIMIZER_DTYPES[master_dtype]
+    k = costs.optimizer_bytes(opt_dtype, master)
     n_experts, ep, psi_e = _check_experts(experts, expert_parallel, expert_params, psi, n, r)
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
@@ -838,10 +645,10 @@ def estimate(
             k: check_positive(v, k, ex, integer=True)
             for (k, v), ex in zip(given.items(), ("2048", "1", "4096", "32", "32"), strict=True)
         }
-        if activation_dtype not in _DTYPE_BYTES:
+        if activation_dtype not in DTYPE_BYTES:
             raise ValueError(
                 f"activation_dtype: {activation_dtype!r} is not allowed; it must be one of "
-                f"{', '.join(_DTYPE_BYTES)}."
+                f"{', '.join(DTYPE_BYTES)}."
             )
         if pp > 1 and shape["layers"] % pp:
             raise ValueError(
@@ -849,7 +656,7 @@ def estimate(
                 f"of stages among the divisors of {shape['layers']}."
             )
         staged = {**shape, "layers": shape["layers"] // pp}
-        act, act_ac = transformer_activations(
+        act, act_ac = costs.transformer_activations(
             **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
         )
         if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
@@ -857,30 +664,31 @@ def estimate(
             per_layer = act / staged["layers"]
             act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
     model_bytes = seq_bytes = pipe_bytes = 0.0
-    if shape is not None:
+    if shape is not None:  # the model and seq axes' for one micro-batch through all L layers
         sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / sp
-        width = _DTYPE_BYTES[activation_dtype] * shape["layers"]
-        model_bytes = 4 * 2 * (tp - 1) / tp * sbh * width
-        seq_bytes = 8 * (sp - 1) / sp * sbh / tp * width
-        if pp > 1:  # each micro-batch forward to the next stage and its gradient back
-            pipe_bytes = 2 * mb * virtual_stages * sbh * _DTYPE_BYTES[activation_dtype]
+        flow = costs.LayerFlow(sbh, shape["layers"], 1, DTYPE_BYTES[activation_dtype])
+        model_bytes = costs.model_axis_bytes(flow, tp)
+        seq_bytes = costs.seq_axis_bytes(flow, tp, sp)
+        if pp > 1:  # each of the M micro-batches forward to the next stage, its gradient back
+            flow = dataclasses.replace(flow, micro_batches=mb)
+            pipe_bytes = costs.pipe_axis_bytes(flow, virtual_stages)
     # Each device holds Psi / (T P) of the dense model and Psi_e / P of the experts (AutoTP
     # leaves them whole over `model`); ZeRO shards it over its data (x seq x expert) group.
     psi_all, psi, ll = psi, (psi - psi_e) / tp / pp + psi_e / pp, ll / tp
     pe = psi_e / pp  # the experts' share of a device's parameters
     shards = n // r // tp // pp
     buf, nodes = float(additional_buffer_factor), max(1, shards // per_node)
+    hosts = costs.Hosts(nodes, per_node, buf)
 
     def states(spec: StageSpec, option: str) -> tuple[dict[str, float], dict[str, float]]:
-        """_model_states of the dense Psi - Psi_e over the shards and of the device's
+        """The model states of the dense Psi - Psi_e over the shards and of the device's
         Psi_e / E_p over the shards / E_p of its expert data-parallel group (the gathered
         layer with the dense part); without experts, of Psi."""
         if not pe:
-            return _model_states(spec, option, psi, shards, ll, buf, nodes, per_node, k)
-        device, host = _model_states(spec, option, psi - pe, shards, ll, buf, nodes, per_node, k)
-        e_device, e_host = _model_states(
-            spec, option, pe / ep, shards // ep, 0.0, buf, nodes / ep, per_node, k
-        )
+            return costs.model_states(spec, option, psi, shards, ll, hosts, k)
+        device, host = costs.model_states(spec, option, psi - pe, shards, ll, hosts, k)
+        e_hosts = costs.Hosts(nodes / ep, per_node, buf)
+        e_device, e_host = costs.model_states(spec, option, pe / ep, shards // ep, 0.0, e_hosts, k)
         device.update({_EXPERT + k: v for k, v in e_device.items()})
         return device, {k: host.get(k, 0.0) + e_host.get(k, 0.0) for k in {**host, **e_host}}
 
@@ -910,7 +718,7 @@ def estimate(
             *spec.traffic(),
             act,
             act_ac,
-            _cross_host(spec, r, shards, n // per_node),
+            costs.cross_host_elements(spec, r, shards, n // per_node),
             disk,
             model_bytes,
             seq_bytes,
@@ -918,10 +726,14 @@ def estimate(
         )
         for spec, o, d, h, disk in rows
     )
+    resolved = dataclasses.replace(
+        layout, devices=n, devices_per_node=per_node, replica=r, model=tp, seq=sp, pipe=pp,
+        expert=ep, micro_batches=mb, virtual=virtual_stages,
+        micro_batch=shape["micro_batch"] if shape else None,
+    )  # fmt: skip
     return Estimate(
-        psi_all, n, per_node, out, memory, check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, r, tp, sp, pp, mb, pipeline_schedule, virtual_stages, n_experts, ep,
-        psi_e, opt_dtype, master,
+        psi_all, resolved, out, memory, check_margin(margin), ll * tp, buf, shape,
+        activation_dtype, n_experts, psi_e, opt_dtype, master,
     )  # fmt: skip
 
 
@@ -986,10 +798,3 @@ def _check_experts(
             f"also divide {group}."
         )
     return e, ep, psi_e
-
-
-def _cross_host(spec: StageSpec, replicas: int, shards: int, nodes: int) -> float:
-    """Elements per parameter crossing nodes per step (see the module docstring)."""
-    if replicas > 1:
-        return spec.replica_traffic(shards)[0]
-    return spec.traffic()[0] if nodes > 1 else 0.0

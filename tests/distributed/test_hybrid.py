@@ -21,7 +21,7 @@ from numerics import EPS, max_rel_error, rounding_scale
 import jzero
 from jzero import hlo
 from jzero.config import ConfigError
-from jzero.memory import ModelShape, ParallelLayout
+from jzero.costs import ModelShape, ParallelDims
 
 BATCH = 32
 HYBRID = {"replica": 2, "data": 4}
@@ -310,19 +310,19 @@ def test_estimate_with_replicas():
     from jzero import memory
 
     psi = 7.5e9
-    hybrid_est = memory.estimate(ModelShape(psi), ParallelLayout(64, replicas=8))
-    flat_est = memory.estimate(ModelShape(psi), ParallelLayout(64))
+    hybrid_est = memory.estimate(ModelShape(psi), ParallelDims(64, replica=8))
+    flat_est = memory.estimate(ModelShape(psi), ParallelDims(64))
     # Model states are sharded within each group of 8 devices, not over all 64.
     assert hybrid_est.row(3).device_bytes == pytest.approx(16 * psi / 8)
     assert flat_est.row(3).device_bytes == pytest.approx(16 * psi / 64)
     # Only the gradient shards cross hosts: 2 Psi / 8; flat on 8 nodes: all of the traffic.
     assert [hybrid_est.row(s).cross_host_psi for s in (0, 1, 2, 3)] == [2.0, 0.25, 0.25, 0.25]
     assert [flat_est.row(s).cross_host_psi for s in (0, 1, 2, 3)] == [2.0, 2.0, 2.0, 3.0]
-    one_node = memory.estimate(ModelShape(psi), ParallelLayout(8))
+    one_node = memory.estimate(ModelShape(psi), ParallelDims(8))
     assert one_node.row(3).cross_host_psi == 0
     assert "cross-host/step" in hybrid_est.table() and "hybrid: 8 replicas" in hybrid_est.table()
     with pytest.raises(ValueError, match="replicas: 3 does not divide devices=64"):
-        memory.estimate(ModelShape(psi), ParallelLayout(64, replicas=3))
+        memory.estimate(ModelShape(psi), ParallelDims(64, replica=3))
 
 
 def test_memory_report_shows_the_bytes_across_replicas():

@@ -20,13 +20,13 @@ import pytest
 from numerics import max_rel_error, needs_float16
 
 import jzero
+from jzero.costs import ModelShape, ParallelDims
 from jzero.demo import gpt
 from jzero.demo.plan import plan_report
 from jzero.distributed import bubble_fraction, make_schedule
 from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
 from jzero.hlo.parse import computations
-from jzero.memory import ModelShape, ParallelLayout
 from jzero.replay import NoLayerScan
 from jzero.replay.layer_split import split_at_layers, stage_unit
 
@@ -622,13 +622,11 @@ def test_the_estimate_splits_the_model_state_over_stages_and_keeps_p_or_m_micro_
     model = ModelShape(7e9, seq_len=2048, hidden=4096, layers=32, heads=32)
 
     def layout(**sizes):
-        return ParallelLayout(64, micro_batch=1, **sizes)
+        return ParallelDims(64, micro_batch=1, **sizes)
 
     whole = jzero.memory.estimate(model, layout())
-    piped = jzero.memory.estimate(model, layout(pipeline=4, micro_batches=16))
-    gpipe = jzero.memory.estimate(
-        model, layout(pipeline=4, micro_batches=16, pipeline_schedule="gpipe")
-    )
+    piped = jzero.memory.estimate(model, layout(pipe=4, micro_batches=16))
+    gpipe = jzero.memory.estimate(model, layout(pipe=4, micro_batches=16, schedule="gpipe"))
     assert piped.row(0).device_bytes == pytest.approx(16 * 7e9 / 4)  # Psi / P a stage
     assert piped.row(3).device_bytes == pytest.approx(16 * 7e9 / 64)  # over all N devices
     # 1F1B: P micro-batches of L / P layers, the activations of one micro-batch of L layers;
@@ -640,14 +638,14 @@ def test_the_estimate_splits_the_model_state_over_stages_and_keeps_p_or_m_micro_
     assert "pipeline P = 4 stages (1f1b, M = 16 micro-batches, bubble" in piped.table()
     # Zero-bubble keeps 1F1B's P in flight; interleaving's first stage 2 (P - 1) + (V - 1) P + 1
     # = 11 chunks of L / (P V) layers, and each micro-batch crosses V times the boundaries.
-    zb, inter = (jzero.memory.estimate(model, layout(pipeline=4, micro_batches=16,
-                                                     pipeline_schedule=k, virtual_stages=v))
+    zb, inter = (jzero.memory.estimate(model, layout(pipe=4, micro_batches=16, schedule=k,
+                                                     virtual=v))
                  for k, v in (("zero_bubble", 1), ("interleaved_1f1b", 2)))  # fmt: skip
     assert zb.row(0).activations == pytest.approx(piped.row(0).activations)
     assert inter.row(0).activations == pytest.approx(11 / 2 / 4 * piped.row(0).activations)
     assert inter.row(0).pipe_axis_bytes == 2 * piped.row(0).pipe_axis_bytes
     with pytest.raises(ValueError, match=r"micro_batches: 2 is fewer than the 4 pipeline"):
-        jzero.memory.estimate(ModelShape(7e9), ParallelLayout(64, pipeline=4, micro_batches=2))
+        jzero.memory.estimate(ModelShape(7e9), ParallelDims(64, pipe=4, micro_batches=2))
 
 
 def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path, tiny_gpt):

@@ -22,9 +22,9 @@ from jax.sharding import PartitionSpec as P
 from numerics import EPS, max_rel_error, needs_float16
 
 import jzero
+from jzero.costs import ModelShape, ParallelDims
 from jzero.distributed import autotp_specs
 from jzero.hlo import collectives_by_axes, collectives_by_dtype, program_text, replica_groups
-from jzero.memory import ModelShape, ParallelLayout
 from jzero.step import logical_view
 
 V, D, H, DH, F, L, T = 64, 32, 4, 8, 64, 2, 8
@@ -385,22 +385,22 @@ def test_a_size_that_does_not_divide_a_split_dimension_names_the_leaf():
 
 def test_the_estimate_divides_the_model_by_t_and_shards_the_rest_over_the_data_group():
     psi, n, t = 7.5e9, 64, 4
-    e = jzero.estimate(ModelShape(psi), ParallelLayout(n, tensor_parallel=t))
+    e = jzero.estimate(ModelShape(psi), ParallelDims(n, model=t))
     d = n // t  # ZeRO's group: the data axis beside the model axis
     assert e.row(3).device_bytes == pytest.approx(16 * psi / (d * t))
     assert e.row(1).device_bytes == pytest.approx(4 * psi / t + 12 * psi / t / d)
     assert e.row(0).device_bytes == pytest.approx(16 * psi / t)
     # Megatron's activation split, and its traffic: 4 all-reduces of s b h a layer.
     model = ModelShape(psi, seq_len=2048, hidden=4096, layers=32, heads=32)
-    split = jzero.estimate(model, ParallelLayout(n, micro_batch=1, tensor_parallel=t)).row(3)
-    whole = jzero.estimate(model, ParallelLayout(n, micro_batch=1)).row(3)
+    split = jzero.estimate(model, ParallelDims(n, micro_batch=1, model=t)).row(3)
+    whole = jzero.estimate(model, ParallelDims(n, micro_batch=1)).row(3)
     s, h, a, L = 2048, 4096, 32, 32
     per_layer = s * h * (10 + 24 / t) + 5 * a * s * s / t  # Korthikanti et al., bf16
     assert split.activations == pytest.approx(L * per_layer)
     assert split.activations < whole.activations
     assert split.model_axis_bytes == pytest.approx(4 * 2 * (t - 1) / t * s * h * 2 * L)
     assert whole.model_axis_bytes == 0
-    seq = jzero.estimate(model, ParallelLayout(n, micro_batch=1, sequence_parallel=4)).row(3)
+    seq = jzero.estimate(model, ParallelDims(n, micro_batch=1, seq=4)).row(3)
     assert seq.activations == pytest.approx(whole.activations / 4)
     assert seq.device_bytes == pytest.approx(whole.device_bytes)  # ZeRO over data x seq
 

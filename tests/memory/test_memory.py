@@ -12,8 +12,8 @@ from cli_runs import run_cli
 
 import jzero
 from jzero import memory
+from jzero.costs import ModelShape, ParallelDims
 from jzero.demo import plan
-from jzero.memory import ModelShape, ParallelLayout
 
 TINY = {"vocab_size": 256, "seq_len": 16, "num_layers": 2, "num_heads": 2, "d_model": 32}
 CONFIG = {
@@ -44,7 +44,7 @@ def read_png(path):
 
 @pytest.mark.parametrize("psi,n", [(7.5e9, 64), (1.5e9, 8), (1e8, 1024), (3e6, 1)])
 def test_estimate_is_the_zero_paper_formulas(psi, n):
-    e = memory.estimate(ModelShape(psi), ParallelLayout(n), offload="none")
+    e = memory.estimate(ModelShape(psi), ParallelDims(n), offload="none")
     expect = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
     assert [(r.stage, r.offload) for r in e.rows] == [(s, "none") for s in range(4)]
     assert {r.stage: r.device_bytes for r in e.rows} == pytest.approx(expect, rel=1e-12)
@@ -52,7 +52,7 @@ def test_estimate_is_the_zero_paper_formulas(psi, n):
 
 
 def test_estimate_gives_the_papers_7_5b_on_64_devices_figures():
-    e = memory.estimate(ModelShape(7.5e9), ParallelLayout(64))
+    e = memory.estimate(ModelShape(7.5e9), ParallelDims(64))
     assert [round(e.row(s).device_bytes / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
     table = e.table()
     for cells in ("0  none", "120.00", "31.41", "16.64", "1.88", "2 Psi all-reduce"):
@@ -64,7 +64,7 @@ def test_estimate_offload_and_host_memory_follow_deepspeeds_estimators():
     psi, n, per_node, ll, buffer = 7.5e9, 64, 8, 2e8, 1.5
     nodes = n // per_node
     e = memory.estimate(
-        ModelShape(psi, largest_layer_params=ll), ParallelLayout(n, devices_per_node=per_node)
+        ModelShape(psi, largest_layer_params=ll), ParallelDims(n, devices_per_node=per_node)
     )
     got = {(r.stage, r.offload): (r.device_bytes, r.host_bytes) for r in e.rows}
     expected = {
@@ -88,7 +88,7 @@ def test_estimate_offload_and_host_memory_follow_deepspeeds_estimators():
     assert flat(got) == pytest.approx(flat(expected), rel=1e-12)
     only_offload = memory.estimate(
         ModelShape(psi, largest_layer_params=ll),
-        ParallelLayout(n, devices_per_node=per_node),
+        ParallelDims(n, devices_per_node=per_node),
         offload="cpu",
     )
     assert {r.offload for r in only_offload.rows} == {"optimizer", "optimizer+params", "nvme"}
@@ -98,12 +98,12 @@ def test_estimate_recommends_the_lowest_stage_that_fits_and_offload_only_if_need
     psi, n, ll = 7.5e9, 64, 1e8
     need = {
         (r.stage, r.offload): r.device_bytes
-        for r in memory.estimate(ModelShape(psi), ParallelLayout(n)).rows
+        for r in memory.estimate(ModelShape(psi), ParallelDims(n)).rows
     }
 
     def advice(mem):
         rec = memory.estimate(
-            ModelShape(psi, largest_layer_params=ll), ParallelLayout(n), device_memory=mem
+            ModelShape(psi, largest_layer_params=ll), ParallelDims(n), device_memory=mem
         ).recommendation
         return rec.fits, rec.stage, rec.offload
 
@@ -115,7 +115,7 @@ def test_estimate_recommends_the_lowest_stage_that_fits_and_offload_only_if_need
     assert advice(math.floor(stage3 / 0.9) - 1) == (True, 3, "optimizer")
     assert need[(3, "none")] == pytest.approx(16 * psi / n)
     rec = memory.estimate(
-        ModelShape(psi, largest_layer_params=ll), ParallelLayout(n), device_memory="0.4GB"
+        ModelShape(psi, largest_layer_params=ll), ParallelDims(n), device_memory="0.4GB"
     ).recommendation
     assert not rec.fits and (rec.stage, rec.offload) == (3, "optimizer+params")
     assert str(rec) == (
@@ -136,7 +136,7 @@ def test_sizes_are_read_in_decimal_and_binary_units(text, expected):
 @pytest.mark.parametrize("bad", ["80XB", "GB", "-5GB", "0", "", "eighty"])
 def test_a_bad_size_is_a_clear_error(bad):
     with pytest.raises(ValueError) as e:
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(64), device_memory=bad)
+        memory.estimate(ModelShape(7.5e9), ParallelDims(64), device_memory=bad)
     assert str(e.value) == (
         f"device memory: {bad!r} is not a memory size. Write a positive number of bytes with an "
         "optional unit, one of B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
@@ -146,27 +146,27 @@ def test_a_bad_size_is_a_clear_error(bad):
 
 def test_bad_estimate_arguments_are_clear_errors():
     with pytest.raises(ValueError) as e:
-        memory.estimate(ModelShape("lots"), ParallelLayout(64))
+        memory.estimate(ModelShape("lots"), ParallelDims(64))
     assert str(e.value) == (
         "params: 'lots' is not allowed; it must be a positive number, e.g. 7.5e9."
     )
     with pytest.raises(ValueError) as e:
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(12.5))
+        memory.estimate(ModelShape(7.5e9), ParallelDims(12.5))
     assert str(e.value) == "devices: 12.5 is not allowed; it must be a positive integer, e.g. 64."
     with pytest.raises(ValueError) as e:
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(12, devices_per_node=8))
+        memory.estimate(ModelShape(7.5e9), ParallelDims(12, devices_per_node=8))
     assert str(e.value) == (
         "devices_per_node: 8 does not divide devices=12, but the devices must fill whole nodes. "
         "Pass a devices_per_node that divides 12, e.g. 4."
     )
     # default: the largest divisor <= 8
-    assert memory.estimate(ModelShape(7.5e9), ParallelLayout(12)).devices_per_node == 4
+    assert memory.estimate(ModelShape(7.5e9), ParallelDims(12)).devices_per_node == 4
     with pytest.raises(ValueError, match=r"^offload: 'nvme' is not allowed; it must be 'cpu'"):
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(64), offload="nvme")
+        memory.estimate(ModelShape(7.5e9), ParallelDims(64), offload="nvme")
     with pytest.raises(
         ValueError, match=r"^margin: 1\.5 is not allowed; .* e\.g\. 0\.1 for 10%\.$"
     ):
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(64), margin=1.5)
+        memory.estimate(ModelShape(7.5e9), ParallelDims(64), margin=1.5)
 
 
 def test_estimate_cli_prints_the_table_and_writes_a_png(tmp_path, capsys):
@@ -176,7 +176,7 @@ def test_estimate_cli_prints_the_table_and_writes_a_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert (
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(64, devices_per_node=8), "80GB").table()
+        memory.estimate(ModelShape(7.5e9), ParallelDims(64, devices_per_node=8), "80GB").table()
         in out
     )
     assert "Recommendation: ZeRO stage 1; it needs 31.41 GB per device of 72.00 GB usable" in out
@@ -188,7 +188,7 @@ def test_estimate_cli_prints_the_table_and_writes_a_png(tmp_path, capsys):
 def test_plotting_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError) as e:
-        memory.estimate(ModelShape(7.5e9), ParallelLayout(64)).plot(str(tmp_path / "x.png"))
+        memory.estimate(ModelShape(7.5e9), ParallelDims(64)).plot(str(tmp_path / "x.png"))
     assert str(e.value) == (
         "Plotting needs matplotlib, which is not installed. Install it with "
         "`pip install jzero[plot]` (or `pip install matplotlib`), or leave out --plot."

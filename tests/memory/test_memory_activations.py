@@ -11,8 +11,8 @@ import pytest
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
+from jzero.costs import Dtypes, ModelShape, ParallelDims
 from jzero.demo import plan
-from jzero.memory import Dtypes, ModelShape, ParallelLayout
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
@@ -56,7 +56,7 @@ def korthikanti(s, b, h, n, a, bytes_per_element=2):
 
 def test_estimate_activation_term_is_the_papers_formula():
     s, b, h, n, a = SHAPE.values()
-    e = memory.estimate(MODEL, ParallelLayout(64, micro_batch=4))
+    e = memory.estimate(MODEL, ParallelDims(64, micro_batch=4))
     per_layer = s * b * h * (34 + 5 * a * s / h)  # the paper's 16-bit form
     assert korthikanti(s, b, h, n, a)[0] == pytest.approx(n * per_layer, rel=1e-12)
     without, with_ac = korthikanti(s, b, h, n, a)
@@ -69,20 +69,20 @@ def test_estimate_activation_term_is_the_papers_formula():
         assert r.total_bytes(True) == pytest.approx(r.device_bytes + with_ac, rel=1e-12)
     assert without == 153_008_209_920 and with_ac == 6_509_559_808  # 153.01 / 6.51 GB
     fp32 = memory.estimate(
-        MODEL, ParallelLayout(64, micro_batch=4), dtypes=Dtypes(activations="fp32")
+        MODEL, ParallelDims(64, micro_batch=4), dtypes=Dtypes(activations="fp32")
     ).row(0)
     f_without, f_with = korthikanti(s, b, h, n, a, 4)
     assert fp32.activations == pytest.approx(f_without, rel=1e-12)
     assert fp32.activations_checkpointed == pytest.approx(f_with, rel=1e-12)
     # Per layer 66 s b h + 9 a s^2 b: the 16-bit part doubled, the masks still 1 byte.
     assert f_without == pytest.approx(n * (66 * s * b * h + 9 * a * s * s * b), rel=1e-12)
-    plain = memory.estimate(ModelShape(7.5e9), ParallelLayout(64))  # no shape, no activation term
+    plain = memory.estimate(ModelShape(7.5e9), ParallelDims(64))  # no shape, no activation term
     assert not plain.counts_activations and plain.row(0).total_bytes(True) == 120e9
 
 
 def test_estimate_recommends_activation_checkpointing_only_when_no_stage_fits_without():
     def advice(mem, micro_batch):
-        e = memory.estimate(MODEL, ParallelLayout(64, micro_batch=micro_batch), mem)
+        e = memory.estimate(MODEL, ParallelDims(64, micro_batch=micro_batch), mem)
         rec = e.recommendation
         return rec.fits, rec.stage, rec.offload, rec.activation_checkpointing, rec.lever, e
 
@@ -125,7 +125,7 @@ def test_estimate_cli_shows_totals_with_and_without_checkpointing(capsys):
     shape = ["--seq-len", "2048", "--micro-batch", "4", "--hidden", "4096", "--layers", "40"]
     assert run_cli([*argv, *shape, "--heads", "32"]) == 0
     out = capsys.readouterr().out
-    assert memory.estimate(MODEL, ParallelLayout(64, micro_batch=4), "80GB").table() in out
+    assert memory.estimate(MODEL, ParallelDims(64, micro_batch=4), "80GB").table() in out
     header = out.splitlines()[1]
     for column in ("act GB", "act AC GB", "total GB", "total AC GB"):
         assert column in header

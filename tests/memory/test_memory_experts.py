@@ -14,11 +14,11 @@ from cli_runs import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
-from jzero.memory import ModelShape, ParallelLayout
+from jzero.costs import ModelShape, ParallelDims
 
 PSI, PSI_E, N, E = 1_000_000_000, 750_000_000, 8, 8
 PSI_D = PSI - PSI_E
-MODEL, LAYOUT = ModelShape(PSI), ParallelLayout(N)  # the estimate's plain case
+MODEL, LAYOUT = ModelShape(PSI), ParallelDims(N)  # the estimate's plain case
 GB = 10**9
 
 
@@ -33,7 +33,7 @@ def states(stage, psi, n):
 
 def moe(ep, device_memory=None, **layout):
     model = ModelShape(PSI, experts=E, expert_params=PSI_E)
-    return memory.estimate(model, ParallelLayout(N, expert_parallel=ep, **layout), device_memory)
+    return memory.estimate(model, ParallelDims(N, expert=ep, **layout), device_memory)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4, 8])
@@ -98,8 +98,8 @@ def test_offload_rows_split_the_same_way():
     [
         (0, {}, None),
         (50_000_000, {}, None),
-        (0, {"replicas": 2}, None),
-        (0, {"pipeline": 2}, None),
+        (0, {"replica": 2}, None),
+        (0, {"pipe": 2}, None),
         (0, {"devices_per_node": 4}, "cpu"),
     ],
 )
@@ -109,8 +109,8 @@ def test_one_expert_group_is_todays_estimate(largest, layout, offload):
     tensor parallelism it does not: the experts stay whole over ``model``, as AutoTP leaves
     them, where dense parameters are split.)"""
     experts = ModelShape(PSI, largest, experts=E, expert_params=PSI_E)
-    split = memory.estimate(experts, ParallelLayout(N, expert_parallel=1, **layout), None, offload)
-    plain = memory.estimate(ModelShape(PSI, largest), ParallelLayout(N, **layout), None, offload)
+    split = memory.estimate(experts, ParallelDims(N, expert=1, **layout), None, offload)
+    plain = memory.estimate(ModelShape(PSI, largest), ParallelDims(N, **layout), None, offload)
     assert [(r.stage, r.offload) for r in split.rows] == [(r.stage, r.offload) for r in plain.rows]
     for a, b in zip(split.rows, plain.rows, strict=True):
         assert a.expert_bytes > 0 or a.offload == "optimizer+params"  # nothing on the device
@@ -131,13 +131,13 @@ def test_the_recommendation_weighs_the_totals():
 
 def test_counts_read_suffixes():
     a = memory.estimate(
-        ModelShape("1B", experts=E, expert_params="750M"), ParallelLayout(N, expert_parallel=4)
+        ModelShape("1B", experts=E, expert_params="750M"), ParallelDims(N, expert=4)
     )
     assert a.params == PSI and a.expert_params == PSI_E
     assert a.rows == moe(4).rows
     assert (
-        memory.estimate(ModelShape("7.5e9"), ParallelLayout(64)).rows
-        == memory.estimate(ModelShape(7.5e9), ParallelLayout(64)).rows
+        memory.estimate(ModelShape("7.5e9"), ParallelDims(64)).rows
+        == memory.estimate(ModelShape(7.5e9), ParallelDims(64)).rows
     )
 
 
@@ -189,7 +189,7 @@ def test_bad_expert_arguments_are_clear_errors():
     def error(experts=E, expert_params=PSI_E, expert_parallel=1, **layout):
         model = ModelShape(PSI, experts=experts, expert_params=expert_params)
         with pytest.raises(ValueError) as e:
-            memory.estimate(model, ParallelLayout(N, expert_parallel=expert_parallel, **layout))
+            memory.estimate(model, ParallelDims(N, expert=expert_parallel, **layout))
         return str(e.value)
 
     assert error(expert_parallel=3) == (
@@ -201,7 +201,7 @@ def test_bad_expert_arguments_are_clear_errors():
         "an equal share of them. Pass an expert_parallel among the divisors of 6 (1, 2, 3, 6); "
         "of them, 1, 2 also divide 8."
     )
-    assert error(expert_parallel=4, replicas=4) == (
+    assert error(expert_parallel=4, replica=4) == (
         "expert_parallel: 4 does not divide the 2 devices of each of the 4 replica groups; the "
         "mesh is {data: N/E_p, expert: E_p}. Pass an expert_parallel among the divisors of 2 "
         "(1, 2)."
@@ -228,7 +228,7 @@ def test_bad_expert_arguments_are_clear_errors():
     assert error(expert_params="many") == (
         "expert_params: 'many' is not allowed; it must be a positive number, e.g. 6e9."
     )
-    assert error(expert_parallel=2, tensor_parallel=2, pipeline=2, sequence_parallel=2) == (
+    assert error(expert_parallel=2, model=2, pipe=2, seq=2) == (
         "devices=8 can't be split into 1 replica group(s) x tensor_parallel=2 x "
         "sequence_parallel=2 x pipeline=2 x expert_parallel=2; pass sizes whose product "
         "divides 8."
@@ -237,9 +237,9 @@ def test_bad_expert_arguments_are_clear_errors():
     # experts stay whole over `model`, so a device holds Psi_e / (P E_p) of them, sharded over
     # its expert data-parallel group of N / (T P E_p) = 1 device; the dense Psi_d / (T P) over
     # the N / (T P) = 2 devices of data x expert.
-    composed = moe(2, tensor_parallel=2, pipeline=2).row(3)
+    composed = moe(2, model=2, pipe=2).row(3)
     assert composed.expert_bytes == 16 * (PSI_E // 2 // 2)
     assert composed.device["params"] == 2 * (PSI_D // 4) // 2
     # E_p = 1 beside T = 2 and P = 2: each device holds its stage's experts whole, Psi_e / P,
     # sharded over N / (T P) = 2 devices.
-    assert moe(1, tensor_parallel=2, pipeline=2).row(3).expert_bytes == 16 * (PSI_E // 2) // 2
+    assert moe(1, model=2, pipe=2).row(3).expert_bytes == 16 * (PSI_E // 2) // 2

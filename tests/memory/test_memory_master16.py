@@ -14,10 +14,10 @@ from test_memory_state16 import states
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
-from jzero.memory import Dtypes, ModelShape, ParallelLayout
+from jzero.costs import Dtypes, ModelShape, ParallelDims
 
 PSI, N = 1_000_000_000, 8
-MODEL, LAYOUT = ModelShape(PSI), ParallelLayout(N)  # the estimate's plain case
+MODEL, LAYOUT = ModelShape(PSI), ParallelDims(N)  # the estimate's plain case
 GB = 10**9
 
 
@@ -47,7 +47,7 @@ def test_bf16_masters_host_rows_use_k_and_list_no_nvme():
     assert e.row(3, "optimizer").host_bytes == 8 * PSI * 3 // 2 == 12 * GB
     assert e.row(3, "optimizer+params").host_bytes == 10 * PSI * 3 // 2 == 15 * GB
     # K = 8, N = 1: max(4, 12)
-    one = memory.estimate(ModelShape(PSI), ParallelLayout(1), dtypes=Dtypes(master="bf16"))
+    one = memory.estimate(ModelShape(PSI), ParallelDims(1), dtypes=Dtypes(master="bf16"))
     assert one.row(1, "optimizer").host_bytes == 12 * PSI * 3 // 2
     # jzero refuses the NVMe tier with bf16 masters: no nvme rows, and the table says so
     assert not [r for r in e.rows if r.offload == "nvme"]

@@ -14,11 +14,11 @@ from cli_runs import run_cli
 
 from jzero import memory
 from jzero.cli import memory as cli_memory
-from jzero.memory import Dtypes, ModelShape, ParallelLayout
+from jzero.costs import Dtypes, ModelShape, ParallelDims
 
 PSI, N = 1_000_000_000, 8
 PSI_E, E, EP = 750_000_000, 8, 4
-MODEL, LAYOUT = ModelShape(PSI), ParallelLayout(N)  # the estimate's plain case
+MODEL, LAYOUT = ModelShape(PSI), ParallelDims(N)  # the estimate's plain case
 GB = 10**9
 
 
@@ -69,10 +69,10 @@ def test_bf16_state_offload_host_and_nvme_rows_use_k8():
     # stages 1-2: Psi x max(4 N, 4 + K) x 1.5; with N = 8 the 4 N of fp32 gradients dominates
     assert e.row(1, "optimizer").host_bytes == PSI * 32 * 3 // 2
     # N = 1: max(4, 12) = 12
-    one = memory.estimate(ModelShape(PSI), ParallelLayout(1), dtypes=Dtypes(optimizer="bf16"))
+    one = memory.estimate(ModelShape(PSI), ParallelDims(1), dtypes=Dtypes(optimizer="bf16"))
     assert one.row(1, "optimizer").host_bytes == PSI * 12 * 3 // 2
     assert (
-        memory.estimate(ModelShape(PSI), ParallelLayout(1)).row(1, "optimizer").host_bytes
+        memory.estimate(ModelShape(PSI), ParallelDims(1)).row(1, "optimizer").host_bytes
         == PSI * 16 * 3 // 2
     )
     # the device side of offload is unchanged (16-bit params only)
@@ -104,7 +104,7 @@ def test_default_and_fp32_are_todays_numbers_and_bfloat16_is_an_alias():
 def test_experts_split_adds_up_with_bf16_state():
     e = memory.estimate(
         ModelShape(PSI, experts=E, expert_params=PSI_E),
-        ParallelLayout(N, expert_parallel=EP),
+        ParallelDims(N, expert=EP),
         dtypes=Dtypes(optimizer="bf16"),
     )
     names = ("params", "grads", "optimizer state")
@@ -126,7 +126,7 @@ def test_experts_split_adds_up_with_bf16_state():
     # with E_p = 1 the experts are plain parameters: the totals are those without experts
     one = memory.estimate(
         ModelShape(PSI, experts=E, expert_params=PSI_E),
-        ParallelLayout(N, expert_parallel=1),
+        ParallelDims(N, expert=1),
         dtypes=Dtypes(optimizer="bf16"),
     )
     plain = memory.estimate(MODEL, LAYOUT, dtypes=Dtypes(optimizer="bf16"))

@@ -13,7 +13,7 @@ import jzero
 from jzero import memory
 from jzero.choices import stages
 from jzero.config import JzeroConfigWarning, load_config
-from jzero.memory import ModelShape, ParallelLayout
+from jzero.costs import ModelShape, ParallelDims
 from jzero.memory._measure import offload_variants
 from jzero.plan import PlanOptions
 
@@ -38,7 +38,7 @@ def rules_of_stage_2():
         plan_allows = True
     except ValueError:
         plan_allows = False
-    est = memory.estimate(ModelShape(1e9, largest_layer_params=1e6), ParallelLayout(8))
+    est = memory.estimate(ModelShape(1e9, largest_layer_params=1e6), ParallelDims(8))
     row = est.row(2)
     return {
         "config allows offload_param": config_allows,
