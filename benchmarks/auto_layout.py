@@ -65,7 +65,7 @@ def _timed(cfg: gpt.GPTConfig, row: auto_layout.Row, base: dict, steps: int) -> 
         zero_optimization={"stage": row.stage.stage},
         tensor_parallel={"autotp_size": lay.model},
         sequence_parallel_size=lay.seq,
-        gradient_accumulation_steps=lay.accumulation,
+        gradient_accumulation_steps=lay.micro_batches,
     )
     if row.stage.offload:
         settings["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}

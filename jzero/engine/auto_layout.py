@@ -22,21 +22,14 @@ Decisions:
   divides one process's devices, so each of their groups stays within a host; ``data``,
   ``pipe`` and ``replica`` may cross hosts, and the cost model prices an axis at the inter-host
   bandwidth where its group does.
-* **The cost model is analytic, before any compilation.** Lowered programs hold only the
-  collectives jzero writes itself (its ``shard_map`` ZeRO step); tensor parallelism's and the
-  GSPMD parts' appear only once XLA partitions the program, in compilation, which is the cost
-  being avoided. So each candidate's bytes per step on each axis are the closed forms, per device
-  and on the wire (ring: ``(n-1)/n``): ZeRO's group (``data`` x ``seq`` x ``expert``) moves
-  ``2 Psi/(T P)`` gradient-and-parameter bytes at stages 0-2 and ``3 Psi/(T P)`` at stage 3; per
-  layer and micro-batch of ``X`` activation elements per device, ``model`` four all-reduces,
-  ``seq`` eight all-to-alls of ``X/T``, ``expert`` four all-to-alls of ``k X``; ``pipe`` an
-  activation forward and its gradient back per micro-batch. Time is the bytes over each axis's
-  bandwidth (intra- or inter-host), plus a latency per collective, plus the model's FLOPs
-  (:func:`jzero.engine.figures.model_flops`, traced) over the devices' FLOP rate, stretched by
-  the pipeline bubble (its schedule's table: ``(P-1)/(M+P-1)`` for 1F1B) and by a third for
-  activation checkpointing; nothing is assumed to overlap. Rates: ``auto_layout`` in the
-  config, else the platform's defaults (:data:`PLATFORM_RATES`). Ties keep the planner's
-  order of stages.
+* **Ranked by the cost model, before any compilation** (:func:`jzero.costs.predict`, the
+  formulas ``jzero estimate`` counts with too). Lowered programs hold only the collectives jzero
+  writes itself (its ``shard_map`` ZeRO step); tensor parallelism's and the GSPMD parts' appear
+  only once XLA partitions the program, in compilation, which is the cost being avoided. So each
+  candidate's bytes per axis are closed forms (:mod:`jzero.costs.traffic`), its time those
+  bytes over each axis' bandwidth plus the model's FLOPs (:func:`jzero.engine.figures.model_flops`,
+  traced) over the devices' rate. Rates: ``auto_layout`` in the config, else the platform's
+  defaults (:data:`jzero.costs.PLATFORM_RATES`). Ties keep the planner's order of stages.
 * **Measured where it matters**: the prediction only orders the compilations; a candidate is
   kept by its compiled peak (:func:`jzero.engine.figures.compiled_peak_bytes`), the first that
   fits ``device_memory`` (or the accelerator's limit, :func:`jzero.engine.auto_stage.budget`).
@@ -61,35 +54,30 @@ import jax
 import numpy as np
 
 from jzero import config as config_lib
+from jzero import costs
 from jzero._util import format_bytes
-from jzero.distributed.pipeline import make_schedule
 from jzero.engine.auto_stage import Candidate as StageCandidate
 from jzero.engine.auto_stage import compiled_need
-from jzero.plan import stage_spec
 
 __all__ = [
-    "PLATFORM_RATES",
     "AutoLayout",
     "Choice",
-    "Layout",
-    "ModelShape",
-    "Prediction",
-    "Rates",
     "Row",
     "adopt_saved",
     "check_fixed_sizes",
     "choose_layout",
+    "devices_here",
     "format_table",
     "layouts",
     "measure_row",
     "model_shape",
-    "predict",
     "ranked_table",
+    "step_work",
 ]
 
 logger = logging.getLogger(__name__)
 
-# (config key, mesh axis, Layout field), in the mesh's order from the major axis.
+# (config key, mesh axis), in the mesh's order from the major axis.
 _AXES = (
     ("pipeline.stages", "pipe"),
     ("expert_parallel.autoep_size", "expert"),
@@ -100,99 +88,26 @@ _ACCUM = "gradient_accumulation_steps"
 _MAX_ACCUMULATION = 8  # micro-batches tried beyond what a pipeline needs: a bounded search
 
 
-@dataclass(frozen=True)
-class Rates:
-    """What the cost model divides by: bandwidths in GB/s, TFLOP/s per device, microseconds."""
-
-    intra_host_gbps: float
-    inter_host_gbps: float
-    tflops: float
-    latency_us: float
-
-    @classmethod
-    def of(cls, section: Any, platform: str) -> Rates:
-        """The config's ``auto_layout`` section over the platform's defaults."""
-        base = PLATFORM_RATES.get(platform, PLATFORM_RATES["cpu"])
-        given = {f.name: getattr(section, f.name, None) for f in dataclasses.fields(cls)}
-        return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
-
-
-PLATFORM_RATES = {
-    "gpu": Rates(intra_host_gbps=300.0, inter_host_gbps=25.0, tflops=200.0, latency_us=10.0),
-    "tpu": Rates(intra_host_gbps=100.0, inter_host_gbps=25.0, tflops=100.0, latency_us=10.0),
-    "cpu": Rates(intra_host_gbps=10.0, inter_host_gbps=1.0, tflops=0.05, latency_us=20.0),
-}
-"""Default rates per platform (``cuda``/``rocm`` read as ``gpu``): round figures of an NVLink
-GPU node with a 200 Gb/s NIC per GPU, a TPU slice, and a CPU host's shared memory. Set
-``auto_layout`` in the config to your machine's."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One mesh: the size of each axis, and the micro-batches a step accumulates."""
-
-    data: int
-    model: int = 1
-    seq: int = 1
-    pipe: int = 1
-    expert: int = 1
-    replica: int = 1
-    accumulation: int = 1
-    schedule: str = "1f1b"  # the pipeline's (its bubble and messages), from the config
-    virtual: int = 1
-
-    @property
-    def rows_split(self) -> int:
-        """Devices the batch's rows are split over (``replica`` x ``data`` x ``expert``)."""
-        return self.replica * self.data * self.expert
-
-    @property
-    def name(self) -> str:
-        axes = ("replica", "pipe", "data", "expert", "seq", "model")
-        parts = [f"{a} {getattr(self, a)}" for a in axes if getattr(self, a) > 1 or a == "data"]
-        text = " x ".join(parts)
-        return text + (f", {self.accumulation} micro" if self.accumulation > 1 else "")
-
-    def config(self, cfg: config_lib.Config) -> config_lib.Config:
-        """``cfg`` with this layout's concrete sizes, micro batch and accumulation."""
-        tp = dict(cfg.tensor_parallel or {}, autotp_size=self.model)
-        pipe = dict(cfg.pipeline or {}, stages=self.pipe)
-        ep = dict(cfg.expert_parallel or {}, autoep_size=self.expert)
-        rows = cfg.train_batch_size
-        return dataclasses.replace(
-            cfg,
-            tensor_parallel=config_lib.FrozenMap(tp),
-            pipeline=config_lib.FrozenMap(pipe),
-            expert_parallel=(
-                config_lib.FrozenMap(ep)
-                if cfg.expert_parallel is not None or self.expert > 1
-                else None
-            ),
-            sequence_parallel_size=self.seq,
-            gradient_accumulation_steps=self.accumulation,
-            train_micro_batch_size_per_gpu=rows // (self.accumulation * self.rows_split),
-            auto=tuple(k for k in cfg.auto if k not in (*config_lib.LAYOUT_KEYS, _ACCUM)),
-        )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the model and the batch allow and cost: read from the config, the parameters and
-    one trace of the loss. ``None``: unknown (the axis it would divide stays 1)."""
-
-    devices: int
-    local_devices: int
-    rows: int
-    params: int
-    grad_bytes: int
-    act_bytes: int
-    flops: float
-    hidden: int
-    seq_len: int | None = None
-    heads: int | None = None
-    layers: int | None = None
-    experts: int | None = None
-    experts_per_token: int = 2
+def _configured(cfg: config_lib.Config, layout: costs.ParallelDims) -> config_lib.Config:
+    """``cfg`` with ``layout``'s concrete sizes, micro batch and accumulation."""
+    tp = dict(cfg.tensor_parallel or {}, autotp_size=layout.model)
+    pipe = dict(cfg.pipeline or {}, stages=layout.pipe)
+    ep = dict(cfg.expert_parallel or {}, autoep_size=layout.expert)
+    rows = cfg.train_batch_size
+    return dataclasses.replace(
+        cfg,
+        tensor_parallel=config_lib.FrozenMap(tp),
+        pipeline=config_lib.FrozenMap(pipe),
+        expert_parallel=(
+            config_lib.FrozenMap(ep)
+            if cfg.expert_parallel is not None or layout.expert > 1
+            else None
+        ),
+        sequence_parallel_size=layout.seq,
+        gradient_accumulation_steps=layout.micro_batches,
+        train_micro_batch_size_per_gpu=rows // (layout.micro_batches * layout.batch_split),
+        auto=tuple(k for k in cfg.auto if k not in (*config_lib.LAYOUT_KEYS, _ACCUM)),
+    )
 
 
 def _pow2_divisors(n: int) -> list[int]:
@@ -234,51 +149,63 @@ def _sizes(cfg: config_lib.Config) -> list[tuple[str, int]]:
     ]
 
 
-def _choices(cfg: config_lib.Config, shape: ModelShape) -> dict[str, list[int]]:
+def _choices(cfg: config_lib.Config, shape: costs.ModelShape, devices: int) -> dict[str, list[int]]:
     """The sizes each axis may take: its powers of two where ``"auto"``, else its own."""
     fixed = dict(_sizes(cfg))
     allows = {
         "model": lambda s: _divides(shape.heads, s),
         "seq": lambda s: _divides(shape.heads, s) and _divides(shape.seq_len, s),
         "pipe": lambda s: _divides(shape.layers, s * cfg.pipeline_virtual_stages()),
-        "expert": lambda s: _divides(shape.experts, s),
+        "expert": lambda s: _divides(shape.experts or None, s),
     }
     out = {}
     for key, axis in _AXES:
         if key in cfg.auto:
-            out[axis] = [s for s in _pow2_divisors(shape.devices) if allows[axis](s)]
+            out[axis] = [s for s in _pow2_divisors(devices) if allows[axis](s)]
         else:
             out[axis] = [fixed[axis]]
     return out
 
 
-def layouts(cfg: config_lib.Config, shape: ModelShape) -> list[Layout]:
-    """Every layout of ``shape.devices`` the model and the batch allow (see the module's
-    decisions), in no particular order."""
-    choices = _choices(cfg, shape)
+def layouts(
+    cfg: config_lib.Config, shape: costs.ModelShape, devices: costs.ParallelDims
+) -> list[costs.ParallelDims]:
+    """Every layout of ``devices`` (their count and per host; :func:`devices_here`) the model
+    and the global batch (``train_batch_size``) allow (see the module's decisions), in no
+    particular order."""
+    choices = _choices(cfg, shape, devices.devices)
     replica = max(1, int(cfg.mesh.sizes().get("replica", 1)))
-    micro = cfg.train_micro_batch_size_per_gpu
+    rows, micro = int(cfg.train_batch_size), cfg.train_micro_batch_size_per_gpu
     out = []
     for pipe, expert, seq, model in itertools.product(*(choices[a] for _, a in _AXES)):
         inner = model * seq * expert  # the minor axes: within one host
-        if shape.local_devices % inner or not _divides(shape.heads, model * seq):
+        if devices.devices_per_node % inner or not _divides(shape.heads, model * seq):
             continue  # Ulysses splits the heads of a model axis' share again
-        rest, left = divmod(shape.devices, inner * pipe * replica)
+        rest, left = divmod(devices.devices, inner * pipe * replica)
         if left or rest < 1:
             continue
-        layout = Layout(rest, model, seq, pipe, expert, replica, 1, cfg.pipeline_schedule(),
-                        cfg.pipeline_virtual_stages())  # fmt: skip
-        for accum in _accumulations(cfg, layout, shape.rows, micro):
-            out.append(dataclasses.replace(layout, accumulation=accum))
+        layout = dataclasses.replace(
+            devices, replica=replica, model=model, seq=seq, pipe=pipe, expert=expert,
+            micro_batches=1, schedule=cfg.pipeline_schedule(),
+            virtual=cfg.pipeline_virtual_stages(),
+        )  # fmt: skip
+        for accum in _accumulations(cfg, layout, rows, micro):
+            out.append(_with_micro_batches(layout, accum, rows))
     return out
 
 
+def _with_micro_batches(layout: costs.ParallelDims, count: int, rows: int) -> costs.ParallelDims:
+    """``layout`` with ``rows`` a step cut into ``count`` micro-batches."""
+    micro = rows // (count * layout.batch_split)
+    return dataclasses.replace(layout, micro_batches=count, micro_batch=micro)
+
+
 def _accumulations(
-    cfg: config_lib.Config, layout: Layout, rows: int, micro: int | None
+    cfg: config_lib.Config, layout: costs.ParallelDims, rows: int, micro: int | None
 ) -> list[int]:
     """The micro-batch counts a layout's batch allows: the rows split evenly, at least ``pipe``
     of them; ``gradient_accumulation_steps`` varies only where it is ``"auto"``."""
-    split = layout.rows_split
+    split = layout.batch_split
     if micro is not None:
         options = [rows // (micro * split)] if rows % (micro * split) == 0 else []
     elif _ACCUM in cfg.auto:
@@ -292,82 +219,12 @@ def _accumulations(
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """A candidate's predicted bytes per step on each axis (per device, on the wire), its
-    step time and the part of it spent computing."""
-
-    axis_bytes: dict[str, float]
-    seconds: float
-    compute_seconds: float
-
-
-def _crosses_hosts(layout: Layout, axis: str, local: int) -> bool:
-    """Whether ``axis``'s groups span devices of several hosts: the axes from it to the minor
-    end of the mesh hold more devices than a host."""
-    order = ("replica", "pipe", "data", "expert", "seq", "model")
-    minor = order[order.index(axis) :]
-    return math.prod(getattr(layout, a) for a in minor) > local
-
-
-def predict(layout: Layout, stage: StageCandidate, shape: ModelShape, rates: Rates) -> Prediction:
-    """The cost model of the module's decisions."""
-    t, p, m = layout.model, layout.pipe, layout.accumulation
-    ring = lambda n: (n - 1) / n  # noqa: E731
-    local_params = shape.params / (t * p)
-    group = layout.data * layout.seq * layout.expert * layout.replica
-    layers = (shape.layers or 1) / p
-    micro_rows = shape.rows / (m * layout.rows_split)
-    x = micro_rows * (shape.seq_len or 1) / layout.seq * shape.hidden  # activations per device
-    ab = shape.act_bytes
-    out: dict[str, float] = {}
-    count: dict[str, float] = {}
-    spec = stage_spec(stage.stage)  # the stage table's traffic: 2 Psi, or 3 Psi with params
-    out["data"] = spec.traffic()[0] * local_params * shape.grad_bytes * ring(group)
-    if spec.shard_params:  # each layer gathered forward and backward, then the rest once
-        count["data"] = 2 * layers * m + 1
-    else:  # a reduce-scatter and an all-gather, or one all-reduce
-        count["data"] = 2 if spec.reduce_scatter else 1
-    if t > 1:
-        out["model"] = m * layers * 4 * 2 * x * ab * ring(t)
-        count["model"] = m * layers * 4
-    if layout.seq > 1:
-        out["seq"] = m * layers * 8 * (x / t) * ab * ring(layout.seq)
-        count["seq"] = m * layers * 8
-    if layout.expert > 1:
-        out["expert"] = m * layers * 4 * shape.experts_per_token * x * ab * ring(layout.expert)
-        count["expert"] = m * layers * 4
-    if p > 1:  # each micro-batch across each stage's (each chunk's) boundary, both ways
-        out["pipe"] = 2 * m * layout.virtual * x / t * ab
-        count["pipe"] = 2 * m * layout.virtual
-    if stage.offload:  # gradients to the host, parameters back: at the inter-host rate
-        out["host"] = 2 * local_params * shape.grad_bytes / group
-        count["host"] = 2
-    comm = 0.0
-    for axis, nbytes in out.items():
-        cross = axis == "host" or _crosses_hosts(layout, axis, shape.local_devices)
-        gbps = rates.inter_host_gbps if cross else rates.intra_host_gbps
-        comm += nbytes / (gbps * 1e9) + count[axis] * rates.latency_us * 1e-6
-    work = shape.flops * (4 / 3 if stage.checkpointing else 1.0)
-    compute = work / (shape.devices * rates.tflops * 1e12) / (1 - _bubble(layout))
-    return Prediction(out, compute + comm, compute)
-
-
-def _bubble(layout: Layout) -> float:
-    """The pipeline schedule's idle fraction from its table (``(P-1)/(M+P-1)`` for 1F1B and
-    GPipe), or 0 without a pipeline."""
-    if layout.pipe <= 1:
-        return 0.0
-    schedule = make_schedule(layout.schedule, layout.pipe, layout.accumulation, layout.virtual)
-    return schedule.bubble
-
-
-@dataclass(frozen=True)
 class Row:
     """One ranked candidate: its layout and stage, prediction, and (once compiled) its need."""
 
-    layout: Layout
+    layout: costs.ParallelDims
     stage: StageCandidate
-    prediction: Prediction
+    prediction: costs.Prediction
     need: int | None = None
     error: str | None = None
 
@@ -376,7 +233,7 @@ class Row:
         return f"{self.layout.name}, {self.stage.name}"
 
     def config(self, cfg: config_lib.Config) -> config_lib.Config:
-        return self.stage.config(self.layout.config(cfg))
+        return self.stage.config(_configured(cfg, self.layout))
 
 
 @dataclass
@@ -396,26 +253,35 @@ class AutoLayout:
 
     budget: int
     stages: Sequence[StageCandidate]
-    rates: Rates
+    rates: costs.Rates
     planner: Callable[[config_lib.Config], Callable[..., Any]]
     keys: tuple[str, ...] = ()
-    only: Layout | None = None
+    only: costs.ParallelDims | None = None
 
-    def ranked(self, cfg: config_lib.Config, shape: ModelShape) -> list[Row]:
-        """Every candidate, predicted fastest first; a ``ConfigError`` naming what the model
-        and batch allow where there is none."""
+    def ranked(
+        self,
+        cfg: config_lib.Config,
+        shape: costs.ModelShape,
+        work: costs.Work,
+        devices: costs.ParallelDims,
+    ) -> list[Row]:
+        """Every candidate on ``devices`` (:func:`devices_here`), predicted fastest first; a
+        ``ConfigError`` naming what the model and batch allow where there is none."""
         cfg = dataclasses.replace(cfg, auto=self.keys)
-        found = [self.only] if self.only is not None else layouts(cfg, shape)
+        found = [self.only] if self.only is not None else layouts(cfg, shape, devices)
         if not found:
             raise config_lib.ConfigError(
-                f"No layout of {shape.devices} devices fits the global batch of {shape.rows} "
-                f"rows with the sizes allowed ({_allowed(cfg, shape)}): the rows must divide by "
+                f"No layout of {devices.devices} devices fits the global batch of "
+                f"{cfg.train_batch_size} rows with the sizes allowed "
+                f"({_allowed(cfg, shape, devices.devices)}): the rows must divide by "
                 "replica x data x expert x micro-batches, and a pipeline needs at least `stages` "
                 'micro-batches. Change train_batch_size, write more sizes as "auto", or set '
                 "gradient_accumulation_steps: auto."
             )
         rows = [
-            Row(lay, st, predict(lay, st, shape, self.rates)) for lay in found for st in self.stages
+            Row(lay, st, costs.predict(lay, st, shape, work, self.rates))
+            for lay in found
+            for st in self.stages
         ]
         order = {st: i for i, st in enumerate(self.stages)}
         rows.sort(key=lambda r: (r.prediction.seconds, order[r.stage], r.layout.data * -1))
@@ -451,20 +317,44 @@ class AutoLayout:
         return line
 
 
-def _allowed(cfg: config_lib.Config, shape: ModelShape) -> str:
-    return "; ".join(f"{a} in {c}" for a, c in _choices(cfg, shape).items())
+def _allowed(cfg: config_lib.Config, shape: costs.ModelShape, devices: int) -> str:
+    return "; ".join(f"{a} in {c}" for a, c in _choices(cfg, shape, devices).items())
 
 
-def model_shape(setup: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape:
-    """The :class:`ModelShape` of the model of ``setup`` (a :class:`jzero.engine.resolve.Setup`)
-    on a global ``batch`` (shapes suffice)."""
-    from jzero.engine import figures, layout
+def devices_here() -> costs.ParallelDims:
+    """This run's devices, their count and per host (one process's), every axis 1: what the
+    candidates lay out."""
+    return costs.ParallelDims(jax.device_count(), jax.local_device_count())
+
+
+def step_work(setup: Any, batch: Any) -> costs.Work:
+    """What a step of the model of ``setup`` (a :class:`jzero.engine.resolve.Setup`) does on a
+    global ``batch`` (shapes suffice): its FLOPs (traced), and the bytes of a gradient element on
+    the wire (``communication_data_type``, else 16-bit under bf16 or fp16, else the params') and
+    of an activation element."""
+    from jzero.engine import figures
 
     cfg = setup.config
     params = jax.tree.leaves(setup.plan.abstract_params)
     itemsize = max(np.dtype(x.dtype).itemsize for x in params)
     half = cfg.bf16.enabled or cfg.fp16.enabled
     comm = {"fp32": 4, "fp16": 2, "bf16": 2}.get(cfg.communication_data_type or "", 0)
+    return costs.Work(
+        flops=figures.model_flops(setup, batch),
+        grad_bytes=comm or (2 if half else itemsize),
+        act_bytes=2 if half else itemsize,
+    )
+
+
+def model_shape(setup: Any, batch: Any, keys: Sequence[str] = ()) -> costs.ModelShape:
+    """The :class:`jzero.costs.ModelShape` of the model of ``setup`` (a
+    :class:`jzero.engine.resolve.Setup`) on a global ``batch`` (shapes suffice): its hidden size,
+    heads and sequence length from the config's ``model`` section or the parameters and batch,
+    its layers from the config or (with ``pipeline.stages`` among ``keys``) the loss's trace."""
+    from jzero.engine import layout
+
+    cfg = setup.config
+    params = jax.tree.leaves(setup.plan.abstract_params)
     lasts = Counter(int(x.shape[-1]) for x in params if len(x.shape) >= 2)
     hidden = cfg.model.get("d_model") or (lasts.most_common(1)[0][0] if lasts else 1)
     tp = cfg.tensor_parallel or {}
@@ -478,19 +368,13 @@ def model_shape(setup: Any, batch: Any, keys: Sequence[str] = ()) -> ModelShape:
         dims, _ = layout.traced_layers(setup, batch)
         found = [x.shape[d] for x, d in zip(params, dims, strict=True) if d is not None]
         layers = max(found) if found else None
-    return ModelShape(
-        devices=jax.device_count(),
-        local_devices=jax.local_device_count(),
-        rows=int(cfg.train_batch_size),
+    return costs.ModelShape(
         params=sum(math.prod(x.shape) for x in params),
-        grad_bytes=comm or (2 if half else itemsize),
-        act_bytes=2 if half else itemsize,
-        flops=figures.model_flops(setup, batch),
         hidden=int(hidden),
         seq_len=int(seq_len) if seq_len else None,
         heads=int(heads) if heads else None,
         layers=int(layers) if layers else None,
-        experts=cfg.num_experts(),
+        experts=cfg.num_experts() or 0,
         experts_per_token=int(cfg.model.get("experts_per_token", 2)),
     )
 
@@ -528,7 +412,7 @@ def _measure(auto: AutoLayout, setup: Any, raw: Any, row: Row) -> tuple[int, Any
     cfg = row.config(setup.config)
     batch = _global_shapes(raw, int(cfg.train_batch_size))
     replan = auto.planner(cfg)
-    sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, row.layout.accumulation)
+    sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, row.layout.micro_batches)
     candidate = dataclasses.replace(setup, config=cfg, plan=replan(), sizes=sizes)
     dims, piped = layout.traced_layers(candidate, batch)
     plan = replan(layer_dims=dims, **piped)
@@ -547,19 +431,26 @@ def _tried(auto: AutoLayout, setup: Any, batch: Any, row: Row) -> tuple[Row, Any
     return dataclasses.replace(row, need=need), built
 
 
+def _ranked(auto: AutoLayout, setup: Any, batch: Any) -> list[Row]:
+    """Every candidate for the step of ``setup`` on ``batch`` (this process's rows; shapes
+    suffice) on this run's devices, in rank order."""
+    shapes = _global_shapes(batch, int(setup.config.train_batch_size))
+    shape = model_shape(setup, shapes, auto.keys)
+    return auto.ranked(setup.config, shape, step_work(setup, shapes), devices_here())
+
+
 def choose_layout(auto: AutoLayout, setup: Any, batch: Any) -> Choice:
     """The candidate ``auto`` keeps for the step of ``setup`` (a
     :class:`jzero.engine.resolve.Setup`) on ``batch`` (this process's rows; shapes suffice):
     compiled in rank order, the first that fits kept; one log line."""
-    shape = model_shape(setup, _global_shapes(batch, int(setup.config.train_batch_size)), auto.keys)
     tried: list[Row] = []
-    for row in auto.ranked(setup.config, shape):
+    for row in _ranked(auto, setup, batch):
         row, built = _tried(auto, setup, batch, row)
         if built is not None and row.need <= auto.budget:
             cfg, plan, step, replan = built
             logger.info(auto.describe(row, tried))
             lay = row.layout
-            sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, lay.accumulation)
+            sizes = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, lay.micro_batches)
             return Choice(cfg, plan, step, replan, sizes, row)
         tried.append(row)
     raise auto.no_fit(tried)
@@ -574,8 +465,7 @@ def ranked_table(auto: AutoLayout, setup: Any, batch: Any, *, measure: bool = Tr
     """Every candidate in rank order for ``setup`` (a :class:`jzero.engine.resolve.Setup`, e.g.
     ``engine.setup``), each compiled for its need when ``measure`` (``jzero plan --auto``):
     nothing is kept or trained."""
-    shape = model_shape(setup, _global_shapes(batch, int(setup.config.train_batch_size)), auto.keys)
-    rows = auto.ranked(setup.config, shape)
+    rows = _ranked(auto, setup, batch)
     if not measure:
         return rows
     return [measure_row(auto, setup, batch, row) for row in rows]
@@ -610,19 +500,19 @@ def adopt_saved(auto: AutoLayout, saved: Any) -> None:
     if any(k in cfg.auto for k in (*config_lib.LAYOUT_KEYS, _ACCUM)) or not cfg.train_batch_size:
         return  # saved before a choice: nothing recorded
     sizes = dict(_sizes(cfg))
-    rest = jax.device_count() // math.prod(sizes.values())
     replica = max(1, int(cfg.mesh.sizes().get("replica", 1)))
-    auto.only = Layout(
-        rest // replica,
+    layout = dataclasses.replace(
+        devices_here(),
+        replica=replica,
         model=sizes["model"],
         seq=sizes["seq"],
         pipe=sizes["pipe"],
         expert=sizes["expert"],
-        replica=replica,
-        accumulation=int(cfg.gradient_accumulation_steps or 1),
         schedule=cfg.pipeline_schedule(),
         virtual=cfg.pipeline_virtual_stages(),
     )
+    count = int(cfg.gradient_accumulation_steps or 1)
+    auto.only = _with_micro_batches(layout, count, int(cfg.train_batch_size))
     zero = cfg.zero_optimization
     same = [
         s

@@ -593,6 +593,7 @@ def _auto_layout(
     """What the parallel sizes ``"auto"`` choose from (:mod:`jzero.engine.auto_layout`): the
     stages of ``stage: auto`` (``auto``) or the one configured, the budget, the rates, and a
     planner that builds each candidate's mesh and AutoTP specs."""
+    from jzero import costs
     from jzero.engine import auto_layout, auto_stage
 
     shapes, tx, user_specs = model
@@ -613,7 +614,7 @@ def _auto_layout(
     return auto_layout.AutoLayout(
         budget=auto.budget if auto is not None else auto_stage.budget(cfg, device, what),
         stages=stages,
-        rates=auto_layout.Rates.of(cfg.auto_layout, device.platform),
+        rates=costs.Rates.of(cfg.auto_layout, device.platform),
         planner=planner,
         keys=auto_keys,
     )
