@@ -137,13 +137,19 @@ def memory_imports_above(root: Path) -> list[str]:
     importing the engine or the demo's model, data or loop.
     Its measured report takes an engine, and :func:`jzero.memory.measure_stages` a model, from
     the caller; ``plan_report`` (the built-in GPT's) is reached by name, adding no import."""
+    return _imports_into(root, "jzero.memory", ABOVE_MEMORY)
+
+
+def _imports_into(root: Path, package: str, above: tuple[str, ...]) -> list[str]:
+    """``file:line module`` for each import of a module under ``above`` by a module of
+    ``package`` (both named as in ``jzero``, read in ``root``'s package)."""
     name = root.name
-    memory = f"{name}.memory"
-    above = tuple(p.replace("jzero", name, 1) for p in ABOVE_MEMORY)
+    inside = package.replace("jzero", name, 1)
+    outside = tuple(p.replace("jzero", name, 1) for p in above)
     found = []
     for where, source in jzero_imports(root):
         module = _module_name(root.parent / where.split(":")[0], root)
-        if _under(module, (memory,)) and _under(source, above):
+        if _under(module, (inside,)) and _under(source, outside):
             found.append(f"{where} {source}")
     return found
 
@@ -478,4 +484,35 @@ def test_the_signature_check_finds_a_planted_nine_parameter_function(tmp_path):
         "jzero/_private_module.py:1 public 9",
         "jzero/m.py:1 wide 9",
         "jzero/m.py:14 Value.__init__ 9",
+    ]
+
+
+ABOVE_COSTS = ("jzero.engine", "jzero.demo", "jzero.memory", "jzero.config", "jzero.cli")
+
+
+def costs_imports_above(root: Path) -> list[str]:
+    """The imports that lift the cost model above what reads it: ``jzero.costs`` (the pure
+    formulas the estimate and the auto layout both call) importing the engine, the demo, the
+    memory planner, the config or the CLI."""
+    return _imports_into(root, "jzero.costs", ABOVE_COSTS)
+
+
+def test_the_cost_model_imports_nothing_that_reads_it():
+    assert costs_imports_above(JZERO) == []
+
+
+def test_the_cost_model_check_finds_an_import_from_above(tmp_path):
+    pkg = tmp_path / "jzero"
+    planted = {
+        "costs/a.py": "from jzero.choices import x\n\n\ndef f():\n    from jzero.engine import x\n",
+        "costs/b.py": "import jzero.memory._estimate\nfrom ..config import x\n",
+        "memory/c.py": "from jzero.costs import predict\n",  # read from above: allowed
+    }
+    for path, text in planted.items():
+        (pkg / path).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / path).write_text(text)
+    assert costs_imports_above(pkg) == [
+        "jzero/costs/a.py:5 jzero.engine",
+        "jzero/costs/b.py:1 jzero.memory._estimate",
+        "jzero/costs/b.py:2 jzero.config",
     ]
