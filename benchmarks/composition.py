@@ -14,7 +14,7 @@ the global batch the same everywhere. ``--only 3,11`` measures those rows alone.
 Each row is one layout, read from the plan and the compiled program (nothing runs):
 
 * state: per-device bytes of params, gradients and optimizer state
-  (``engine.plan.model_state_bytes()``);
+  (``model_state_bytes(engine.plan)``);
 * temp: ``engine.lower(batch).compile().memory_analysis().temp_size_in_bytes``;
 * model / seq / pipe / expert / replica: full-buffer bytes a step of the collectives whose
   device groups span that axis only (``jzero.hlo.collectives_by_axes``, loops counted by trip
@@ -45,6 +45,7 @@ import optax  # noqa: E402
 import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
 from jzero.hlo import collectives_by_axes  # noqa: E402
+from jzero.plan import model_state_bytes  # noqa: E402
 
 MB = 1 << 20
 AXES = ("model", "seq", "pipe", "expert", "replica")
@@ -97,7 +98,7 @@ def measure(cfg: gpt.GPTConfig, axes: tuple[str, ...], stage: int, batch: int) -
         "layout": (" x ".join(a for a in axes if a in AXES) or "data only")
         + (f" ({SPLIT} over model)" if SPLIT in axes else ""),
         "mesh": dict(engine.mesh.shape),
-        "state": sum(engine.plan.model_state_bytes(engine.accumulation_steps).values()),
+        "state": sum(model_state_bytes(engine.plan, engine.accumulation_steps).values()),
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "zero": sum(spans(a) for a in zero),
         **own,

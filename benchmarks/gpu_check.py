@@ -113,6 +113,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     import jzero
     from jzero.demo import gpt
+    from jzero.plan import host_state_bytes, model_state_bytes
 
     device = jax.devices()[0]
     cfg = gpt.GPTConfig(
@@ -190,8 +191,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "opt_state_memory_kinds": kinds,
         "memory_stats": _stats(device),
         "memory_analysis": analysis,
-        "plan_device_bytes": sum(engine.plan.model_state_bytes().values()),
-        "plan_host_bytes": sum(engine.plan.host_state_bytes().values()),
+        "plan_device_bytes": sum(model_state_bytes(engine.plan).values()),
+        "plan_host_bytes": sum(host_state_bytes(engine.plan).values()),
         "step_seconds_median": statistics.median(times),
         "losses": losses,
     }

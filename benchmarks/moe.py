@@ -84,7 +84,7 @@ def state_bytes(engine) -> tuple[int, int]:
     grads = jax.tree.leaves(engine.plan.grads)
     named = moe.expert_leaves(engine.plan.abstract_params)  # at E_p = 1 too
     for x, sh, e in zip(engine.plan.leaves, grads, named, strict=True):
-        dtype = engine.plan.precision.compute_dtype or x.dtype
+        dtype = engine.plan.options.precision.compute_dtype or x.dtype
         size = int(np.prod(sh.shard_shape(tuple(x.stored_shape())))) * np.dtype(dtype).itemsize
         totals[0 if e else 1] += size
     return totals[0], totals[1]

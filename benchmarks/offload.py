@@ -10,8 +10,8 @@ state in files under a temporary ``nvme_path``); at stage 3 also with ``offload_
 in host memory (``optimizer+param``) and on NVMe (``nvme+param``); ``--stages`` and
 ``--offload`` (``none`` among them) pick some. Figures per device:
 
-* plan device / plan host: :meth:`jzero.plan.Plan.model_state_bytes` and
-  :meth:`~jzero.plan.Plan.host_state_bytes` (params, grads, masters, optimizer state);
+* plan device / plan host: :func:`jzero.plan.model_state_bytes` and
+  :func:`~jzero.plan.host_state_bytes` (params, grads, masters, optimizer state);
 * args / out / temp and host args / host out / host temp: the compiled step's
   ``memory_analysis()``;
 * params in / opt in: the memory kinds the live arrays rest in after the steps;
@@ -51,6 +51,7 @@ import optax  # noqa: E402
 
 import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
+from jzero.plan import host_state_bytes, model_state_bytes  # noqa: E402
 
 MIB = 1 << 20
 HOST = {"device": "cpu", "pin_memory": True}
@@ -153,9 +154,9 @@ def measure(stage: int, variant: str, params, loss, batch, args, nvme_dir: str) 
         "params_in": params_in,
         "opt_in": opt_in,
         "plan_device": sum(
-            v for k, v in engine.plan.model_state_bytes().items() if k not in on_disk
+            v for k, v in model_state_bytes(engine.plan).items() if k not in on_disk
         ),
-        "plan_host": sum(engine.plan.host_state_bytes().values()),
+        "plan_host": sum(host_state_bytes(engine.plan).values()),
         **{f: int(getattr(mem, f"{f}_size_in_bytes", 0) or 0) for f in FIELDS},
         "seconds": statistics.median(times),
         "rss": max(0, rss.peak - before),

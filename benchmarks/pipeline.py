@@ -19,7 +19,7 @@ row trains the same model on the same tokens. Each row of the table is one (P, s
   in lockstep as the compiled step runs them (each slot as long as its longest pass: a
   forward 1, a backward 2, zero-bubble's input- and weight-gradient passes 1 each), and the
   fraction of it a stage idles (``Schedule.step_time``, ``time_bubble``);
-* model state: the sum of ``engine.plan.model_state_bytes()`` per device;
+* model state: the sum of ``model_state_bytes(engine.plan)`` per device;
 * temp: the compiled step's temporaries per device (``memory_analysis()``), where 1F1B keeps
   ``P`` micro-batches of saved activations and GPipe all ``M``;
 * in flight: the micro-batches a stage holds saved activations of at once (``P`` under 1F1B
@@ -63,6 +63,7 @@ import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
 from jzero.distributed import make_schedule  # noqa: E402
 from jzero.hlo import permute_sends  # noqa: E402
+from jzero.plan import model_state_bytes  # noqa: E402
 
 MB = 1 << 20
 
@@ -108,7 +109,7 @@ def measure(params, loss, batch, stages, schedule, stage, micro, steps, warmup, 
         "time_bubble": table.time_bubble if table else 0.0,
         "in_flight": table.slots / table.virtual if table else 1,
         "sent_over_need": sent / need if need else 0.0,
-        "state": sum(engine.plan.model_state_bytes().values()),
+        "state": sum(model_state_bytes(engine.plan).values()),
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "pipe": axis_bytes(by_axes, ("pipe",), "collective-permute"),
         "moved": axis_bytes(by_axes, ("pipe",))

@@ -58,6 +58,7 @@ from jzero.hlo import (  # noqa: E402
     layout_copies,
     program_text,
 )
+from jzero.plan import model_state_bytes  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plain_dp import plain_dp_step  # noqa: E402
@@ -168,7 +169,7 @@ def main(argv=None) -> None:
         compiled = engine.lower(batch).compile()
         mem = compiled.memory_analysis()
         coll = collectives(compiled)
-        grads = engine.plan.model_state_bytes()["grads"]
+        grads = model_state_bytes(engine.plan)["grads"]
         p_b, o_b = device0_bytes(engine.params), device0_bytes(engine.opt_state)
         copies = layout_copies(compiled)
         ac = {**config, "activation_checkpointing": {"policy": "full"}}
@@ -277,7 +278,7 @@ def across_hosts(params, loss, batch, tbs, psi, n, stages=(0, 1, 2, 3)) -> None:
             s.wire_bytes for a, st in by.items() if "replica" not in a for s in st.values()
         )
         across = sum(s.wire_bytes for a, st in by.items() if "replica" in a for s in st.values())
-        state = sum(engine.plan.model_state_bytes().values())
+        state = sum(model_state_bytes(engine.plan).values())
         rows.append((stage, name, within / psi, across / psi, state / MB))
     print(
         f"\nAcross hosts: collective bytes per step in units of Psi (all-reduce counted twice), "
@@ -313,7 +314,7 @@ def mixed_precision(params, loss, batch, tbs, psi_elems, n, stages=(0, 1, 2, 3))
             if comm == "bf16":
                 st = engine.state
                 live = [device0_bytes(t) for t in (st.params, st.master, st.opt_state)]
-                grads = engine.plan.model_state_bytes()["grads"]
+                grads = model_state_bytes(engine.plan)["grads"]
                 total = sum(live) + grads
                 mem_rows.append((stage, *[b / MB for b in live], grads / MB, total / MB))
         kinds = ("all-reduce", "reduce-scatter", "all-gather")

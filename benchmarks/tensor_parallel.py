@@ -16,7 +16,7 @@ DeepSpeed and Megatron-LM keep it: at T = 2 half as many data-parallel groups ea
 the rows. Each row of the table is one (T, stage):
 
 * model state: per-device bytes of params, gradients and optimizer state,
-  the sum of ``engine.plan.model_state_bytes()``, and its ratio to T = 1 at the same stage;
+  the sum of ``model_state_bytes(engine.plan)``, and its ratio to T = 1 at the same stage;
 * temp: the compiled step's temporaries per device,
   ``engine.lower(batch).compile().memory_analysis().temp_size_in_bytes``;
 * ZeRO / model / seq / other: full-buffer bytes a step of the collectives whose device groups
@@ -55,6 +55,7 @@ import optax  # noqa: E402
 import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
 from jzero.hlo import collectives_by_axes  # noqa: E402
+from jzero.plan import model_state_bytes  # noqa: E402
 
 MB = 1 << 20
 KB = 1 << 10
@@ -112,7 +113,7 @@ def measure(
         "S": sp,
         "stage": stage,
         "mesh": dict(engine.mesh.shape),
-        "state": sum(engine.plan.model_state_bytes().values()),
+        "state": sum(model_state_bytes(engine.plan).values()),
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "zero": axis_bytes(by_axes, zero),
         "model": axis_bytes(by_axes, ("model",)),

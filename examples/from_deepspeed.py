@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jzero
+from jzero.plan import host_state_bytes
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=30)
@@ -62,7 +63,7 @@ print(
     f"train_batch_size {engine.train_batch_size} = micro {engine.micro_batch_size} x "
     f"accumulation {engine.accumulation_steps} x data-parallel {engine.plan.num_shards}"
 )
-host = sum(engine.plan.host_state_bytes().values())
+host = sum(host_state_bytes(engine.plan).values())
 print(f"optimizer state and master weights in host memory: {host:,} bytes per device")
 rng = np.random.default_rng(0)
 for step in range(1, args.steps + 1):

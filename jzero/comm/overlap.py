@@ -241,20 +241,21 @@ def compiler_options(plan: Any, platform: str | None = None) -> dict[str, Any]:
     """
     if platform is None:
         platform = plan.mesh.devices.flat[0].platform
-    prec = plan.precision
+    prec = plan.options.precision
     comm = prec.comm_dtype if prec.comm_dtype is not None else prec.compute_dtype
     if platform == "cpu" and jnp.dtype(comm) == jnp.bfloat16 and plan.auto_axes:
         return dict(CPU_PARTLY_MANUAL_BF16_OPTIONS)
-    if not plan.overlap_comm or platform not in _GPU_PLATFORMS:
+    collectives = plan.options.comm
+    if not collectives.overlap_comm or platform not in _GPU_PLATFORMS:
         return {}
     opts = dict(GPU_ASYNC_OPTIONS)
     itemsize = jnp.dtype(comm).itemsize
-    if plan.reduce_bucket_size is not None:
-        limit = int(plan.reduce_bucket_size) * itemsize
+    if collectives.reduce_bucket_size is not None:
+        limit = int(collectives.reduce_bucket_size) * itemsize
         opts["xla_gpu_all_reduce_combine_threshold_bytes"] = limit
         opts["xla_gpu_reduce_scatter_combine_threshold_bytes"] = limit
-    if plan.allgather_bucket_size is not None:
+    if collectives.allgather_bucket_size is not None:
         opts["xla_gpu_all_gather_combine_threshold_bytes"] = (
-            int(plan.allgather_bucket_size) * itemsize
+            int(collectives.allgather_bucket_size) * itemsize
         )
     return opts

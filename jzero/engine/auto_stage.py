@@ -35,6 +35,7 @@ from typing import Any
 from jzero import config as config_lib
 from jzero._util import format_bytes
 from jzero.engine.figures import compiled_peak_bytes as peak_bytes
+from jzero.plan import host_state_bytes
 
 __all__ = [
     "AutoStage",
@@ -178,7 +179,7 @@ def compiled_need(setup: Any, batch: Any) -> tuple[int, Any]:
         plan, plan.abstract_params, setup.optimizer, setup.extra, abstract=True
     )
     compiled = step.lower(shapes, batch).compile()
-    host = sum(plan.host_state_bytes(setup.accumulation_steps or 1).values())
+    host = sum(host_state_bytes(plan, setup.accumulation_steps or 1).values())
     return peak_bytes(compiled, host), step
 
 

@@ -425,7 +425,7 @@ def _first_plan(
     plan = replan()
     if not stage_chosen_later:
         check_mesh_splits(plan, mesh)
-    if plan.seq_axis is not None:
+    if plan.options.parallel.seq_axis is not None:
         _check_sequence_parallel(cfg)
     _note_optax_muon(plan, tx)
     from jzero.step import streamed_groups
@@ -515,7 +515,7 @@ def _initial_values(
         shardings = jax.tree.map(
             lambda x, sh: even_sharding(tuple(x.shape), sh),
             plan.abstract_params,
-            on_device(plan.master if plan.precision.mixed else plan.params),
+            on_device(plan.master if plan.options.precision.mixed else plan.params),
         )
         values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
     elif init_fn is not None:

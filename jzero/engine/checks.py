@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero import distributed
-from jzero.plan import Plan
+from jzero.plan import Plan, largest_gathered
 
 PyTree = Any
 
@@ -37,7 +37,7 @@ def check_live_parameters(plan: Plan, limit: int) -> None:
     one is a warning (the unit is gathered whole all the same, as DeepSpeed fetches it)."""
     from jzero.config import JzeroConfigWarning
 
-    largest, path = plan.largest_gathered()
+    largest, path = largest_gathered(plan)
     if limit and largest > limit:  # 0 (Axolotl's configs): keep nothing beyond the unit used
         warnings.warn(
             f"zero_optimization.stage3_max_live_parameters is {limit:,}, but stage 3 gathers "

@@ -45,7 +45,7 @@ from jzero import config as config_lib
 from jzero import distributed
 from jzero.engine import figures, layout, resolve, saving, steps
 from jzero.engine.resolve import Setup
-from jzero.plan import Plan
+from jzero.plan import Plan, describe
 from jzero.step import (
     TrainState,
     init_train_state,
@@ -595,7 +595,7 @@ class Engine:
 
     def describe(self) -> str:
         """The plan report: every leaf's shape, spec per category and per-device bytes."""
-        return self.plan.describe()
+        return describe(self.plan)
 
 
 _OPEN_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()

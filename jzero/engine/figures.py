@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jzero.plan import host_state_bytes
+
 __all__ = ["model_flops", "peak_bytes", "traceable_loss"]
 
 PyTree = Any
@@ -89,6 +91,6 @@ def peak_bytes(
         return lambda: device.memory_stats().get("peak_bytes_in_use")
     if not hasattr(step, "lower"):
         return lambda: None
-    host = sum(plan.host_state_bytes(setup.accumulation_steps or 1).values())
+    host = sum(host_state_bytes(plan, setup.accumulation_steps or 1).values())
     peak = compiled_peak_bytes(step.lower(state, batch).compile(), host)
     return lambda: peak

@@ -44,7 +44,7 @@ def traced_layers(setup: Any, batch: PyTree) -> tuple[Any, dict[str, Any]]:
     args = (setup.extra, micro) if setup.takes_extra else (micro,)
     dims = layer_dims(setup.loss_fn, plan.abstract_params, *args)
     piped = {}
-    if plan.pipe_axis:  # the leaves the layer scan consumes are split into stages
+    if plan.options.parallel.pipe_axis:  # the leaves the layer scan consumes split into stages
         split = split_at_layers(setup.loss_fn, plan.compute_params, *args)
         piped = {"pipe_leaves": split.scanned}
     return dims, piped

@@ -91,9 +91,9 @@ class Setup:
     def fits_layers(self) -> bool:
         """Whether the layer dimensions are still to be traced, and matter: some leaf rests
         split where a scan may consume it (stage 3, a pipeline, experts)."""
-        plan = self.plan
+        plan, par = self.plan, self.plan.options.parallel
         return self.replan is not None and bool(
-            plan.stage.shard_params or plan.pipe_axis or plan.expert_axis
+            plan.stage.shard_params or par.pipe_axis or par.expert_axis
         )
 
 

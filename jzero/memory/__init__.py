@@ -9,10 +9,10 @@ recommendation):
   recomputation from Korthikanti et al. 2022) over its :class:`~jzero.costs.ModelShape` and
   :class:`~jzero.costs.ParallelDims`, checked, tabled and weighed here.
 * :func:`measure_stages` measures a config's model at every stage: per-device bytes of each
-  model-state category from the plan (``Plan.model_state_bytes`` on the device,
-  ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once, and
-  the compiled step's ``memory_analysis()``, with the config's activation checkpointing and
-  the opposite setting (temporaries, peak). The model (and its engine) comes from the caller:
+  model-state category from the plan (``jzero.plan.model_state_bytes`` on the device,
+  ``jzero.plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once,
+  and the compiled step's ``memory_analysis()``, with the config's activation checkpointing
+  and the opposite setting (temporaries, peak). The model (and its engine) comes from the caller:
   ``jzero plan``'s measurement of the built-in GPT is :func:`jzero.demo.plan.plan_report`
   (this package imports neither the engine nor a model, nor reaches them by name;
   ``tests/project/test_house.py`` checks it).

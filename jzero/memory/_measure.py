@@ -46,7 +46,7 @@ from typing import Any
 
 from jzero.memory._format import check_margin, check_positive, parse_size, recommend
 from jzero.memory._report import PlanReport, StageMemory
-from jzero.plan import HOST_MEMORY_KINDS
+from jzero.plan import HOST_MEMORY_KINDS, host_state_bytes, largest_gathered, model_state_bytes
 
 __all__ = ["StageRows", "measure_stages", "memory_report", "offload_variants"]
 
@@ -60,8 +60,10 @@ def _policy(cfg: Any) -> str:
     return "none" if policy in (None, "none") else str(policy)
 
 
-def _state_bytes(plan: Any, method: str, accumulation_steps: int) -> dict[str, int]:
-    per_category = getattr(plan, method)(accumulation_steps=accumulation_steps)
+def _state_bytes(
+    plan: Any, count: Callable[..., dict[str, int]], accumulation_steps: int
+) -> dict[str, int]:
+    per_category = count(plan, accumulation_steps=accumulation_steps)
     return {k: int(v) for k, v in per_category.items()}
 
 
@@ -103,7 +105,7 @@ def _plan_on(engine: Any, devices: int) -> Any:
             f"axis is data alone, but this one shards over {' x '.join(local.zero_axes)} "
             "(sequence parallelism); drop --devices to plan the config's mesh."
         )
-    sizes = {**dict(local.mesh.shape), local.axis: devices}
+    sizes = {**dict(local.mesh.shape), local.options.parallel.axis: devices}
     mesh = AbstractMesh(
         tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes)
     )
@@ -112,15 +114,15 @@ def _plan_on(engine: Any, devices: int) -> Any:
     if any(tuple(b) for b in local.base_specs):
         specs = jax.tree.structure(local.abstract_params).unflatten(list(local.base_specs))
     options = plan_lib.PlanOptions().replace(
-        axis=local.axis,
+        axis=local.options.parallel.axis,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         param_specs=specs,
-        precision=local.precision,
+        precision=local.options.precision,
         offload_optimizer=_host_kind(local.opt_state),
         offload_ratio=zero.offload_optimizer.ratio,
         offload_params=_host_kind(local.params),
-        reshard_after_forward=local.reshard_after_forward,
-        hpz=local.hpz,
+        reshard_after_forward=local.options.zero.reshard_after_forward,
+        hpz=local.options.zero.hpz,
     )
     return plan_lib.make_plan(
         local.abstract_params,
@@ -136,9 +138,9 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
     local = engine.plan
     plan = local if plan is None else plan
     accum = engine.accumulation_steps
-    device = _state_bytes(plan, "model_state_bytes", accum)
-    host = {k: v for k, v in _state_bytes(plan, "host_state_bytes", accum).items() if v}
-    layer, leaf = plan.largest_gathered(in_bytes=True)
+    device = _state_bytes(plan, model_state_bytes, accum)
+    host = {k: v for k, v in _state_bytes(plan, host_state_bytes, accum).items() if v}
+    layer, leaf = largest_gathered(plan, in_bytes=True)
     row = StageMemory(plan.stage.stage, _offload_name(plan), device, host, layer, leaf)
     if batch is None:
         return row
@@ -160,10 +162,10 @@ def _stage_memory(engine: Any, batch: Any = None, plan: Any = None) -> StageMemo
         else None
         for name in ("model", "seq", "pipe", "expert")
     }  # fmt: skip
-    local_device = _state_bytes(local, "model_state_bytes", accum)
+    local_device = _state_bytes(local, model_state_bytes, accum)
     resident = sum(v for k, v in local_device.items() if k != "grads")
     if not mem.host_argument_size_in_bytes:  # host arrays are then counted among the arguments
-        resident += sum(v for k, v in _state_bytes(local, "host_state_bytes", accum).items())
+        resident += sum(v for k, v in _state_bytes(local, host_state_bytes, accum).items())
     other = mem.argument_size_in_bytes - resident
     if other < 0:
         logger.warning(

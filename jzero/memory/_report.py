@@ -2,9 +2,9 @@
 
 Decisions:
 
-* A row holds the model state per category from the plan (``Plan.model_state_bytes`` on the
-  device, ``Plan.host_state_bytes`` on the host), the largest leaf slice stage 3 gathers at once,
-  and, when a step was compiled, its ``memory_analysis()``.
+* A row holds the model state per category from the plan (``jzero.plan.model_state_bytes`` on
+  the device, ``jzero.plan.host_state_bytes`` on the host), the largest leaf slice stage 3
+  gathers at once, and, when a step was compiled, its ``memory_analysis()``.
 * A measured peak is ``args + temp + outputs not aliased to inputs`` of ``memory_analysis()``.
   Gradients live in ``temp`` (the step's temporaries); everything resident between steps is an
   argument. Without a compiled step the peak is the model state alone, gradients included.
@@ -51,8 +51,8 @@ class StageMemory:
     Attributes:
       stage: the ZeRO stage.
       offload: ``"none"``, ``"optimizer"``, ``"params"`` or ``"optimizer+params"``.
-      device: bytes in device memory by category (``Plan.model_state_bytes``).
-      host: bytes in host memory by category (``Plan.host_state_bytes``; empty without it).
+      device: bytes in device memory by category (``jzero.plan.model_state_bytes``).
+      host: bytes in host memory by category (``jzero.plan.host_state_bytes``; empty without it).
       gathered_layer: bytes of the largest leaf slice stage 3 gathers at once (0 otherwise).
       gathered_leaf: the path of that leaf.
       argument_bytes / temp_bytes / output_bytes / alias_bytes: the compiled step's

@@ -46,7 +46,7 @@ def first_version(
     Returns:
       The light state (placeholders where the files hold the values).
     """
-    prec, tx = disk.plan.precision, disk.optimizer
+    prec, tx = disk.plan.options.precision, disk.optimizer
     make = values if is_creator(values) else None
     given = None if make is not None else jax.tree.leaves(values)
     abstract = disk.plan.abstract_params

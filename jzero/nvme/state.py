@@ -61,8 +61,8 @@ def _nbytes(tree: PyTree) -> int:
 def params_at_rest_like(plan: Plan) -> list[jax.ShapeDtypeStruct]:
     """The parameter leaves at rest: their shapes, floating ones in the compute dtype under
     mixed precision."""
-    compute = plan.precision.compute_dtype
-    if not plan.precision.mixed:
+    compute = plan.options.precision.compute_dtype
+    if not plan.options.precision.mixed:
         return list(jax.tree.leaves(plan.abstract_params))
     return [
         jax.ShapeDtypeStruct(a.shape, compute if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype)
@@ -74,7 +74,7 @@ def state_bytes(plan: Plan, *, params_on_disk: bool = False) -> dict[str, int]:
     """Bytes one version keeps on disk, whole arrays (every process's shards together): under
     ``"optimizer"`` the optimizer state and, under mixed precision, the float32 masters; under
     ``"params"`` the parameters at rest when they are on NVMe too (else 0)."""
-    mixed = plan.precision.mixed
+    mixed = plan.options.precision.mixed
     optimizer = _nbytes(plan.abstract_opt_state) + (_nbytes(plan.abstract_params) if mixed else 0)
     params = _nbytes(params_at_rest_like(plan)) if params_on_disk else 0
     return {"optimizer": optimizer, "params": params}
@@ -123,7 +123,7 @@ class NvmeState:
         self.host_kind = PINNED_HOST if PINNED_HOST in kinds else None
         self.params_on_disk = param_store is not None
         self.version: int | None = None  # the version on disk; None before the first write
-        self.mixed = plan.precision.mixed
+        self.mixed = plan.options.precision.mixed
         self.owner = subgroups.param_leaf_owner(
             optimizer, plan.abstract_params, plan.abstract_opt_state
         )

@@ -83,7 +83,7 @@ class NvmeStep:
         state) of the group -> (new masters, new owned state, new shared, 16-bit copies)."""
         plan, optimizer, disk = self.plan, self.optimizer, self.disk
         owned = subgroups.owned_state(disk.owner, group)
-        compute = plan.precision.compute_dtype
+        compute = plan.options.precision.compute_dtype
         mixed = disk.mixed
         update_sh = jax.tree.leaves(on_device(plan.update_layout))
 

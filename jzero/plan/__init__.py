@@ -14,12 +14,16 @@ data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
   JAX memory kinds on shardings.
 * :mod:`~jzero.plan.padding`: leaves whose sharded dimension the shard count does not divide
   rest padded with zeros, and are used at their logical shapes.
-* :mod:`~jzero.plan.plan`: the :class:`Plan` and what follows from its shardings.
+* :mod:`~jzero.plan.plan`: the :class:`Plan`: the shardings, the leaves and the options it
+  was made with, and what follows from them.
 * :mod:`~jzero.plan.options`: what ``make_plan`` is told beyond them, as typed values
   (:class:`PlanOptions`: :class:`ZeroOptions`, :class:`CommOptions`, :class:`ParallelOptions`
   and the :class:`Precision`); :mod:`jzero.engine.settings` makes them from a config.
 * :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
   optimizer, a mesh, a stage and its options.
+* :mod:`~jzero.plan.report`: what a plan costs and how it reads: :func:`model_state_bytes`,
+  :func:`host_state_bytes` (bytes per device), :func:`largest_gathered` (stage 3's largest
+  gather) and :func:`describe` (the table ``engine.describe()`` prints).
 """
 
 from jzero.choices import stages as stages
@@ -62,6 +66,10 @@ from jzero.plan.precision import LossScaleState as LossScaleState
 from jzero.plan.precision import Precision as Precision
 from jzero.plan.precision import cast_floating as cast_floating
 from jzero.plan.precision import next_loss_scale as next_loss_scale
+from jzero.plan.report import describe as describe
+from jzero.plan.report import host_state_bytes as host_state_bytes
+from jzero.plan.report import largest_gathered as largest_gathered
+from jzero.plan.report import model_state_bytes as model_state_bytes
 
 __all__ = [
     "available_memory_kinds",
@@ -72,18 +80,22 @@ __all__ = [
     "CommOptions",
     "cut_leaf",
     "DATA_AXIS",
+    "describe",
     "divisible_dim",
     "even_sharding",
     "formula_text",
     "HOST_MEMORY_KINDS",
+    "host_state_bytes",
     "PINNED_HOST",
     "UNPINNED_HOST",
     "is_contiguous",
     "is_host",
+    "largest_gathered",
     "LeafPlan",
     "logical_copies",
     "LossScaleState",
     "make_plan",
+    "model_state_bytes",
     "next_loss_scale",
     "OFFLOADS",
     "on_device",

@@ -37,7 +37,7 @@ Decisions:
 * A user's own ``PartitionSpec`` on other mesh axes is kept; the data axis goes on a dimension
   that the user left free.
 * Every :class:`LeafPlan` says why ZeRO could not shard its leaf (``note``), so the plan's
-  table (:meth:`jzero.plan.Plan.describe`) can list the leaves left whole.
+  table (:func:`jzero.plan.describe`) can list the leaves left whole.
 """
 
 from __future__ import annotations

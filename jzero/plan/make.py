@@ -40,14 +40,16 @@ Decisions:
   reduce-scatter over ``data`` followed by one over ``replica`` leaves.
 * A mesh axis of more than one device that is neither ``data``, ``replica`` nor named by any
   parameter's partition spec would make its devices compute the same rows: an error.
-* The communication options (``overlap_comm`` and its buckets, ZeRO++'s qwZ and qgZ) ride in
-  the plan, so the step and the replay read them from one place; ``make_plan`` refuses the
-  quantization a stage has no collective for, and keeps bucket sizes only where the step's own
-  reductions use them (stages 0-2 with ``overlap_comm``).
+* The options ride in the plan as the grouped values they came in (``plan.options.comm``,
+  ``plan.options.zero``, ...), so the step and the replay read them from one place and no field
+  copies them; ``make_plan`` refuses the quantization a stage has no collective for, and keeps
+  bucket sizes only where the step's own reductions use them (stages 0-2 with
+  ``overlap_comm``): the plan's options are those in effect.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -231,10 +233,27 @@ def make_plan(
     )
     # The batch's rows are split over every batch axis but seq (whose devices share rows).
     row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a != par.seq_axis)
+    applied = dataclasses.replace(
+        options,
+        zero=dataclasses.replace(
+            zero,
+            reshard_after_forward=bool(zero.reshard_after_forward),
+            prefetch_bucket_size=int(zero.prefetch_bucket_size),
+            hpz=hpz,
+        ),
+        # Buckets group the step's own reductions and gathers: stages 0-2, with overlap_comm.
+        comm=CommOptions(
+            overlap_comm=bool(comm.overlap_comm),
+            reduce_bucket_size=comm.reduce_bucket_size if buckets else None,
+            allgather_bucket_size=comm.allgather_bucket_size if buckets else None,
+            quantized_weights=int(comm.quantized_weights),
+            quantized_gradients=int(comm.quantized_gradients),
+        ),
+        parallel=dataclasses.replace(par, tp_rules=tuple(par.tp_rules or ())),
+    )
     return Plan(
         stage=spec,
         mesh=mesh,
-        axis=par.axis,
         abstract_params=abstract_params,
         leaves=leaves,
         params=params_sh,
@@ -245,28 +264,10 @@ def make_plan(
         stored_opt_state=stored_opt_state,
         batch=NamedSharding(mesh, P(axis_entry(row_axes))),
         replicated=replicated,
-        precision=precision,
+        options=applied,
         master=master_sh if precision.mixed else None,
         base_specs=bases,
         layers_traced=traced,
-        reshard_after_forward=bool(zero.reshard_after_forward),
-        prefetch_bucket_size=int(zero.prefetch_bucket_size),
-        max_reuse_distance=zero.max_reuse_distance,
-        max_live_parameters=zero.max_live_parameters,
-        replica_axis=replica,
-        hpz=hpz,
-        overlap_comm=bool(comm.overlap_comm),
-        # Buckets group the step's own reductions and gathers: stages 0-2, with overlap_comm.
-        reduce_bucket_size=comm.reduce_bucket_size if buckets else None,
-        allgather_bucket_size=comm.allgather_bucket_size if buckets else None,
-        quantized_weights=int(comm.quantized_weights),
-        quantized_gradients=int(comm.quantized_gradients),
-        tp_rules=tuple(par.tp_rules or ()),
-        seq_axis=par.seq_axis,
-        pipe_axis=par.pipe_axis,
-        pipe_schedule=par.pipe_schedule,
-        pipe_virtual=par.pipe_virtual,
-        expert_axis=par.expert_axis,
     )
 
 

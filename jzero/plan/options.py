@@ -46,13 +46,21 @@ class ZeroOptions:
         ``offload_optimizer.ratio``): the state and masters of whole parameter leaves go to
         host memory, the largest first, each taken when it brings the offloaded bytes closer
         to the fraction; the rest stays in device memory.
-      reshard_after_forward: see :class:`~jzero.plan.Plan` (FSDP2's switch of that name).
-      prefetch_bucket_size: see :class:`~jzero.plan.Plan`.
-      max_reuse_distance: see :class:`~jzero.plan.Plan`.
-      max_live_parameters: see :class:`~jzero.plan.Plan`.
-      hpz: ZeRO++'s hierarchical partition (see :class:`~jzero.plan.Plan`); needs a
-        ``replica`` axis and a stage that shards parameters. A mesh with a ``replica`` axis
-        without it is hybrid sharding.
+      reshard_after_forward: at stage 3, drop each gathered weight after its forward use and
+        gather it again in the backward pass (3 Psi of traffic, about one layer live); ``False``
+        keeps it until its backward use (2 Psi, all gathered weights live at the peak). FSDP2's
+        switch of that name.
+      prefetch_bucket_size: at stage 3, how many gathered elements a use's gather may run
+        ahead of it (DeepSpeed's ``stage3_prefetch_bucket_size``; 0: at the use).
+      max_reuse_distance: at stage 3, a parameter reused within this many elements of other
+        gathered parameters is gathered once and kept (DeepSpeed's
+        ``stage3_max_reuse_distance``); ``None``: every use gathers.
+      max_live_parameters: at stage 3, the cap on gathered elements alive at once (DeepSpeed's
+        ``stage3_max_live_parameters``): it bounds what reuse keeps; ``None``: no cap.
+      hpz: ZeRO++'s hierarchical partition: gradients and optimizer state are sharded over
+        ``replica`` x ``data``, parameters at rest over ``data`` only (the secondary copy);
+        needs a ``replica`` axis and a stage that shards parameters. A mesh with a ``replica``
+        axis without it is hybrid sharding.
       padding: shard a leaf whose leading dimension the shard count does not divide by padding
         it (:mod:`jzero.plan.padding`); ``False``: no padding, such a leaf is split on a later
         dimension that divides, else stays whole (the NVMe tier's files need it).
@@ -75,15 +83,22 @@ class CommOptions:
     """The collectives' options: ``overlap_comm``, its buckets, ZeRO++'s quantization.
 
     Attributes:
-      overlap_comm: see :class:`~jzero.plan.Plan`.
-      reduce_bucket_size: see :class:`~jzero.plan.Plan`; the bucket sizes (elements, >= 1)
+      overlap_comm: DeepSpeed's ``overlap_comm``: stage 3 gathers each scanned layer one
+        iteration ahead (:func:`jzero.replay.gather.gathered`'s ``overlap``), stages 0-2 reduce
+        the gradients in buckets (below), and on a GPU the step is compiled with XLA's options
+        for asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`).
+      reduce_bucket_size: at stages 0-2 with ``overlap_comm``, the most gradient elements one
+        reduction carries: consecutive leaves are reduced together up to it (one collective
+        per bucket); ``None``: one collective per leaf. The bucket sizes (elements, >= 1)
         apply with ``overlap_comm`` at the stages that keep parameters whole (0-2), and are
-        ``None`` in the plan otherwise.
-      allgather_bucket_size: as ``reduce_bucket_size``.
-      quantized_weights: see :class:`~jzero.plan.Plan`; needs a stage that shards parameters
-        (3).
-      quantized_gradients: see :class:`~jzero.plan.Plan`; needs a stage that reduce-scatters
-        (1-3).
+        ``None`` in the plan's options otherwise.
+      allgather_bucket_size: likewise for the all-gather of the updated parameters (stages
+        1-2).
+      quantized_weights: ZeRO++ qwZ: stage 3's parameter gathers send this many bits a value
+        (8 or 4); 0: exact. Needs a stage that shards parameters (3).
+      quantized_gradients: ZeRO++ qgZ: every gradient reduce-scatter over the data axis is a
+        quantized all-to-all of this many bits a value (8 or 4) summed in float32 on the
+        receiving device; 0: exact. Needs a stage that reduce-scatters (1-3).
     """
 
     overlap_comm: bool = False
@@ -104,10 +119,14 @@ class ParallelOptions:
         the sequence-parallel ranks too).
       param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
       tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
-        :func:`jzero.distributed.tensor.autotp_specs`), shown by :meth:`Plan.describe`.
+        :func:`jzero.distributed.tensor.autotp_specs`), shown by
+        :func:`jzero.plan.describe`; a tuple in the plan's options (empty without AutoTP).
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
-        not split over it (its devices split their tokens instead, in the loss).
-      pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism.
+        not split over it (its devices share the batch's rows and each computes the loss of
+        its own tokens, :mod:`jzero.distributed.sequence`).
+      pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism:
+        the leaves the layer scan consumes are split over it on their stacked dimension (their
+        base spec names it), every other leaf is whole on each stage.
       pipe_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``
         (:mod:`jzero.distributed.pipeline`).
       pipe_virtual: the chunks of layers each pipeline stage holds (``interleaved_1f1b``).

@@ -4,32 +4,30 @@ Decisions:
 
 * A plan is data: shardings per category (params at rest, gradients, the update layout,
   optimizer state, masters, batch), the :class:`~jzero.plan.leaf_rule.LeafPlan` of every leaf and
-  the communication options; :func:`jzero.plan.make_plan` builds it, and nothing here runs a
-  step.
-* Everything else is derived on demand from those fields: shard counts and mesh axes, the
-  largest gathered unit, per-device bytes in device and host memory (:meth:`Plan.model_state_bytes`,
-  :meth:`Plan.host_state_bytes`), and the table :meth:`Plan.describe` prints.
-* Bytes are counted from the shardings' shard shapes (``NamedSharding.shard_shape``), so an
-  uneven or replicated leaf is counted as it is laid out; params in the compute dtype,
-  gradients in the accumulator dtype when micro-batches are accumulated.
+  the options it was made with (:class:`~jzero.plan.options.PlanOptions`, read through their
+  groups: ``plan.options.comm.overlap_comm``, never copied into fields of their own);
+  :func:`jzero.plan.make_plan` builds it, and nothing here runs a step.
+* What follows from those fields and is read by every step (shard counts, the mesh axes each
+  category uses, each leaf's spec on them) is derived here on demand. What is counted or
+  printed from a plan (bytes per device, the largest gather, the table ``engine.describe()``
+  shows) is :mod:`jzero.plan.report`'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.choices.stages import StageSpec
+from jzero.distributed import REPLICA_AXIS
 from jzero.plan.leaf_rule import LeafPlan, spec_axis_names, spec_with
-from jzero.plan.memory_kinds import is_host
-from jzero.plan.precision import Precision, cast_floating
+from jzero.plan.options import PlanOptions
+from jzero.plan.precision import cast_floating
 
 __all__ = ["Plan"]
 
@@ -59,9 +57,7 @@ class Plan:
 
     Attributes:
       stage: the stage table row.
-      mesh: the device mesh (``axis`` is its data-parallel axis).
-      axis: the data-parallel axis name, or the axes ZeRO shards over (``("data", "seq")``
-        under sequence parallelism).
+      mesh: the device mesh.
       abstract_params: the params as ``jax.ShapeDtypeStruct``.
       leaves: one :class:`LeafPlan` per parameter leaf, in ``jax.tree.leaves`` order.
       params: shardings of the params at rest.
@@ -72,54 +68,18 @@ class Plan:
       opt_state: shardings of the optimizer state.
       batch: sharding of every batch leaf (leading dim over the data axis).
       replicated: a replicated sharding (scalars, metrics).
-      precision: the run's dtypes (see :mod:`jzero.plan.precision`).
+      options: the options the plan was made with, as :func:`~jzero.plan.make_plan` applied
+        them: ZeRO's (``options.zero``), the collectives' (``options.comm``; bucket sizes
+        ``None`` where the step's own reductions do not use them), the other parallelisms'
+        layout (``options.parallel``: ZeRO's ``axis``, ``seq_axis``, ``pipe_axis``,
+        ``expert_axis``, ``tp_rules``, ...) and the run's dtypes (``options.precision``).
       master: under mixed precision, shardings of the float32 master weights (the update
         layout, like the optimizer state, and in the same memory); ``None`` otherwise.
       base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
       layers_traced: whether ``layer_dims`` came from tracing the loss (so a leaf without one
         is known not to be a scanned stack).
-      reshard_after_forward: at stage 3, drop each gathered weight after its forward use and
-        gather it again in the backward pass (3 Psi of traffic, about one layer live); ``False``
-        keeps it until its backward use (2 Psi, all gathered weights live at the peak).
-      prefetch_bucket_size: at stage 3, how many gathered elements a use's gather may run
-        ahead of it (DeepSpeed's ``stage3_prefetch_bucket_size``; 0: at the use).
-      max_reuse_distance: at stage 3, a parameter reused within this many elements of other
-        gathered parameters is gathered once and kept (DeepSpeed's
-        ``stage3_max_reuse_distance``); ``None``: every use gathers.
-      max_live_parameters: at stage 3, the cap on gathered elements alive at once (DeepSpeed's
-        ``stage3_max_live_parameters``): it bounds what reuse keeps; ``None``: no cap.
-      replica_axis: the mesh's replica axis (hybrid sharding), or ``None``: the batch is split
-        over it and ZeRO's shards are replicated across it.
-      hpz: ZeRO++'s hierarchical partition: gradients and optimizer state are sharded over
-        ``replica`` x ``data``, parameters at rest over ``data`` only (the secondary copy).
-      overlap_comm: DeepSpeed's ``overlap_comm``: stage 3 gathers each scanned layer one
-        iteration ahead (:func:`jzero.replay.gather.gathered`'s ``overlap``), stages 0-2 reduce the
-        gradients in buckets (below), and on a GPU the step is compiled with XLA's options for
-        asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`).
-      reduce_bucket_size: at stages 0-2 with ``overlap_comm``, the most gradient elements one
-        reduction carries: consecutive leaves are reduced together up to it (one collective
-        per bucket); ``None``: one collective per leaf.
-      allgather_bucket_size: likewise for the all-gather of the updated parameters (stages 1-2).
-      quantized_weights: ZeRO++ qwZ at stage 3: stage 3's parameter gathers send this many
-        bits a value (8 or 4); 0: exact.
-      seq_axis: the sequence-parallel mesh axis (Ulysses), one of :attr:`zero_axes`, or
-        ``None``: its devices share the batch's rows and each computes the loss of its own
-        tokens (:mod:`jzero.distributed.sequence`).
-      tp_rules: per leaf, the tensor-parallel rule that laid it out over the model axis
-        (:func:`jzero.distributed.tensor.autotp_specs`), empty without AutoTP.
-      pipe_axis: the pipeline mesh axis (:mod:`jzero.distributed.pipeline`), or ``None``: the
-        leaves the layer scan consumes are split over it on their stacked dimension (their
-        base spec names it), every other leaf is whole on each stage.
-      pipe_schedule: the pipeline schedule, ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or
-        ``"zero_bubble"``.
-      pipe_virtual: the chunks of layers each stage holds (``interleaved_1f1b``; else 1).
-      expert_axis: the expert-parallel mesh axis (:mod:`jzero.distributed.expert`), one of
-        :attr:`zero_axes`, or ``None``: each expert leaf rests split over it on its experts
-        dimension (its base spec names it) and is sharded by ZeRO over the other axes only;
-        every other leaf is sharded over all of them.
-      quantized_gradients: ZeRO++ qgZ at stages 1-3: every gradient reduce-scatter over the
-        data axis is a quantized all-to-all of this many bits a value (8 or 4) summed in float32
-        on the receiving device; 0: exact.
+      stored_opt_state: the optimizer state as it rests (a parameter's mirrors padded like
+        it); ``None``: as :attr:`abstract_opt_state`.
 
     Shardings of state that is offloaded carry a host memory kind (``pinned_host``); the step
     computes on :func:`~jzero.plan.memory_kinds.on_device` copies of them.
@@ -127,7 +87,6 @@ class Plan:
 
     stage: StageSpec
     mesh: Mesh
-    axis: str
     abstract_params: PyTree
     leaves: tuple[LeafPlan, ...]
     params: PyTree
@@ -137,28 +96,11 @@ class Plan:
     opt_state: PyTree
     batch: NamedSharding
     replicated: NamedSharding
-    precision: Precision = field(default_factory=Precision)
+    options: PlanOptions = field(default_factory=PlanOptions)
     master: PyTree = None
     base_specs: tuple[P, ...] = field(default=())
     layers_traced: bool = False
-    reshard_after_forward: bool = True
-    prefetch_bucket_size: int = 0
-    max_reuse_distance: int | None = None
-    max_live_parameters: int | None = None
-    replica_axis: str | None = None
-    hpz: bool = False
-    overlap_comm: bool = False
-    reduce_bucket_size: int | None = None
-    allgather_bucket_size: int | None = None
-    quantized_weights: int = 0
-    quantized_gradients: int = 0
     stored_opt_state: PyTree = None
-    tp_rules: tuple[str, ...] = ()
-    seq_axis: str | None = None
-    pipe_axis: str | None = None
-    pipe_schedule: str = "1f1b"
-    pipe_virtual: int = 1
-    expert_axis: str | None = None
 
     # -- the shapes arrays rest at (padded, :mod:`jzero.plan.padding`) ---------------------------
     def _stored(self, tree: PyTree, sharded: Any) -> PyTree:
@@ -193,8 +135,9 @@ class Plan:
     @property
     def zero_axes(self) -> tuple[str, ...]:
         """The mesh axes ZeRO shards over, major first: ``data``, and ``seq`` beside it under
-        sequence parallelism (:attr:`seq_axis`)."""
-        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+        sequence parallelism (the options' ``parallel.axis``)."""
+        axis = self.options.parallel.axis
+        return (axis,) if isinstance(axis, str) else tuple(axis)
 
     @property
     def num_shards(self) -> int:
@@ -202,38 +145,50 @@ class Plan:
         return math.prod(int(self.mesh.shape[a]) for a in self.zero_axes)
 
     @property
+    def replica_axis(self) -> str | None:
+        """The mesh's replica axis (hybrid sharding), or ``None``: the batch is split over it
+        and ZeRO's shards are replicated across it (or, under hpZ, the state is sharded over
+        it too)."""
+        return REPLICA_AXIS if REPLICA_AXIS in self.mesh.shape else None
+
+    @property
     def num_replicas(self) -> int:
         """The size of the replica axis (1 without one)."""
-        return int(self.mesh.shape[self.replica_axis]) if self.replica_axis else 1
+        axis = self.replica_axis
+        return int(self.mesh.shape[axis]) if axis else 1
 
     @property
     def seq_size(self) -> int:
         """The size of the sequence-parallel axis (1 without one)."""
-        return int(self.mesh.shape[self.seq_axis]) if self.seq_axis else 1
+        axis = self.options.parallel.seq_axis
+        return int(self.mesh.shape[axis]) if axis else 1
 
     @property
     def pipe_size(self) -> int:
         """The pipeline stages (1 without pipeline parallelism)."""
-        return int(self.mesh.shape[self.pipe_axis]) if self.pipe_axis else 1
+        axis = self.options.parallel.pipe_axis
+        return int(self.mesh.shape[axis]) if axis else 1
 
     @property
     def pipelined(self) -> tuple[bool, ...]:
         """Per leaf, whether its stacked-layer dimension is split into pipeline stages."""
-        return tuple(
-            bool(self.pipe_axis) and len(b) > 0 and b[0] == self.pipe_axis for b in self._bases()
-        )
+        pipe = self.options.parallel.pipe_axis
+        return tuple(bool(pipe) and len(b) > 0 and b[0] == pipe for b in self._bases())
 
     @property
     def expert_size(self) -> int:
         """The devices the experts are split over (1 without expert parallelism)."""
-        return int(self.mesh.shape[self.expert_axis]) if self.expert_axis else 1
+        axis = self.options.parallel.expert_axis
+        return int(self.mesh.shape[axis]) if axis else 1
 
     @property
     def experts(self) -> tuple[bool, ...]:
-        """Per leaf, whether it holds experts: its spec splits it over :attr:`expert_axis`."""
-        if not self.expert_axis:
+        """Per leaf, whether it holds experts: its spec splits it over the options'
+        ``parallel.expert_axis``."""
+        axis = self.options.parallel.expert_axis
+        if not axis:
             return (False,) * len(self.leaves)
-        return tuple(self.expert_axis in spec_axis_names(b) for b in self._bases())
+        return tuple(axis in spec_axis_names(b) for b in self._bases())
 
     def leaf_axes(self, index: int, axes: Any = None) -> tuple[str, ...]:
         """The axes of ``axes`` (default :attr:`zero_axes`) ZeRO shards leaf ``index`` over:
@@ -307,10 +262,10 @@ class Plan:
     @property
     def state_axes(self) -> tuple[str, ...]:
         """The mesh axes gradients and optimizer state are sharded over, major first:
-        ZeRO's axes, and ``replica`` too under :attr:`hpz`."""
+        ZeRO's axes, and ``replica`` too under hpZ (the options' ``zero.hpz``)."""
         return (
             (*self.zero_axes, self.replica_axis)
-            if self.hpz and self.replica_axis
+            if self.options.zero.hpz and self.replica_axis
             else (self.zero_axes)
         )
 
@@ -329,7 +284,7 @@ class Plan:
     @property
     def state_shards(self) -> int:
         """How many shards gradients and optimizer state are split into."""
-        return self.num_shards * (self.num_replicas if self.hpz else 1)
+        return self.num_shards * (self.num_replicas if self.options.zero.hpz else 1)
 
     @property
     def param_dims(self) -> list[int | None]:
@@ -346,106 +301,16 @@ class Plan:
         """Per parameter leaf, the dimension gradients and optimizer state are sharded on."""
         return [leaf.state_dim for leaf in self.leaves]
 
-    def largest_gathered(self, in_bytes: bool = False) -> tuple[int, str]:
-        """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
-        time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
-        sharded at rest.
-
-        Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
-        its siblings: two or more leaves of one parent with the same leading dimension (> 1)
-        are taken for a layer stack, gathered one slice at a time.
-
-        Args:
-          in_bytes: count bytes of the compute dtype instead of elements.
-        """
-        dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(self.compute_params)]
-        parents: dict[str, set[int | None]] = {}
-        for leaf in self.leaves:
-            lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
-            parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
-        siblings = Counter(leaf.path.rpartition(".")[0] for leaf in self.leaves)
-        best, path = 0, ""
-        for leaf, dtype in zip(self.leaves, dtypes, strict=True):
-            if leaf.param_dim is None:
-                continue
-            size = math.prod(leaf.shape)
-            if self.layers_traced:  # from the traced loss: a scan gathers one slice at a time
-                if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
-                    size //= leaf.shape[leaf.layer_dim]
-            else:
-                parent = leaf.path.rpartition(".")[0]
-                leads = parents[parent]
-                if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
-                    if leaf.shape[0] > 1:  # the trace moves it off the layer dimension
-                        size //= leaf.shape[0]
-            size *= dtype.itemsize if in_bytes else 1
-            if size > best:
-                best, path = size, leaf.path
-        return best, path
-
     def grad_dims(self) -> list[int | None]:
         """Per leaf, the dimension the reduced gradient is sharded on (``None``: all-reduced)."""
         return self.state_dims if self.stage.reduce_scatter else [None] * len(self.leaves)
 
-    def per_device_bytes(self, tree: PyTree, shardings: PyTree) -> int:
-        """Bytes one device holds of ``tree`` (abstract or concrete) laid out by ``shardings``."""
-        total = 0
-        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
-            shard = s.shard_shape(tuple(x.shape))
-            total += int(math.prod(shard)) * np.dtype(x.dtype).itemsize
-        return total
-
     @property
     def compute_params(self) -> PyTree:
         """The params as the step computes with them (``ShapeDtypeStruct``, compute dtype)."""
-        if not self.precision.mixed:
+        if not self.options.precision.mixed:
             return self.abstract_params
-        return cast_floating(self.abstract_params, self.precision.compute_dtype)
-
-    def _state_trees(self, accumulation_steps: int) -> list[tuple[str, PyTree, PyTree]]:
-        """(category, abstract tree, shardings) of everything a device keeps for training."""
-        grad_acc = self.grads if self.stage.shard_grads else self.params_replicated()
-        dtypes = jax.tree.leaves(self.compute_params)
-        if accumulation_steps > 1:
-            dtypes = [
-                jax.ShapeDtypeStruct((), self.precision.accumulator(x.dtype))
-                for x in jax.tree.leaves(self.abstract_params)
-            ]
-        treedef = jax.tree.structure(self.abstract_params)
-        grads = treedef.unflatten(
-            [
-                jax.ShapeDtypeStruct(leaf.stored_shape(self.stage.shard_grads), d.dtype)
-                for leaf, d in zip(self.leaves, dtypes, strict=True)
-            ]
-        )
-        parts = [("params", self.stored_params, self.params), ("grads", grads, grad_acc)]
-        if self.precision.mixed:
-            parts.append(("master_params", self.stored_update, self.master))
-        parts.append(("opt_state", self.stored_opt(), self.opt_state))
-        return parts
-
-    def _bytes_where(self, host: bool, accumulation_steps: int) -> dict[str, int]:
-        out = {}
-        for name, tree, shardings in self._state_trees(accumulation_steps):
-            pairs = zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True)
-            kept = [(x, s) for x, s in pairs if is_host(s) == host]
-            out[name] = self.per_device_bytes([x for x, _ in kept], [s for _, s in kept])
-        return out
-
-    def model_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
-        """Per-device bytes in *device* memory of params, gradients, master weights (mixed
-        precision only) and optimizer state.
-
-        Params are counted in the compute dtype. The gradient is full-size at stages 0-1 and one
-        shard at stages 2-3, in the compute dtype, or in the accumulator dtype when
-        ``accumulation_steps > 1``. Offloaded state is counted by :meth:`host_state_bytes`.
-        """
-        return self._bytes_where(False, accumulation_steps)
-
-    def host_state_bytes(self, accumulation_steps: int = 1) -> dict[str, int]:
-        """Per-device bytes in *host* memory (offloaded), with the keys of
-        :meth:`model_state_bytes`."""
-        return self._bytes_where(True, accumulation_steps)
+        return cast_floating(self.abstract_params, self.options.precision.compute_dtype)
 
     def params_replicated(self) -> PyTree:
         """Shardings that keep every parameter whole (other mesh axes still honoured)."""
@@ -480,155 +345,3 @@ class Plan:
 
     def _bases(self) -> tuple[P, ...]:
         return self.base_specs or tuple(P() for _ in self.leaves)
-
-    def describe(self) -> str:
-        """A table of every leaf: shape, spec per category, per-device bytes, what stayed whole."""
-        n = self.num_shards
-        rules = self.tp_rules or ("",) * len(self.leaves)
-        rows = [("leaf", "shape", "dtype", "params", "grads", "opt state", "bytes/device")]
-        if self.tp_rules:
-            rows[0] += ("tensor parallel",)
-        flat_p = jax.tree.leaves(self.params)
-        flat_g = jax.tree.leaves(self.grads)
-        flat_c = jax.tree.leaves(self.compute_params)
-        for leaf, sp, sg, c, rule in zip(self.leaves, flat_p, flat_g, flat_c, rules, strict=True):
-            nbytes = math.prod(sp.shard_shape(leaf.param_shape)) * np.dtype(c.dtype).itemsize
-            shape = "x".join(map(str, leaf.shape)) or "()"
-            if leaf.padding:
-                shape += f" (+{leaf.padding} on dim {leaf.state_dim})"
-            rows.append(
-                (
-                    leaf.path,
-                    shape,
-                    np.dtype(c.dtype).name,
-                    str(tuple(sp.spec)) + (" host" if is_host(sp) else ""),
-                    str(tuple(sg.spec)),
-                    str(tuple(sg.spec)) if self.stage.shard_opt_state else "()",
-                    f"{nbytes:,}",
-                )
-                + ((rule,) if self.tp_rules else ())
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [
-            f"ZeRO stage {self.stage.stage} ({self.stage.description}) over "
-            f"{' x '.join(self.zero_axes)}={n} of mesh {dict(self.mesh.shape)}",
-        ]
-        if self.replica_axis:
-            lines.append(
-                f"hybrid: {self.num_replicas} replicas; "
-                + (
-                    f"hpZ: gradients and optimizer state over replica x data "
-                    f"({self.state_shards} shards), params at rest over data ({n} shards)"
-                    if self.hpz
-                    else "every shard replicated across the replica axis, gradient shards "
-                    "all-reduced over it"
-                )
-            )
-        if self.pipe_axis:
-            split = sum(self.pipelined)
-            lines.append(
-                f"pipeline: {self.pipe_size} stages over {self.pipe_axis!r}, schedule "
-                f"{self.pipe_schedule}"
-                + (
-                    f" ({self.pipe_virtual} chunks of layers per stage)"
-                    if self.pipe_virtual > 1
-                    else ""
-                )  # fmt: skip
-                + "; "
-                + (
-                    f"{split} stacked-layer leaves split into consecutive layers per stage, "
-                    + (
-                        "each stage's rows its chunks in turn (the model's s, P + s, ...), "
-                        if self.pipe_virtual > 1
-                        else ""
-                    )  # fmt: skip
-                    + "the rest whole on every stage"
-                    if self.layers_traced
-                    else "the layer scan's leaves are split when the loss is first traced"
-                )
-            )
-        if self.expert_axis:
-            experts = [leaf.path for leaf, e in zip(self.leaves, self.experts, strict=True) if e]
-            others = "x".join(a for a in self.zero_axes if a != self.expert_axis)
-            lines.append(
-                f"experts: {len(experts)} expert leaves split over {self.expert_axis!r} "
-                f"({self.expert_size} devices, each holding its share of the experts), ZeRO over "
-                f"{others or 'no other axis'} for them, over all of "
-                f"{'x'.join(self.zero_axes)} for the rest: " + ", ".join(experts)
-            )
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append("")
-        lines.append(
-            "each leaf is sharded on its leading dimension (contiguous shards), padded with "
-            "zeros to a multiple of the shard count where that does not divide it (+N)"
-            + (
-                "; a stacked-layer dimension a scan consumes stays whole, so each layer is "
-                "gathered on its own"
-                if self.stage.shard_params and any(d is not None for d in self.layer_dims)
-                else ""
-            )
-        )
-        for where, totals in (
-            ("device", self.model_state_bytes()),
-            ("host", self.host_state_bytes()),
-        ):
-            if where == "host" and not any(totals.values()):
-                continue
-            lines.append(
-                f"per-device model state in {where} memory: "
-                + ", ".join(f"{k} {v:,} B" for k, v in totals.items())
-                + f", total {sum(totals.values()):,} B"
-            )
-        if self.precision.mixed:
-            lines.append(
-                f"mixed precision: compute {np.dtype(self.precision.compute_dtype).name}, "
-                "float32 master weights laid out with the optimizer state"
-            )
-        comm = []
-        if self.overlap_comm:
-            comm.append("overlap_comm")
-        for name, size in (
-            ("reduce", self.reduce_bucket_size),
-            ("all-gather", self.allgather_bucket_size),
-        ):
-            if size is not None:
-                comm.append(f"{name} buckets of {size:,} elements")
-        if self.quantized_weights:
-            comm.append(f"ZeRO++ qwZ: int{self.quantized_weights} parameter gathers")
-        if self.quantized_gradients:
-            comm.append(f"ZeRO++ qgZ: int{self.quantized_gradients} gradient reduce-scatters")
-        if comm:
-            lines.append("communication: " + ", ".join(comm))
-        padded = [leaf for leaf in self.leaves if leaf.padding]
-        if padded:
-            extra = sum(
-                leaf.padding * math.prod(leaf.shape) // leaf.shape[leaf.state_dim]
-                for leaf in padded
-            )
-            lines.append(
-                f"padding: {len(padded)} leaves rest padded, {extra:,} zero elements in all "
-                f"({extra / max(1, sum(math.prod(x.shape) for x in self.leaves)):.2%} of the "
-                "parameters), never read by the loss, the norms or the update"
-            )
-        if self.tp_rules:
-            model = {a: n for a, n in self.mesh.shape.items() if a == "model"}
-            lines.append(
-                f"tensor parallel (AutoTP) over {model}: Megatron's column, row and vocabulary "
-                "splits; ZeRO shards a dimension the model axis leaves free"
-            )
-            loose = [leaf.path for leaf, r in zip(self.leaves, rules, strict=True)
-                     if r.startswith("no rule")]  # fmt: skip
-            if loose:
-                lines.append(
-                    f"leaves no tensor-parallel rule matched, replicated over model "
-                    f"({len(loose)}; give them a tensor_parallel.tp_plan entry to split them): "
-                    + ", ".join(loose)
-                )
-        whole = [leaf for leaf in self.leaves if leaf.note]
-        if whole:
-            lines.append("leaves ZeRO left whole on every device:")
-            lines.extend(f"  {leaf.path}: {leaf.note}" for leaf in whole)
-        return "\n".join(lines)

@@ -26,13 +26,14 @@ Decisions:
   accumulation boundary: an all-reduce of ``1/data`` of the gradient bytes (hybrid), or a
   reduce-scatter of them (ZeRO++ hpZ, whose optimizer state is sharded over both axes).
   Stage 3's gathers stay within ``data``.
-* ZeRO++ qgZ (``plan.quantized_gradients``) replaces every gradient reduce-scatter over ``data``
-  by the quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter`: here
-  for the leaves the step reduces itself, in the gather's transpose for stage 3's sharded ones.
+* ZeRO++ qgZ (``plan.options.comm.quantized_gradients``) replaces every gradient reduce-scatter
+  over ``data`` by the quantized all-to-all of
+  :func:`jzero.comm.quantization.quantized_psum_scatter`: here for the leaves the step reduces
+  itself, in the gather's transpose for stage 3's sharded ones.
   It quantizes the gradient in its own dtype (the integers replace ``communication_data_type``)
   and sums in float32; all-reduces and the replica-axis reduction stay exact.
 * ``overlap_comm`` at stages 0-2: the step's own reductions run per bucket
-  (``plan.reduce_bucket_size``, :func:`jzero.comm.overlap.reduce_buckets`).
+  (``plan.options.comm.reduce_bucket_size``, :func:`jzero.comm.overlap.reduce_buckets`).
 * A leaf whose sharded dimension the shard count does not divide is reduce-scattered padded
   with zeros (:mod:`jzero.plan.padding`): the gradients leave the reduction in the shapes the
   masters rest at, the padding zero, so the global norm, the finiteness test and the clipping
@@ -59,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero._util import dotted
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
-from jzero.plan import LossScaleState, Plan, on_device, pad_to
+from jzero.plan import LossScaleState, Plan, largest_gathered, on_device, pad_to
 from jzero.replay import (
     GatherOptions,
     Partition,
@@ -140,25 +141,30 @@ def local_loss(
     :meth:`Plan.entries_beside` says, and activations are not partitioned over them."""
     if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
         staged = stage_shapes is not None
+        zero, comm = plan.options.zero, plan.options.comm
         options = GatherOptions(
-            grad_dtype=plan.precision.comm_dtype,
-            reshard=plan.reshard_after_forward,
+            grad_dtype=plan.options.precision.comm_dtype,
+            reshard=zero.reshard_after_forward,
             prefetch=_prefetch(plan),
-            reuse_distance=plan.max_reuse_distance,
-            max_live=plan.max_live_parameters,
-            bits=plan.quantized_weights,
-            grad_bits=plan.quantized_gradients,
-            overlap=plan.overlap_comm,
+            reuse_distance=zero.max_reuse_distance,
+            max_live=zero.max_live_parameters,
+            bits=comm.quantized_weights,
+            grad_bits=comm.quantized_gradients,
+            overlap=comm.overlap_comm,
             partition=None if staged else _partition(plan, policy),
         )
         return gathered(
             loss_fn,
             plan.param_dims,
             stage_shapes if staged else plan.local_compute_params,
-            plan.axis,
+            plan.options.parallel.axis,
             options,
             policy,
-            specs=plan.entries_beside(plan.pipe_axis) if staged else plan.other_entries,
+            specs=(
+                plan.entries_beside(plan.options.parallel.pipe_axis)
+                if staged
+                else plan.other_entries
+            ),
             axes=[plan.leaf_axes(i) for i in range(len(plan.leaves))],
         )
     return loss_fn
@@ -169,9 +175,10 @@ def _prefetch(plan: Plan) -> int:
     ``stage3_prefetch_bucket_size`` when set, else under ``overlap_comm`` one layer (the
     largest gathered unit), so a Python loop's layer ``i + 1`` is gathered while layer ``i``
     computes, as the scans' overlap does; else 0."""
-    if plan.prefetch_bucket_size or not plan.overlap_comm:
-        return plan.prefetch_bucket_size
-    return plan.largest_gathered()[0]
+    prefetch = plan.options.zero.prefetch_bucket_size
+    if prefetch or not plan.options.comm.overlap_comm:
+        return prefetch
+    return largest_gathered(plan)[0]
 
 
 def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
@@ -197,7 +204,7 @@ def gradient_part(
         remat_policy = parse_policy(remat_policy)
     full_loss = with_extra(loss_fn, has_aux, takes_extra)
     grads_fn = _sharded_grads(plan, _local_grads(plan, full_loss, accum, remat_policy))
-    prec = plan.precision
+    prec = plan.options.precision
 
     def gradients(state: TrainState, batch: PyTree) -> tuple[Any, ...]:
         if not isinstance(state.loss_scale, LossScaleState):
@@ -247,7 +254,7 @@ def _local_grads(
     gradients leave reduced over the data axis as the stage says (:func:`_reduce`), already
     divided into the mean over the global batch, in the master weights' dtype.
     """
-    prec, axis, n = plan.precision, plan.batch_axes, plan.loss_shards
+    prec, axis, n = plan.options.precision, plan.batch_axes, plan.loss_shards
     treedef = jax.tree.structure(plan.abstract_params)
     master_dtypes = [x.dtype for x in jax.tree.leaves(plan.abstract_params)]
     # Stages 2-3 reduce every micro-batch (only the shard is accumulated); 0-1 reduce once,
@@ -276,7 +283,11 @@ def _local_grads(
             g = treedef.unflatten([x.astype(prec.accumulator(m)) for x, m in leaves])
         return extra, (loss, _float_aux(aux), g)
 
-    piped = _pipelined_grads(plan, full_loss, accum, policy) if plan.pipe_axis else None
+    piped = (
+        _pipelined_grads(plan, full_loss, accum, policy)
+        if plan.options.parallel.pipe_axis
+        else None
+    )
 
     def local_grads(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
         if piped is not None:  # the micro-batches go through the stages; reduced once below
@@ -341,8 +352,9 @@ def _pipelined_grads(
     """
     from jzero.distributed import pipeline
 
-    prec, pipe, chunks = plan.precision, plan.pipe_axis, plan.pipe_virtual
-    schedule = pipeline.make_schedule(plan.pipe_schedule, plan.pipe_size, accum, chunks)
+    prec, par = plan.options.precision, plan.options.parallel
+    pipe, chunks = par.pipe_axis, par.pipe_virtual
+    schedule = pipeline.make_schedule(par.pipe_schedule, plan.pipe_size, accum, chunks)
     treedef = jax.tree.structure(plan.abstract_params)
     split_leaves = plan.pipelined
     grad_dtypes = [prec.accumulator(x.dtype) for x in jax.tree.leaves(plan.abstract_params)]
@@ -416,7 +428,7 @@ def _interleaved(plan: Plan, tree: PyTree, *, to_chunks: bool) -> PyTree:
     ...``, so its contiguous ``1 / P`` of the reordered rows are those chunks in turn. Each
     leaf rests in the model's order; the step moves each stage's chunks into place (an
     all-to-all over ``pipe``, 1 - 1/P of the split leaves' bytes) and their gradients back."""
-    p, v = plan.pipe_size, plan.pipe_virtual
+    p, v = plan.pipe_size, plan.options.parallel.pipe_virtual
 
     def move(x: jax.Array, split: bool) -> jax.Array:
         if not split:
@@ -439,7 +451,7 @@ def pipelined_loss(plan: Plan, full_loss: LossFn, micro: int) -> Callable[..., A
     from jzero.distributed import pipeline
 
     stage_shapes = _stage_shapes(plan)
-    loss_only = _loss_only(full_loss, plan.precision)
+    loss_only = _loss_only(full_loss, plan.options.precision)
 
     def evaluate(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
         mbs = _micro_batches(batch, micro)
@@ -449,16 +461,16 @@ def pipelined_loss(plan: Plan, full_loss: LossFn, micro: int) -> Callable[..., A
             split, run_unit = _stage_unit(plan, loss_only, None, stage_shapes, extra, mb)
             outs = pipeline.run_forward(
                 run_unit, jax.tree.leaves(params), mbs, split.carry, plan.pipe_size,
-                axis=plan.pipe_axis,
+                axis=plan.options.parallel.pipe_axis,
             )  # fmt: skip
-            return jax.lax.psum(outs[0], plan.pipe_axis)
+            return jax.lax.psum(outs[0], plan.options.parallel.pipe_axis)
 
         total = jax.shard_map(
             region,
             mesh=jax.sharding.get_abstract_mesh(),
             in_specs=(_pipe_specs(plan), P(), P()),
             out_specs=P(),
-            axis_names={plan.pipe_axis},
+            axis_names={plan.options.parallel.pipe_axis},
             check_vma=False,
         )(params, extra, mbs)
         return total / micro
@@ -485,7 +497,8 @@ def _micro_batches(batch: PyTree, micro: int) -> PyTree:
 def _pipe_specs(plan: Plan) -> PyTree:
     """The stage region's ``in_specs`` of the parameters: a split leaf's layers over ``pipe``."""
     treedef = jax.tree.structure(plan.abstract_params)
-    return treedef.unflatten([P(plan.pipe_axis) if s else P() for s in plan.pipelined])
+    pipe = plan.options.parallel.pipe_axis
+    return treedef.unflatten([P(pipe) if s else P() for s in plan.pipelined])
 
 
 def _stage_unit(
@@ -562,18 +575,20 @@ def _reduce(
     back in the dtype they went in; stage 3's arrive reduce-scattered already (the transpose
     of their all-gather) and pass through.
 
-    With ``plan.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the quantized
-    all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in float32,
-    from the gradient's own dtype: the integers replace the communication dtype); all-reduces
-    stay exact. With ``plan.reduce_bucket_size`` (``overlap_comm`` at stages 0-2) the leaves are
-    reduced in buckets, one collective each (:func:`jzero.comm.overlap.reduce_buckets`).
+    With ``plan.options.comm.quantized_gradients`` (ZeRO++ qgZ) each reduce-scatter is the
+    quantized all-to-all of :func:`jzero.comm.quantization.quantized_psum_scatter` (summed in
+    float32, from the gradient's own dtype: the integers replace the communication dtype);
+    all-reduces stay exact. With ``plan.options.comm.reduce_bucket_size`` (``overlap_comm`` at
+    stages 0-2) the leaves are reduced in buckets, one collective each
+    (:func:`jzero.comm.overlap.reduce_buckets`).
 
     ``in_stage``: called in a pipeline stage's region (``pipe`` manual too), where a split
     leaf holds the stage's ``L / P`` layers and ``pipe`` is no longer the compiler's.
     ``scattered``: True reduces only the leaves scattered now (a pipeline's per-micro-batch
     reduction), False only the others (summed once after the micro-batches); None all."""
-    bits = plan.quantized_gradients
-    region_axes = (plan.pipe_axis,) if in_stage else ()  # manual in a stage's region
+    bits = plan.options.comm.quantized_gradients
+    pipe = plan.options.parallel.pipe_axis
+    region_axes = (pipe,) if in_stage else ()  # manual in a stage's region
     leaves = jax.tree.leaves(grads)
     todo, sent, dims, groups = [], [], [], []
     for i, (g, leaf, grad_dim) in enumerate(
@@ -590,9 +605,10 @@ def _reduce(
         if scatter:  # a leaf the shard count does not divide is scattered padded with zeros
             shape = list(plan.local_stored_shape(i))
             if in_stage and plan.pipelined[i]:  # a stage's rows, or under interleaving a chunk's
-                shape[0] //= plan.pipe_size * plan.pipe_virtual
+                shape[0] //= plan.pipe_size * plan.options.parallel.pipe_virtual
             g = pad_to(g, tuple(shape))
-        sent.append(g if scatter and bits else g.astype(plan.precision.communication(g.dtype)))
+        comm_dtype = plan.options.precision.communication(g.dtype)
+        sent.append(g if scatter and bits else g.astype(comm_dtype))
 
     def reduce_over(axes: tuple[str, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
         """The reduction of leaves ZeRO shards over ``axes``: scattered over them, summed
@@ -610,7 +626,7 @@ def _reduce(
 
         shards = math.prod(int(plan.mesh.shape[a]) for a in axes)
         return lambda xs, ds: reduce_buckets(
-            xs, ds, shards, plan.reduce_bucket_size, scatter, total
+            xs, ds, shards, plan.options.comm.reduce_bucket_size, scatter, total
         )
 
     out = list(leaves)
@@ -643,14 +659,15 @@ def _reduce_replicas(plan: Plan, grads: PyTree) -> PyTree:
             continue
 
         def reduce(c: jax.Array, grad_dim: int = grad_dim) -> jax.Array:
-            if plan.hpz:
+            if plan.options.zero.hpz:
                 return jax.lax.psum_scatter(
                     c, plan.replica_axis, scatter_dimension=grad_dim, tiled=True
                 )
             return jax.lax.psum(c, plan.replica_axis)
 
         spec = plan.other_spec(i)
-        c = over_axes(reduce, (spec,), spec)(g.astype(plan.precision.communication(g.dtype)))
+        comm_dtype = plan.options.precision.communication(g.dtype)
+        c = over_axes(reduce, (spec,), spec)(g.astype(comm_dtype))
         out.append(c.astype(g.dtype))
     return jax.tree.structure(grads).unflatten(out)
 

@@ -88,7 +88,7 @@ def state_shardings(plan: Plan) -> TrainState:
         params=plan.params,
         opt_state=plan.opt_state,
         extra=r,
-        master=plan.master if plan.precision.mixed else (),
+        master=plan.master if plan.options.precision.mixed else (),
         loss_scale=LossScaleState(r, r, r, r, r),
     )
 
@@ -124,7 +124,7 @@ def init_train_state(
     Returns:
       A fresh state; the caller's arrays are copied, never donated.
     """
-    prec = plan.precision
+    prec = plan.options.precision
     sh = state_shardings(plan)
 
     # A creator is a function (or partial, method, class); a callable pytree is a value.
@@ -167,7 +167,7 @@ def logical_state(plan: Plan, state: TrainState) -> TrainState:
         params=plan.compute_params,
         opt_state=plan.abstract_opt_state,
         extra=jax.tree.map(sds, state.extra),
-        master=plan.abstract_params if plan.precision.mixed else (),
+        master=plan.abstract_params if plan.options.precision.mixed else (),
         loss_scale=jax.tree.map(sds, state.loss_scale),
     )
 
@@ -177,7 +177,7 @@ def stored_state(plan: Plan, logical: TrainState) -> TrainState:
     return logical._replace(
         params=plan.stored_params,
         opt_state=plan.stored_opt(),
-        master=plan.stored_update if plan.precision.mixed else (),
+        master=plan.stored_update if plan.options.precision.mixed else (),
     )
 
 

@@ -112,8 +112,8 @@ def streamed_update(
       as they rest (host memory where offloaded), the last in the update layout on the device.
       Without mixed precision the new masters are the new params.
     """
-    mixed = plan.precision.mixed
-    compute = plan.precision.compute_dtype
+    mixed = plan.options.precision.mixed
+    compute = plan.options.precision.compute_dtype
     owner = subgroups.param_leaf_owner(optimizer, plan.abstract_params, plan.abstract_opt_state)
     shared = subgroups.shared_state(owner)
     p_abstract = jax.tree.leaves(plan.abstract_params)

@@ -22,9 +22,10 @@ Decisions:
   of leaves (:mod:`jzero.step.streaming`); the NVMe tier runs the gradient half alone
   (:func:`make_gradient_step`) and the update itself.
 * ``overlap_comm`` (:mod:`jzero.comm.overlap`): at stages 0-2 the step's own reductions and the
-  gather of the updated parameters run per bucket (``plan.reduce_bucket_size``,
-  ``plan.allgather_bucket_size``); on a GPU the step is jitted with XLA's options for
-  asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`, empty on other backends).
+  gather of the updated parameters run per bucket (``plan.options.comm.reduce_bucket_size``,
+  ``plan.options.comm.allgather_bucket_size``); on a GPU the step is jitted with XLA's options
+  for asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`, empty on other
+  backends).
 """
 
 from __future__ import annotations
@@ -90,13 +91,13 @@ def make_eval_step(
     local = local_loss(plan, full_loss)
 
     def loss(params: PyTree, extra: PyTree, batch: PyTree) -> jax.Array:
-        if plan.pipe_axis:
+        if plan.options.parallel.pipe_axis:
             rows = jax.tree.leaves(batch)[0].shape[0]
             micro = max(d for d in range(1, max(1, micro_batches) + 1) if rows % d == 0)
             value = pipelined_loss(plan, full_loss, micro)(params, extra, batch)
         else:
             value = local(params, extra, batch)[0]
-        if plan.precision.sixteen_bit:
+        if plan.options.precision.sixteen_bit:
             value = value.astype(jnp.float32)
         return jax.lax.pmean(value, plan.batch_axes)
 
@@ -166,7 +167,7 @@ def make_train_step(
       :class:`~jzero.plan.precision.LossScaleState` counts skipped and non-finite steps always.
     """
     opts = options if options is not None else StepOptions()
-    prec = plan.precision
+    prec = plan.options.precision
     gradients = gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
     on_host = opts.offload_compute == "host"
     if opts.offload_compute not in ("device", "host"):
@@ -250,7 +251,7 @@ def make_gradient_step(
     skipping), ``extra`` and ``loss_scale`` the state's next ones. Arguments as for
     :func:`make_train_step` (the options' ``sub_group_size`` and ``offload_compute`` are the
     caller's update's); the state is not donated."""
-    prec = plan.precision
+    prec = plan.options.precision
     opts = options if options is not None else StepOptions()
     gradients = gradient_part(plan, loss_fn, opts, has_aux, takes_extra)
 

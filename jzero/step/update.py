@@ -20,7 +20,7 @@ Decisions:
   gathers the masters and rounds after; both give the same bits. Under ZeRO++ hpZ the updated
   ``replica`` x ``data`` shards are all-gathered over ``replica`` back into the
   ``data``-sharded parameters; with ``overlap_comm`` at stages 1-2 the gather runs per bucket
-  (``plan.allgather_bucket_size``, :func:`jzero.comm.overlap.gather_buckets`).
+  (``plan.options.comm.allgather_bucket_size``, :func:`jzero.comm.overlap.gather_buckets`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def update_inputs(plan: Plan, state: TrainState, params: PyTree) -> tuple[PyTree
     :mod:`jzero.plan.padding`): the local shard of the master weights (the float32 masters
     under mixed precision, else the params themselves cut to the update layout, with no
     communication) and the optimizer state."""
-    if plan.precision.mixed:
+    if plan.options.precision.mixed:
         master = to_logical(
             to_device(state.master, plan.master), plan.abstract_params, on_device(plan.master)
         )
@@ -80,7 +80,7 @@ def apply_updates(plan: Plan, master: PyTree, updates: PyTree, step: jax.Array) 
     nearest), or with 16-bit masters and ``stochastic_rounding`` rounded stochastically with
     keys from the update count ``step`` and each leaf's index
     (:func:`jzero.optim.master16.apply_rounded`)."""
-    prec = plan.precision
+    prec = plan.options.precision
     sr = prec.low_precision_masters and prec.stochastic_rounding
     return apply_rounded(master, updates, step if sr else None)
 
@@ -112,8 +112,8 @@ def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
     rounds each shard before the all-gather (half the bytes), a float32 one gathers the masters
     and rounds after. Both give the same bits.
     """
-    prec = plan.precision
-    axis = plan.axis
+    prec = plan.options.precision
+    axis = plan.options.parallel.axis
     compute = prec.compute_dtype
     comm = prec.comm_dtype if prec.comm_dtype is not None else compute
     round_first = prec.mixed and jnp.dtype(comm).itemsize <= jnp.dtype(compute).itemsize
@@ -156,7 +156,7 @@ def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
             # Stages 1-2 with buckets: the leaves gathered over every state axis go in buckets,
             # the others (expert leaves) one by one.
             bucketed = [
-                plan.allgather_bucket_size is not None and axes == state_axes
+                plan.options.comm.allgather_bucket_size is not None and axes == state_axes
                 for axes in gather_axes
             ]
             if any(bucketed):
@@ -168,7 +168,7 @@ def params_at_rest(plan: Plan, master: PyTree) -> PyTree:
                     xs,
                     dims,
                     plan.state_shards,
-                    plan.allgather_bucket_size,
+                    plan.options.comm.allgather_bucket_size,
                     lambda x, d: jax.lax.all_gather(x, axis_entry(state_axes), axis=d, tiled=True),
                 )
             xs = [

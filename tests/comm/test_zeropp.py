@@ -20,7 +20,7 @@ import jzero
 from jzero import hlo
 from jzero.config import JzeroConfigWarning, load_config
 from jzero.engine import settings
-from jzero.plan import PlanOptions, make_plan
+from jzero.plan import PlanOptions, describe, make_plan
 
 # int8 rounds each gathered weight (qwZ) or each device's gradient contribution (qgZ) to within
 # half its block's scale, absmax / 254: 0.4% of the block's largest element, far above float32
@@ -55,7 +55,8 @@ def test_qwz_gathers_int8_at_a_quarter_of_the_bytes_and_trains_the_same():
     exact, exact_text, _, exact_norms = gpt_run()
     quant, quant_text, engine, _ = gpt_run(zero_quantized_weights=True)
     assert_exact_run_has_optax_gradients(exact_norms)
-    assert engine.plan.quantized_weights == 8 and engine.plan.quantized_gradients == 0
+    comm = engine.plan.options.comm
+    assert comm.quantized_weights == 8 and comm.quantized_gradients == 0
     e, q = stats(exact_text), stats(quant_text)
     # The same gathers (forward and backward re-gathers), a quarter of the bytes and the scales.
     assert q["all-gather"].count == e["all-gather"].count > 0
@@ -85,7 +86,8 @@ def test_qgz_reduces_int8_at_a_quarter_of_the_bytes_and_trains_the_same():
     exact, exact_text, _, exact_norms = gpt_run()
     quant, quant_text, engine, _ = gpt_run(zero_quantized_gradients=True)
     assert_exact_run_has_optax_gradients(exact_norms)
-    assert engine.plan.quantized_gradients == 8 and engine.plan.quantized_weights == 0
+    comm = engine.plan.options.comm
+    assert comm.quantized_gradients == 8 and comm.quantized_weights == 0
     e, q = stats(exact_text), stats(quant_text)
     # Every float reduce-scatter became one int8 all-to-all of about a quarter of its bytes.
     assert q["reduce-scatter"].count == 0
@@ -178,8 +180,8 @@ def test_make_plan_refuses_quantization_where_the_stage_has_no_such_collective()
         3,
         PlanOptions().replace(quantized_weights=8, quantized_gradients=4),
     )
-    assert "ZeRO++ qwZ: int8 parameter gathers" in plan.describe()
-    assert "ZeRO++ qgZ: int4 gradient reduce-scatters" in plan.describe()
+    assert "ZeRO++ qwZ: int8 parameter gathers" in describe(plan)
+    assert "ZeRO++ qgZ: int4 gradient reduce-scatters" in describe(plan)
 
 
 # -- the side-by-side benchmark -----------------------------------------------------------------

@@ -182,7 +182,8 @@ def test_autotp_llama_trains_like_the_single_device_optax_loop(stage):
     for path, (spec, rule) in EXPECTED.items():
         i = by_path[path]
         assert engine.plan.base_specs[i] == spec, path
-        assert engine.plan.tp_rules[i].startswith(rule), (path, engine.plan.tp_rules[i])
+        tp_rule = engine.plan.options.parallel.tp_rules[i]
+        assert tp_rule.startswith(rule), (path, tp_rule)
         at_rest = flat[i][1].sharding.spec
         assert _model_dims(at_rest) == _model_dims(spec), (path, at_rest)
     if stage == 3:  # ZeRO shards a dimension the model axis leaves free, never the layer dim
@@ -498,7 +499,8 @@ def test_flax_multi_head_attention_splits_on_its_heads_dimension():
     params = block.init(jax.random.key(0), b[0]["x"][:2])["params"]
     split = jzero.initialize(params, loss, optax.adamw(LR), config(1))
     whole = jzero.initialize(params, loss, optax.adamw(LR), config(1, tp=1))
-    rules = dict(zip([leaf.path for leaf in split.plan.leaves], split.plan.tp_rules, strict=True))
+    tp_rules = split.plan.options.parallel.tp_rules
+    rules = dict(zip([leaf.path for leaf in split.plan.leaves], tp_rules, strict=True))
     attn = "MultiHeadDotProductAttention_0"
     assert rules[f"{attn}.query.kernel"] == "column per head (query)"
     assert rules[f"{attn}.out.kernel"] == "row per head (out)"

@@ -25,6 +25,7 @@ from flax import nnx
 import jzero
 from jzero.demo import gpt
 from jzero.demo.gpt import GPT, GPTConfig, init_params, loss_fn, nnx_loss_fn
+from jzero.plan import describe
 from jzero.replay import gather
 
 TINY = {"vocab_size": 32, "seq_len": 8, "num_layers": 2, "num_heads": 2, "d_model": 16, "d_ff": 32}
@@ -343,7 +344,7 @@ def test_expert_parallel_stage3_step_equals_one_device():
         leaf.path for leaf, e in zip(engine.plan.leaves, engine.plan.experts, strict=True) if e
     ]
     assert experts == EXPERT_LEAVES
-    described = engine.plan.describe()
+    described = describe(engine.plan)
     assert f"experts: {len(EXPERT_LEAVES)} expert leaves split over 'expert'" in described
 
     metrics = engine.train_step(batch)

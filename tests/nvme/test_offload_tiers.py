@@ -38,6 +38,7 @@ import jzero
 from jzero import subgroups
 from jzero.config import ConfigError, JzeroConfigWarning
 from jzero.nvme import NvmeIOError
+from jzero.plan import host_state_bytes, model_state_bytes
 
 
 def main_body(text):
@@ -153,8 +154,8 @@ def test_partial_offload_ratio_puts_about_half_in_host_memory():
         want = float(optax.global_norm(jax.grad(layers_loss)(p64, b64)))
     assert runs[None][4] == pytest.approx(want, rel=16 * EPS["bfloat16"], abs=0)
     plan = runs[0.5][3].plan
-    on_host = plan.host_state_bytes()
-    on_device = plan.model_state_bytes()
+    on_host = host_state_bytes(plan)
+    on_device = model_state_bytes(plan)
     moved = on_host["opt_state"] + on_host["master_params"]
     total = moved + on_device["opt_state"] + on_device["master_params"]
     assert moved / total == pytest.approx(0.5, abs=0.01)  # 3 of the 6 equal layers

@@ -13,6 +13,7 @@ import jzero
 from jzero.config import ConfigError, load_config
 from jzero.demo import data, gpt
 from jzero.optim import low_precision_state
+from jzero.plan import model_state_bytes
 
 # The GPT's init compiled once (op by op its random draws are one compilation per shape).
 init_gpt = jax.jit(gpt.init_params, static_argnums=1)
@@ -55,7 +56,7 @@ def shard_bytes(tree):
 def test_bf16_state_halves_the_adam_moments_per_device(stage):
     with toy_engine(stage, False) as wide, toy_engine(stage, True) as narrow:
         planned = {
-            k: e.plan.model_state_bytes()["opt_state"] for k, e in (("f32", wide), ("bf16", narrow))
+            k: model_state_bytes(e.plan)["opt_state"] for k, e in (("f32", wide), ("bf16", narrow))
         }
         w, n = adam_state(wide.state.opt_state), adam_state(narrow.state.opt_state)
         for moment in ("mu", "nu"):
@@ -76,8 +77,8 @@ def test_bf16_state_halves_the_adam_moments_per_device(stage):
         assert planned["bf16"] == shard_bytes(narrow.state.opt_state)
         # The fp32 master weights stay as they are.
         assert (
-            narrow.plan.model_state_bytes()["master_params"]
-            == wide.plan.model_state_bytes()["master_params"]
+            model_state_bytes(narrow.plan)["master_params"]
+            == model_state_bytes(wide.plan)["master_params"]
         )
         print(f"stage {stage} opt_state B/device: fp32 {planned['f32']}, bf16 {planned['bf16']}")
 
@@ -119,7 +120,7 @@ def test_bf16_and_8bit_states_train_the_gpt_like_the_fp32_state():
         params = init_gpt(jax.random.key(0), cfg)
         with jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), config=config) as e:
             out = [float(e.train_step(b)["loss"]) for b in batches]
-            opt_bytes[name] = e.plan.model_state_bytes()["opt_state"]
+            opt_bytes[name] = model_state_bytes(e.plan)["opt_state"]
         losses[name] = float(np.mean(out[-5:]))
         assert out[-1] < out[0] - 0.5, (name, out)  # it trains
     print(f"GPT opt_state B/device: {opt_bytes}")

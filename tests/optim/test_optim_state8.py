@@ -23,6 +23,7 @@ from jzero.optim.quantized import (
     dequantize,
     quantize,
 )
+from jzero.plan import model_state_bytes
 
 HALF_STEP = 2 ** (1 / (2 * PER_OCTAVE))  # a level is within this factor of what it stands for
 # The encoder computes log2 in float32: its result is within a few ulp of the true log2, so a
@@ -213,7 +214,7 @@ def test_8bit_state_is_under_a_third_of_the_fp32_state_per_device(stage):
                 lambda x: (x.shape, x.sharding), f.mu
             )
         planned = {
-            k: e.plan.model_state_bytes()["opt_state"] for k, e in (("f32", wide), ("8", narrow))
+            k: model_state_bytes(e.plan)["opt_state"] for k, e in (("f32", wide), ("8", narrow))
         }
         assert planned["f32"] == shard_bytes(w) and planned["8"] == shard_bytes(n)
         ratio = shard_bytes(n) / shard_bytes(w)

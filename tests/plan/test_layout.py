@@ -21,7 +21,7 @@ from jzero import config as config_lib
 from jzero.checkpoint import Checkpointer, abstract_target
 from jzero.demo import gpt
 from jzero.hlo import layout_copies
-from jzero.plan import PlanOptions, is_contiguous, make_plan, shard_dim
+from jzero.plan import PlanOptions, describe, is_contiguous, make_plan, model_state_bytes, shard_dim
 from jzero.replay import layer_dims
 from jzero.step import (
     from_logical,
@@ -93,7 +93,7 @@ def test_each_leaf_is_sharded_on_its_leading_dimension_padded_where_needed(stage
     assert {p: by_name[p].padded for p in ("embed", "odd_lead", "odd", "head.b")} == {
         "embed": 16, "odd_lead": 8, "odd": 8, "head.b": 8,
     }  # fmt: skip
-    text = plan.describe()
+    text = describe(plan)
     assert "12x64 (+4 on dim 0)" in text and "5 (+3 on dim 0)" in text
     assert "padded with zeros to a multiple of the shard count" in text
     assert "leaves ZeRO left whole" not in text
@@ -123,7 +123,7 @@ def test_state_of_a_stack_shorter_than_the_shard_count_rests_merged():
         if stage < 3:
             assert (w.state_dim, w.merged, w.padding) == (0, 2, 0)
             assert w.stored_shape() == (256, 64)
-            assert plan.model_state_bytes()["opt_state"] == 2 * 4 * 64 * 64 * 4 // N + 2 * 4 * (
+            assert model_state_bytes(plan)["opt_state"] == 2 * 4 * 64 * 64 * 4 // N + 2 * 4 * (
                 8 * 5 * 3 // N
             ) + 4  # fmt: skip
         else:

@@ -17,7 +17,7 @@ from jzero.engine import settings
 from jzero.hlo import collectives_by_dtype, program_text
 from jzero.optim import float32_update, low_precision_state, stochastic_round
 from jzero.optim.master16 import apply_rounded, rounding_key
-from jzero.plan import PlanOptions, to_logical
+from jzero.plan import PlanOptions, model_state_bytes, to_logical
 from jzero.step import init_train_state, make_gradient_step, make_train_step, streamed_groups
 
 N = 8
@@ -249,7 +249,7 @@ def test_bytes_at_rest_are_6_plus_2_of_gradients_against_14(stage):
         assert {x.dtype for x in jax.tree.leaves(lean.state.params)} == {BF16}
         # The plan agrees, its gradients bfloat16 (2 bytes a parameter, sharded from stage 2):
         # 8 bytes a parameter before sharding with them, against 16.
-        mb = lean.plan.model_state_bytes()
+        mb = model_state_bytes(lean.plan)
         assert "master_params" not in mb
         assert mb["grads"] == 2 * psi // (N if stage >= 2 else 1)
         assert sum(rest["lean"]) + 2 * psi == 8 * psi

@@ -17,7 +17,7 @@ from repo import FIXTURES
 
 import jzero
 from jzero.engine import settings
-from jzero.plan import PlanOptions
+from jzero.plan import PlanOptions, host_state_bytes, model_state_bytes
 from jzero.plan import memory_kinds as offload
 
 BATCH = 32
@@ -132,15 +132,15 @@ def test_plan_bytes_and_report_under_offload():
         return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
     opt_bytes, master_bytes = shard_bytes(e.state.opt_state), shard_bytes(e.state.master)
-    host = e.plan.host_state_bytes()
+    host = host_state_bytes(e.plan)
     assert host == {"params": 0, "grads": 0, "master_params": master_bytes, "opt_state": opt_bytes}
-    device = e.plan.model_state_bytes()
+    device = model_state_bytes(e.plan)
     assert device["opt_state"] == 0 and device["master_params"] == 0
     assert device["params"] == shard_bytes(e.state.params) > 0
     # Offload moves bytes from device to host memory; the total is the same plan.
-    ref_device = ref.plan.model_state_bytes()
+    ref_device = model_state_bytes(ref.plan)
     assert ref_device["opt_state"] == opt_bytes and ref_device["master_params"] == master_bytes
-    assert not any(ref.plan.host_state_bytes().values())
+    assert not any(host_state_bytes(ref.plan).values())
     report = e.describe()
     assert (
         f"per-device model state in host memory: params 0 B, grads 0 B, master_params "
@@ -156,7 +156,7 @@ def test_deepspeed_example_config_trains_with_optimizer_offload():
         e = jzero.initialize(toy.make_params(), toy.loss_fn, config=str(path))
     ours = [w for w in record if issubclass(w.category, jzero.config.JzeroConfigWarning)]
     assert len(ours) == 1 and "zero_optimization.allgather_partitions" in str(ours[0].message)
-    assert e.plan.precision.comm_dtype == np.dtype("bfloat16")
+    assert e.plan.options.precision.comm_dtype == np.dtype("bfloat16")
     batches = toy.make_batches(2, 256)
     losses = [float(e.train_step(b)["loss"]) for b in batches]
     assert all(math.isfinite(x) for x in losses) and e.global_step == 2

@@ -26,6 +26,7 @@ from repo import SUPPORT
 
 import jzero
 from jzero.distributed import CompileCounter
+from jzero.plan import model_state_bytes
 from jzero.step import logical_view
 
 BATCH = 48  # 6 x 8 rows, 12 x 4
@@ -102,7 +103,7 @@ def test_every_leaf_is_sharded_on_6_devices_and_trains_like_optax(stage, tmp_pat
         assert per_device(engine.state.opt_state) == 2 * share + count
         params_bytes = share if stage == 3 else 8 * sum(math.prod(x.shape) for x in leaves)
         assert per_device(engine.state.params) == params_bytes
-        assert plan.model_state_bytes()["opt_state"] == 2 * share + count
+        assert model_state_bytes(plan)["opt_state"] == 2 * share + count
         # The compiled step's arguments are those arrays, the scalars and 1/6 of the batch.
         scalars = sum(
             np.dtype(x.dtype).itemsize * x.size
@@ -149,7 +150,7 @@ def test_hpz_pads_to_the_state_shard_count():
     with jax.enable_x64(True):
         engine = engine_at(6, cfg)
         engine.resolve(reference()[1][0])
-        assert engine.plan.hpz and engine.plan.state_shards == 6
+        assert engine.plan.options.zero.hpz and engine.plan.state_shards == 6
         assert all(leaf.padded % 6 == 0 for leaf in engine.plan.leaves)
         assert_trains_like_optax(engine)
 

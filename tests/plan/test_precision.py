@@ -15,7 +15,7 @@ from numerics import EPS, needs_float16
 import jzero
 from jzero.engine import settings
 from jzero.hlo import collectives, program_text
-from jzero.plan import PlanOptions
+from jzero.plan import PlanOptions, host_state_bytes, model_state_bytes
 from jzero.step import logical_view
 
 STAGES = (0, 1, 2, 3)
@@ -139,8 +139,8 @@ def test_per_device_bytes_equal_the_k12_formulas(stage):
     )
     formula = {0: 16 * psi, 1: 4 * psi + 12 * psi / N, 2: 2 * psi + 14 * psi / N, 3: 16 * psi / N}
     count = 4  # Adam's step count, a replicated int32
-    assert sum(plan.model_state_bytes().values()) == formula[stage] + count
-    assert not any(plan.host_state_bytes().values())
+    assert sum(model_state_bytes(plan).values()) == formula[stage] + count
+    assert not any(host_state_bytes(plan).values())
 
 
 def test_compiled_arguments_match_the_plan_under_bf16():
@@ -149,7 +149,7 @@ def test_compiled_arguments_match_the_plan_under_bf16():
         e, _ = bf16_run(stage)
         b = toy.make_batches(1, BATCH)[0]
         exe = e.lower(b).compile()
-        mb = e.plan.model_state_bytes()
+        mb = model_state_bytes(e.plan)
         scalars = 4 + 5 * 4  # step and the loss-scale state
         batch = sum(x.nbytes for x in b.values()) // N
         expect = mb["params"] + mb["master_params"] + mb["opt_state"] + scalars + batch
@@ -265,7 +265,9 @@ def test_grad_accum_dtype_sets_the_accumulator():
     bf16 = {"enabled": True}
     wide = engine(2, accum=2, bf16=bf16)
     narrow = engine(2, accum=2, bf16=bf16, data_types={"grad_accum_dtype": "bf16"})
-    assert wide.plan.model_state_bytes(2)["grads"] == 2 * narrow.plan.model_state_bytes(2)["grads"]
+    assert (
+        model_state_bytes(wide.plan, 2)["grads"] == 2 * model_state_bytes(narrow.plan, 2)["grads"]
+    )
     b = toy.make_batches(1, BATCH)[0]
 
     # The accumulation loop carries float32 gradient shards by default, bf16 when asked: the
@@ -286,7 +288,7 @@ def test_both_precisions_at_once_is_an_error():
 
 def test_model_state_keys_under_mixed_precision():
     e, _ = bf16_run(2)
-    mb = e.plan.model_state_bytes()
+    mb = model_state_bytes(e.plan)
     assert set(mb) == {"params", "grads", "master_params", "opt_state"}
     psi_bytes = sum(math.prod(x.shape) for x in jax.tree.leaves(e.plan.abstract_params))
     assert mb["params"] == 2 * psi_bytes  # 16-bit params, whole at stage 2

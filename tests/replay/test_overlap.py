@@ -56,7 +56,7 @@ def test_stage3_scan_gathers_one_layer_ahead_with_the_same_losses():
     exact = gpt_run(steps=3, num_layers=4, dtype=F64)
     ahead = gpt_run(steps=3, num_layers=4, dtype=F64, overlap_comm=True)
     (_, exact_text, _, _), (_, ahead_text, engine, _) = exact, ahead
-    assert engine.plan.overlap_comm
+    assert engine.plan.options.comm.overlap_comm
     assert_same_training(ahead, exact, 4)
     # The same traffic: every gather and reduce-scatter, no more.
     for kind in ("all-gather", "reduce-scatter"):
@@ -112,7 +112,7 @@ def test_stage2_buckets_reduce_in_about_four_collectives_with_the_same_bytes_and
     zero = dict(overlap_comm=True, reduce_bucket_size=quarter, allgather_bucket_size=quarter)
     bucketed = gpt_run(stage=2, steps=3, dtype=F64, **zero)
     _, text, engine, _ = bucketed
-    assert engine.plan.reduce_bucket_size == quarter
+    assert engine.plan.options.comm.reduce_bucket_size == quarter
     e, b = hlo.collectives(exact_text), hlo.collectives(text)
     leaves = len(plain_engine.plan.leaves)
     sizes = [math.prod(leaf.shape) for leaf in engine.plan.leaves]
@@ -178,8 +178,10 @@ def test_gpu_compile_options_follow_the_config_and_cpu_gets_none():
 def test_make_plan_refuses_bad_bucket_sizes():
     with pytest.raises(ValueError, match="reduce_bucket_size=0 is not a bucket size"):
         plan_for(2, overlap_comm=True, reduce_bucket_size=0)
-    assert plan_for(2, reduce_bucket_size=10).reduce_bucket_size is None  # needs overlap_comm
-    assert plan_for(3, overlap_comm=True, reduce_bucket_size=10).reduce_bucket_size is None
+    unbucketed = plan_for(2, reduce_bucket_size=10).options.comm  # needs overlap_comm
+    assert unbucketed.reduce_bucket_size is None
+    at_stage3 = plan_for(3, overlap_comm=True, reduce_bucket_size=10).options.comm
+    assert at_stage3.reduce_bucket_size is None
 
 
 # -- the asynchronous-collective report ---------------------------------------------------------

@@ -190,7 +190,7 @@ def _config(**extra):
 def test_skip_nonfinite_from_the_config_in_float32_and_lr_from_a_config_optimizer():
     cfg = _config(skip_nonfinite=True, optimizer={"type": "AdamW", "params": {"lr": 2e-3}})
     engine = jzero.initialize(toy.make_params(), toy.loss_fn, config=cfg)
-    assert engine.plan.precision.skips and not engine.plan.precision.mixed
+    assert engine.plan.options.precision.skips and not engine.plan.options.precision.mixed
     metrics = [jax.device_get(engine.train_step(b)) for b in POISONED]
     assert _series(metrics, "nonfinite") == [0.0, 1.0, 0.0, 0.0]
     assert _series(metrics, "skipped") == [0.0, 1.0, 0.0, 0.0]

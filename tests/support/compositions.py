@@ -117,7 +117,8 @@ def assert_every_axis_splits_something(engine, axes):
         if axis in ("model", "pipe", "expert"):  # a parameter split over it
             assert _specs_name(plan.params, axis), axis
         elif axis == "seq":  # each device computes its own tokens of its rows
-            assert plan.seq_axis == "seq" and "seq" in plan.batch_axes, plan.batch_axes
+            assert plan.options.parallel.seq_axis == "seq", plan.options.parallel
+            assert "seq" in plan.batch_axes, plan.batch_axes
         else:  # replica: each device its own rows
             assert axis in batch, (axis, plan.batch.spec)
     if "expert" in axes:
