@@ -152,10 +152,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "zero_optimization": zero,
     }
     engine = jzero.initialize(
+        lambda key: gpt.init_params(key, cfg),
         loss_fn=lambda p, b: gpt.loss_fn(p, b, cfg),
         optimizer=optax.adamw(1e-4),
         config=config,
-        init_fn=lambda key: gpt.init_params(key, cfg),
     )
     rng = np.random.default_rng(0)
     batches = [

@@ -132,10 +132,10 @@ def run_variant(args: argparse.Namespace, name: str) -> dict[str, Any]:
         },
     }
     engine = jzero.initialize(
+        lambda key: gpt.init_params(key, cfg),
         loss_fn=lambda p, b: gpt.loss_fn(p, b, cfg),
         optimizer=optax.adamw(1e-4),
         config=config,
-        init_fn=lambda key: gpt.init_params(key, cfg),
     )
     data = [
         jax.device_put(b, engine.plan.batch)

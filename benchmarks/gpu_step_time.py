@@ -197,7 +197,8 @@ def _plain_dp(cfg: Any, loss: Any, tx: Any, mesh: Any, batch: Any, seed: int) ->
 
     from jzero.demo import gpt
 
-    # float32, as jzero's init_fn makes them (one jit, not op by op); the GPT computes in bf16
+    # float32, as jzero makes them from a function of a key (one jit, not op by op); the GPT
+    # computes in bf16
     params = jax.jit(lambda key: gpt.init_params(key, cfg))(jax.random.key(seed))
     run = plain_dp_step(params, tx, loss, mesh, batch, clip=CLIP)
     del params
@@ -230,7 +231,7 @@ def _zero(cfg: Any, loss: Any, tx: Any, variant: str, batch: Any) -> tuple:
     if "-unrolled" in variant:
         init = lambda key: gpt.unstack_blocks(gpt.init_params(key, cfg))  # noqa: E731
         loss = lambda p, b: gpt.unrolled_loss_fn(p, b, cfg)  # noqa: E731
-    engine = jzero.initialize(loss_fn=loss, optimizer=tx, config=config, init_fn=init)
+    engine = jzero.initialize(init, loss_fn=loss, optimizer=tx, config=config)
     placed = jax.device_put(batch, engine.plan.batch)  # on device once, as the floor's batch
 
     def step() -> tuple[Any, Any]:

@@ -48,7 +48,7 @@ SIZES = (1, 4)
 def temp_bytes(seq: int, batch: int, cfg: gpt.GPTConfig) -> int:
     """The compiled train step's temporaries per device at ``sequence_parallel_size: seq``."""
     engine = jzero.initialize(
-        jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg)),
+        lambda key: gpt.init_params(key, cfg),
         lambda p, b: gpt.loss_fn(p, b, cfg),
         optax.adamw(1e-3),
         {
@@ -56,7 +56,6 @@ def temp_bytes(seq: int, batch: int, cfg: gpt.GPTConfig) -> int:
             "zero_optimization": {"stage": 1},
             "sequence_parallel_size": seq,
         },
-        init_fn=lambda key: gpt.init_params(key, cfg),
         abstract=True,  # compiled only: the state's shapes are enough
     )
     tokens = jax.ShapeDtypeStruct((batch, cfg.seq_len + 1), np.int32)

@@ -105,7 +105,8 @@ def step_times(
             "gradient_clipping": 1.0,
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         }
-        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config, mesh=mesh)
+        options = jzero.InitOptions(mesh=mesh)
+        engine = jzero.initialize(params, loss, optax.adamw(1e-3), config, options=options)
         found = layout_copies(engine.lower(batch).compile())
         copies[stage] = (len(found), sum(c.bytes for c in found))
         runs[stage] = lambda e=engine: e.train_step(batch)["loss"]

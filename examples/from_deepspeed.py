@@ -58,7 +58,7 @@ def loss_fn(params, batch):
 
 
 # optimizer=None: the optimizer and scheduler come from the DeepSpeed config.
-engine = jzero.initialize(None, loss_fn, None, path, init_fn=init)
+engine = jzero.initialize(init, loss_fn, None, path)
 print(
     f"train_batch_size {engine.train_batch_size} = micro {engine.micro_batch_size} x "
     f"accumulation {engine.accumulation_steps} x data-parallel {engine.plan.num_shards}"

@@ -45,7 +45,7 @@ config = {
     "gradient_clipping": 1.0,
     "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
 }
-engine = jzero.initialize(None, loss_fn, optax.adamw(3e-3), config, init_fn=init)
+engine = jzero.initialize(init, loss_fn, optax.adamw(3e-3), config)
 print(engine.describe())
 
 # 3. Your loop: a global batch of train_batch_size rows per step.

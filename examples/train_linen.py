@@ -43,7 +43,7 @@ engine = jzero.initialize(
     loss_fn=loss_fn,
     optimizer=optax.adamw(1e-3),
     config={"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}},
-    init_args=(example,),
+    options=jzero.InitOptions(init_args=(example,)),
 )
 rng = np.random.default_rng(0)
 for step in range(1, args.steps + 1):

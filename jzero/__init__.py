@@ -2,8 +2,9 @@
 
 The public surface fits on one screen:
 
-* :func:`initialize` builds an :class:`Engine` from params (or ``init_fn``), a loss function,
-  an optax optimizer (or the config's) and a DeepSpeed-style config.
+* :func:`initialize` builds an :class:`Engine` from params (or a function of a key that
+  creates them), a loss function, an optax optimizer (or the config's) and a DeepSpeed-style
+  config; :class:`InitOptions` holds its rarer settings (mesh, specs, weights to load).
 * The pure pieces for users who run their own loop: :func:`make_mesh`, :func:`make_plan`,
   :func:`make_train_step`, :func:`make_eval_step`, :func:`init_train_state`,
   :class:`TrainState`, :class:`Precision`, :func:`load_config`; the stage table
@@ -24,6 +25,7 @@ from jzero.distributed import sequence_chunk as sequence_chunk
 from jzero.distributed import sequence_offset as sequence_offset
 from jzero.distributed import sequence_parallel_attention as sequence_parallel_attention
 from jzero.engine import Engine as Engine
+from jzero.engine import InitOptions as InitOptions
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
 from jzero.plan import STAGES as STAGES
@@ -44,6 +46,7 @@ __all__ = [
     "init_distributed",
     "init_train_state",
     "initialize",
+    "InitOptions",
     "load_config",
     "make_eval_step",
     "make_mesh",

@@ -312,12 +312,12 @@ def _weights_hint(path: Path) -> str:
         return (
             " Its files are exported weights (as jzero checkpoint export writes them), not a "
             "checkpoint: read them with jzero.weights.load_exported(path), or train from them "
-            "with --set checkpoint.init_from=PATH (jzero.initialize(..., init_from=path))."
+            "with --set checkpoint.init_from=PATH (jzero.InitOptions(init_from=path) in code)."
         )
     return (
         " A weights file (as jzero checkpoint export writes) is not a checkpoint: read it with "
         "jzero.weights.load_exported(path), or train from it with --set "
-        "checkpoint.init_from=PATH (jzero.initialize(..., init_from=path))."
+        "checkpoint.init_from=PATH (jzero.InitOptions(init_from=path) in code)."
     )
 
 

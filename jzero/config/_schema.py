@@ -151,7 +151,7 @@ class CheckpointConfig:
     """jzero's own: start from these weights instead of a fresh initialisation: a
     ``.safetensors`` file, a sharded export (a directory with ``model.safetensors.index.json``)
     or a jzero checkpoint directory, loaded straight into the plan's shardings (see
-    ``jzero.initialize(init_from=...)``, which takes precedence). A resumed run restores its
+    ``jzero.InitOptions(init_from=...)``, which takes precedence). A resumed run restores its
     own checkpoint over it."""
     tag_validation: str = checked_field("Warn", no_effect=CKPT)
     """DeepSpeed: check that ranks agree on the checkpoint tag. No effect."""

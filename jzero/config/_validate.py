@@ -380,7 +380,10 @@ _PIPE_KEYS = ("stages", "schedule", "virtual_stages", "partition", "seed_layers"
 # for nothing (no warning for those) and why any other value has no effect.
 _PIPE_NO_EFFECT = {
     "partition": (("uniform",), "jzero cuts the layer scan into stages of equally many layers"),
-    "seed_layers": ((False, None), "the layers take the values of init_fn or the params given"),
+    "seed_layers": (
+        (False, None),
+        "the layers take the values the params (or the function that creates them) give",
+    ),
     "activation_checkpoint_interval": (
         (0, None),
         "activation checkpointing is the activation_checkpointing section (every layer)",
@@ -389,7 +392,8 @@ _PIPE_NO_EFFECT = {
 _TP_NO_EFFECT = {
     "keep_module_on_host": (
         (False, None),
-        "init_fn creates the parameters in their shards on the devices, never whole on the host",
+        "params=<a function of a key> creates them in their shards on the devices, never "
+        "whole on the host",
     ),
     "partition_config": ((None,), "AutoTP's layouts come from names and tensor_parallel.tp_plan"),
     "injection_policy_tuple": ((None,), "it selects DeepSpeed's inference kernels"),

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jzero import memory
 from jzero.demo import gpt
-from jzero.engine import initialize
+from jzero.engine import InitOptions, initialize
 
 __all__ = ["auto_layout_table", "plan_report"]
 
@@ -36,8 +36,8 @@ def _gpt(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
             model=lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
             loss_fn=gpt.nnx_loss_fn,
             config=row,
-            mesh=mesh,
             abstract=True,  # shapes only: a stage the model does not fit is planned all the same
+            options=InitOptions(mesh=mesh),
         )
         shape = (engine.train_batch_size, model_cfg.seq_len + 1)
         return engine, {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}

@@ -7,9 +7,9 @@ Decisions:
 * ``data: -1`` takes every device. Asking for more devices than exist is an error that says
   how to get more virtual devices on CPU.
 * Extra axes (e.g. ``model: 2``) may be listed beside ``data`` for a user's own partition
-  specs (``nnx.with_partitioning``, ``nn.with_partitioning``, ``param_specs=``). The axes keep
-  the order given; the config puts ``data`` first, so one model-parallel group is made of
-  neighbouring devices. One axis may be ``-1``: the devices the others leave.
+  specs (``nnx.with_partitioning``, ``nn.with_partitioning``, ``InitOptions.param_specs``).
+  The axes keep the order given; the config puts ``data`` first, so one model-parallel group
+  is made of neighbouring devices. One axis may be ``-1``: the devices the others leave.
 * The product of the sizes must equal the number of devices: a mesh that silently left
   devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
 * ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis,

@@ -41,7 +41,7 @@ Decisions:
 * ``tensor_parallel.tp_plan`` (DeepSpeed's and Hugging Face's name) maps glob patterns of
   dotted paths (``"*.mlp.fc_in.*"``) to ``colwise``, ``rowwise``, ``vocab``, ``replicate`` or
   an explicit spec list; the first pattern that matches wins over the built-in rules, and a
-  user's own annotations (``param_specs=``, Flax sharding metadata) win over both.
+  user's own annotations (``InitOptions.param_specs``, Flax sharding metadata) win over both.
 * A leaf that no rule matched stays replicated over ``model``, and :func:`autotp_specs` says
   so in its rule (``engine.describe()`` lists those leaves once), never silently.
 * A split dimension the model-axis size does not divide, or a head count it does not divide,

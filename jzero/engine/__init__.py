@@ -11,7 +11,7 @@ measured report takes an engine from its caller).
   core's typed options (``PlanOptions``, ``StepOptions``, ``Precision``, ``RematPolicy``); the
   only module that maps config fields onto the core's arguments.
 * :mod:`~jzero.engine.build`: :func:`initialize` (also ``jzero.initialize``), a sequence of
-  named steps.
+  named steps, and its rarer settings, :class:`InitOptions` (also ``jzero.InitOptions``).
 * :mod:`~jzero.engine.engine`: :class:`Engine`, a thin shell that keeps the state and
   delegates to the modules below.
 * :mod:`~jzero.engine.steps`: the one builder of the train step, whatever the offload tier,
@@ -29,6 +29,7 @@ measured report takes an engine from its caller).
   Equinox import, made only when an Equinox model is given).
 """
 
+from jzero.engine.build import InitOptions as InitOptions
 from jzero.engine.build import initialize as initialize
 from jzero.engine.engine import Engine as Engine
 from jzero.engine.flax_adapter import Adapted as Adapted
@@ -38,5 +39,6 @@ __all__ = [
     "adapt",
     "Adapted",
     "Engine",
+    "InitOptions",
     "initialize",
 ]

@@ -2,15 +2,22 @@
 
 It reads the config, builds the mesh and the plan, creates the parameters and the optimizer
 state directly in their shards (or, under the NVMe tier, in their files) and hands them to
-:class:`jzero.engine.Engine`, which does everything after. ``initialize`` is importable from
-:mod:`jzero` and :mod:`jzero.engine`.
+:class:`jzero.engine.Engine`, which does everything after. ``initialize`` and
+:class:`InitOptions` are importable from :mod:`jzero` and :mod:`jzero.engine`.
 
 ``initialize`` reads as the sequence of its steps, each a function below it: load the config,
-gather the model's inputs (a Flax or Equinox model through its adapter), the mesh, the
+gather the model's inputs (a Flax or Equinox model through its adapter; the rarer settings of
+how the parameters are made and placed come as one :class:`InitOptions`), the mesh, the
 parameters' shapes, resolve "auto", the optimizer, the planner and the first plan (checked), the
 batch sizes, the first state, one log line, the :class:`~jzero.engine.Engine`.
 
 Decisions:
+
+* The call keeps to eight parameters: a function of a key that creates the parameters is
+  given as ``params`` itself (told from a value by kind, :func:`jzero._util.is_creator`, so a
+  callable pytree such as an Equinox module stays a value), and what few runs set (their own
+  mesh and partition specs, a Linen model's example inputs, weights to load and their names)
+  is one frozen :class:`InitOptions`.
 
 * Every "auto" in the config is resolved here, once, from the parameters' shapes and the
   optimizer given (:func:`jzero.config.resolve_auto`); the batch sizes wait for the first batch
@@ -45,7 +52,7 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed, monitor, optim
-from jzero._util import abstract_tree, divisors, dotted
+from jzero._util import abstract_tree, divisors, dotted, is_creator
 from jzero.distributed import make_mesh
 from jzero.engine import settings
 from jzero.engine.checks import check_mesh_splits
@@ -54,7 +61,7 @@ from jzero.engine.resolve import Setup
 from jzero.plan import Plan, make_plan
 from jzero.step import TrainState, init_train_state
 
-__all__ = ["initialize"]
+__all__ = ["InitOptions", "initialize"]
 
 logger = logging.getLogger("jzero.engine")  # the engine's one log name, for all its modules
 PyTree = Any
@@ -171,57 +178,76 @@ def _note_optax_muon(plan: Any, tx: optax.GradientTransformation) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class InitOptions:
+    """How :func:`initialize` makes and places the parameters, beyond the ``params`` or
+    ``model`` given: the settings few runs need, kept apart from the call's common arguments
+    (``jzero.initialize(params, loss_fn, tx, config, options=jzero.InitOptions(init_from=
+    "hf/"))``). Every field is optional."""
+
+    mesh: jax.sharding.Mesh | None = None
+    """A mesh to use instead of the config's ``mesh`` section (refused beside a parallel size
+    ``"auto"``, which chooses the mesh)."""
+    param_specs: PyTree | None = None
+    """Your own ``PartitionSpec`` per parameter leaf (a pytree shaped as the params) on mesh
+    axes other than ZeRO's; with ``model=`` they replace the model's own annotations."""
+    init_args: tuple = ()
+    """A Flax Linen ``model``'s example inputs for its ``init``, e.g. ``(example_x,)``."""
+    init_from: str | os.PathLike | None = None
+    """Weights to start from: a ``.safetensors`` file, a sharded export (a directory with
+    ``model.safetensors.index.json``) or a jzero checkpoint directory, each process reading
+    only its own shards (see :mod:`jzero.weights`); ``params`` (or ``model``) then only give
+    the shapes. Under mixed precision the loaded values become the float32 master weights.
+    Takes precedence over the config's ``checkpoint.init_from``."""
+    name_map: Mapping[str, str] | Callable[[str], str] | None = None
+    """With ``init_from`` (or the config's ``checkpoint.init_from``): a parameter's dotted path
+    -> the tensor's name in the file, as a dict (paths not in it keep their own name) or a
+    function."""
+
+
 def initialize(
-    params: PyTree | None = None,
+    params: PyTree | Callable[[jax.Array], PyTree] | None = None,
     loss_fn: Callable[..., Any] | None = None,
     optimizer: optax.GradientTransformation | None = None,
     config: str | Mapping[str, Any] | config_lib.Config | None = None,
-    init_fn: Callable[[jax.Array], PyTree] | None = None,
     *,
     model: Any = None,
-    init_args: tuple = (),
-    mesh: jax.sharding.Mesh | None = None,
-    param_specs: PyTree | None = None,
-    init_from: str | Any = None,
-    name_map: Mapping[str, str] | Callable[[str], str] | None = None,
-    abstract: bool = False,
     batch: PyTree | None = None,
+    abstract: bool = False,
+    options: InitOptions | None = None,
 ) -> Engine:
     """Builds a ZeRO engine, DeepSpeed's ``deepspeed.initialize`` for JAX.
 
     Args:
-      params: the initial parameters (arrays), or their abstract shapes
-        (``jax.ShapeDtypeStruct``) together with ``init_fn``.
+      params: the initial parameters (arrays); or a function of a random key that creates
+        them (``params=lambda key: make_params(key)``; a function, ``functools.partial``,
+        method or class: a callable pytree such as an Equinox module is a value, never
+        called), run inside the init program, so the parameters are created directly in their
+        shards and no device ever holds the full model at stage 3; or their shapes
+        (``jax.ShapeDtypeStruct``) with ``abstract=True`` or weights to load
+        (``InitOptions(init_from=...)``).
       loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``: the mean loss of the
         batch it is given, written for full (unsharded) parameters.
       optimizer: an optax transformation; ``None`` builds the config's ``optimizer`` and
         ``scheduler`` sections.
       config: a dict, a YAML/JSON file path or a :class:`jzero.config.Config`.
-      init_fn: ``init_fn(key) -> params``; parameters are then created directly in their
-        shards, so no device ever holds the full model at stage 3.
-      mesh: a mesh to use instead of the config's ``mesh`` section.
-      param_specs: your own ``PartitionSpec`` per parameter leaf on other mesh axes.
-      model: a Flax NNX module (or a function that builds one; it is then built directly
-        in its shards) with ``loss_fn(model, batch)``, or a Linen module with ``init_args``
-        (see :mod:`jzero.engine.flax_adapter`). Non-trainable state (BatchNorm statistics) is
-        carried through the step and never sharded as parameters.
-      init_args: example inputs for a Linen module's ``init``.
-      init_from: load the initial parameters from a ``.safetensors`` file, a sharded export
-        (directory with ``model.safetensors.index.json``) or a jzero checkpoint directory,
-        each process reading only its own shards (see :mod:`jzero.weights`); ``params`` (or
-        ``init_fn``/``model``) then only give the shapes. Under mixed precision the loaded
-        values become the float32 master weights.
-      name_map: with ``init_from``, a parameter's dotted path -> the tensor's name in the
-        file (a dict, or a function).
-      abstract: build the plan and the state's shapes only (``jax.ShapeDtypeStruct`` with
-        their shardings), as a meta-device model in FSDP: nothing is created on a device, so a
-        model too large for a stage can be planned at it. ``engine.lower(batch)`` and the
-        memory and communication reports work; training, evaluating and saving are refused.
+      model: instead of ``params``, a Flax NNX module (or a function that builds one; it is
+        then built directly in its shards) with ``loss_fn(model, batch)``, a Linen module with
+        ``InitOptions(init_args=...)`` (see :mod:`jzero.engine.flax_adapter`), or an Equinox
+        module (or its constructor). Non-trainable state (BatchNorm statistics) is carried
+        through the step and never sharded as parameters.
       batch: a batch as ``train_step`` will take it (this process's rows), or its shapes
         (``jax.ShapeDtypeStruct``): every decision that waits for a batch (the parallel sizes
         ``"auto"``, the batch sizes, ``stage: auto``, the layers the loss's scans consume) is
         taken now, and the state is created once, in its final layout. Without it a config that
         needs one waits for the first batch, and creates the state then.
+      abstract: build the plan and the state's shapes only (``jax.ShapeDtypeStruct`` with
+        their shardings), as a meta-device model in FSDP: nothing is created on a device, so a
+        model too large for a stage can be planned at it. ``engine.lower(batch)`` and the
+        memory and communication reports work; training, evaluating and saving are refused.
+      options: the rarer settings of how the parameters are made and placed, as one
+        :class:`InitOptions`: your own mesh and partition specs, a Linen model's example
+        inputs, weights to load (and their names in the file).
 
     Returns:
       The :class:`Engine`.
@@ -234,11 +260,12 @@ def initialize(
         )
     if loss_fn is None:
         raise ValueError("loss_fn is required: loss_fn(params, batch) -> mean loss of the batch.")
-    model_in = _model_inputs(params, loss_fn, init_fn, model, init_args, param_specs)
+    options = _options(options)
+    model_in = _model_inputs(params, loss_fn, model, options)
     layout_auto = any(k in cfg.auto for k in config_lib.LAYOUT_KEYS)
     if layout_auto:
-        _check_layout_auto(cfg, mesh)
-    mesh = mesh if mesh is not None else make_mesh(_mesh_sizes(cfg))
+        _check_layout_auto(cfg, options.mesh)
+    mesh = options.mesh if options.mesh is not None else make_mesh(_mesh_sizes(cfg))
     key = _key(cfg.seed)
     shapes = model_in.shapes(key)
     from_first_batch = config_lib.batch_from_first_batch(cfg)
@@ -261,7 +288,7 @@ def initialize(
         if from_first_batch or layout is not None
         else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
-    init_from = init_from if init_from is not None else cfg.checkpoint.init_from
+    init_from = options.init_from if options.init_from is not None else cfg.checkpoint.init_from
     if init_from is None:  # the values checked now, though the state may be made later
         _initial_values(plan, model_in.params, shapes, model_in.init_fn, key, None, None, abstract)
     _log_built(plan, sizes)
@@ -283,7 +310,7 @@ def initialize(
 
     def make_state(s: Setup) -> tuple[TrainState, Any]:
         args = (s.config, s.plan, model_in, shapes, key, s.optimizer)
-        return _first_state(*args, init_from, name_map, abstract)
+        return _first_state(*args, init_from, options.name_map, abstract)
 
     return Engine(setup, make_state, batch=batch, abstract=abstract)
 
@@ -328,38 +355,58 @@ class _ModelInputs:
         return self.adapted is not None and self.adapted.values is None
 
 
+def _options(options: InitOptions | None) -> InitOptions:
+    """``initialize``'s ``options``, checked to be an :class:`InitOptions` (a dict is refused
+    with the fix, never read by its keys)."""
+    if options is None:
+        return InitOptions()
+    if not isinstance(options, InitOptions):
+        raise TypeError(
+            f"options must be a jzero.InitOptions, got {type(options).__name__}: pass "
+            "options=jzero.InitOptions(mesh=..., param_specs=..., init_args=..., "
+            "init_from=..., name_map=...)."
+        )
+    return options
+
+
 def _model_inputs(
-    params: PyTree | None,
+    params: PyTree | Callable[[jax.Array], PyTree] | None,
     loss_fn: Callable[..., Any],
-    init_fn: Callable[[jax.Array], PyTree] | None,
     model: Any,
-    init_args: tuple,
-    param_specs: PyTree | None,
+    options: InitOptions,
 ) -> _ModelInputs:
     """``initialize``'s model arguments as one :class:`_ModelInputs`: a Flax or Equinox
-    ``model`` through its adapter (imported only then), else the params or ``init_fn``."""
-    inputs = _ModelInputs(params, loss_fn, init_fn, param_specs)
+    ``model`` through its adapter (imported only then), else the params, or the function of a
+    key given as ``params`` that creates them (a creator, :func:`jzero._util.is_creator`: a
+    callable pytree is a value)."""
+    init_fn = params if is_creator(params) else None
+    if init_fn is not None:
+        params = None
+    inputs = _ModelInputs(params, loss_fn, init_fn, options.param_specs)
     if model is not None:
         from jzero.engine import equinox_adapter, flax_adapter  # only for Flax/Equinox models
 
         if params is not None or init_fn is not None:
-            raise ValueError("Pass either model=... or params/init_fn, not both.")
+            raise ValueError("Pass either model=... or params=..., not both.")
         eqx_model, eqx_abstract = equinox_adapter.is_equinox(model)
         if eqx_model:
             adapted = equinox_adapter.adapt(model, loss_fn, eqx_abstract)
         else:
-            adapted = flax_adapter.adapt(model, loss_fn, init_args)
+            adapted = flax_adapter.adapt(model, loss_fn, options.init_args)
         inputs = _ModelInputs(
             params=adapted.abstract_params,
             loss_fn=adapted.loss_fn,
             init_fn=(lambda key: adapted.init_fn(key)[0]) if adapted.values is None else None,
-            param_specs=adapted.param_specs if param_specs is None else param_specs,
+            param_specs=adapted.param_specs if options.param_specs is None else options.param_specs,
             adapted=adapted,
         )
         if adapted.values is not None:
             inputs.params, inputs.extra = adapted.values
     if inputs.params is None and inputs.init_fn is None:
-        raise ValueError("Pass params (arrays or jax.ShapeDtypeStruct) or init_fn(key) -> params.")
+        raise ValueError(
+            "Pass params (arrays, or a function of a key that creates them: "
+            "params=lambda key: ...) or model=... (a Flax or Equinox model)."
+        )
     return inputs
 
 
@@ -503,8 +550,8 @@ def _initial_values(
     abstract: bool,
 ) -> Any:
     """What the state's parameters are made from: their shapes (``abstract``), the weights
-    ``init_from`` names (each process reading its own shards), ``init_fn`` (called inside the
-    init's program) or the params given."""
+    ``init_from`` names (each process reading its own shards), ``init_fn`` (the function of a
+    key given as ``params``, called inside the init's program) or the params given."""
     if abstract:
         values = plan.abstract_params  # nothing is read: init_from only gives the values
     elif init_from is not None:
@@ -519,20 +566,12 @@ def _initial_values(
         )
         values = weights.load_weights(init_from, plan.abstract_params, shardings, name_map=name_map)
     elif init_fn is not None:
-        made = jax.eval_shape(lambda: init_fn(key()))
-        if jax.tree.structure(made) != jax.tree.structure(shapes) or any(
-            (a.shape, a.dtype) != (b.shape, b.dtype)
-            for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(shapes), strict=True)
-        ):
-            raise ValueError(
-                "init_fn(key) creates parameters that differ from the params given: "
-                f"{made} vs {shapes}. Pass params=None to take init_fn's shapes."
-            )
         values = lambda: init_fn(key())  # noqa: E731  created inside init_train_state's jit
     elif _is_abstract(params):
         raise ValueError(
-            "params are abstract (jax.ShapeDtypeStruct) but no init_fn was given to create them. "
-            "Pass init_fn(key) -> params, or concrete arrays."
+            "params are abstract (jax.ShapeDtypeStruct) and nothing creates them. Pass a "
+            "function of a key that creates them (params=lambda key: ...), concrete arrays, "
+            "or weights to load (options=jzero.InitOptions(init_from=...))."
         )
     else:
         values = params
@@ -571,14 +610,14 @@ def _auto_stage(
 
 def _check_layout_auto(cfg: config_lib.Config, mesh: jax.sharding.Mesh | None) -> None:
     """A parallel size ``"auto"``: the sizes written as numbers divide the devices, the global
-    batch is fixed, and no ``mesh=`` fixes the layout."""
+    batch is fixed, and no ``InitOptions(mesh=...)`` fixes the layout."""
     from jzero.engine import auto_layout
 
     if mesh is not None:
         raise config_lib.ConfigError(
             f'{", ".join(k for k in config_lib.LAYOUT_KEYS if k in cfg.auto)} "auto" chooses '
-            "the mesh, but initialize was given mesh=; drop mesh=, or write the sizes in the "
-            "config."
+            "the mesh, but initialize was given InitOptions(mesh=...); drop that mesh, or write "
+            "the sizes in the config."
         )
     auto_layout.check_fixed_sizes(cfg, jax.device_count())
 

@@ -498,7 +498,7 @@ class Engine:
         ``model-00001-of-0000N.safetensors`` files of at most ``max_shard_size`` and
         ``model.safetensors.index.json``, tensors named by their dotted paths, one leaf on the
         host at a time; each process writes its own files. Load them back with
-        ``jzero.initialize(init_from=directory)`` or Hugging Face's loaders.
+        ``jzero.InitOptions(init_from=directory)`` or Hugging Face's loaders.
 
         Args:
           directory: the output directory (created if missing).

@@ -10,10 +10,10 @@ Decisions:
   created directly in its shards. The loss is ``loss_fn(model, batch)``; the model it gets is
   rebuilt from the current arrays, and whatever the forward pass wrote into non-parameter
   variables (running statistics) is carried to the next step.
-* Linen: ``model`` is a module and ``init_args`` its example inputs. With only a ``params``
-  collection the loss is ``loss_fn(params, batch)``; with others (``batch_stats``) it is
-  ``loss_fn(params, state, batch) -> (loss, new_state)`` where ``state`` holds the other
-  collections, Flax's usual ``apply(..., mutable=[...])`` pattern.
+* Linen: ``model`` is a module and ``InitOptions.init_args`` its example inputs. With only
+  a ``params`` collection the loss is ``loss_fn(params, batch)``; with others
+  (``batch_stats``) it is ``loss_fn(params, state, batch) -> (loss, new_state)`` where
+  ``state`` holds the other collections, Flax's usual ``apply(..., mutable=[...])`` pattern.
 * Partition annotations are read, not applied: NNX ``sharding`` metadata
   (``nnx.Param(..., sharding=("model", None))``, ``nnx.with_partitioning``) through
   ``nnx.get_partition_spec``, Linen ``nn.with_partitioning`` boxes through
@@ -171,8 +171,8 @@ def adapt(model: Any, loss_fn: Callable[..., Any], init_args: tuple = ()) -> Ada
     if isinstance(model, linen.Module):
         if not init_args:
             raise ValueError(
-                "A Linen model needs example inputs to initialise: pass "
-                "init_args=(example_batch_inputs,) to jzero.initialize."
+                "A Linen model needs example inputs to initialise: pass options="
+                "jzero.InitOptions(init_args=(example_batch_inputs,)) to jzero.initialize."
             )
         return _adapt_linen(model, loss_fn, tuple(init_args))
     if isinstance(model, nnx.Module) or is_creator(model):

@@ -285,12 +285,12 @@ def parallel_options(
 
 def _require_axis(key: str, size: int, axis: str, mesh: jax.sharding.Mesh) -> None:
     """A parallelism of ``size`` > 1 set by config ``key`` needs mesh axis ``axis`` of that
-    size: a user's own ``mesh=`` without it is refused with the fix."""
+    size: a user's own mesh (``InitOptions(mesh=...)``) without it is refused with the fix."""
     if size > 1 and mesh.shape.get(axis, 1) != size:
         raise ValueError(
             f"{key}: {size} needs a mesh axis {axis!r} of {size} devices, but the mesh is "
-            f"{dict(mesh.shape)}; drop mesh= to let the config build it, or give it "
-            f"{axis}: {size}."
+            f"{dict(mesh.shape)}; drop InitOptions(mesh=...) to let the config build it, or "
+            f"give it {axis}: {size}."
         )
 
 

@@ -11,7 +11,7 @@ Decisions:
   creates exclusively (a fresh name) beside the output and renames it onto the output when
   complete: no predictable name such as ``<out>.tmp`` is ever opened, so a pre-existing file or
   symlink there is never written through or removed; a failed export removes only its own file.
-* :func:`parameter_leaves` serves ``jzero.initialize(init_from=<checkpoint dir>)``
+* :func:`parameter_leaves` serves ``jzero.InitOptions(init_from=<checkpoint dir>)``
   (:mod:`jzero.weights.sharded`): the master weights of a mixed-precision run (float32, exact),
   else the params, one leaf at a time.
 * The checkpoint is read through :mod:`jzero.checkpoint`'s public modules (Orbax only behind
@@ -116,7 +116,8 @@ def export_checkpoint(
 
     Leaves are read from the checkpoint one at a time, so host memory stays near the largest
     leaf. Floating leaves are cast to ``dtype``; others keep theirs. Read it back with
-    :func:`jzero.weights.export.load_exported`, or load it with ``jzero.initialize(init_from=...)``.
+    :func:`jzero.weights.export.load_exported`, or load it with
+    ``jzero.InitOptions(init_from=...)``.
 
     Args:
       directory: the checkpoint directory.

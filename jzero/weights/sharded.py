@@ -1,7 +1,7 @@
 """Weights in and out: safetensors files and jzero checkpoints read straight into the plan's
 shards; the engine's sharded arrays written as Hugging Face's sharded safetensors.
 
-``jzero.initialize(..., init_from=path)`` calls :func:`load_weights`;
+``jzero.initialize(..., options=jzero.InitOptions(init_from=path))`` calls :func:`load_weights`;
 ``engine.save_16bit_model(dir)`` calls :func:`save_weights`; ``engine.save()`` with
 ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` calls
 :func:`save_step_weights`. The file formats are :mod:`jzero.weights.export`'s.
@@ -255,8 +255,9 @@ def load_weights(
         raise ValueError(
             f"The weights in {str(path)!r} do not fit the parameters ({len(entries)} leaves, "
             f"{len(tensors)} tensors): " + "; ".join(parts) + ". Names are the parameters' "
-            "dotted paths (e.g. 'blocks.w'); pass name_map= (a dict or a function from a "
-            "parameter's path to the tensor's name) when the file names them otherwise, and "
+            "dotted paths (e.g. 'blocks.w'); pass a name_map (a dict or a function from a "
+            "parameter's path to the tensor's name: jzero.InitOptions(init_from=..., "
+            "name_map=...) for jzero.initialize) when the file names them otherwise, and "
             "load weights of the same shapes."
         )
     out = []

@@ -198,7 +198,7 @@ def test_pipeline_and_autotp_keys_jzero_does_not_act_on_warn_unless_they_ask_for
         "tensor_parallel.keep_module_on_host",
         "tensor_parallel.preset_model",
     ]
-    assert "equally many layers" in message and "init_fn" in message
+    assert "equally many layers" in message and "params=<a function of a key>" in message
 
 
 # --- 4. what changes the trained model is refused -------------------------------------------

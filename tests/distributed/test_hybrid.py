@@ -259,7 +259,8 @@ def test_checkpoint_moves_between_hybrid_and_flat_meshes(tmp_path, x64):
         cfg["checkpoint"] = {"directory": str(directory)}
         m = None if devices is None else jzero.make_mesh(devices, devices=jax.devices()[:devices])
         params = toy.make_params(dtype=jnp.float64)
-        return jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), cfg, mesh=m)
+        options = jzero.InitOptions(mesh=m)
+        return jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), cfg, options=options)
 
     batches = toy.make_batches(3, BATCH, dtype=np.float64)
     first_norm = float64_reference()[1][0]  # the initial gradient's, whatever the optimizer

@@ -77,7 +77,11 @@ def runs(stage):
     params = toy.make_params(dtype=jnp.float64)
     batches = toy.make_batches(3, BATCH, dtype=np.float64)
     split = jzero.initialize(
-        params, toy.loss_fn, optax.adamw(1e-2), config(stage, MODEL_MESH), param_specs=SPECS
+        params,
+        toy.loss_fn,
+        optax.adamw(1e-2),
+        config(stage, MODEL_MESH),
+        options=jzero.InitOptions(param_specs=SPECS),
     )
     plain = jzero.initialize(params, toy.loss_fn, optax.adamw(1e-2), config(stage, {"data": -1}))
     compiled = split.lower(batches[0]).compile()
@@ -209,7 +213,7 @@ def test_flax_partition_annotations_are_kept_and_train_like_data_parallel(kind):
             loss_fn=_linen_loss,
             optimizer=optax.adamw(1e-2),
             config=config(3, MODEL_MESH),
-            init_args=(batches[0]["x"][:2],),
+            options=jzero.InitOptions(init_args=(batches[0]["x"][:2],)),
         )
         kernel, down, tree_loss = ("Dense_0", "kernel"), ("Dense_1", "kernel"), _linen_loss
 
@@ -237,5 +241,9 @@ def test_a_data_axis_annotation_is_refused_with_the_fix():
     specs = dict(SPECS, odd=P("data"))
     with pytest.raises(ValueError, match=r"odd already uses the data axis 'data'.*Remove"):
         jzero.initialize(
-            toy.make_params(), toy.loss_fn, optax.sgd(0.1), config(1, MODEL_MESH), param_specs=specs
+            toy.make_params(),
+            toy.loss_fn,
+            optax.sgd(0.1),
+            config(1, MODEL_MESH),
+            options=jzero.InitOptions(param_specs=specs),
         )

@@ -224,7 +224,8 @@ def test_a_checkpoint_moves_from_ep4_stage3_to_ep2_stage2_and_ep1_stage1_on_4_de
         assert_close(float(e.train_step(steps[2])["loss"]), want[0])
     mesh = jzero.make_mesh(4, devices=jax.devices()[:4])
     cfg1 = config(1, 1, checkpoint=ckpt)
-    with jzero.initialize(make_params(seed=9), loss, optax.sgd(LR), cfg1, mesh=mesh) as e:
+    options = jzero.InitOptions(mesh=mesh)
+    with jzero.initialize(make_params(seed=9), loss, optax.sgd(LR), cfg1, options=options) as e:
         e.restore()
         for a, b in zip(jax.tree.leaves(e.params), jax.tree.leaves(saved), strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)

@@ -494,7 +494,11 @@ def test_a_checkpoint_saved_at_two_stages_stage_3_restores_at_one_stage_stage_1(
     piped.close()  # one writer per checkpoint directory
     four = jzero.make_mesh({"data": 4}, devices=jax.devices()[:4])
     whole = jzero.initialize(
-        make_toy(), toy_loss, optax.adamw(LR), {**config(1, 1, 1), **ckpt}, mesh=four
+        make_toy(),
+        toy_loss,
+        optax.adamw(LR),
+        {**config(1, 1, 1), **ckpt},
+        options=jzero.InitOptions(mesh=four),
     )
     whole.restore()
     assert float(whole.train_step(data[1])["loss"]) == pytest.approx(expected, rel=1e-10, abs=0)
@@ -538,10 +542,10 @@ def test_stages_that_do_not_divide_the_devices_are_a_clear_error():
 
 
 def test_a_users_mesh_without_the_pipe_axis_is_refused_with_the_fix():
-    mesh = jax.make_mesh((8,), ("data",))
+    options = jzero.InitOptions(mesh=jax.make_mesh((8,), ("data",)))
     with pytest.raises(ValueError, match=r"pipeline.stages: 2 needs a mesh axis 'pipe' of 2 "
                        r"devices, but the mesh is \{'data': 8\}.*give it pipe: 2"):  # fmt: skip
-        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 2, 2), mesh=mesh)
+        jzero.initialize(make_toy(), toy_loss, optax.sgd(LR), config(1, 2, 2), options=options)
 
 
 def test_interleaving_settings_that_do_not_fit_are_clear_errors():
@@ -603,8 +607,7 @@ def test_the_built_in_gpt_sends_each_micro_batch_once_forward_and_once_back(stag
     boundary, nothing in idle slots: M carries from an end stage, 2 M from an interior one."""
     cfg = {**config(1, stages, micro), "train_batch_size": 8 // stages * micro}
     engine = jzero.initialize(
-        None, gpt_loss, optax.sgd(LR), cfg, init_fn=lambda k: gpt.init_params(k, GPT),
-        abstract=True,
+        lambda k: gpt.init_params(k, GPT), gpt_loss, optax.sgd(LR), cfg, abstract=True,
     )  # fmt: skip
     batch = {"tokens": np.zeros((8 // stages * micro, GPT.seq_len + 1), np.int32)}
     fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -680,10 +683,9 @@ def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path, tiny_gpt):
     )
     model = gpt.GPTConfig(**tiny_gpt)
     whole = jzero.initialize(
-        None,
+        lambda key: gpt.init_params(key, model),
         lambda p, b: gpt.loss_fn(p, b, model),
         config=cfg,
-        init_fn=lambda key: gpt.init_params(key, model),
         abstract=True,
     )
     whole_bytes = sum(model_state_bytes(whole.plan).values())

@@ -156,7 +156,12 @@ def _mesh_warnings(stage, mesh):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # pyproject ignores this class outside this test
         jzero.initialize(
-            toy.make_params(), toy.loss_fn, optax.sgd(0.1), config(stage), mesh=mesh, abstract=True
+            toy.make_params(),
+            toy.loss_fn,
+            optax.sgd(0.1),
+            config(stage),
+            abstract=True,
+            options=jzero.InitOptions(mesh=mesh),
         )
     return [str(w.message) for w in caught if issubclass(w.category, JzeroMeshWarning)]
 

@@ -198,7 +198,8 @@ def test_an_export_loads_into_a_fresh_model_engine_by_name(tmp_path):
     for name_map in (None, lambda path: path):
         fresh = jzero.initialize(
             model=lambda: LM(jax.random.key(5)), loss_fn=model_loss, optimizer=optax.sgd(1e-2),
-            config=config(1), init_from=str(tmp_path / "export"), name_map=name_map,
+            config=config(1),
+            options=jzero.InitOptions(init_from=str(tmp_path / "export"), name_map=name_map),
         )  # fmt: skip
         for x, y in zip(jax.tree.leaves(jax.device_get(fresh.params)), jax.tree.leaves(trained),
                         strict=True):  # fmt: skip

@@ -196,7 +196,7 @@ def test_linen_with_batch_stats_matches_the_pytree_path(stage):
         loss_fn=loss,
         optimizer=optax.adamw(1e-2),
         config=_cfg(stage),
-        init_args=(batch["x"][:2],),
+        options=jzero.InitOptions(init_args=(batch["x"][:2],)),
     )
     params = jax.tree.map(np.asarray, engine.params)
     stats = jax.tree.map(np.asarray, engine.state.extra)
@@ -227,5 +227,5 @@ def test_linen_with_extra_collections_needs_a_stateful_loss():
             loss_fn=lambda p, b: 0.0,
             optimizer=optax.sgd(0.1),
             config=_cfg(1),
-            init_args=(np.ones((2, 4)),),
+            options=jzero.InitOptions(init_args=(np.ones((2, 4)),)),
         )

@@ -54,7 +54,7 @@ def toy_engine(stage, bits, directory=None, mesh=None, **extra):
     if directory is not None:
         cfg["checkpoint"] = {"directory": str(directory)}
     params = toy.make_params(num_layers=2, d=64)
-    return jzero.initialize(params, toy.loss_fn, config=cfg, mesh=mesh)
+    return jzero.initialize(params, toy.loss_fn, config=cfg, options=jzero.InitOptions(mesh=mesh))
 
 
 def of_type(tree, kind):

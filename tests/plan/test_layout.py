@@ -146,7 +146,7 @@ def gpt_step(stage, devices, layers):
     config = {"train_batch_size": 2 * devices, "zero_optimization": {"stage": stage}}
     mesh = jzero.make_mesh(devices, devices=jax.devices()[:devices])
     engine = jzero.initialize(params, lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3),
-                              config, mesh=mesh)  # fmt: skip
+                              config, options=jzero.InitOptions(mesh=mesh))  # fmt: skip
     batch = {"tokens": np.zeros((2 * devices, cfg.seq_len + 1), np.int32)}
     return engine, engine.lower(batch).compile()
 

@@ -54,7 +54,7 @@ def config(stage, **zero):
 def engine_at(n, cfg, params=None):
     mesh = jzero.make_mesh(cfg.get("mesh", n), devices=jax.devices()[:n])
     params = toy.make_params(dtype=jnp.float64) if params is None else params
-    return jzero.initialize(params, toy.loss_fn, tx(), cfg, mesh=mesh)
+    return jzero.initialize(params, toy.loss_fn, tx(), cfg, options=jzero.InitOptions(mesh=mesh))
 
 
 def assert_trains_like_optax(engine):

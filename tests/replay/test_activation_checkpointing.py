@@ -343,7 +343,8 @@ def test_partition_activations_splits_each_saved_layer_input_over_the_model_axis
                 "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
                 "activation_checkpointing": {"policy": "full", "partition_activations": part},
             }
-            e = jzero.initialize(p, loss, optax.sgd(1e-3), cfg, param_specs=specs[stage])
+            options = jzero.InitOptions(param_specs=specs[stage])
+            e = jzero.initialize(p, loss, optax.sgd(1e-3), cfg, options=options)
             tmp = e.lower(batch).compile().memory_analysis().temp_size_in_bytes
             m = e.train_step(batch)
             out[part] = tmp, (float(m["loss"]), float(m["grad_norm"]))

@@ -76,7 +76,7 @@ def _nnx_loss(model, b):
 
 MODELS = {
     "loop": dict(params=_loop_params(), loss_fn=_loop_loss),
-    "scan": dict(init_fn=_scan_init, loss_fn=_scan_loss),
+    "scan": dict(params=_scan_init, loss_fn=_scan_loss),
     "nnx": dict(model=lambda: _Net(nnx.Rngs(0)), loss_fn=_nnx_loss),
 }
 

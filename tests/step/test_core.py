@@ -225,11 +225,9 @@ def test_aux_metrics_and_learning_rate():
     assert 0 < float(m["mae"]) < 10
 
 
-def test_init_fn_creates_params_in_their_shards():
+def test_params_given_as_a_function_of_a_key_are_created_in_their_shards():
     cfg = config(3)
-    engine = jzero.initialize(
-        None, toy.loss_fn, optax.sgd(0.1), cfg, init_fn=lambda key: toy.make_params()
-    )
+    engine = jzero.initialize(lambda key: toy.make_params(), toy.loss_fn, optax.sgd(0.1), cfg)
     w = engine.params["blocks"]["w"]
     assert w.sharding.spec == jax.sharding.PartitionSpec(None, "data")  # leading divisible dim
     assert w.addressable_shards[0].data.shape == (4, 8, 64)

@@ -45,7 +45,11 @@ def _run(mode: str, directory: str) -> dict:
         engine.save_16bit_model(directory, max_shard_size=SHARD_SIZE)
         return {"processes": jax.process_count()}
     engine = jzero.initialize(
-        toy.make_params(seed=0), toy.loss_fn, optax.sgd(0.1), CONFIG, init_from=directory
+        toy.make_params(seed=0),
+        toy.loss_fn,
+        optax.sgd(0.1),
+        CONFIG,
+        options=jzero.InitOptions(init_from=directory),
     )
     got = multihost_utils.process_allgather(engine.params, tiled=True)
     want = jax.tree.map(np.asarray, params)

@@ -20,7 +20,11 @@ from jzero.weights import load_exported
 def main(directory: str) -> None:
     cfg = {"train_batch_size": 32, "zero_optimization": {"stage": 1}}
     engine = jzero.initialize(
-        toy.make_params(seed=7), toy.loss_fn, optax.sgd(0.1), cfg, init_from=directory
+        toy.make_params(seed=7),
+        toy.loss_fn,
+        optax.sgd(0.1),
+        cfg,
+        options=jzero.InitOptions(init_from=directory),
     )
     want = load_exported(directory)
     same = all(

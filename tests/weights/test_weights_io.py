@@ -1,6 +1,6 @@
 """Weights out as Hugging Face's sharded safetensors (engine.save_16bit_model, the checkpoint
 export CLI, stage3_gather_16bit_weights_on_model_save on save) and weights in with
-jzero.initialize(init_from=...): straight into the plan's shards, at another stage and device
+jzero.InitOptions(init_from=...): straight into the plan's shards, at another stage and device
 count, with one error listing every mismatch, in bounded host memory."""
 
 import argparse
@@ -35,11 +35,11 @@ BF16 = {"bf16": {"enabled": True}}
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
-def make_engine(stage=3, extra=None, params=None, **kw):
+def make_engine(stage=3, extra=None, params=None, init_from=None):
     cfg = {"train_batch_size": 32, "zero_optimization": {**STAGE3, "stage": stage}, **(extra or {})}
-    return jzero.initialize(
-        toy.make_params() if params is None else params, toy.loss_fn, optax.sgd(0.1), cfg, **kw
-    )
+    params = toy.make_params() if params is None else params
+    options = jzero.InitOptions(init_from=init_from)
+    return jzero.initialize(params, toy.loss_fn, optax.sgd(0.1), cfg, options=options)
 
 
 def child_env(num_devices):
