@@ -541,6 +541,6 @@ def _check_axes_used(mesh: Mesh, zero_axes: tuple[str, ...], bases: Sequence[P])
                 "named by any parameter's partition spec, so its devices would all compute the "
                 f"same rows ({size}x redundant work). Rename it to {REPLICA_AXIS!r} to replicate "
                 f"ZeRO's shards across it (e.g. across hosts), fold it into {axis!r} (mesh: "
-                f"{{{axis}: -1}}), or give parameters partition specs over it (param_specs=, "
-                "nnx.with_partitioning)."
+                f"{{{axis}: -1}}), or give parameters partition specs over it "
+                "(jzero.InitOptions(param_specs=...), nnx.with_partitioning)."
             )
