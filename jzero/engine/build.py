@@ -289,8 +289,13 @@ def initialize(
         else config_lib.resolve_batch_sizes(cfg, plan.data_parallel_size)
     )
     init_from = options.init_from if options.init_from is not None else cfg.checkpoint.init_from
-    if init_from is None:  # the values checked now, though the state may be made later
+    # The values checked now, though the state may be made later (the weights by their headers).
+    if init_from is None:
         _initial_values(plan, model_in.params, shapes, model_in.init_fn, key, None, None, abstract)
+    elif not abstract:
+        from jzero import weights
+
+        weights.check_weights(init_from, plan.abstract_params, name_map=options.name_map)
     _log_built(plan, sizes)
     adapted = model_in.adapted
     setup = Setup(

@@ -29,6 +29,7 @@ from jzero.weights.from_checkpoint import parameter_leaves as parameter_leaves
 from jzero.weights.sharded import MARKER as MARKER
 from jzero.weights.sharded import Tensor as Tensor
 from jzero.weights.sharded import check_step_weights_dir as check_step_weights_dir
+from jzero.weights.sharded import check_weights as check_weights
 from jzero.weights.sharded import load_weights as load_weights
 from jzero.weights.sharded import open_weights as open_weights
 from jzero.weights.sharded import save_step_weights as save_step_weights
@@ -41,6 +42,7 @@ __all__ = [
     "INDEX_NAME",
     "leaf_entries",
     "load_exported",
+    "check_weights",
     "load_weights",
     "MARKER",
     "open_weights",

@@ -202,35 +202,22 @@ def _listed(what: str, items: list[str]) -> str:
     return f"{len(items)} {what}: {shown}"
 
 
-def load_weights(
-    path: str | os.PathLike,
-    abstract_params: PyTree,
-    shardings: PyTree,
-    *,
-    name_map: NameMap = None,
-) -> PyTree:
-    """Reads stored weights straight into sharded arrays.
+def check_weights(
+    path: str | os.PathLike, abstract_params: PyTree, *, name_map: NameMap = None
+) -> None:
+    """Checks that the weights at ``path`` fit ``abstract_params`` (every parameter has its
+    tensor, of its shape, and every tensor a parameter) from the files' headers alone: the
+    ``ValueError`` :func:`load_weights` raises, before anything is read."""
+    _matched(path, abstract_params, name_map)
 
-    Args:
-      path: a ``.safetensors`` file, a sharded export (directory or index), or a jzero
-        checkpoint directory.
-      abstract_params: the parameters' shapes and dtypes (``jax.ShapeDtypeStruct``); values are
-        cast to these dtypes.
-      shardings: one ``jax.sharding.Sharding`` per leaf (device memory).
-      name_map: a parameter's dotted path -> the tensor's name at ``path``: a dict (paths not in
-        it keep their own name) or a callable.
 
-    Returns:
-      The parameters as ``jax.Array`` in ``shardings``.
-
-    Raises:
-      ValueError: listing every missing tensor, every tensor no parameter takes and every shape
-        mismatch, when there is any.
-    """
+def _matched(
+    path: str | os.PathLike, abstract_params: PyTree, name_map: NameMap
+) -> tuple[dict[str, Tensor], list[str]]:
+    """The tensors at ``path`` and each parameter leaf's tensor name, or the ``ValueError``
+    listing every mismatch."""
     tensors = open_weights(path)
     entries = export_lib.leaf_entries(abstract_params)
-    leaves = jax.tree.leaves(abstract_params)
-    flat_sh = jax.tree.structure(abstract_params).flatten_up_to(shardings)
     names = [_file_name(e.key, name_map) for e in entries]
     missing = [
         f"{n!r}" + (f" (for {e.key!r})" if n != e.key else "")
@@ -260,6 +247,37 @@ def load_weights(
             "name_map=...) for jzero.initialize) when the file names them otherwise, and "
             "load weights of the same shapes."
         )
+    return tensors, names
+
+
+def load_weights(
+    path: str | os.PathLike,
+    abstract_params: PyTree,
+    shardings: PyTree,
+    *,
+    name_map: NameMap = None,
+) -> PyTree:
+    """Reads stored weights straight into sharded arrays.
+
+    Args:
+      path: a ``.safetensors`` file, a sharded export (directory or index), or a jzero
+        checkpoint directory.
+      abstract_params: the parameters' shapes and dtypes (``jax.ShapeDtypeStruct``); values are
+        cast to these dtypes.
+      shardings: one ``jax.sharding.Sharding`` per leaf (device memory).
+      name_map: a parameter's dotted path -> the tensor's name at ``path``: a dict (paths not in
+        it keep their own name) or a callable.
+
+    Returns:
+      The parameters as ``jax.Array`` in ``shardings``.
+
+    Raises:
+      ValueError: listing every missing tensor, every tensor no parameter takes and every shape
+        mismatch, when there is any.
+    """
+    tensors, names = _matched(path, abstract_params, name_map)
+    leaves = jax.tree.leaves(abstract_params)
+    flat_sh = jax.tree.structure(abstract_params).flatten_up_to(shardings)
     out = []
     for x, sh, n in zip(leaves, flat_sh, names, strict=True):
         t, dtype = tensors[n], np.dtype(x.dtype)
