@@ -40,8 +40,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+# benchmarks/ is sys.path[0] when run as a script: --smoke compiles as the GPU checks' do.
+from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
+
 MIB = 1 << 20
-SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 KINDS = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
 # Per stage, the variants and their zero_optimization keys ("quarter": a quarter of the params).
 VARIANTS: dict[int, dict[str, dict[str, Any]]] = {

@@ -50,7 +50,13 @@ MIB = 1 << 20
 VARIANTS = ("none", "optimizer", "subgroups", "host", "nvme")
 FULL = {"layers": 24, "d_model": 1024, "heads": 16, "seq_len": 512, "micro_batch": 8}
 SMOKE = {"layers": 2, "d_model": 64, "heads": 2, "seq_len": 16, "micro_batch": 1}
-SMOKE_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# --smoke's CPU code generation, the cheapest there is: LLVM at its lowest level, and the fused
+# loops emitted by XLA's elemental emitter rather than its MLIR fusion emitters (which take about
+# twice as long to compile a tiny model's step on CPU, for the same program).
+SMOKE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false"
+)
 
 
 def add_size_args(ap: argparse.ArgumentParser) -> None:
