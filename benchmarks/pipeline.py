@@ -61,8 +61,8 @@ from tensor_parallel import compiled_and_timed  # noqa: E402  (this folder's scr
 
 import jzero  # noqa: E402
 from jzero.demo import gpt  # noqa: E402
-from jzero.distributed import make_schedule  # noqa: E402
 from jzero.hlo import permute_sends  # noqa: E402
+from jzero.parallel import make_schedule  # noqa: E402
 from jzero.plan import model_state_bytes  # noqa: E402
 
 MB = 1 << 20

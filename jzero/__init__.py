@@ -11,23 +11,23 @@ The public surface fits on one screen:
   (:data:`STAGES` of :class:`StageSpec`).
 * :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
   processes; DeepSpeed's name).
-* :mod:`moe` (:mod:`jzero.distributed.expert`): a mixture-of-experts layer for a user's model,
+* :mod:`moe` (:mod:`jzero.parallel.expert`): a mixture-of-experts layer for a user's model,
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
 
 from jzero.config import Config as Config
 from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
-from jzero.distributed import expert as moe
 from jzero.distributed import init_distributed as init_distributed
 from jzero.distributed import make_mesh as make_mesh
-from jzero.distributed import sequence_chunk as sequence_chunk
-from jzero.distributed import sequence_offset as sequence_offset
-from jzero.distributed import sequence_parallel_attention as sequence_parallel_attention
 from jzero.engine import Engine as Engine
 from jzero.engine import InitOptions as InitOptions
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
+from jzero.parallel import expert as moe
+from jzero.parallel import sequence_chunk as sequence_chunk
+from jzero.parallel import sequence_offset as sequence_offset
+from jzero.parallel import sequence_parallel_attention as sequence_parallel_attention
 from jzero.plan import STAGES as STAGES
 from jzero.plan import Plan as Plan
 from jzero.plan import Precision as Precision

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from jzero.choices.stages import stage_spec
 from jzero.costs import traffic
 from jzero.costs.shapes import ModelShape, ParallelDims
-from jzero.distributed.pipeline import make_schedule
+from jzero.parallel.pipeline.schedule import make_schedule
 
 __all__ = ["PLATFORM_RATES", "Prediction", "Rates", "StageChoice", "Work", "bubble", "predict"]
 

@@ -84,8 +84,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzero.distributed.expert import MoEStats, moe_layer
-from jzero.distributed.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
+from jzero.parallel.expert import MoEStats, moe_layer
+from jzero.parallel.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
 
 __all__ = ["EXPERT_TP_PLAN", "GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
 

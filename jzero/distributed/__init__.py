@@ -1,32 +1,22 @@
-"""Devices and processes: the mesh, the processes of a run and their runtime, ``jzero launch``.
+"""The process runtime: the mesh, the processes of a run and their runtime, ``jzero launch``.
 
 Import direction: this package imports nothing else of jzero's (only the shared helpers of
-:mod:`jzero._util` and the schedule names of :mod:`jzero.choices`); every other package may
-import it. One module per parallelism beside
-ZeRO's data axis (tensor, sequence, pipeline and expert), as in torchtitan's
-``distributed/``.
+:mod:`jzero._util`); every other package may import it. The parallelisms that use the mesh's
+axes have their rooms in :mod:`jzero.parallel`.
 
-* :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes).
+* :mod:`~jzero.distributed.mesh`: device meshes (the ``data`` and ``replica`` axes, and the
+  names of the parallelisms' axes).
 * :mod:`~jzero.distributed.processes`: the processes of a run (how many, which one this is, the
   coordinator) from settings, ``JZERO_*`` variables or a detected Slurm, Open MPI or Kubernetes
   job (imports no JAX). "Layout" elsewhere is where leaves rest on devices.
 * :mod:`~jzero.distributed.runtime`: the runtime started before any JAX call, decisions taken
   alike on every process, each process's rows joined into the global batch, the barrier.
-* :mod:`~jzero.distributed.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
-  parameters' names and shapes.
-* :mod:`~jzero.distributed.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
-  the ``seq`` axis by two all-to-alls.
-* :mod:`~jzero.distributed.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B) and the
-  engine that runs one over the ``pipe`` axis.
-* :mod:`~jzero.distributed.expert`: mixture of experts, a top-k router and dispatch to experts
-  split over the ``expert`` axis by one all-to-all each way (``jzero.moe``).
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
   stopped together (``python -m jzero.distributed.launch``).
 """
 
-from jzero.distributed import expert as expert
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
 from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
@@ -36,10 +26,6 @@ from jzero.distributed.mesh import PIPE_AXIS as PIPE_AXIS
 from jzero.distributed.mesh import REPLICA_AXIS as REPLICA_AXIS
 from jzero.distributed.mesh import SEQ_AXIS as SEQ_AXIS
 from jzero.distributed.mesh import make_mesh as make_mesh
-from jzero.distributed.pipeline import SCHEDULES as SCHEDULES
-from jzero.distributed.pipeline import Schedule as Schedule
-from jzero.distributed.pipeline import bubble_fraction as bubble_fraction
-from jzero.distributed.pipeline import make_schedule as make_schedule
 from jzero.distributed.processes import DEFAULT_HEARTBEAT_TIMEOUT as DEFAULT_HEARTBEAT_TIMEOUT
 from jzero.distributed.processes import (
     DEFAULT_INITIALIZATION_TIMEOUT as DEFAULT_INITIALIZATION_TIMEOUT,
@@ -65,21 +51,11 @@ from jzero.distributed.runtime import is_main_process as is_main_process
 from jzero.distributed.runtime import launcher_replicas as launcher_replicas
 from jzero.distributed.runtime import local_batch_size as local_batch_size
 from jzero.distributed.runtime import process_rows as process_rows
-from jzero.distributed.sequence import sequence_chunk as sequence_chunk
-from jzero.distributed.sequence import sequence_offset as sequence_offset
-from jzero.distributed.sequence import (
-    sequence_parallel_attention as sequence_parallel_attention,
-)
-from jzero.distributed.tensor import MODEL_AXIS as MODEL_AXIS
-from jzero.distributed.tensor import TPChoice as TPChoice
-from jzero.distributed.tensor import autotp_specs as autotp_specs
 
 __all__ = [
     "any_process",
-    "autotp_specs",
     "backends_initialized",
     "barrier",
-    "bubble_fraction",
     "batch_share",
     "check_batch",
     "ClusterJob",
@@ -97,7 +73,6 @@ __all__ = [
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
     "ENV_REPLICAS",
-    "expert",
     "EXPERT_AXIS",
     "global_batch",
     "init_distributed",
@@ -106,16 +81,8 @@ __all__ = [
     "local_batch_size",
     "process_rows",
     "make_mesh",
-    "make_schedule",
-    "MODEL_AXIS",
     "PIPE_AXIS",
     "REPLICA_AXIS",
     "resolve_spec",
-    "Schedule",
-    "SCHEDULES",
     "SEQ_AXIS",
-    "sequence_chunk",
-    "sequence_offset",
-    "sequence_parallel_attention",
-    "TPChoice",
 ]

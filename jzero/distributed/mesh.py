@@ -41,19 +41,19 @@ DATA_AXIS = "data"
 """The name of the data-parallel mesh axis, the one ZeRO shards over."""
 
 SEQ_AXIS = "seq"
-"""The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.distributed.sequence`):
+"""The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.parallel.sequence`):
 its devices share the batch's rows and split their tokens; ZeRO shards over it beside
 ``data``."""
 
 EXPERT_AXIS = "expert"
-"""The name of the expert-parallel axis (:mod:`jzero.distributed.expert`): the batch is split
+"""The name of the expert-parallel axis (:mod:`jzero.parallel.expert`): the batch is split
 over it as over ``data``, each expert leaf rests split over it (each device holds ``E / E_p``
 experts, and tokens reach them by all-to-all), and ZeRO shards every other leaf over ``data``
 x ``expert``. It is the minor axis beside ``data``, so one expert group is neighbouring
 devices, as DeepSpeed's expert-parallel groups are consecutive ranks."""
 
 PIPE_AXIS = "pipe"
-"""The name of the pipeline-parallel axis (:mod:`jzero.distributed.pipeline`): its devices hold
+"""The name of the pipeline-parallel axis (:mod:`jzero.parallel.pipeline`): its devices hold
 consecutive stages of the model's stacked layers; ZeRO shards within each stage's ``data``."""
 
 REPLICA_AXIS = "replica"

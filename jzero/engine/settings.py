@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jzero import config as config_lib
 from jzero._util import dotted
 from jzero.choices import stage_spec
-from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS, expert, tensor
+from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS
+from jzero.parallel import expert, tensor
 from jzero.plan import (
     PINNED_HOST,
     UNPINNED_HOST,

@@ -22,7 +22,7 @@ Decisions:
   paper does.
 * **A conditional read from a schedule table.** A ``conditional`` inside a loop runs one
   branch per iteration. When its branch index is computed from a constant integer table with
-  one entry per iteration of the loop around it (how :mod:`jzero.distributed.pipeline` picks
+  one entry per iteration of the loop around it (how :mod:`jzero.parallel.pipeline` picks
   each slot's transfers: the table indexed by the slot number), branch ``j`` is counted as
   often as the table names it (values clamped to the branches, as ``lax.switch`` does).
   Any other conditional counts each branch every time it runs: an upper bound.

@@ -97,7 +97,6 @@ from jzero._util import divisors
 from jzero.choices.pipeline import SCHEDULES
 from jzero.choices.pipeline import virtual_stages as virtual_stages_of
 from jzero.costs import DTYPE_BYTES, OPTIMIZER_DTYPES, Dtypes, ModelShape, ParallelDims
-from jzero.distributed.pipeline import Schedule, make_schedule
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -110,6 +109,7 @@ from jzero.memory._format import (
     render_columns,
 )
 from jzero.memory._plot import plot_bars
+from jzero.parallel.pipeline.schedule import Schedule, make_schedule
 from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
 __all__ = ["Estimate", "EstimateRow", "Offload", "estimate"]

@@ -119,18 +119,18 @@ class ParallelOptions:
         the sequence-parallel ranks too).
       param_specs: optional ``PartitionSpec`` per parameter leaf on *other* mesh axes, kept.
       tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
-        :func:`jzero.distributed.tensor.autotp_specs`), shown by
+        :func:`jzero.parallel.tensor.autotp_specs`), shown by
         :func:`jzero.plan.describe`; a tuple in the plan's options (empty without AutoTP).
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
         not split over it (its devices share the batch's rows and each computes the loss of
-        its own tokens, :mod:`jzero.distributed.sequence`).
+        its own tokens, :mod:`jzero.parallel.sequence`).
       pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism:
         the leaves the layer scan consumes are split over it on their stacked dimension (their
         base spec names it), every other leaf is whole on each stage.
       pipe_schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"`` or ``"zero_bubble"``
-        (:mod:`jzero.distributed.pipeline`).
+        (:mod:`jzero.parallel.pipeline`).
       pipe_virtual: the chunks of layers each pipeline stage holds (``interleaved_1f1b``).
-      expert_axis: the expert-parallel axis (:mod:`jzero.distributed.expert`), one of
+      expert_axis: the expert-parallel axis (:mod:`jzero.parallel.expert`), one of
         ``axis``'s: ZeRO shards the dense leaves over all of ``axis``, and each expert leaf
         rests split over ``expert_axis`` on its experts dimension, ZeRO sharding it over the
         other axes only (DeepSpeed's expert data-parallel group).

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jzero.distributed.pipeline import Residuals
+from jzero.parallel.pipeline.schedule import Residuals
 from jzero.replay.layer_split import NoLayerScan, layer_scan_index
 from jzero.replay.trace import free_vars, inline_calls, needed_eqns, read, run_eqns
 

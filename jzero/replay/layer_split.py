@@ -5,7 +5,7 @@ stacked parameters, the built-in GPT) is traced once with one stage's share of t
 (``L / P`` of the stacked dimension). The trace falls into three parts: what precedes the
 layer scan (the embedding, positions, masks), the scan, and what follows it (the final norm,
 the head, the loss). :func:`stage_unit` turns that into the function every pipeline stage runs
-on one micro-batch (:func:`jzero.distributed.pipeline.run`):
+on one micro-batch (:func:`jzero.parallel.pipeline.schedule.run`):
 
 * the part before the scan is cut three ways: what the layers read beside their carry
   (positions, masks) runs on every stage; what only makes the carry's start (the embedding)

@@ -338,7 +338,7 @@ def _stage_shapes(plan: Plan, chunks: int = 1) -> PyTree:
 def _pipelined_grads(
     plan: Plan, full_loss: LossFn, accum: int, policy: RematPolicy | None
 ) -> Callable[..., Any]:
-    """Pipeline parallelism (:mod:`jzero.distributed.pipeline`): ``(params, extra, scale,
+    """Pipeline parallelism (:mod:`jzero.parallel.pipeline`): ``(params, extra, scale,
     batch) -> (loss, aux, grads)``, the gradients summed over the ``accum`` micro-batches of
     this device's rows and not yet reduced over ``data``, inside the step's ``shard_map``.
 
@@ -350,7 +350,7 @@ def _pipelined_grads(
     holds whole (embedding, head) are summed over ``pipe``, the split leaves' stay with
     their stage.
     """
-    from jzero.distributed import pipeline
+    from jzero.parallel import pipeline
 
     prec, par = plan.options.precision, plan.options.parallel
     pipe, chunks = par.pipe_axis, par.pipe_virtual
@@ -445,10 +445,10 @@ def _interleaved(plan: Plan, tree: PyTree, *, to_chunks: bool) -> PyTree:
 def pipelined_loss(plan: Plan, full_loss: LossFn, micro: int) -> Callable[..., Any]:
     """An evaluation under pipeline parallelism: ``(params, extra, batch) -> loss``, this
     device's rows' mean loss, inside the step's ``shard_map``. The rows go through the stages
-    in ``micro`` micro-batches, forward only (:func:`jzero.distributed.pipeline.run_forward`):
+    in ``micro`` micro-batches, forward only (:func:`jzero.parallel.pipeline.schedule.run_forward`):
     each stage runs its own layers, as in training, instead of the compiler gathering every
     stage's layers onto each device."""
-    from jzero.distributed import pipeline
+    from jzero.parallel import pipeline
 
     stage_shapes = _stage_shapes(plan)
     loss_only = _loss_only(full_loss, plan.options.precision)

@@ -1,4 +1,4 @@
-"""Expert parallelism (``expert_parallel.autoep_size``, :mod:`jzero.distributed.expert`): an MoE
+"""Expert parallelism (``expert_parallel.autoep_size``, :mod:`jzero.parallel.expert`): an MoE
 toy (a pytree, 8 experts, top-2) trained at E_p in {1, 2, 4} and stages 0-3 on 8 devices equals
 a single-device reference that runs every expert on every token and masks by the router
 (float64, 1e-10), drops included; expert leaves rest split over ``expert`` (and ``data`` at

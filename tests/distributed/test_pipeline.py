@@ -23,10 +23,10 @@ import jzero
 from jzero.costs import ModelShape, ParallelDims
 from jzero.demo import gpt
 from jzero.demo.plan import plan_report
-from jzero.distributed import bubble_fraction, make_schedule
-from jzero.distributed.pipeline import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
 from jzero.hlo.parse import computations
+from jzero.parallel import bubble_fraction, make_schedule
+from jzero.parallel.pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.plan import model_state_bytes
 from jzero.replay import NoLayerScan
 from jzero.replay.layer_split import split_at_layers, stage_unit

@@ -1,4 +1,4 @@
-"""DeepSpeed-Ulysses sequence parallelism (:mod:`jzero.distributed.sequence`): on mesh
+"""DeepSpeed-Ulysses sequence parallelism (:mod:`jzero.parallel.sequence`): on mesh
 ``{data: 2, seq: 4}`` a causal attention's output and gradients equal the unsplit attention's
 in float64 (1e-12), the compiled program holds the four all-to-alls over the seq groups, the
 unbound axis calls the attention directly, grouped-query attention splits k/v heads alike, and
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jzero
-from jzero.distributed.sequence import (
+from jzero.parallel.sequence import (
     SEQ_AXIS,
     sequence_chunk,
     sequence_offset,

@@ -23,8 +23,8 @@ from numerics import EPS, max_rel_error, needs_float16
 
 import jzero
 from jzero.costs import ModelShape, ParallelDims
-from jzero.distributed import autotp_specs
 from jzero.hlo import collectives_by_axes, collectives_by_dtype, program_text, replica_groups
+from jzero.parallel import autotp_specs
 from jzero.step import logical_view
 
 V, D, H, DH, F, L, T = 64, 32, 4, 8, 64, 2, 8

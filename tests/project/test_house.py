@@ -108,14 +108,21 @@ def _under(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-CORE = ("jzero.plan", "jzero.replay", "jzero.step", "jzero.comm", "jzero.subgroups")
+CORE = (
+    "jzero.plan",
+    "jzero.replay",
+    "jzero.parallel",
+    "jzero.step",
+    "jzero.comm",
+    "jzero.subgroups",
+)
 
 
 def forbidden_imports(root: Path) -> list[str]:
-    """The imports that cross the config's wall: the core (plan, replay, step, comm, groups)
-    importing the config or the engine (whose ``settings`` translates it), and the config or
-    the choices it validates against importing anything of jzero's but themselves and
-    ``jzero._util``."""
+    """The imports that cross the config's wall: the core (plan, replay, the parallelisms,
+    step, comm, groups) importing the config or the engine (whose ``settings`` translates
+    it), and the config or the choices it validates against importing anything of jzero's
+    but themselves and ``jzero._util``."""
     name = root.name
     core = tuple(p.replace("jzero", name, 1) for p in CORE)
     config_side = (f"{name}.config", f"{name}.choices")
@@ -182,7 +189,7 @@ def test_the_core_and_the_config_import_nothing_of_each_other():
 
 def test_the_import_check_finds_the_core_reading_the_config_and_back(tmp_path):
     pkg = tmp_path / "jzero"
-    for sub in ("config", "plan", "step", "choices", "distributed", "engine"):
+    for sub in ("config", "plan", "step", "choices", "parallel", "engine"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text('"""A package."""\n')
     (pkg / "__init__.py").write_text('"""The package."""\n')
@@ -190,12 +197,12 @@ def test_the_import_check_finds_the_core_reading_the_config_and_back(tmp_path):
     (pkg / "step" / "b.py").write_text("def f():\n    from ..engine import settings\n")
     (pkg / "config" / "c.py").write_text(
         "from jzero._util import read_size\nfrom jzero.choices import stages\n"
-        "from jzero.distributed import pipeline\n"
+        "from jzero.parallel import pipeline\n"
     )
     (pkg / "choices" / "d.py").write_text("from jzero.plan import a\n")
     assert forbidden_imports(pkg) == [
         "jzero/choices/d.py:1 jzero.plan",
-        "jzero/config/c.py:3 jzero.distributed",
+        "jzero/config/c.py:3 jzero.parallel",
         "jzero/plan/a.py:2 jzero.config",
         "jzero/step/b.py:2 jzero.engine",
     ]

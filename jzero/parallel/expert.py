@@ -73,7 +73,7 @@ import jax.numpy as jnp
 
 from jzero._util import divisors, dotted
 from jzero.distributed.mesh import EXPERT_AXIS
-from jzero.distributed.sequence import bound_axis_size
+from jzero.parallel.sequence import bound_axis_size
 
 __all__ = [
     "EXPERT_AXIS",

@@ -62,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero._util import divisors
 from jzero.distributed.mesh import SEQ_AXIS
-from jzero.distributed.tensor import MODEL_AXIS
+from jzero.parallel.tensor import MODEL_AXIS
 
 __all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
 

@@ -1,0 +1,48 @@
+"""The parallelisms, one room each: where its axis splits leaves and activations, its step part.
+
+Import direction: imports :mod:`jzero.distributed` (the mesh's axes), :mod:`jzero.choices`
+(the schedule names) and :mod:`jzero._util`; imported by the plan's callers (the step, the
+engine, the demo's model). As in torchtitan's ``distributed/``, one module per technique
+beside ZeRO's data axis:
+
+* :mod:`~jzero.parallel.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
+  parameters' names and shapes.
+* :mod:`~jzero.parallel.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
+  the ``seq`` axis by two all-to-alls.
+* :mod:`~jzero.parallel.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B,
+  interleaved, zero-bubble) and the engine that runs one over the ``pipe`` axis.
+* :mod:`~jzero.parallel.expert`: mixture of experts, a top-k router and dispatch to experts
+  split over the ``expert`` axis by one all-to-all each way (``jzero.moe``).
+"""
+
+from jzero.parallel import expert as expert
+from jzero.parallel import pipeline as pipeline
+from jzero.parallel import tensor as tensor
+from jzero.parallel.pipeline import SCHEDULES as SCHEDULES
+from jzero.parallel.pipeline import Schedule as Schedule
+from jzero.parallel.pipeline import bubble_fraction as bubble_fraction
+from jzero.parallel.pipeline import make_schedule as make_schedule
+from jzero.parallel.sequence import sequence_chunk as sequence_chunk
+from jzero.parallel.sequence import sequence_offset as sequence_offset
+from jzero.parallel.sequence import (
+    sequence_parallel_attention as sequence_parallel_attention,
+)
+from jzero.parallel.tensor import MODEL_AXIS as MODEL_AXIS
+from jzero.parallel.tensor import TPChoice as TPChoice
+from jzero.parallel.tensor import autotp_specs as autotp_specs
+
+__all__ = [
+    "autotp_specs",
+    "bubble_fraction",
+    "expert",
+    "make_schedule",
+    "MODEL_AXIS",
+    "pipeline",
+    "Schedule",
+    "SCHEDULES",
+    "sequence_chunk",
+    "sequence_offset",
+    "sequence_parallel_attention",
+    "tensor",
+    "TPChoice",
+]
