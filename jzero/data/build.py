@@ -7,8 +7,10 @@ Decisions:
   ``skip_bad_records`` bad records are skipped and counted (``Loaders.train.skipped_records``).
 * Eval data is an ``eval`` source of its own, or (default) the last ``eval_fraction`` (0.05) of
   each training source's packed rows, held out of training; ``eval_fraction: 0`` and no
-  ``eval`` means no eval batches. Eval batches are rows ``0, 1, ...`` of the eval rows
-  (wrapping round), the same every call; a process gets its rows of each global batch.
+  ``eval`` means no eval batches. A document cut by that boundary has its head in training
+  and its tail in eval (rows, not documents, are held out: one long document splits too).
+  Eval batches are rows ``0, 1, ...`` of the eval rows (wrapping round), the same every call;
+  a process gets its rows of each global batch.
 * The ``tokens`` source's ids are checked against the model's ``vocab_size`` (when given);
   tokenized text against ``vocab_size``, or the tokenizer's vocabulary when it is ``None``.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,7 +73,6 @@ class Loaders:
     tokenizer: str
     vocab_size: int
     seq_len: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One log line: the sources, their sizes, and the train/eval split."""
