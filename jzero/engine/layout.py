@@ -5,8 +5,9 @@ Decisions:
 
 * **Traced, never run.** The loss is traced on a micro-batch of the batch's shapes (the
   config's micro batch, or before the first train batch sets it, the batch's rows over the
-  data axis): :func:`jzero.replay.layer_dims` finds the dimension each scan consumes, and under
-  pipelining :func:`jzero.replay.split_at_layers` the leaves its layer scan splits into stages.
+  data axis): :func:`jzero.replay.layer_dims` finds the dimension each scan consumes, and
+  under pipelining :func:`jzero.parallel.pipeline.split_at_layers` the leaves its layer scan
+  splits into stages.
 * **A leaf moves when its resting layout changes**: the dimension its parameter or its
   optimizer state is split on, its resting (padded) shape, or its base spec. That happens only
   to a state created before the batch's shapes were known (read before the first batch, with no
@@ -34,7 +35,8 @@ def traced_layers(setup: Any, batch: PyTree) -> tuple[Any, dict[str, Any]]:
     consumes in its scans (traced on a micro-batch of ``batch``'s shapes), and under pipelining
     the leaves its layer scan splits (``{"pipe_leaves": ...}``, the keywords a re-plan takes;
     else empty)."""
-    from jzero.replay import layer_dims, split_at_layers
+    from jzero.parallel.pipeline import split_at_layers
+    from jzero.replay import layer_dims
 
     plan = setup.plan
     rows = setup.micro_batch_size  # before the first train batch (all "auto"): this one's

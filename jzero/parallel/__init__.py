@@ -1,23 +1,34 @@
 """The parallelisms, one room each: where its axis splits leaves and activations, its step part.
 
 Import direction: imports :mod:`jzero.distributed` (the mesh's axes), :mod:`jzero.choices`
-(the schedule names) and :mod:`jzero._util`; imported by the plan's callers (the step, the
-engine, the demo's model). As in torchtitan's ``distributed/``, one module per technique
-beside ZeRO's data axis:
+(the schedule names), :mod:`jzero.plan`, :mod:`jzero.replay` and :mod:`jzero.comm` (what its
+part of the step reads and emits); imported by :mod:`jzero.step`, which runs the one
+data-parallel step and calls each room's hooks, the engine and the demo's model. As in
+torchtitan's ``distributed/``, one module per technique:
+
+* :mod:`~jzero.parallel.zero`: ZeRO's part of the step: the loss with stage 3's gathers at
+  their use (:func:`~jzero.parallel.zero.local_loss`), the gradient reductions each stage
+  makes, the ``shard_map`` over the data axis. Its leaf rule is the plan's
+  (:mod:`jzero.plan.leaf_rule`), which the plan is made from.
+* :mod:`~jzero.parallel.hybrid`: hybrid sharding and ZeRO++ hpZ, the gradient shards summed
+  over the ``replica`` axis.
 
 * :mod:`~jzero.parallel.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
   parameters' names and shapes.
 * :mod:`~jzero.parallel.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
   the ``seq`` axis by two all-to-alls.
 * :mod:`~jzero.parallel.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B,
-  interleaved, zero-bubble) and the engine that runs one over the ``pipe`` axis.
+  interleaved, zero-bubble), the engine that runs one over the ``pipe`` axis, the loss cut
+  into stage units, and its part of the step.
 * :mod:`~jzero.parallel.expert`: mixture of experts, a top-k router and dispatch to experts
   split over the ``expert`` axis by one all-to-all each way (``jzero.moe``).
 """
 
 from jzero.parallel import expert as expert
+from jzero.parallel import hybrid as hybrid
 from jzero.parallel import pipeline as pipeline
 from jzero.parallel import tensor as tensor
+from jzero.parallel import zero as zero
 from jzero.parallel.pipeline import SCHEDULES as SCHEDULES
 from jzero.parallel.pipeline import Schedule as Schedule
 from jzero.parallel.pipeline import bubble_fraction as bubble_fraction
@@ -35,6 +46,7 @@ __all__ = [
     "autotp_specs",
     "bubble_fraction",
     "expert",
+    "hybrid",
     "make_schedule",
     "MODEL_AXIS",
     "pipeline",
@@ -45,4 +57,5 @@ __all__ = [
     "sequence_parallel_attention",
     "tensor",
     "TPChoice",
+    "zero",
 ]

@@ -115,7 +115,7 @@ def make_plan(
         consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never
         shards it.
       pipe_leaves: per leaf, whether the loss's layer scan consumes it
-        (:func:`jzero.replay.split_at_layers`): its stacked dimension is split over the
+        (:func:`jzero.parallel.pipeline.split_at_layers`): its stacked dimension is split over the
         options' ``pipe_axis`` (the stages' layers); ``None`` before the loss was traced.
 
     Returns:

@@ -9,10 +9,6 @@ it is given.
 * :mod:`~jzero.replay.pending`: a parameter pending its gather, and the all-gather that resolves
   it.
 * :mod:`~jzero.replay.gather`: :func:`gathered`, the entry point, and :func:`layer_dims`.
-* :mod:`~jzero.replay.layer_split`: the loss cut at its layer scan into the unit each pipeline
-  stage runs.
-* :mod:`~jzero.replay.backward_split`: a stage unit's backward pass split into input- and
-  weight-gradient passes (the zero-bubble schedule's).
 * :mod:`~jzero.replay.overlap`: stage 3's ``overlap_comm``, the layer scan that gathers one layer
   ahead.
 * :mod:`~jzero.replay.prefetch`: DeepSpeed's prefetch and reuse knobs on the gather order.
@@ -24,7 +20,6 @@ from their modules (``jzero.replay.trace.tie_to``). A gather's record is
 ``jzero.replay.overlapped_scan`` is the function, its module ``overlap``.
 """
 
-from jzero.replay.backward_split import split_backward as split_backward
 from jzero.replay.gather import GatherOptions as GatherOptions
 from jzero.replay.gather import gathered as gathered
 from jzero.replay.gather import layer_dims as layer_dims
@@ -33,9 +28,6 @@ from jzero.replay.gather import replay as replay
 from jzero.replay.interpreter import GATHERED as GATHERED
 from jzero.replay.interpreter import PARTITIONED as PARTITIONED
 from jzero.replay.interpreter import remat_save_policy as remat_save_policy
-from jzero.replay.layer_split import NoLayerScan as NoLayerScan
-from jzero.replay.layer_split import split_at_layers as split_at_layers
-from jzero.replay.layer_split import stage_unit as stage_unit
 from jzero.replay.overlap import can_overlap as can_overlap
 from jzero.replay.overlap import overlapped_scan as overlapped_scan
 from jzero.replay.pending import all_gather as all_gather
@@ -55,7 +47,6 @@ __all__ = [
     "gathered",
     "kept_leaves",
     "layer_dims",
-    "NoLayerScan",
     "overlapped_scan",
     "parse_policy",
     "Partition",
@@ -65,7 +56,4 @@ __all__ = [
     "remat_save_policy",
     "remat_scans",
     "replay",
-    "split_at_layers",
-    "split_backward",
-    "stage_unit",
 ]

@@ -61,12 +61,12 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
-from jzero.replay.layer_split import STAGE_MARK
 from jzero.replay.overlap import can_overlap, overlapped_scan
 from jzero.replay.pending import Pending
 from jzero.replay.prefetch import GatherEvent
 from jzero.replay.remat import LAYER_INPUT, RematPolicy
 from jzero.replay.trace import (
+    STAGE_MARK,
     Partition,
     Segment,
     bind,
@@ -316,7 +316,7 @@ class Interpreter:
 
     def _marks_stage(self, eqn: Any, invals: list[Any]) -> bool:
         """Whether ``eqn`` makes a value every device of a pipeline stage shares: a stage
-        unit's first/last-stage predicate (:data:`jzero.replay.layer_split.STAGE_MARK`), or a
+        unit's first/last-stage predicate (:data:`jzero.replay.trace.STAGE_MARK`), or a
         cast of one (``lax.cond`` casts its predicate to the branch index)."""
         name = eqn.primitive.name
         if name == "name" and eqn.params.get("name") == STAGE_MARK:

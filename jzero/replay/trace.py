@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.replay.remat import ACTIVATION, LAYER_INPUT, RematPolicy
 
 __all__ = [
+    "STAGE_MARK",
     "Partition",
     "Segment",
     "bind",
@@ -47,6 +48,12 @@ __all__ = [
     "tie_to",
     "tied",
 ]
+
+STAGE_MARK = "jzero_pipeline_stage"
+"""The ``checkpoint_name`` a stage unit gives its first/last-stage predicates: a ``cond`` on
+them takes the same branch on every device of a stage, so the replay gathers a parameter only
+in the branch that reads it (:mod:`jzero.replay.interpreter`); the pipeline's
+:func:`jzero.parallel.pipeline.stage_unit` sets it."""
 
 
 def first_element(anchor: Any) -> Any:

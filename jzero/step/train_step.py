@@ -40,14 +40,10 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.comm import compiler_options
 from jzero.optim.update_context import update_layout
+from jzero.parallel.pipeline import pipelined_loss
+from jzero.parallel.zero import local_loss
 from jzero.plan import LossScaleState, Plan, next_loss_scale, on_device, to_logical, to_stored
-from jzero.step.gradients import (
-    LossFn,
-    gradient_part,
-    local_loss,
-    pipelined_loss,
-    with_extra,
-)
+from jzero.step.gradients import LossFn, gradient_part, with_extra
 from jzero.step.options import StepOptions
 from jzero.step.state import (
     TrainState,

@@ -26,10 +26,10 @@ from jzero.demo.plan import plan_report
 from jzero.hlo import collectives_by_axes, permute_sends, source_target_pairs
 from jzero.hlo.parse import computations
 from jzero.parallel import bubble_fraction, make_schedule
+from jzero.parallel.pipeline import NoLayerScan
+from jzero.parallel.pipeline.layer_split import split_at_layers, stage_unit
 from jzero.parallel.pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.plan import model_state_bytes
-from jzero.replay import NoLayerScan
-from jzero.replay.layer_split import split_at_layers, stage_unit
 
 V, D, F, L, T = 32, 16, 32, 4, 8
 BATCH = 16

@@ -5,7 +5,8 @@ neighbouring stages by ``ppermute``.
 This module holds what is independent of ZeRO and of the model: the schedules (which stage
 runs which micro-batch's forward or backward pass in each time slot) and the engine that runs a
 schedule inside ``shard_map`` with ``pipe`` manual, given one *stage unit* (a function that
-runs one micro-batch through the stage's own layers, see :mod:`jzero.replay.layer_split`).
+runs one micro-batch through the stage's own layers, see
+:mod:`jzero.parallel.pipeline.layer_split`).
 
 Decisions:
 
@@ -26,7 +27,7 @@ Decisions:
   last stage to the first (the next chunk) and back. The caller hands each stage its chunks in
   its rows (:class:`RunOptions`' ``chunked``).
 * **Zero-bubble (ZB-H1)** splits each backward pass in two
-  (:mod:`jzero.replay.backward_split`): the input gradient (B), which the previous stage
+  (:mod:`jzero.parallel.pipeline.backward_split`): the input gradient (B), which the previous stage
   waits for, and the weight gradient (W), which nobody waits for. Each stage runs, in each
   slot, the first that is ready of: the oldest B, the next forward while fewer than ``P``
   micro-batches are in flight on it (forward done, W not: 1F1B's most), the oldest W. So the
@@ -56,7 +57,7 @@ Decisions:
   message waits in its buffer's place (one or two; one more is a sink for a slot that
   received nothing) until its pass runs.
 * **The loss runs on the last stage only, the embedding on the first only** (the unit's two
-  ``lax.cond``, :func:`jzero.replay.layer_split.stage_unit`), the loss's gradient seeded on
+  ``lax.cond``, :func:`jzero.parallel.pipeline.stage_unit`), the loss's gradient seeded on
   the last. What the layers read besides their carry (positions, masks) runs on every stage.
   At ZeRO stage 3 the head's and the embedding's gathers run inside those conditionals, so
   only the stage that uses a leaf gathers it.
@@ -472,7 +473,7 @@ class RunOptions:
     shard only); the identity when None."""
     split_backward: Callable[..., Any] | None = None
     """What cuts the unit's backward pass into input- and weight-gradient passes
-    (:func:`jzero.replay.split_backward`), which the zero-bubble schedule needs."""
+    (:func:`jzero.parallel.pipeline.split_backward`), which the zero-bubble schedule needs."""
     chunked: Sequence[bool] | None = None
     """Per parameter, whether it is split in the schedule's ``V`` chunks of layers (its leading
     dimension: chunk ``v`` the ``v``-th ``1 / V`` of the stage's rows), the others whole in
@@ -694,7 +695,7 @@ def _passes(
 ) -> _Passes:  # fmt: skip
     """The unit's passes: a forward pass keeping the pullback's residuals and one backward
     pass (GPipe, 1F1B), or the backward split into input- and weight-gradient passes
-    (:func:`jzero.replay.split_backward`, zero-bubble)."""
+    (:func:`jzero.parallel.pipeline.split_backward`, zero-bubble)."""
     treedef = jax.tree.structure(mb)
 
     def call(ps: list[Any], c: list[Any], fixed: list[Any]) -> Any:

@@ -46,6 +46,7 @@ from jax.extend import core as jex_core
 
 from jzero.replay.trace import (
     PASS_THROUGH,
+    STAGE_MARK,
     bind,
     free_vars,
     inline_calls,
@@ -55,18 +56,12 @@ from jzero.replay.trace import (
 )
 
 __all__ = [
-    "STAGE_MARK",
     "LayerSplit",
     "NoLayerScan",
     "layer_scan_index",
     "split_at_layers",
     "stage_unit",
 ]
-
-STAGE_MARK = "jzero_pipeline_stage"
-"""The ``checkpoint_name`` a stage unit gives its first/last-stage predicates: a ``cond`` on
-them takes the same branch on every device of a stage, so the replay gathers a parameter only
-in the branch that reads it (:mod:`jzero.replay.interpreter`)."""
 
 
 class NoLayerScan(ValueError):

@@ -3,7 +3,7 @@
 pass (the parameters' gradients, which nobody waits for and which the schedule runs where a
 stage would otherwise idle).
 
-The unit (:func:`jzero.replay.layer_split.stage_unit`, replayed at ZeRO stage 3) is traced
+The unit (:func:`jzero.parallel.pipeline.stage_unit`, replayed at ZeRO stage 3) is traced
 once and cut at its layer scan into three parts: what precedes the scan (*pre*: the
 embedding under the first stage's ``cond``, positions, masks), the scan's body (one layer),
 and what follows it (*post*: the head and the loss under the last stage's ``cond``). Then:
@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jzero.parallel.pipeline.layer_split import NoLayerScan, layer_scan_index
 from jzero.parallel.pipeline.schedule import Residuals
-from jzero.replay.layer_split import NoLayerScan, layer_scan_index
 from jzero.replay.trace import free_vars, inline_calls, needed_eqns, read, run_eqns
 
 __all__ = ["BackwardSplit", "split_backward"]
