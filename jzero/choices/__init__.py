@@ -2,7 +2,7 @@
 
 Import direction: imports nothing of jzero's and no JAX; imported by :mod:`jzero.config` (which
 validates a user's choice against these tables) and by the core that acts on it
-(:mod:`jzero.plan` the stage table, :mod:`jzero.replay` the remat policies,
+(:mod:`jzero.plan` the stage table, :mod:`jzero.rewrite` the remat policies,
 :mod:`jzero.distributed` the pipeline schedules). One table each, read by both sides, so the
 config and the core never disagree on what exists.
 

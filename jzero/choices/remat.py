@@ -1,7 +1,7 @@
 """The names of ``activation_checkpointing.policy`` and how a value is read.
 
-The meaning of each policy, and the :class:`jzero.replay.RematPolicy` the replay acts on, are
-in :mod:`jzero.replay.remat`; this module holds only the names, so the config validates a value
+The meaning of each policy, and the :class:`jzero.rewrite.RematPolicy` the replay acts on, are
+in :mod:`jzero.rewrite.remat`; this module holds only the names, so the config validates a value
 against the same table the replay reads.
 
 Decisions:

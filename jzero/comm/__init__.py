@@ -1,6 +1,6 @@
 """The collectives jzero emits: ZeRO++'s quantized collectives, gradient buckets, XLA options.
 
-Import direction: imports nothing else of jzero's; imported by :mod:`jzero.replay` and
+Import direction: imports nothing else of jzero's; imported by :mod:`jzero.rewrite` and
 :mod:`jzero.step`.
 
 * :mod:`~jzero.comm.quantization`: block-quantized all-gather (qwZ) and reduce-scatter (qgZ).

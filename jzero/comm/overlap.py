@@ -14,7 +14,7 @@ scheduler. jzero gives the scheduler that structure and, on a GPU, turns the sch
 * **Compile options** (:func:`compiler_options`): on a GPU the step is compiled with XLA's
   latency-hiding scheduler and collective pipelining on, and the combine thresholds set to the
   bucket sizes, so that XLA does not merge the buckets back into one collective at the end.
-* Stage 3's one-layer-ahead gather lives in the replay (:func:`jzero.replay.gather.gathered`,
+* Stage 3's one-layer-ahead gather lives in the replay (:func:`jzero.rewrite.gather.gather_at_use`,
   ``overlap``); the asynchronous collectives a compiled GPU program runs, and what compute
   sits between their start and done, are read by :func:`jzero.hlo.async_collectives`.
 

@@ -8,7 +8,7 @@ inside ``jax.shard_map`` (as jzero's step does, over the mesh axis ``"data"``), 
 quantizer they share:
 
 * :func:`quantize` / :func:`dequantize`: symmetric per-block quantization to 8 or 4 bits.
-* :func:`quantized_all_gather`: a drop-in for :func:`jzero.replay.gather.all_gather` whose forward
+* :func:`quantized_all_gather`: a drop-in for :func:`jzero.rewrite.gather.all_gather` whose forward
   gather moves int8 (or packed 4-bit) bytes; its backward pass is the ordinary reduce-scatter.
 * :func:`quantized_psum_scatter`: the tiled reduce-scatter of a gradient as a quantized
   all-to-all followed by a local float32 sum.
@@ -41,7 +41,7 @@ Decisions:
   a second collective would double the number of collectives for 1.6% of the bytes.
 * **Only the forward gather is quantized (qwZ)** unless ``grad_bits`` asks for more: the
   custom VJP of :func:`quantized_all_gather` reduce-scatters the cotangent unquantized, in
-  ``grad_dtype`` (default: x's dtype) like :func:`jzero.replay.gather.all_gather`; with
+  ``grad_dtype`` (default: x's dtype) like :func:`jzero.rewrite.gather.all_gather`; with
   ``grad_bits`` (qwZ and qgZ together) it is :func:`quantized_psum_scatter` instead.
 * **A piece smaller than a block is one block of its own size.** The block actually used is
   ``min(block, piece size)`` (rounded up to even at 4 bits), so a small piece (a bias's shard

@@ -1,7 +1,7 @@
 """The engine: ``initialize`` (config to Engine), the Engine, its checks, Flax/Equinox models.
 
 Import direction: imports the core (:mod:`jzero.config`, :mod:`jzero.plan`, :mod:`jzero.step`,
-:mod:`jzero.replay`, :mod:`jzero.distributed`, :mod:`jzero.optim`) and, lazily, the disk tiers
+:mod:`jzero.rewrite`, :mod:`jzero.distributed`, :mod:`jzero.optim`) and, lazily, the disk tiers
 (:mod:`jzero.nvme`, :mod:`jzero.checkpoint`, :mod:`jzero.weights`, :mod:`jzero.profiler`,
 :mod:`jzero.monitor`); imported by the demo (``jzero train``, ``jzero plan``:
 :mod:`jzero.demo`). Nothing in the core imports it back, nor does :mod:`jzero.memory` (its

@@ -5,7 +5,7 @@ Decisions:
 
 * **Traced, never run.** The loss is traced on a micro-batch of the batch's shapes (the
   config's micro batch, or before the first train batch sets it, the batch's rows over the
-  data axis): :func:`jzero.replay.layer_dims` finds the dimension each scan consumes, and
+  data axis): :func:`jzero.rewrite.layer_dims` finds the dimension each scan consumes, and
   under pipelining :func:`jzero.parallel.pipeline.split_at_layers` the leaves its layer scan
   splits into stages.
 * **A leaf moves when its resting layout changes**: the dimension its parameter or its
@@ -36,7 +36,7 @@ def traced_layers(setup: Any, batch: PyTree) -> tuple[Any, dict[str, Any]]:
     the leaves its layer scan splits (``{"pipe_leaves": ...}``, the keywords a re-plan takes;
     else empty)."""
     from jzero.parallel.pipeline import split_at_layers
-    from jzero.replay import layer_dims
+    from jzero.rewrite import layer_dims
 
     plan = setup.plan
     rows = setup.micro_batch_size  # before the first train batch (all "auto"): this one's

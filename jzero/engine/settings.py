@@ -1,10 +1,10 @@
 """The config read once: a validated :class:`jzero.config.Config` turned into the typed, frozen
 values the core takes.
 
-The core (:mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.step`, :mod:`jzero.comm`,
+The core (:mod:`jzero.plan`, :mod:`jzero.rewrite`, :mod:`jzero.step`, :mod:`jzero.comm`,
 :mod:`jzero.subgroups`) knows no config: each package owns the option types it reads
 (:class:`jzero.plan.PlanOptions` and its groups, :class:`jzero.plan.Precision`,
-:class:`jzero.replay.RematPolicy`, :class:`jzero.step.StepOptions`), and this module is the one
+:class:`jzero.rewrite.RematPolicy`, :class:`jzero.step.StepOptions`), and this module is the one
 place that maps config fields onto them. ``jzero.initialize`` and the engine call it; a user who
 builds a plan and a step by hand calls it too, or makes the values directly.
 
@@ -49,7 +49,7 @@ from jzero.plan import (
     ZeroOptions,
     check_memory_kind,
 )
-from jzero.replay import RematPolicy, parse_policy
+from jzero.rewrite import RematPolicy, parse_policy
 from jzero.step import StepOptions
 
 __all__ = [
@@ -222,7 +222,7 @@ def _skips_nonfinite(cfg: Any, *, bf16: bool, fp16: bool) -> bool:
 
 def remat_policy(cfg: config_lib.Config) -> RematPolicy | None:
     """The ``activation_checkpointing`` policy (``None``: jzero's default, see
-    :mod:`jzero.replay.remat`)."""
+    :mod:`jzero.rewrite.remat`)."""
     section = getattr(cfg, "activation_checkpointing", None)
     if section is None:
         return None

@@ -1,7 +1,7 @@
 """The parallelisms, one room each: where its axis splits leaves and activations, its step part.
 
 Import direction: imports :mod:`jzero.distributed` (the mesh's axes), :mod:`jzero.choices`
-(the schedule names), :mod:`jzero.plan`, :mod:`jzero.replay` and :mod:`jzero.comm` (what its
+(the schedule names), :mod:`jzero.plan`, :mod:`jzero.rewrite` and :mod:`jzero.comm` (what its
 part of the step reads and emits); imported by :mod:`jzero.step`, which runs the one
 data-parallel step and calls each room's hooks, the engine and the demo's model. As in
 torchtitan's ``distributed/``, one module per technique:

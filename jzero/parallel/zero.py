@@ -7,12 +7,12 @@ table :mod:`jzero.choices.stages`); this module is what the step does with it, i
 Decisions:
 
 * At stage 3 the parameters enter ``shard_map`` as shards and :func:`local_loss` rewrites the
-  traced loss (:mod:`jzero.replay.gather`) so each gather runs at its use (inside the layer
+  traced loss (:mod:`jzero.rewrite.gather`) so each gather runs at its use (inside the layer
   scan for stacked layers). Their gradients come out of the transpose of the all-gather
   already reduce-scattered.
 * Activation checkpointing (``remat_policy``, the config's ``activation_checkpointing``) is a
   rewrite of the loss too: at every stage the body of each ``lax.scan`` in the loss (each
-  stacked layer) runs under ``jax.checkpoint`` with the policy (:mod:`jzero.replay.remat`), by
+  stacked layer) runs under ``jax.checkpoint`` with the policy (:mod:`jzero.rewrite.remat`), by
   the same rewrite that places stage 3's gathers. Without a policy stages 0-2 call the loss as
   written.
 * Stage 0 and 1 reduce once at the accumulation boundary (stage 0 all-reduce, stage 1
@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
 from jzero.plan import Plan, largest_gathered, pad_to
-from jzero.replay import GatherOptions, Partition, RematPolicy, gathered
+from jzero.rewrite import GatherOptions, Partition, RematPolicy, gather_at_use
 
 __all__ = ["local_loss", "reduce_grads", "sharded_grads"]
 
@@ -60,7 +60,7 @@ def local_loss(
     stage_shapes: PyTree = None,
 ) -> Callable[..., Any]:
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
-    and checkpoints each scan body by ``policy`` (:mod:`jzero.replay.remat`).
+    and checkpoints each scan body by ``policy`` (:mod:`jzero.rewrite.remat`).
 
     ``stage_shapes``: one pipeline stage's compute params (its ``L / P`` layers, its experts),
     for the stage unit run with ``pipe`` manual: the compiler's axes (``model``) split a leaf as
@@ -79,7 +79,7 @@ def local_loss(
             overlap=comm.overlap_comm,
             partition=None if staged else _partition(plan, policy),
         )
-        return gathered(
+        return gather_at_use(
             loss_fn,
             plan.param_dims,
             stage_shapes if staged else plan.local_compute_params,

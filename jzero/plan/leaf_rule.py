@@ -10,7 +10,7 @@ Decisions:
   former largest-dimension rule; 28 copies, 6.4 MiB, under a divisible-leading-dimension rule
   for a 4-layer stack on 8 devices). Where parameters are sharded at rest (stage 3), a
   stacked-layer dimension that a ``scan`` consumes (``layer_dims``, found by tracing the loss:
-  :func:`jzero.replay.gather.layer_dims`) is skipped, so the scan's per-layer slice stays whole
+  :func:`jzero.rewrite.gather.layer_dims`) is skipped, so the scan's per-layer slice stays whole
   and is gathered one layer at a time; each layer's shard is then contiguous within the layer.
 * **Padding.** When the shard count does not divide the dimension, the dimension is padded
   with zeros up to a multiple of it (FSDP2 pads its last dim-0 shard the same way), so every

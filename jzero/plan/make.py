@@ -112,7 +112,7 @@ def make_plan(
       options: the :class:`~jzero.plan.options.PlanOptions` (ZeRO's settings, the collectives',
         the other parallelisms' layout, the precision); ``None``: the defaults.
       layer_dims: per leaf (``jax.tree.leaves`` order), the stacked-layer dimension a ``scan``
-        consumes, or ``None``; from :func:`jzero.replay.gather.layer_dims`. Stage 3 never
+        consumes, or ``None``; from :func:`jzero.rewrite.gather.layer_dims`. Stage 3 never
         shards it.
       pipe_leaves: per leaf, whether the loss's layer scan consumes it
         (:func:`jzero.parallel.pipeline.split_at_layers`): its stacked dimension is split over the

@@ -84,9 +84,9 @@ class CommOptions:
 
     Attributes:
       overlap_comm: DeepSpeed's ``overlap_comm``: stage 3 gathers each scanned layer one
-        iteration ahead (:func:`jzero.replay.gather.gathered`'s ``overlap``), stages 0-2 reduce
-        the gradients in buckets (below), and on a GPU the step is compiled with XLA's options
-        for asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`).
+        iteration ahead (:func:`jzero.rewrite.gather.gather_at_use`'s ``overlap``), stages 0-2
+        reduce the gradients in buckets (below), and on a GPU the step is compiled with XLA's
+        options for asynchronous collectives (:func:`jzero.comm.overlap.compiler_options`).
       reduce_bucket_size: at stages 0-2 with ``overlap_comm``, the most gradient elements one
         reduction carries: consecutive leaves are reduced together up to it (one collective
         per bucket); ``None``: one collective per leaf. The bucket sizes (elements, >= 1)

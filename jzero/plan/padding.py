@@ -10,7 +10,7 @@ Decisions:
 * The padding lives only where arrays rest: the :class:`~jzero.step.TrainState`, the gradients
   leaving the reduction, and the local shards inside ``shard_map``. The loss sees the logical
   parameters (stage 3's gather drops the padding after the all-gather,
-  :mod:`jzero.replay.pending`), and the optax update runs on the logical shapes
+  :mod:`jzero.rewrite.pending`), and the optax update runs on the logical shapes
   (:func:`to_logical` inside the step), laid out with the plan's own shardings, which ``jit``
   allows to be uneven inside a program. So every optax transform computes what it computes on
   one device (Adafactor's factored means, LAMB's norms, a per-leaf RMS), and no gradient, norm,

@@ -1,12 +1,14 @@
 """The pure jitted step: TrainState, gradients, update, streamed update, make_train_step.
 
-Import direction: imports :mod:`jzero.plan`, :mod:`jzero.replay`, :mod:`jzero.comm`,
-:mod:`jzero.subgroups`; imported by :mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
+Import direction: imports :mod:`jzero.plan`, :mod:`jzero.parallel` (each parallelism's hooks),
+:mod:`jzero.rewrite`, :mod:`jzero.comm`, :mod:`jzero.subgroups`; imported by
+:mod:`jzero.engine` and :mod:`jzero.nvme`. It holds no state.
 
 * :mod:`~jzero.step.options`: :class:`StepOptions`, the step's settings as one typed value
   (:mod:`jzero.engine.settings` makes it from a config).
 * :mod:`~jzero.step.state`: :class:`TrainState`, its shardings, the state before step 1.
-* :mod:`~jzero.step.gradients`: the local loss, accumulation and the per-stage reductions.
+* :mod:`~jzero.step.gradients`: the one data-parallel gradient step: the loss on each device's
+  rows, accumulation, the parallelisms' hooks (:mod:`jzero.parallel`), unscale and clip.
 * :mod:`~jzero.step.update`: the optax update on the shards, then params at rest.
 * :mod:`~jzero.step.streaming`: the offloaded update streamed over sub-groups.
 * :mod:`~jzero.step.train_step`: :func:`make_train_step` and :func:`make_eval_step`.

@@ -37,7 +37,7 @@ import optax
 from jzero._util import dotted
 from jzero.parallel import hybrid, pipeline, zero
 from jzero.plan import LossScaleState, Plan, on_device
-from jzero.replay import RematPolicy, parse_policy
+from jzero.rewrite import RematPolicy, parse_policy
 from jzero.step.options import StepOptions
 from jzero.step.state import TrainState, to_device
 

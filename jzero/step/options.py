@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jzero.replay import RematPolicy
+from jzero.rewrite import RematPolicy
 
 __all__ = ["StepOptions"]
 
@@ -31,11 +31,11 @@ class StepOptions:
       gradient_clipping: clip the global gradient norm to this value (0 disables), as
         DeepSpeed's ``gradient_clipping``.
       remat_policy: activation checkpointing of each layer (every ``lax.scan`` body in the
-        loss, each layer of a Python loop), a :class:`jzero.replay.remat.RematPolicy` or its
+        loss, each layer of a Python loop), a :class:`jzero.rewrite.remat.RematPolicy` or its
         text (``"full"``, ``"dots"``, ``"dots_no_batch"``, ``"names:a,b"``, ``"none"``); see
-        :mod:`jzero.replay.remat`. ``None`` (the default): no checkpointing at stages 0-2;
+        :mod:`jzero.rewrite.remat`. ``None`` (the default): no checkpointing at stages 0-2;
         stage 3 checkpoints the scans it gathers with
-        :data:`jzero.replay.gather.remat_save_policy`.
+        :data:`jzero.rewrite.gather.remat_save_policy`.
       sub_group_size: with the optimizer state offloaded, stream the update over groups of
         parameter leaves of at most this many elements, one group's state in device memory at
         a time (:mod:`jzero.step.streaming`; DeepSpeed's ``sub_group_size``); ``None``: one

@@ -82,7 +82,7 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
     ]
     assert all(float(row.split()[-1]) > 0 for row in rows)
     # Activation checkpointing (--smoke: stage 0; stage 3's per-layer checkpointing is
-    # tests/replay/test_activation_checkpointing.py's
+    # tests/rewrite/test_activation_checkpointing.py's
     # test_a_python_loop_is_checkpointed_layer_by_layer): the scan and the loop.
     ac = [row.split() for row in tables[1].splitlines()[3:5]]
     assert [(r[-5], r[-4]) for r in ac] == [("layers)", "0"), ("pytree", "0")]

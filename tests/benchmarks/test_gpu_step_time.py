@@ -113,7 +113,7 @@ def test_memory_wall_smoke_runs_stage3_scanned_and_unrolled_with_activation_chec
     # section and cpu_checkpointing at once (3-unrolled, 3-unrolled-ac and 3-ac set up a subset
     # of them). Each alone trains like the scan in tests/models/test_gpt_moe.py
     # (test_functional_unrolled_and_nnx_forms_agree) and
-    # tests/replay/test_activation_checkpointing.py
+    # tests/rewrite/test_activation_checkpointing.py
     # (test_full_policy_cuts_temporaries_and_keeps_the_losses,
     # test_cpu_checkpointing_trains_with_unchanged_losses).
     stages = "3-unrolled-ac-cpu,3"  # in the order given: plain stage 3 runs first all the same

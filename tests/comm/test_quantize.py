@@ -17,7 +17,7 @@ from jzero.comm import (
     quantized_psum_scatter,
 )
 from jzero.hlo import collectives
-from jzero.replay import all_gather
+from jzero.rewrite import all_gather
 
 N = 8
 QMAX = {8: 127, 4: 7}

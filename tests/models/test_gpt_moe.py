@@ -26,7 +26,7 @@ import jzero
 from jzero.demo import gpt
 from jzero.demo.gpt import GPT, GPTConfig, init_params, loss_fn, nnx_loss_fn
 from jzero.plan import describe
-from jzero.replay import gather
+from jzero.rewrite import gather
 
 TINY = {"vocab_size": 32, "seq_len": 8, "num_layers": 2, "num_heads": 2, "d_model": 16, "d_ff": 32}
 E, K = 4, 2

@@ -22,7 +22,7 @@ from jzero.checkpoint import Checkpointer, abstract_target
 from jzero.demo import gpt
 from jzero.hlo import layout_copies
 from jzero.plan import PlanOptions, describe, is_contiguous, make_plan, model_state_bytes, shard_dim
-from jzero.replay import layer_dims
+from jzero.rewrite import layer_dims
 from jzero.step import (
     from_logical,
     init_train_state,

@@ -110,7 +110,7 @@ def _under(module: str, packages: tuple[str, ...]) -> bool:
 
 CORE = (
     "jzero.plan",
-    "jzero.replay",
+    "jzero.rewrite",
     "jzero.parallel",
     "jzero.step",
     "jzero.comm",
@@ -119,7 +119,7 @@ CORE = (
 
 
 def forbidden_imports(root: Path) -> list[str]:
-    """The imports that cross the config's wall: the core (plan, replay, the parallelisms,
+    """The imports that cross the config's wall: the core (plan, rewrite, the parallelisms,
     step, comm, groups) importing the config or the engine (whose ``settings`` translates
     it), and the config or the choices it validates against importing anything of jzero's
     but themselves and ``jzero._util``."""

@@ -285,7 +285,7 @@ def test_max_reuse_distance_keeps_what_is_reused_within_it():
 
 
 def test_reuse_and_prefetch_read_the_traced_gather_order():
-    from jzero.replay import GatherEvent, kept_leaves, prefetch_anchors
+    from jzero.rewrite import GatherEvent, kept_leaves, prefetch_anchors
 
     # embed (100), two layers (10 each), then embed again: the tied embedding's reuse is 20
     # elements away; layer 1's backward use is 2 x 100 away, layer 2's too (the embed after it).

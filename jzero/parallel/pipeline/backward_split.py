@@ -54,7 +54,7 @@ from jax.extend import core as jex_core
 
 from jzero.parallel.pipeline.layer_split import NoLayerScan, layer_scan_index
 from jzero.parallel.pipeline.schedule import Residuals
-from jzero.replay.trace import free_vars, inline_calls, needed_eqns, read, run_eqns
+from jzero.rewrite.trace import free_vars, inline_calls, needed_eqns, read, run_eqns
 
 __all__ = ["BackwardSplit", "split_backward"]
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
 
-from jzero.replay.trace import (
+from jzero.rewrite.trace import (
     PASS_THROUGH,
     STAGE_MARK,
     bind,

@@ -522,7 +522,7 @@ def run(
     mb0 = jax.tree.map(lambda x: x[0], micro_batches)
     zero_carry = [jnp.zeros(c.shape, c.dtype) for c in carry]
     if schedule.kind == "zero_bubble" and split_backward is None:
-        raise ValueError("the zero_bubble schedule needs split_backward (jzero.replay's)")
+        raise ValueError("the zero_bubble schedule needs split_backward (jzero.rewrite's)")
     if v > 1 and chunked is None:
         raise ValueError("an interleaved schedule needs `chunked`, the leaves split in chunks")
     chunked = list(chunked) if v > 1 else [False] * len(params)

@@ -31,7 +31,7 @@ from jzero.parallel.pipeline.layer_split import split_at_layers, stage_unit
 from jzero.parallel.pipeline.schedule import RunOptions, make_schedule, run, run_forward
 from jzero.parallel.zero import local_loss, reduce_grads
 from jzero.plan import Plan
-from jzero.replay import RematPolicy
+from jzero.rewrite import RematPolicy
 
 __all__ = ["pipelined_grads", "pipelined_loss", "scatters_each_micro_batch"]
 

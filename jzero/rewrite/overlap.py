@@ -1,6 +1,6 @@
 """Stage 3's ``overlap_comm``: a layer scan whose gathered weights are fetched one layer ahead.
 
-The replay (:mod:`jzero.replay.interpreter`) hands a scan over stacked layers here when
+The replay (:mod:`jzero.rewrite.interpreter`) hands a scan over stacked layers here when
 ``overlap_comm`` is on at stage 3 and :func:`can_overlap` takes it; the buckets of stages 0-2
 and XLA's scheduler options are :mod:`jzero.comm.overlap`'s.
 
@@ -12,8 +12,8 @@ Decisions:
   reduce-scatters layer ``i + 1``'s gradient beside layer ``i``'s backward pass.
 * **The backward pass re-gathers**: per layer only its input and what the remat policy saves
   are kept, never a gathered weight, so the weights live at once are a constant few layers.
-* **The ties are the replay's own** (:func:`jzero.replay.trace.first_element`,
-  :func:`jzero.replay.trace.tie_to`): a gather waits for one element of the cotangent it meets.
+* **The ties are the replay's own** (:func:`jzero.rewrite.trace.first_element`,
+  :func:`jzero.rewrite.trace.tie_to`): a gather waits for one element of the cotangent it meets.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jzero.replay.trace import first_element, is_floating, tie_to
+from jzero.rewrite.trace import first_element, is_floating, tie_to
 
 __all__ = ["can_overlap", "overlapped_scan"]
 

@@ -24,7 +24,7 @@ import jzero
 from jzero.config import ConfigError, load_config
 from jzero.engine import settings
 from jzero.hlo import collectives
-from jzero.replay import gather, remat, trace
+from jzero.rewrite import gather, remat, trace
 from jzero.step import StepOptions
 
 L, D, F, B = 8, 32, 512, 2048  # per device: 256 rows, a 256 x 512 hidden activation per layer

@@ -1,8 +1,8 @@
 """A parameter pending its gather, and the all-gather (with a chosen transpose) that resolves it.
 
-The collective half of :mod:`jzero.replay.gather`: :func:`all_gather` moves a shard to the full
+The collective half of :mod:`jzero.rewrite.gather`: :func:`all_gather` moves a shard to the full
 value, and a :class:`Pending` is a parameter still in its shard that the replay
-(:mod:`jzero.replay.interpreter`) gathers where it is used.
+(:mod:`jzero.rewrite.interpreter`) gathers where it is used.
 
 Decisions:
 

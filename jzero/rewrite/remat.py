@@ -4,7 +4,7 @@ DeepSpeed's ``activation_checkpointing`` checkpoints the modules a model wraps i
 ``deepspeed.checkpointing.checkpoint``. jzero needs no model change: it rematerialises each
 layer of the loss (the body of every ``jax.lax.scan``, and each layer of a Python loop over
 layers), at every stage. The loss is traced once and the trace replayed with each layer
-re-emitted under ``jax.checkpoint(policy=...)`` (:mod:`jzero.replay.gather` holds the replayer;
+re-emitted under ``jax.checkpoint(policy=...)`` (:mod:`jzero.rewrite.gather` holds the replayer;
 stage 3 uses the same replay to gather one layer at a time). Each layer then keeps only what its
 policy saves, plus its input; the rest is recomputed in the backward pass.
 
@@ -27,20 +27,20 @@ Decisions:
 
 * **No section, no checkpointing.** Without an ``activation_checkpointing`` section (policy
   ``None``), stages 0-2 rematerialise nothing and stage 3 keeps its own rule for the scans
-  whose weights it gathers: ``dots_no_batch`` (:data:`jzero.replay.gather.remat_save_policy`).
+  whose weights it gathers: ``dots_no_batch`` (:data:`jzero.rewrite.gather.remat_save_policy`).
   With the section and no ``policy`` key the policy is ``full``: a DeepSpeed user who adds the
   section expects checkpointing, and DeepSpeed checkpoints keep only each layer's input.
 * **A layer is a scan body, or a layer of a Python loop.** Stacked layers under
   ``jax.lax.scan`` have their body checkpointed. A model written as a Python loop over layers
   (Linen submodules, an ``nnx.List``, a list of pytrees, slices ``p["w"][i]`` of a stacked
   leaf) has its layers found in the trace: the parameters' paths name the layers
-  (:func:`jzero.replay.trace.layer_keys`: the path up to its first numbered part, such as
+  (:func:`jzero.rewrite.trace.layer_keys`: the path up to its first numbered part, such as
   ``layers_3`` or ``blocks/3``), and a layer runs from the first eqn that applies one of its
   parameters to an activation up to the next layer's first (the last layer: to its last use).
   Each such layer is checkpointed with the policy; what lies before the first layer (the
   embedding) and after the last (the head, the loss) is not. ``jax.checkpoint`` alone is not
   enough there on CPU (XLA's CSE merges the recomputation back into the forward pass), so the
-  layer's saved values are tied to its cotangent (:func:`jzero.replay.trace.remat_layer`):
+  layer's saved values are tied to its cotangent (:func:`jzero.rewrite.trace.remat_layer`):
   ``benchmarks/stage3_layers.py``, 16 residual MLP layers at stage 0: 5.56 MiB of
   temporaries without a policy and 4.13 MiB with ``full``. Scans inside a scan body, or
   inside the model's own ``jax.checkpoint``, ``cond`` or custom derivative, are left as the
@@ -58,7 +58,7 @@ Decisions:
   ``names:`` at stage 3 saves exactly the tagged values, so a tag on a weight would keep it.
 * **``partition_activations: true``** (DeepSpeed's, for model parallelism): on a mesh with
   axes besides ``data`` (``{data: 4, model: 2}``), each layer's saved input is split over
-  them and gathered back before the layer is recomputed (:class:`jzero.replay.trace.Partition`), so
+  them and gathered back before the layer is recomputed (:class:`jzero.rewrite.trace.Partition`), so
   a model-parallel group keeps one copy of it instead of one per device. A scan body saves
   the split carry by name; a Python loop's layer takes its VJP at the split input. Without
   such an axis it has no effect (the config warning lists it).
@@ -111,7 +111,7 @@ class RematPolicy:
       names: for ``names``, the ``checkpoint_name`` tags that are saved.
       offload: keep the saved values in host memory (``cpu_checkpointing``).
       partition: shard each layer's saved input over the mesh's non-data axes
-        (``partition_activations``; see :class:`jzero.replay.trace.Partition`).
+        (``partition_activations``; see :class:`jzero.rewrite.trace.Partition`).
     """
 
     kind: str = "full"

@@ -1,7 +1,7 @@
 """The replay of a traced loss: stage 3's gathers moved to their uses, layers checkpointed.
 
-The interpreter half of :mod:`jzero.replay.gather`: :class:`Interpreter` runs a jaxpr equation by
-equation with each sharded parameter standing as a pending gather (:mod:`jzero.replay.pending`),
+The interpreter half of :mod:`jzero.rewrite.gather`: :class:`Interpreter` runs a jaxpr equation by
+equation with each sharded parameter standing as a pending gather (:mod:`jzero.rewrite.pending`),
 and re-emits scans and layers where their gathers and checkpoints belong.
 
 Decisions:
@@ -10,7 +10,7 @@ Decisions:
   leading), the shard itself is scanned and the all-gather is placed *inside* the scan body,
   which is re-traced under ``jax.checkpoint`` with a policy that saves only matmul outputs
   (``dots_no_batch``, :data:`remat_save_policy`; the ``activation_checkpointing`` policy when
-  one is set, see :mod:`jzero.replay.remat`), so no gathered weight is kept for the backward pass.
+  one is set, see :mod:`jzero.rewrite.remat`), so no gathered weight is kept for the backward pass.
   The
   backward pass therefore gathers each layer again and reduce-scatters its gradient (the
   transpose of an all-gather): ZeRO-3's 3x volume, with one layer's full weights live at a time.
@@ -26,7 +26,7 @@ Decisions:
   value, which XLA's CSE cannot merge with the forward one (``jax.checkpoint`` cannot do this
   on CPU: its optimization barriers are expanded away before CSE runs).
 * ``overlap`` (``overlap_comm``): a scan that gathers weights is re-emitted by
-  :func:`jzero.replay.overlap.overlapped_scan`, which carries each layer's gathered weights
+  :func:`jzero.rewrite.overlap.overlapped_scan`, which carries each layer's gathered weights
   one
   iteration ahead in the forward and the backward loop, reduce-scatters each layer's gradient
   beside the next layer's backward pass and keeps no gathered weight for the backward pass
@@ -39,13 +39,13 @@ Decisions:
   two all-gathers per layer, as the default; saving everything: 20.8 MiB and one all-gather.
 * Activation checkpointing at every stage: every scan reached outside other scans (through
   nested ``jit`` calls too) is re-emitted with its body under ``jax.checkpoint``, and each
-  layer of a model written as a Python loop (:func:`jzero.replay.trace.find_layers`) as one
-  checkpointed function (:func:`jzero.replay.trace.remat_layer`). Inside such a layer stage 3
+  layer of a model written as a Python loop (:func:`jzero.rewrite.trace.find_layers`) as one
+  checkpointed function (:func:`jzero.rewrite.trace.remat_layer`). Inside such a layer stage 3
   gathers plainly: the recomputation gathers again and also serves the backward pass, two
   gathers per weight as in a scan. Scans inside other higher-order primitives (``cond``,
   ``while``, custom derivatives, the model's own ``jax.checkpoint``) are left as written.
 * DeepSpeed's stage-3 knobs act on the uses outside scans and checkpointed layers, from the
-  gather order one recording pass (``record``) finds (:mod:`jzero.replay.prefetch`):
+  gather order one recording pass (``record``) finds (:mod:`jzero.rewrite.prefetch`):
   ``stage3_prefetch_bucket_size`` ties a forward gather to an earlier use's operand
   (``anchors``), ``stage3_max_reuse_distance`` gathers a leaf reused soon enough once and keeps
   it (``kept``), within ``stage3_max_live_parameters``.
@@ -61,11 +61,11 @@ import jax
 import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
-from jzero.replay.overlap import can_overlap, overlapped_scan
-from jzero.replay.pending import Pending
-from jzero.replay.prefetch import GatherEvent
-from jzero.replay.remat import LAYER_INPUT, RematPolicy
-from jzero.replay.trace import (
+from jzero.rewrite.overlap import can_overlap, overlapped_scan
+from jzero.rewrite.pending import Pending
+from jzero.rewrite.prefetch import GatherEvent
+from jzero.rewrite.remat import LAYER_INPUT, RematPolicy
+from jzero.rewrite.trace import (
     STAGE_MARK,
     Partition,
     Segment,
@@ -96,12 +96,12 @@ PARTITIONED = "jzero_partitioned_input"  # a layer's input saved split over the 
 @dataclasses.dataclass(frozen=True)
 class GatherOptions:
     """How stage 3 gathers its parameters and what a checkpointed layer saves: the settings of
-    :func:`jzero.replay.gathered` beside the leaves and the remat policy. The defaults gather
+    :func:`jzero.rewrite.gather_at_use` beside the leaves and the remat policy. The defaults gather
     each parameter exactly at its use, again in the backward pass.
 
     DeepSpeed's stage-3 knobs (``prefetch``, ``reuse_distance``, ``max_live``) are read by
-    :func:`~jzero.replay.gathered`'s recording pass, ZeRO++'s (``bits``, ``grad_bits``) by each
-    pending gather, the rest by the :class:`Interpreter`.
+    :func:`~jzero.rewrite.gather_at_use`'s recording pass, ZeRO++'s (``bits``, ``grad_bits``) by
+    each pending gather, the rest by the :class:`Interpreter`.
     """
 
     grad_dtype: Any = None
@@ -112,10 +112,10 @@ class GatherOptions:
     all-gather per weight, not two, and every gathered weight alive until its backward use."""
     prefetch: int = 0
     """DeepSpeed's ``stage3_prefetch_bucket_size``: a use's gather may start this many gathered
-    elements ahead of it (:func:`~jzero.replay.prefetch.prefetch_anchors`); 0: at its use."""
+    elements ahead of it (:func:`~jzero.rewrite.prefetch.prefetch_anchors`); 0: at its use."""
     reuse_distance: int | None = None
     """DeepSpeed's ``stage3_max_reuse_distance``: leaves reused within this many elements are
-    gathered once and kept (:func:`~jzero.replay.prefetch.kept_leaves`); ``None``: none."""
+    gathered once and kept (:func:`~jzero.rewrite.prefetch.kept_leaves`); ``None``: none."""
     max_live: int | None = None
     """DeepSpeed's ``stage3_max_live_parameters``, the cap on what reuse keeps."""
     bits: int = 0
@@ -127,13 +127,13 @@ class GatherOptions:
     overlap: bool = False
     """``overlap_comm``: a scan that gathers weights fetches each layer one iteration ahead, in
     the forward and the backward pass, and reduce-scatters each layer's gradient beside the next
-    layer's backward pass (:func:`jzero.replay.overlap.overlapped_scan`). Scans that keep
+    layer's backward pass (:func:`jzero.rewrite.overlap.overlapped_scan`). Scans that keep
     gathered weights (``reshard=False``), tag activations (policy ``none``), partition or
     offload them, run in reverse, have one iteration or a non-floating carry gather at their
     own iteration as without it."""
     partition: Partition | None = None
     """DeepSpeed's ``partition_activations``: each checkpointed layer's saved input split over
-    the mesh's model-parallel axes (:class:`jzero.replay.trace.Partition`)."""
+    the mesh's model-parallel axes (:class:`jzero.rewrite.trace.Partition`)."""
 
 
 class Interpreter:
@@ -141,8 +141,9 @@ class Interpreter:
     and re-emitting each scan's body under ``jax.checkpoint`` where ``policy`` asks for it.
 
     ``policy`` None: only the scans that gather weights are checkpointed, with
-    :data:`remat_save_policy` (stage 3's default); a :class:`~jzero.replay.remat.RematPolicy`: every
-    scan reached outside other scans (see :mod:`jzero.replay.remat` for what each policy keeps).
+    :data:`remat_save_policy` (stage 3's default); a :class:`~jzero.rewrite.remat.RematPolicy`:
+    every scan reached outside other scans (see :mod:`jzero.rewrite.remat` for what each policy
+    keeps).
     ``options``: the gather's dtype, resharding, overlap and activation partition
     (:class:`GatherOptions`; its other fields are the caller's). ``shards``: the size of the
     axis; ``kept`` and ``anchors``: what a recording pass (``record``) found.
@@ -164,7 +165,7 @@ class Interpreter:
         self.overlap = options.overlap  # gather each scanned layer one iteration ahead
         self.grad_dtype = options.grad_dtype
         self.policy: RematPolicy | None = policy
-        self.reshard = options.reshard  # gather again in the backward pass (see ``gathered``)
+        self.reshard = options.reshard  # gather again in the backward pass (see ``gather_at_use``)
         self.shards = shards  # the size of the axis
         self.kept = kept  # leaves gathered once and kept (``stage3_max_reuse_distance``)
         self.anchors = list(anchors)  # per use, the use its gather waits for (prefetch)
@@ -316,7 +317,7 @@ class Interpreter:
 
     def _marks_stage(self, eqn: Any, invals: list[Any]) -> bool:
         """Whether ``eqn`` makes a value every device of a pipeline stage shares: a stage
-        unit's first/last-stage predicate (:data:`jzero.replay.trace.STAGE_MARK`), or a
+        unit's first/last-stage predicate (:data:`jzero.rewrite.trace.STAGE_MARK`), or a
         cast of one (``lax.cond`` casts its predicate to the branch index)."""
         name = eqn.primitive.name
         if name == "name" and eqn.params.get("name") == STAGE_MARK:
@@ -424,7 +425,7 @@ class Interpreter:
     ) -> list[Any]:
         """A scan that gathers weights, with each layer's gathers one iteration ahead (forward
         and backward) and each layer's reduce-scatter beside the next layer's backward pass
-        (:func:`jzero.replay.overlap.overlapped_scan`); the same values and gradients."""
+        (:func:`jzero.rewrite.overlap.overlapped_scan`); the same values and gradients."""
         p = eqn.params
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
 

@@ -1,4 +1,4 @@
-"""Reading and re-emitting a traced loss: the tools :mod:`jzero.replay.gather` replays it with.
+"""Reading and re-emitting a traced loss: the tools :mod:`jzero.rewrite.gather` replays it with.
 
 * :func:`bind` re-emits one eqn; :func:`inner_jaxpr` opens a nested ``jit``/``closed_call``;
   :func:`inline_calls` flattens a program so its layers can be found whatever calls it makes.
@@ -6,7 +6,7 @@
   unchanged): that orders work (a gather cannot start before its anchor exists) and makes a
   recomputation a different value, which XLA's CSE cannot merge back into the forward pass.
 * The layers of a model written as a Python loop (:func:`layer_keys`, :func:`find_layers`) and
-  their rematerialisation (:func:`remat_layer`): see :mod:`jzero.replay.remat` for the rules.
+  their rematerialisation (:func:`remat_layer`): see :mod:`jzero.rewrite.remat` for the rules.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.replay.remat import ACTIVATION, LAYER_INPUT, RematPolicy
+from jzero.rewrite.remat import ACTIVATION, LAYER_INPUT, RematPolicy
 
 __all__ = [
     "STAGE_MARK",
@@ -52,7 +52,7 @@ __all__ = [
 STAGE_MARK = "jzero_pipeline_stage"
 """The ``checkpoint_name`` a stage unit gives its first/last-stage predicates: a ``cond`` on
 them takes the same branch on every device of a stage, so the replay gathers a parameter only
-in the branch that reads it (:mod:`jzero.replay.interpreter`); the pipeline's
+in the branch that reads it (:mod:`jzero.rewrite.interpreter`); the pipeline's
 :func:`jzero.parallel.pipeline.stage_unit` sets it."""
 
 
@@ -163,7 +163,7 @@ def named(x: Any, name: str) -> Any:
 
 
 def eval_tagged(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], live: Sequence[bool]):
-    """Evaluates ``jaxpr``, naming :data:`~jzero.replay.remat.ACTIVATION` every floating value that
+    """Evaluates ``jaxpr``, naming :data:`~jzero.rewrite.remat.ACTIVATION` every floating value that
     depends on an argument flagged in ``live`` (calls are inlined, so their insides too)."""
     env: dict[Any, Any] = {}
     tainted: set[Any] = set()

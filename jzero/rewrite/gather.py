@@ -4,14 +4,14 @@ At ZeRO stage 3 a device holds only its shard of each parameter. The loss functi
 expects full parameters, so they must be all-gathered; the whole point of stage 3 is that they
 are never all gathered *at once*. DeepSpeed does this with module hooks. In JAX there are no
 modules at run time, only a traced program, so jzero rewrites the program. Three parts, every
-name importable from :mod:`jzero.replay`:
+name importable from :mod:`jzero.rewrite`:
 
-* the gather of one parameter (:mod:`jzero.replay.pending`: :func:`all_gather`, whose transpose
+* the gather of one parameter (:mod:`jzero.rewrite.pending`: :func:`all_gather`, whose transpose
   reduce-scatters in the communication dtype or quantized, and the pending gather a sharded
   parameter stands as until its use);
-* the replay (:mod:`jzero.replay.interpreter`): the trace re-run with gathers moved into scan
+* the replay (:mod:`jzero.rewrite.interpreter`): the trace re-run with gathers moved into scan
   bodies and to each other use, scans and layers re-emitted under ``jax.checkpoint``;
-* here, the entry points: :func:`gathered` (stage 3), :func:`replay` and
+* here, the entry points: :func:`gather_at_use` (stage 3), :func:`remat_layers` and
   :func:`remat_scans` (activation checkpointing at any stage), :func:`layer_dims` (the
   stacked-layer dimensions the plan keeps whole).
 
@@ -21,11 +21,11 @@ Decisions:
   the trace is replayed with each sharded parameter standing as a *pending gather* (its local
   shard plus the dimension it is split on), which passes through dtype casts that do not
   widen it and into nested ``jit`` calls.
-* The same replay serves activation checkpointing at every stage (:func:`replay`, and
-  :func:`gathered` with a ``policy``).
+* The same replay serves activation checkpointing at every stage (:func:`remat_layers`, and
+  :func:`gather_at_use` with a ``policy``).
 * DeepSpeed's stage-3 knobs (``stage3_prefetch_bucket_size``, ``stage3_max_reuse_distance``,
   ``stage3_max_live_parameters``) come from one recording pass of the replay before the real
-  one (:mod:`jzero.replay.prefetch`).
+  one (:mod:`jzero.rewrite.prefetch`).
 * :func:`layer_dims` reads which parameters a ``scan`` consumes from the trace alone (through
   dtype casts and nested ``jit``), so the plan can keep their stacked-layer dimension whole.
 
@@ -45,13 +45,13 @@ import jax
 from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
-from jzero.replay.interpreter import GatherOptions, Interpreter
-from jzero.replay.pending import Pending
-from jzero.replay.prefetch import kept_leaves, prefetch_anchors
-from jzero.replay.remat import RematPolicy, parse_policy
-from jzero.replay.trace import PASS_THROUGH, find_layers, inline_calls, layer_keys
+from jzero.rewrite.interpreter import GatherOptions, Interpreter
+from jzero.rewrite.pending import Pending
+from jzero.rewrite.prefetch import kept_leaves, prefetch_anchors
+from jzero.rewrite.remat import RematPolicy, parse_policy
+from jzero.rewrite.trace import PASS_THROUGH, find_layers, inline_calls, layer_keys
 
-__all__ = ["GatherOptions", "remat_scans", "gathered", "layer_dims", "replay"]
+__all__ = ["GatherOptions", "gather_at_use", "layer_dims", "remat_layers", "remat_scans"]
 
 
 def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, Any]:
@@ -62,9 +62,9 @@ def _layers(closed: Any, params: Any, policy: RematPolicy | None) -> tuple[Any, 
     return closed, find_layers(closed.jaxpr, layer_keys(params))
 
 
-def replay(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., Any]:
+def remat_layers(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., Any]:
     """``fn(params, *args)`` re-emitted with every layer checkpointed by ``policy`` (see
-    :mod:`jzero.replay.remat`): the body of every scan outside other scans, and each layer of a
+    :mod:`jzero.rewrite.remat`): the body of every scan outside other scans, and each layer of a
     Python loop over layers that ``params``' paths name (:func:`layer_keys`). The same
     outputs. ``None`` or ``none``: ``fn``."""
     if policy is None or not policy.active:
@@ -83,7 +83,7 @@ def replay(fn: Callable[..., Any], policy: RematPolicy | None) -> Callable[..., 
     return g
 
 
-def gathered(
+def gather_at_use(
     fn: Callable[..., Any],
     dims: Sequence[int | None],
     full_shapes: Any,
@@ -107,7 +107,7 @@ def gathered(
       options: how the parameters are gathered (:class:`GatherOptions`: the gradients' dtype,
         resharding, DeepSpeed's stage-3 prefetch and reuse, ZeRO++'s quantized gathers,
         ``overlap_comm``, partitioned activations); ``None``: its defaults.
-      policy: the activation-checkpointing policy of every layer (:mod:`jzero.replay.remat`): each
+      policy: the activation-checkpointing policy of every layer (:mod:`jzero.rewrite.remat`): each
         scan body, and each layer of a Python loop; ``None``: only the scans that gather
         weights are checkpointed, by :data:`remat_save_policy`. Whatever the policy, no
         gathered weight is saved for the backward pass.
@@ -250,4 +250,4 @@ def remat_scans(fn: Callable[..., Any], policy: RematPolicy | str) -> Callable[.
     """
     if isinstance(policy, str):
         policy = parse_policy(policy)
-    return replay(fn, policy)
+    return remat_layers(fn, policy)

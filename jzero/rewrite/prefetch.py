@@ -1,6 +1,6 @@
 """Stage 3's gather order: DeepSpeed's prefetch and reuse knobs on the traced gathers.
 
-One recording pass of :mod:`jzero.replay.gather`'s replay lists where the step gathers parameters
+One recording pass of :mod:`jzero.rewrite.gather`'s replay lists where the step gathers parameters
 (:class:`GatherEvent`); these pure functions turn that order into decisions:
 :func:`prefetch_anchors` (``stage3_prefetch_bucket_size``: which earlier use a gather may start
 at) and :func:`kept_leaves` (``stage3_max_reuse_distance`` within
