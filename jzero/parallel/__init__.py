@@ -12,7 +12,6 @@ torchtitan's ``distributed/``, one module per technique:
   (:mod:`jzero.plan.leaf_rule`), which the plan is made from.
 * :mod:`~jzero.parallel.hybrid`: hybrid sharding and ZeRO++ hpZ, the gradient shards summed
   over the ``replica`` axis.
-
 * :mod:`~jzero.parallel.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
   parameters' names and shapes.
 * :mod:`~jzero.parallel.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
