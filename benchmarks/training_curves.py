@@ -36,8 +36,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jzero import profiler  # noqa: E402
-from jzero.demo import train  # noqa: E402
+from jzero import (
+    profiler,  # noqa: E402
+    train,  # noqa: E402
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = {

@@ -37,12 +37,14 @@ from jzero.step import TrainState as TrainState
 from jzero.step import init_train_state as init_train_state
 from jzero.step import make_eval_step as make_eval_step
 from jzero.step import make_train_step as make_train_step
+from jzero.train import fit as fit
 
 __all__ = [
     "Config",
     "ConfigError",
     "Engine",
     "estimate",
+    "fit",
     "init_distributed",
     "init_train_state",
     "initialize",

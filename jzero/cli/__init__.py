@@ -3,7 +3,7 @@
 Decisions:
 
 * Each subcommand lives beside what it drives: ``train`` here (the loop is
-  :func:`jzero.demo.train.run`), ``estimate`` and ``plan`` in :mod:`jzero.cli.memory`,
+  :func:`jzero.train.run`), ``estimate`` and ``plan`` in :mod:`jzero.cli.memory`,
   ``checkpoint inspect | export`` in :mod:`jzero.cli.checkpoint`, ``launch`` in
   :mod:`jzero.distributed.launch`; each is ``func(args) -> int``, the exit status.
 * With no accelerator, ``train`` and ``plan`` ask JAX for 8 virtual CPU devices before anything
@@ -23,7 +23,7 @@ Decisions:
   lines written above it; piped into a file there is no bar (no carriage returns), and the
   ``steps_per_print`` log lines are the progress. Every step is a JSON line in
   ``<train.log_dir>/metrics.jsonl``. At the end a few lines on stdout
-  (:func:`jzero.demo.train.format_summary`): ``done:``, ``interrupted:``, ``stopped:`` or
+  (:func:`jzero.train.format_summary`): ``done:``, ``interrupted:``, ``stopped:`` or
   ``failed:`` (its checkpoints) with the steps and time, then the losses, tokens/s, peak
   memory and where the logs and the checkpoint are; the full summary is ``summary.json``.
 * The modules behind the commands (the training loop, the model, the planner) are imported
@@ -47,7 +47,7 @@ __all__ = ["build_parser", "main"]
 
 
 class _LateSigterm:
-    """SIGTERM outside :func:`jzero.demo.train.run`'s own handling: before the run takes over it
+    """SIGTERM outside :func:`jzero.train.run`'s own handling: before the run takes over it
     ends the process at once (exit 143, as the default would); once the run has returned (its
     final checkpoint committed, ``summary.json`` written) it is logged and ignored, so a
     second SIGTERM a moment after the first (SLURM's beside the launcher's) cannot turn the
@@ -64,8 +64,7 @@ class _LateSigterm:
 
 def _train(args: argparse.Namespace) -> int:
     devices.use_cpu_devices(args.cpu_devices)
-    from jzero import distributed
-    from jzero.demo import train
+    from jzero import distributed, train
 
     late = _LateSigterm()
     main_thread = threading.current_thread() is threading.main_thread()
@@ -83,6 +82,7 @@ def _train(args: argparse.Namespace) -> int:
             resume=not args.no_resume,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            model=args.model,
         )
         late.run_returned = True
         status = _report(summary, train, distributed)
@@ -108,8 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``jzero`` argument parser."""
     ap = argparse.ArgumentParser(prog="jzero", description="DeepSpeed's ZeRO for JAX.")
     sub = ap.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train the built-in GPT from a config file")
+    train = sub.add_parser(
+        "train", help="train a model (yours with --model, else the built-in GPT) from a config"
+    )
     train.add_argument("config", help="a YAML or JSON config (DeepSpeed keys plus jzero's)")
+    train.add_argument(
+        "--model",
+        metavar="ENTRY",
+        help="your model: package.module:function or path/to/file.py:function, called with "
+        "the config's model keys and returning jzero.initialize's arguments "
+        "({'model': ..., 'loss_fn': ...}); overrides model.entry (default: the built-in GPT)",
+    )
     train.add_argument(
         "--set",
         action="append",

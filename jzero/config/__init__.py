@@ -35,6 +35,7 @@ from jzero.config._common import JzeroMeshWarning as JzeroMeshWarning
 from jzero.config._loading import load_config as load_config
 from jzero.config._optimizers import OPTIMIZER_PARAMS as OPTIMIZER_PARAMS
 from jzero.config._optimizers import SCHEDULER_PARAMS as SCHEDULER_PARAMS
+from jzero.config._optimizers import auto_keys as auto_keys
 from jzero.config._optimizers import resolve_optimizer as resolve_optimizer
 from jzero.config._optimizers import resolve_scheduler as resolve_scheduler
 from jzero.config._schema import CheckpointConfig as CheckpointConfig
@@ -75,6 +76,7 @@ __all__ = [
     "load_config",
     "resolve_auto",
     "LAYOUT_KEYS",
+    "auto_keys",
     "batch_from_first_batch",
     "resolve_batch_sizes",
     "resolve_optimizer",

@@ -114,6 +114,20 @@ class TrainConfig:
     """Batches per evaluation."""
     log_dir: str = checked_field("runs/default", path=True)
     """Directory for logs and metrics (a leading ``~`` is expanded)."""
+    learning_rate: float = checked_field(3e-4, min=0.0)
+    """jzero's own: the learning rate ``jzero train`` writes where the ``optimizer`` or
+    ``scheduler`` section says ``"auto"`` (``lr``, ``warmup_max_lr``), as Hugging Face's
+    Trainer fills them from its ``learning_rate``."""
+    warmup_steps: int = checked_field(0, min=0)
+    """jzero's own: the scheduler's ``warmup_num_steps`` where it is ``"auto"`` in ``jzero
+    train``."""
+    weight_decay: float = checked_field(0.0, min=0.0)
+    """jzero's own: the optimizer's ``weight_decay`` where it is ``"auto"`` in ``jzero
+    train``."""
+    micro_batch_size: int = checked_field(8, min=1)
+    """jzero's own: the batch per device ``jzero train`` uses when the config leaves the batch
+    sizes to the first batch (``"auto"`` or missing), as the Trainer's
+    ``per_device_train_batch_size``."""
     max_consecutive_nonfinite: int = checked_field(32, min=0)
     """jzero's own: stop with an error after this many steps in a row with inf/NaN gradients
     (each one skipped or not, see ``skip_nonfinite``); 0 never stops."""

@@ -1,4 +1,4 @@
-"""The demo trainer: the built-in GPT, its byte-level data, ``jzero train`` and ``jzero plan``.
+"""The built-in model: the demo GPT, its byte-level data, and ``jzero plan``'s measurement.
 
 Everything that knows the built-in model lives here, so the library below it (the engine, the
 plan, the step, the memory estimator) knows no model of its own:
@@ -7,23 +7,21 @@ plan, the step, the memory estimator) knows no model of its own:
   module (``GPT``, ``GPTConfig``, ``config_for``).
 * :mod:`~jzero.demo.data`: byte-level text that ships with every Python, and the resumable
   :class:`~jzero.demo.data.BatchIterator`.
-* :mod:`~jzero.demo.train`: the ``jzero train`` loop as a library function, :func:`run`.
 * :mod:`~jzero.demo.plan`: ``jzero plan``'s measurement, :func:`plan_report`: the built-in GPT
   of a config at every stage (:func:`jzero.memory.measure_stages` with this model).
 
 Import direction: imports the engine, :mod:`jzero.memory`, :mod:`jzero.monitor` and the rest
-of the library; only :mod:`jzero.cli` imports it.
+of the library; only :mod:`jzero.cli` and :mod:`jzero.train` (for a config that trains the
+built-in GPT) import it.
 """
 
 from jzero.demo import data as data
 from jzero.demo import gpt as gpt
 from jzero.demo import plan as plan
-from jzero.demo import train as train
 from jzero.demo.data import BatchIterator as BatchIterator
 from jzero.demo.gpt import GPT as GPT
 from jzero.demo.gpt import GPTConfig as GPTConfig
 from jzero.demo.plan import plan_report as plan_report
-from jzero.demo.train import run as run
 
 __all__ = [
     "BatchIterator",
@@ -33,6 +31,4 @@ __all__ = [
     "gpt",
     "plan",
     "plan_report",
-    "run",
-    "train",
 ]

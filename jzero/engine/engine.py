@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -43,7 +45,7 @@ import optax
 
 from jzero import config as config_lib
 from jzero import distributed
-from jzero.engine import figures, layout, resolve, saving, steps
+from jzero.engine import data_position, figures, layout, resolve, saving, steps
 from jzero.engine.resolve import Setup
 from jzero.plan import Plan, describe
 from jzero.step import (
@@ -93,6 +95,7 @@ class Engine:
         self.data_iterator: Any = None
         """An iterator with ``state()``/``restore(state)`` whose position checkpoints carry."""
         self._ckpt: Any = None
+        self._other_ckpts: dict[str, Any] = {}  # save_checkpoint's directories, by path
         self._unchanged_since: int | None = None  # the step restored or saved, until a train step
         self._disk: Any = None  # the NVMe tier's files (jzero.nvme.state.NvmeState), or None
         self.flops_profile: Any = None
@@ -440,7 +443,15 @@ class Engine:
         return self._step_fn(batch).lower(self.state, batch)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _checkpointer(self) -> Any:
+    def _checkpointer(self, directory: str | os.PathLike | None = None) -> Any:
+        """The config's checkpointer, or (``save_checkpoint``'s ``save_dir``) one of its own
+        for another directory."""
+        if directory is not None and not _same_dir(directory, self.config.checkpoint.directory):
+            key = str(Path(directory).expanduser().resolve())
+            if key not in self._other_ckpts:
+                self._other_ckpts[key] = saving.open_checkpointer(self.config, directory)
+                _OPEN_ENGINES.add(self)
+            return self._other_ckpts[key]
         if self._ckpt is None:
             self._ckpt = saving.open_checkpointer(self.config)
             _OPEN_ENGINES.add(self)
@@ -471,24 +482,83 @@ class Engine:
           CheckpointWriteError: the save failed (see ``periodic``); the checkpoints committed
             before are intact.
         """
+        return self._save(self._checkpointer(), step, periodic=periodic)
+
+    def _save(
+        self, ckpt: Any, step: int | None, *, periodic: bool = False, client_state: Any = None
+    ) -> bool:
         self._check_concrete("save")
         step = self.iteration if step is None else int(step)
-        ckpt = self._checkpointer()
-        if self._unchanged_since == step and step in ckpt.all_steps():
+        main = ckpt is self._ckpt
+        if main and self._unchanged_since == step and step in ckpt.all_steps():
             logger.info("jzero: checkpoint step %d is already on disk and unchanged", step)
             return False
         meta = {
             "config": self.config.to_dict(),
             "iteration": self.iteration,
-            "data": self.data_iterator.state() if self.data_iterator is not None else None,
+            "data": None,
+            **data_position.saved_position(self.data_iterator),
             "stage": self.plan.stage.stage,
             "devices": self.plan.data_parallel_size,
+            "train_batch_size": self.train_batch_size,
         }
+        if client_state is not None:
+            meta["client_state"] = client_state
         state = self._full_state()
         saved = saving.save(ckpt, step, self.config, self.plan, state, meta, periodic=periodic)
-        if saved:
+        if saved and main:
             self._unchanged_since = step if step == self.iteration else None
         return saved
+
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike, tag: int | str | None = None, client_state: Any = None
+    ) -> bool:
+        """DeepSpeed's ``engine.save_checkpoint``: saves a checkpoint into ``save_dir``.
+
+        The checkpoint is :meth:`save`'s (every process writes its own shards, asynchronously
+        unless ``checkpoint.async`` is false), written into ``save_dir``, which need not be
+        ``checkpoint.directory``.
+
+        Args:
+          save_dir: the checkpoint directory (created if missing; it holds jzero's checkpoints
+            only).
+          tag: the checkpoint's step: an int, ``"global_step<N>"`` (DeepSpeed's default tag) or
+            ``"<N>"``; ``None``: ``engine.iteration``.
+          client_state: a JSON value (a dict of numbers, strings, lists) saved with the
+            checkpoint and returned by :meth:`load_checkpoint`.
+
+        Returns:
+          Whether a save started (``False``: the parameters hold inf/NaN; a warning says so).
+        """
+        step = _tag_step(tag)
+        return self._save(self._checkpointer(save_dir), step, client_state=client_state)
+
+    def load_checkpoint(
+        self, load_dir: str | os.PathLike, tag: int | str | None = None
+    ) -> tuple[str | None, Any]:
+        """DeepSpeed's ``engine.load_checkpoint``: restores a checkpoint from ``load_dir``.
+
+        The state is read into this engine's plan (any stage, offload and device count the
+        shapes allow), the data position into ``engine.data_iterator``, as :meth:`restore`.
+
+        Args:
+          load_dir: the checkpoint directory.
+          tag: the step to load (an int, ``"global_step<N>"`` or ``"<N>"``); ``None``: the
+            latest.
+
+        Returns:
+          ``(load_path, client_state)``: the checkpoint's folder and the ``client_state`` saved
+          with it (``None`` if none); ``(None, None)`` with a warning when ``load_dir`` holds
+          no checkpoint, as DeepSpeed returns.
+        """
+        step = _tag_step(tag)
+        ckpt = self._checkpointer(load_dir)
+        if step is None and ckpt.latest_step() is None:
+            logger.warning("jzero: no checkpoint found in %s; nothing was loaded", load_dir)
+            return None, None
+        meta = self._restore(ckpt, step)
+        loaded = ckpt.latest_step() if step is None else step
+        return str(Path(ckpt.directory) / str(loaded)), meta.get("client_state")
 
     def save_16bit_model(
         self, directory: str | Any, *, max_shard_size: int | str = "5GB", dtype: Any = None
@@ -525,7 +595,9 @@ class Engine:
         Returns:
           The checkpoint's meta: ``config``, ``iteration``, ``data``, ``stage``, ``devices``.
         """
-        ckpt = self._checkpointer()
+        return self._restore(self._checkpointer(), step)
+
+    def _restore(self, ckpt: Any, step: int | None) -> dict[str, Any]:
         if self.setup.auto_layout is not None:  # the layout the run chose: no search again
             from jzero.engine import auto_layout
 
@@ -540,8 +612,7 @@ class Engine:
         self.iteration = int(meta.get("iteration", self.global_step))
         restored = ckpt.latest_step() if step is None else int(step)
         self._unchanged_since = restored if restored == self.iteration else None
-        if self.data_iterator is not None and meta.get("data") is not None:
-            self.data_iterator.restore(meta["data"])
+        data_position.restore_position(self.data_iterator, meta)
         return meta
 
     def latest_checkpoint(self) -> int | None:
@@ -552,8 +623,9 @@ class Engine:
 
     def wait_until_finished(self) -> None:
         """Blocks until every checkpoint save in flight is on disk."""
-        if self._ckpt is not None:
-            self._ckpt.wait_until_finished()
+        for ckpt in [self._ckpt, *self._other_ckpts.values()]:
+            if ckpt is not None:
+                ckpt.wait_until_finished()
 
     def close(self) -> None:
         """Waits for checkpoint saves in flight, then releases the checkpointer; idempotent.
@@ -561,9 +633,10 @@ class Engine:
         Also called at interpreter exit and when a ``with jzero.initialize(...) as engine:``
         block ends.
         """
-        if self._ckpt is not None:
-            self._ckpt.close()
-            self._ckpt = None
+        for ckpt in [self._ckpt, *self._other_ckpts.values()]:
+            if ckpt is not None:
+                ckpt.close()
+        self._ckpt, self._other_ckpts = None, {}
         if self._monitors is not None:  # flushed; a later step opens them again
             self._monitors.close()
             self._monitors = self._train_log = None
@@ -613,3 +686,22 @@ def _close_open_engines() -> None:
         except CheckpointWriteError as e:
             logger.error("jzero: %s", e)
             engine.close()  # the rest of it (the checkpointer is closed already)
+
+
+def _same_dir(a: str | os.PathLike, b: str | os.PathLike | None) -> bool:
+    return b is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def _tag_step(tag: int | str | None) -> int | None:
+    """The step a DeepSpeed tag names: an int, ``"global_step<N>"`` or ``"<N>"``."""
+    if tag is None or isinstance(tag, int) and not isinstance(tag, bool) and tag >= 0:
+        return tag
+    text = str(tag)
+    digits = text.removeprefix("global_step")
+    if isinstance(tag, str) and digits.isdigit():
+        return int(digits)
+    raise ValueError(
+        f"tag={tag!r}: jzero's checkpoints are numbered by step, so a tag is a step: an int, "
+        '"global_step<N>" (DeepSpeed\'s default tag) or "<N>"; None for engine.iteration '
+        "(saving) or the latest (loading). Save under a number, e.g. tag=engine.iteration."
+    )

@@ -24,6 +24,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -44,14 +45,18 @@ __all__ = ["open_checkpointer", "restore", "save"]
 logger = logging.getLogger(__name__)
 
 
-def open_checkpointer(cfg: config_lib.Config) -> Any:
-    """The :class:`jzero.checkpoint.Checkpointer` of ``cfg``'s ``checkpoint`` section; a clear
-    error without a directory."""
+def open_checkpointer(cfg: config_lib.Config, directory: Any = None) -> Any:
+    """The :class:`jzero.checkpoint.Checkpointer` of ``cfg``'s ``checkpoint`` section, in
+    ``directory`` instead of ``checkpoint.directory`` when given; a clear error without
+    either."""
     c = cfg.checkpoint
+    if directory is not None:
+        c = dataclasses.replace(c, directory=str(directory))
     if not c.directory:
         raise ValueError(
             "This engine has no checkpoint directory. Set checkpoint.directory in the "
-            "config, e.g. checkpoint: {directory: runs/ckpt}."
+            "config, e.g. checkpoint: {directory: runs/ckpt}, or name one: "
+            "engine.save_checkpoint(save_dir)."
         )
     from jzero.checkpoint import Checkpointer  # Orbax is needed only for checkpoints
 

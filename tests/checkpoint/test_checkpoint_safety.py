@@ -19,7 +19,7 @@ import toy
 from repo import ROOT, SUPPORT
 
 import jzero
-from jzero import checkpoint, cli
+from jzero import checkpoint, cli, train
 from jzero.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -27,7 +27,6 @@ from jzero.checkpoint import (
     latest_step,
     list_steps,
 )
-from jzero.demo import train
 
 SINGLE = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 TARGET = {"w": jax.ShapeDtypeStruct((64, 64), np.float32, sharding=SINGLE)}

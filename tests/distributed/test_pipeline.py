@@ -658,7 +658,7 @@ def test_jzero_train_runs_the_built_in_gpt_on_two_stages(tmp_path, tiny_gpt):
     layers, the optimizer state sharded over 4 instead of 8)."""
     import json
 
-    from jzero.demo import train
+    from jzero import train
 
     steps = 3
     model = ", ".join(f"{k}: {v}" for k, v in tiny_gpt.items())

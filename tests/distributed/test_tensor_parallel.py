@@ -433,7 +433,7 @@ def test_jzero_train_runs_the_gpt_split_over_model_and_seq(tmp_path, tiny_gpt):
     """`jzero train --set tensor_parallel.autotp_size=2 --set sequence_parallel_size=2` on 8
     devices, 4 heads: 2 a model device, split again over seq. Its checkpoint restores at
     other tensor-parallel sizes: test_checkpoints_move_between_tensor_parallel_sizes."""
-    from jzero.demo import train
+    from jzero import train
 
     model = ", ".join(f"{k}: {v}" for k, v in {**tiny_gpt, "num_heads": 4}.items())
     tiny = [

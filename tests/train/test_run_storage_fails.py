@@ -17,8 +17,8 @@ import pytest
 from cli_runs import TINY
 from etils.epath import abstract_path
 
+from jzero import train
 from jzero.checkpoint import TMP_SUFFIX, list_steps
-from jzero.demo import train
 from jzero.distributed import enable_compile_cache
 
 # The CLI flags of cli_runs.TINY as overrides of train.run (the same programs: one cache).

@@ -1,4 +1,4 @@
-"""`jzero.demo.train.run`, the `jzero train` loop as a library function: no argparse, its summary
+"""`jzero.train.run`, the `jzero train` loop as a library function: no argparse, its summary
 returned, written and printed alike, and a SIGTERM stops it after the step with a checkpoint."""
 
 import json
@@ -11,8 +11,8 @@ import threading
 import pytest
 from cli_runs import shared_compile_cache
 
+from jzero import train
 from jzero.checkpoint import list_steps
-from jzero.demo import train
 from jzero.engine import Engine
 
 TINY = [
