@@ -348,7 +348,7 @@ class Config:
     pipeline: Mapping[str, Any] | None = None
     """DeepSpeed: pipeline parallelism. ``stages: P`` (> 1) builds the mesh
     ``{pipe: P, data: N/P}`` and splits the model's layer scan into ``P`` stages of
-    consecutive layers (:mod:`jzero.distributed.pipeline`), ZeRO sharding within each stage's
+    consecutive layers (:mod:`jzero.parallel.pipeline`), ZeRO sharding within each stage's
     ``data`` group; the micro-batches are ``gradient_accumulation_steps`` (at least ``P``).
     ``schedule`` (jzero's key): ``1f1b`` (default; at most ``P`` micro-batches of activations
     kept per stage) or ``gpipe`` (all ``M``). DeepSpeed's ``partition``, ``seed_layers``,
@@ -359,7 +359,7 @@ class Config:
     tensor_parallel: Mapping[str, Any] | None = None
     """DeepSpeed AutoTP: ``autotp_size: T`` (> 1) builds the mesh ``{data: N/T, model: T}``
     and gives every parameter a Megatron-style spec over ``model`` from its name
-    (:mod:`jzero.distributed.tensor`); ``tp_plan`` maps dotted-path globs to ``colwise``,
+    (:mod:`jzero.parallel.tensor`); ``tp_plan`` maps dotted-path globs to ``colwise``,
     ``rowwise``, ``vocab``, ``replicate`` or a spec list for anything else; ``num_heads``
     (jzero's key; the built-in GPT's ``model.num_heads`` otherwise) is checked to divide by
     T. ``tp_size`` is read as ``autotp_size``. ``tp: {tp_size: ...}``, DeepSpeed's inference
@@ -369,7 +369,7 @@ class Config:
     """DeepSpeed AutoEP: ``autoep_size: E_p`` (> 1) builds the mesh ``{data: N/E_p, expert:
     E_p}``; each expert parameter rests split over ``expert`` on its experts dimension (each
     device holds ``E / E_p`` experts; tokens reach them by one all-to-all and come back by
-    another, :mod:`jzero.distributed.expert`), ZeRO shards it further over ``data``, and every
+    another, :mod:`jzero.parallel.expert`), ZeRO shards it further over ``data``, and every
     other parameter over ``data`` x ``expert``, as DeepSpeed's expert data-parallel groups do.
     Expert parameters are found by name (a path component ``experts``, or containing
     ``expert``), or listed by jzero's ``expert_params`` (dotted-path globs); ``num_experts``
@@ -379,7 +379,7 @@ class Config:
     """DeepSpeed-Ulysses: ``S`` > 1 adds a ``seq`` mesh axis of S devices beside ``data``
     (``{data: N/(S*T), seq: S}``). Its devices share the batch's rows and each computes the
     loss of its own ``T/S`` tokens; around attention two all-to-alls swap the sequence split
-    for a head split (:mod:`jzero.distributed.sequence`; built into the built-in GPT, and
+    for a head split (:mod:`jzero.parallel.sequence`; built into the built-in GPT, and
     ``jzero.sequence_parallel_attention`` for your own model). ZeRO shards over ``data`` x
     ``seq``, as DeepSpeed does. S must divide the heads and the sequence length."""
     gradient_allreduce_op: str = "mean"

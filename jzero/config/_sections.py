@@ -435,14 +435,14 @@ class ActivationCheckpointingConfig:
     """``activation_checkpointing``: rematerialise each stacked layer, with no model change.
 
     jzero checkpoints the body of every ``jax.lax.scan`` in the loss (stacked layers: the scan
-    is the layer boundary jzero can see), at every ZeRO stage; see :mod:`jzero.replay.remat`.
+    is the layer boundary jzero can see), at every ZeRO stage; see :mod:`jzero.rewrite.remat`.
 
     * No section: no checkpointing at stages 0-2; stage 3 checkpoints the layers it gathers
       with ``dots_no_batch``, so each layer's weights are gathered again in the backward pass.
     * The section without ``policy``: ``full``, as DeepSpeed (each layer keeps its input only).
 
     Each layer is checkpointed: every scan body, and each layer of a Python loop over layers,
-    found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.replay.remat`).
+    found from the parameters' paths (``layers_3``, ``blocks/3``; see :mod:`jzero.rewrite.remat`).
     """
 
     policy: str | None = checked_field(None, auto=None)

@@ -711,7 +711,7 @@ def _check_activation_checkpointing(cfg: Config, noted: list) -> None:
         why += "" if model_axes else "besides data to split the saved activations over"
         noted.append(("activation_checkpointing.partition_activations", why))
     stage = cfg.zero_optimization.stage
-    # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.replay.remat).
+    # ``none`` still checkpoints the layers whose weights a stage gathers (see jzero.rewrite.remat).
     gathers = stages.stage_spec(stage).shard_params
     if ac.cpu_checkpointing and (policy is None or (not active and not gathers)):
         why = (

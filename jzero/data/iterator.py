@@ -12,7 +12,8 @@ Decisions:
   of the rows (their count and layout, the sources), so :meth:`DataIterator.restore` refuses a
   state from other data or another seed.
 * A batch is ``{"tokens", "segment_ids", "positions"}``, int32 ``[B / P, seq_len + 1]``; the
-  samples read are :attr:`DataIterator.last_sample_ids`.
+  samples read are :attr:`DataIterator.last_sample_ids`, the packed rows they read
+  :attr:`DataIterator.last_row_ids`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class _ProcessSamples:
             "segment_ids": segments,
             "positions": positions,
             "sample_ids": np.int64(sample),
+            "row_ids": np.int64(row),
         }
 
 
@@ -96,6 +98,7 @@ class DataIterator:
         self.num_threads, self.prefetch = num_threads, prefetch
         self.skipped_records = skipped_records
         self.last_sample_ids = np.zeros(0, np.int64)
+        self.last_row_ids = np.zeros(0, np.int64)
         self._sample = 0
         self._logged_epoch = -1
         self._it = None
@@ -129,6 +132,7 @@ class DataIterator:
             self._it = self._pipeline()
         batch = next(self._it)
         self.last_sample_ids = np.asarray(batch.pop("sample_ids"), np.int64)
+        self.last_row_ids = np.asarray(batch.pop("row_ids"), np.int64)
         self._sample += self.spec.global_batch
         last_epoch = (self._sample - 1) // len(self.rows)
         if last_epoch != self._logged_epoch:

@@ -16,7 +16,7 @@ Decisions:
   output head (logits are the final activations times the token embedding transposed). Dense
   layers carry biases.
 * The fused q/k/v projection has a dimension of its own for q, k and v (``attn_qkv`` is
-  ``[D, 3, D]``, its bias ``[3, D]``), so tensor parallelism (:mod:`jzero.distributed.tensor`)
+  ``[D, 3, D]``, its bias ``[3, D]``), so tensor parallelism (:mod:`jzero.parallel.tensor`)
   splits it per head group: each device of the ``model`` axis holds the q, k and v columns of
   its heads and runs attention on them with no communication. A flat ``[D, 3D]`` leaf could
   not rest split that way under one ``PartitionSpec``. Its bias stays flat (``[3D]``, small,
@@ -68,7 +68,7 @@ Decisions:
 * Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size``) is built in: where
   jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
   inputs and targets, the position table from this device's first position, and attention
-  runs through :func:`jzero.distributed.sequence.sequence_parallel_attention` (all-to-all to
+  runs through :func:`jzero.parallel.sequence.sequence_parallel_attention` (all-to-all to
   the whole sequence for ``H/S`` heads, and back). Called anywhere else, it is the plain model.
 """
 
@@ -339,12 +339,17 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
     return (y * scale.astype(wide) + bias.astype(wide)).astype(x.dtype)
 
 
-def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention of [B, T, H, Dh] heads, the softmax in float32 (or wider)."""
+def _causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+) -> jax.Array:
+    """Causal softmax attention of [B, T, H, Dh] heads, the softmax in float32 (or wider);
+    with ``segments`` ([B, T] document ids of packed rows) a token sees only its document's."""
     t, head_dim = q.shape[1], q.shape[-1]
     wide = _wide(q.dtype)
     scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    if segments is not None:
+        causal = causal & (segments[:, None, :, None] == segments[:, None, None, :])
     scores = jnp.where(causal, scores, jnp.finfo(wide).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
     return jnp.einsum("bhts,bshd->bthd", probs, v)
@@ -355,20 +360,25 @@ def _causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 _ulysses_attention = sequence_parallel_attention(_causal_attention)
 
 
-def _attention(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.Array:
-    """Causal multi-head self-attention; ``x`` is [B, T, D] (this device's tokens)."""
+def _attention(
+    p: Mapping[str, jax.Array], x: jax.Array, num_heads: int, segments: jax.Array | None = None
+) -> jax.Array:
+    """Causal multi-head self-attention; ``x`` is [B, T, D] (this device's tokens),
+    ``segments`` the whole rows' document ids (or ``None``)."""
     b, t, d = x.shape
     head_dim = d // num_heads
     qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
     qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = _ulysses_attention(q, k, v).reshape(b, t, d)
+    out = _ulysses_attention(q, k, v, segments).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
 
 
-def _block(p: Mapping[str, jax.Array], x: jax.Array, num_heads: int) -> jax.Array:
+def _block(
+    p: Mapping[str, jax.Array], x: jax.Array, num_heads: int, segments: jax.Array | None = None
+) -> jax.Array:
     """One pre-LayerNorm transformer block; ``p`` is already in the compute dtype."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), num_heads)
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), num_heads, segments)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     h = jax.nn.gelu(h @ p["mlp_in"] + p["mlp_in_bias"])
     return x + h @ p["mlp_out"] + p["mlp_out_bias"]
@@ -382,12 +392,14 @@ def _experts_mlp(p: Mapping[str, jax.Array], slots: jax.Array) -> jax.Array:
     return jnp.einsum("enf,efd->end", h, p["w_proj"]) + p["b_proj"][:, None, :]
 
 
-def _moe_block(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, MoEStats]:
+def _moe_block(
+    p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+) -> tuple[jax.Array, MoEStats]:
     """A pre-LayerNorm block whose MLP is the routed experts; ``p`` in the compute dtype.
 
     The router's logits are accumulated in float32 (or wider): the top-k choice and the
     load-balancing loss read probabilities that low-precision logits would round together."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg.num_heads)
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg.num_heads, segments)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     logits = jnp.einsum("btd,de->bte", h, p["router"], preferred_element_type=_wide(h.dtype))
     y, stats = moe_layer(
@@ -402,15 +414,17 @@ def _moe_block(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.
     return x + y.astype(x.dtype), stats
 
 
-def _unit(p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, MoEStats]:
+def _unit(
+    p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+) -> tuple[jax.Array, MoEStats]:
     """One scan unit of an MoE model: its ``moe_every - 1`` dense blocks, then its MoE block.
 
     The dense blocks are indexed out of the unit's ``[k-1, ...]`` leaves in a Python loop (no
     inner scan): ``k`` is small, and the outer scan stays the only one over stored weights."""
     dense = p.get("dense")
     for j in range(cfg.moe_every - 1):
-        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg.num_heads)
-    return _moe_block(p, x, cfg)
+        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg.num_heads, segments)
+    return _moe_block(p, x, cfg, segments)
 
 
 def _moe_aux(stats: MoEStats) -> dict[str, jax.Array]:
@@ -423,14 +437,22 @@ def _moe_aux(stats: MoEStats) -> dict[str, jax.Array]:
 
 
 def _embed(
-    tokens_table: jax.Array, positions: jax.Array, tokens: jax.Array, cfg: GPTConfig
+    tokens_table: jax.Array,
+    positions: jax.Array,
+    tokens: jax.Array,
+    cfg: GPTConfig,
+    at: jax.Array | None = None,
 ) -> jax.Array:
+    """Token plus position embeddings; ``at``: each token's position (packed rows restart it
+    at each document), else its place in the row."""
     t = tokens.shape[-1]
     if t > cfg.seq_len:
         raise ValueError(
             f"The input has {t} tokens per sequence but GPTConfig.seq_len={cfg.seq_len}. "
             "Shorten the input or raise seq_len."
         )
+    if at is not None:
+        return (jnp.take(tokens_table, tokens, axis=0) + positions[at]).astype(cfg.compute_dtype)
     offset = sequence_offset(t)  # this device's first position under sequence parallelism
     table = (
         positions[:t]
@@ -464,6 +486,25 @@ def _next_token_loss_and_aux(
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
     return -picked.mean(), aux
+
+
+def _packed_loss_and_aux(
+    model: GPT, batch: Mapping[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The next-token loss of packed rows (:mod:`jzero.data`'s ``segment_ids`` and
+    ``positions``): attention stays within each document, and a target counts only where it
+    continues its input's document (not across a boundary, not on padding, segment 0). The sum
+    is divided by every target place, as the unpacked loss is: so each device's share is the
+    same under any split of the sequence, and one document's per-token terms never depend on
+    another document."""
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    inputs, targets = sequence_chunk(tokens[:, :-1]), sequence_chunk(tokens[:, 1:])
+    at = sequence_chunk(batch["positions"][:, :-1])
+    keep = sequence_chunk((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0))
+    logits, aux = model.forward(inputs, seg[:, :-1], at)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return -jnp.where(keep, picked, 0.0).sum() / picked.size, aux
 
 
 def _moe_loss(
@@ -629,8 +670,8 @@ class _Block(_Params):
         super().__init__(_init_block(rngs.params(), cfg))
         self.num_heads = cfg.num_heads
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return _block(self.arrays(), x, self.num_heads)
+    def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return _block(self.arrays(), x, self.num_heads, segments)
 
 
 class _Unit(_Params):
@@ -640,8 +681,10 @@ class _Unit(_Params):
         super().__init__(_init_unit(rngs.params(), cfg))
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
-        return _unit(self.arrays(), x, self.cfg)
+    def __call__(
+        self, x: jax.Array, segments: jax.Array | None = None
+    ) -> tuple[jax.Array, MoEStats]:
+        return _unit(self.arrays(), x, self.cfg, segments)
 
 
 class GPT(nnx.Module):
@@ -682,37 +725,50 @@ class GPT(nnx.Module):
             }
         )
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Returns float32 logits [B, T, vocab_size] for int tokens [B, T]."""
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """Returns float32 logits [B, T, vocab_size] for int tokens [B, T]; for packed rows,
+        their document ids ``segment_ids`` [B, T] (attention stays within a document) and
+        each token's ``positions`` [B, T] (under sequence parallelism: the whole rows' ids,
+        this device's positions)."""
         if self.cfg.moe:
-            return self.forward(tokens)[0]
+            return self.forward(tokens, segment_ids, positions)[0]
         cfg = self.cfg
         table = self.embed.tokens[...]
-        x = _embed(table, self.embed.positions[...], tokens, cfg)
+        x = _embed(table, self.embed.positions[...], tokens, cfg, positions)
         # A cast copy of the stacked blocks, so the cast sits before the scan as in `apply`.
         graphdef, state = nnx.split(self.blocks)
         blocks = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run(carry: jax.Array, block: _Block) -> jax.Array:
-            return block(carry)
+            return block(carry, segment_ids)
 
         return _head(self.ln_f.arrays(), table, run(x, blocks))
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``(logits, aux)`` for int tokens [B, T]: the aux is the MoE layers' stats as
-        :func:`loss_fn` returns them (``{}`` for a dense model)."""
+    def forward(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``(logits, aux)`` for int tokens [B, T] (packed rows: as ``__call__``): the aux is
+        the MoE layers' stats as :func:`loss_fn` returns them (``{}`` for a dense model)."""
         cfg = self.cfg
         if not cfg.moe:
-            return self(tokens), {}
+            return self(tokens, segment_ids, positions), {}
         table = self.embed.tokens[...]
-        x = _embed(table, self.embed.positions[...], tokens, cfg)
+        x = _embed(table, self.embed.positions[...], tokens, cfg, positions)
         graphdef, state = nnx.split(self.blocks)
         units = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
         def run(carry: jax.Array, unit: _Unit) -> tuple[jax.Array, MoEStats]:
-            return unit(carry)
+            return unit(carry, segment_ids)
 
         x, stats = run(x, units)
         return _head(self.ln_f.arrays(), table, x), _moe_aux(stats)
@@ -721,6 +777,11 @@ class GPT(nnx.Module):
 def nnx_loss_fn(model: GPT, batch: Mapping[str, jax.Array]) -> Any:
     """Next-token cross-entropy of the NNX GPT, in nats per token; with MoE ``(loss, aux)``.
     See :func:`loss_fn`."""
+    if "segment_ids" in batch:  # packed rows of documents (jzero.data)
+        ce, aux = _packed_loss_and_aux(model, batch)
+        if not model.cfg.moe:
+            return ce
+        return ce + model.cfg.moe_aux_loss_coef * aux["moe_aux_loss"].astype(ce.dtype), aux
     if model.cfg.moe:
         return _moe_loss(model.forward, batch["tokens"], model.cfg)
     return _next_token_loss(model, batch["tokens"])

@@ -2,7 +2,7 @@
 
 Each figure is computed here only: the engine's methods (``model_flops``, ``peak_bytes``), the
 monitors' :class:`~jzero.monitor.TrainLog` (through :func:`jzero.monitor.step_rates`) and
-``jzero train``'s lines and summary (:mod:`jzero.demo.train`) all read them from here.
+``jzero train``'s lines and summary (:mod:`jzero.train`) all read them from here.
 
 Decisions:
 

@@ -1,7 +1,7 @@
 """DeepSpeed's monitors: the training metrics as TensorBoard events, CSV files and a wandb run.
 
 Import direction: imports :mod:`jzero.config` and :mod:`jzero.profiler` only;
-:mod:`jzero.engine` and :mod:`jzero.demo.train` import it.
+:mod:`jzero.engine` and :mod:`jzero.train` import it.
 
 * :mod:`~jzero.monitor.writers`: one writer per backend (``tensorboardX``, ``csv``,
   ``wandb``), each given ``(tag, value, step)`` events as DeepSpeed's ``write_events`` is.

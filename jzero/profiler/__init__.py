@@ -1,6 +1,6 @@
 """DeepSpeed's ``flops_profiler``: the compiled step's FLOPs, bytes and MFU, the model's per module.
 
-Import direction: imports nothing else of jzero's; :mod:`jzero.engine` and :mod:`jzero.demo.train`
+Import direction: imports nothing else of jzero's; :mod:`jzero.engine` and :mod:`jzero.train`
 import it.
 
 * :mod:`~jzero.profiler.cost`: XLA's cost of the compiled step (``cost_analysis``), the peak

@@ -48,6 +48,7 @@ __all__ = ["run"]
 
 logger = logging.getLogger(__name__)
 
+_BATCH = ("tokens", "segment_ids", "positions")  # a jzero.data batch's arrays
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -145,7 +146,7 @@ def _fill_auto(cfg: Config, steps: int | None) -> list[str]:
         "weight_decay": train.weight_decay,
         "warmup_min_lr": 0.0,
         "warmup_max_lr": train.learning_rate,
-        "warmup_num_steps": train.warmup_steps,
+        "warmup_num_steps": max(train.warmup_steps, 1),  # DeepSpeed's WarmupLR needs one
         "total_num_steps": steps if steps is not None else train.steps,
     }
     filled = []
@@ -206,7 +207,7 @@ def _model(cfg: Config) -> tuple[dict[str, Any], int, int | None]:
 def _shapes(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of this process's rows of a global batch of ``rows``."""
     local = (rows // jax.process_count(), seq_len + 1)
-    return {k: jax.ShapeDtypeStruct(local, np.int32) for k in ("tokens",)}
+    return {k: jax.ShapeDtypeStruct(local, np.int32) for k in _BATCH}
 
 
 def _build(cfg: Config, args: Mapping[str, Any], seq_len: int) -> Engine:
@@ -290,30 +291,27 @@ def _engine(
 
 # -- the data ------------------------------------------------------------------------------------
 
-
-class _Loaders:
-    def __init__(self, train: Any, eval_batches: list[Any]):
-        self.train, self.eval = train, eval_batches
+# What the command reads of the data section itself; the rest is jzero.data's.
+_OWN_DATA_KEYS = ("seq_len", "vocab_size")
 
 
-def _data(engine: Engine, seq_len: int, vocab: int | None) -> _Loaders:
-    """The config's ``data`` section as this process's training iterator and eval batches."""
-    from jzero.demo import data as data_lib
+def _data(engine: Engine, seq_len: int, vocab: int | None) -> Any:
+    """The config's ``data`` section as :mod:`jzero.data`'s loaders: this process's training
+    iterator (its position in every checkpoint) and eval batches; one line names them."""
+    from jzero import data
 
     cfg = engine.config
     engine.tokens_per_sample = seq_len
-    rows = engine.train_batch_size
-    source = dict(cfg.data)
-    tokens = data_lib.load_tokens(
-        source.get("source", "stdlib"), source.get("path"), source.get("max_bytes")
+    section = {k: v for k, v in cfg.data.items() if k not in _OWN_DATA_KEYS}
+    section.setdefault("eval_batches", cfg.train.eval_batches)
+    loaders = data.from_config(
+        section,
+        seq_len=seq_len,
+        vocab_size=vocab,
+        seed=cfg.seed,
+        global_batch=engine.train_batch_size,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
     )
-    if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
-        raise ValueError(
-            f"The data holds token id {int(tokens.max())}, but the model's vocabulary has "
-            f"{vocab} ids (0-{vocab - 1}). Use the model's tokenizer, or raise vocab_size."
-        )
-    train_tokens, eval_tokens = data_lib.split_train_eval(tokens, source.get("eval_fraction", 0.05))
-    rank = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    batches = data_lib.BatchIterator(train_tokens, rows, seq_len, cfg.seed, **rank)
-    evals = data_lib.eval_batches(eval_tokens, rows, seq_len, cfg.train.eval_batches, **rank)
-    return _Loaders(batches, evals if cfg.train.eval_interval else [])
+    logger.info("%s", loaders.describe())
+    return loaders

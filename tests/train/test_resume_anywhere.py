@@ -1,0 +1,101 @@
+"""Resume anywhere: a `jzero train` run of a user's model (`--model file.py:make`) checkpointed
+at step 3 and resumed on 8 devices, on 4 devices (a child process) and as 2 processes x 2
+devices (`jzero launch`) reads exactly the uninterrupted run's global batches (by the rows
+they read), keeps its global batch, and continues its float64 losses at 1e-10."""
+
+import json
+import shutil
+import sys
+
+import data_runs
+import pytest
+from procs import Children, child_env, device_env, launcher
+from repo import ROOT
+
+STEPS = 6
+CUT = 3
+CHILD = ROOT / "tests" / "support" / "data_runs.py"
+
+
+def _losses(log_dir):
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted run, and the run cut after step 3 (its checkpoint copied per resume)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    whole_ids, whole = data_runs.run(str(tmp / "whole_ckpt"), str(tmp / "whole"), STEPS)
+    cut_ids, cut = data_runs.run(str(tmp / "cut_ckpt"), str(tmp / "cut"), CUT)
+    assert whole["steps"] == STEPS and cut["steps"] == CUT and cut["last_checkpoint"] == CUT
+    assert cut_ids == whole_ids[:CUT]  # the first steps read the same batches
+    return {"tmp": tmp, "ids": whole_ids, "losses": _losses(tmp / "whole")}
+
+
+def _resumed(runs, name):
+    """A copy of the cut run's checkpoint and logs, for one resume."""
+    tmp = runs["tmp"]
+    shutil.copytree(tmp / "cut_ckpt", tmp / f"{name}_ckpt")
+    shutil.copytree(tmp / "cut", tmp / name)
+    return tmp / f"{name}_ckpt", tmp / name
+
+
+def _check(runs, ids, log_dir):
+    """Steps 4-6 read the uninterrupted run's samples and trained to its losses."""
+    assert ids == runs["ids"][CUT:]
+    losses = _losses(log_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(CUT + 1, STEPS + 1):
+        assert losses[step] == pytest.approx(runs["losses"][step], rel=1e-10, abs=0), step
+
+
+def test_the_global_batches_are_fixed_by_the_seed_and_the_step(runs):
+    ids = runs["ids"]
+    assert [len(b) for b in ids] == [data_runs.GLOBAL_BATCH] * STEPS
+    flat = [i for batch in ids for i in batch]
+    assert len(set(flat)) == len(flat)  # no sample twice within the epoch
+    assert sorted(flat) != flat  # shuffled, not read in order
+
+
+def test_resumed_on_eight_devices(runs):
+    ckpt, log_dir = _resumed(runs, "eight")
+    ids, summary = data_runs.run(str(ckpt), str(log_dir), STEPS)
+    assert summary["resumed_from"] == CUT and summary["devices"] == 8
+    _check(runs, ids[-(STEPS - CUT) :], log_dir)  # the first read sized the step (a probe)
+
+
+def _child_ids(out, processes):
+    """Per step, the global sample ids: each process's rows, in process order."""
+    records = [json.loads(out.with_suffix(f".{p}.json").read_text()) for p in range(processes)]
+    per_process = [r["ids"][-(STEPS - CUT) :] for r in records]
+    return [sum((p[s] for p in per_process), []) for s in range(STEPS - CUT)], records[0]
+
+
+def test_resumed_on_four_devices_keeps_the_global_batch(runs, children):
+    ckpt, log_dir = _resumed(runs, "four")
+    out = runs["tmp"] / "four_out"
+    cmd = [sys.executable, str(CHILD), str(ckpt), str(log_dir), str(out), str(STEPS)]
+    p = children.start(cmd, child_env(XLA_FLAGS=device_env(4)["XLA_FLAGS"]))
+    assert children.finish(p, timeout=240) == 0, "".join(p.out + p.err)
+    ids, record = _child_ids(out, 1)
+    assert record["devices"] == 4 and record["summary"]["devices"] == 4
+    err = "".join(p.err)
+    assert "the checkpoint's global batch is 32 samples" in err
+    assert "4 per device x 2 accumulation steps x 4 devices" in err
+    _check(runs, ids, log_dir)
+
+
+def test_resumed_as_two_processes_of_two_devices(runs):
+    ckpt, log_dir = _resumed(runs, "two")
+    out = runs["tmp"] / "two_out"
+    c = Children()
+    try:
+        cmd = launcher("-n", "2", "--devices-per-process", "2", "--", sys.executable)
+        p = c.start([*cmd, str(CHILD), str(ckpt), str(log_dir), str(out), str(STEPS)], child_env())
+        assert c.finish(p, timeout=300) == 0, "".join(p.out + p.err)
+    finally:
+        c.kill_all()
+    ids, record = _child_ids(out, 2)
+    assert record["devices"] == 4 and record["summary"]["devices"] == 4
+    _check(runs, ids, log_dir)
