@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -159,30 +160,38 @@ def sequence_parallel_attention(
                 f"the same dimension of the {ndim}-d q, k and v. Pass different dimensions."
             )
 
-        def ulysses(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        # Array arguments beside q, k, v (a mask, document ids) enter the model axis's
+        # shard_map below as operands, replicated over it; the others are closed over.
+        at = [i for i, a in enumerate(args) if isinstance(a, jax.Array | np.ndarray)]
+
+        def ulysses(q: jax.Array, k: jax.Array, v: jax.Array, *arrays: jax.Array) -> jax.Array:
             _check_heads(q, k, v, h_dim, size, axis)
+            rest = list(args)
+            for i, a in zip(at, arrays, strict=True):
+                rest[i] = a
 
             def heads_to_seq(x: jax.Array) -> jax.Array:  # [B, T/S, H, Dh] -> [B, T, H/S, Dh]
                 return jax.lax.all_to_all(x, axis, split_axis=h_dim, concat_axis=s_dim, tiled=True)
 
-            out = attn_fn(heads_to_seq(q), heads_to_seq(k), heads_to_seq(v), *args, **kwargs)
+            out = attn_fn(heads_to_seq(q), heads_to_seq(k), heads_to_seq(v), *rest, **kwargs)
             # [B, T, H/S, Dh] -> [B, T/S, H, Dh]
             return jax.lax.all_to_all(out, axis, split_axis=s_dim, concat_axis=h_dim, tiled=True)
 
+        arrays = [args[i] for i in at]
         model = _head_axis(q, k, v, h_dim)
         if model is None:
-            return ulysses(q, k, v)
+            return ulysses(q, k, v, *arrays)
         # Heads split over the model axis too (tensor parallelism): each device's all-to-alls
         # move its own model-axis heads, with that axis manual, never gathering them first.
         spec = P(*([None] * h_dim), model)
         return jax.shard_map(
             ulysses,
             mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=(spec, spec, spec),
+            in_specs=(spec, spec, spec, *[P()] * len(arrays)),
             out_specs=spec,
             axis_names={model},
             check_vma=False,
-        )(q, k, v)
+        )(q, k, v, *arrays)
 
     return wrapped
 

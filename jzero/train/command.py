@@ -112,7 +112,8 @@ def run(
         uncache = distributed.enable_compile_cache(cache) if cache is not None else None
         try:
             with distributed.CompileCounter() as compiled:
-                engine, seq_len, vocab = _engine(config, cfg, given, fresh=fresh)
+                explicit = any(o.split("=", 1)[0].strip() in _BATCH_KEYS for o in overrides)
+                engine, seq_len, vocab = _engine(config, cfg, given, fresh=fresh, keep=not explicit)
                 loaders = _data(engine, seq_len, vocab)
                 summary = fit(
                     engine,
@@ -255,14 +256,14 @@ def elastic_split(global_batch: int, data_parallel: int, micro: int) -> tuple[in
 
 
 def _engine(
-    config: Any, cfg: Config, given: Sequence[str], *, fresh: bool
+    config: Any, cfg: Config, given: Sequence[str], *, fresh: bool, keep: bool
 ) -> tuple[Engine, int, int | None]:
-    """The engine of the config's model, with the checkpoint's global batch on a resume (see
-    the module's decisions); its sequence length and vocabulary size."""
+    """The engine of the config's model, with the checkpoint's global batch on a resume unless
+    ``keep`` is false (a batch size given with ``--set``; see the module's decisions); its
+    sequence length and vocabulary size."""
     args, seq_len, vocab = _model(cfg)
     saved = _saved_batch(cfg, fresh) if cfg.checkpoint.directory else None
-    explicit = any(o.split("=", 1)[0].strip() in _BATCH_KEYS for o in given)
-    if saved is None or explicit:
+    if saved is None or not keep:
         return _build(cfg, args, seq_len), seq_len, vocab
     engine = initialize(config=cfg, **args)  # planned only: the state waits for the batch
     if engine.train_batch_size == saved:

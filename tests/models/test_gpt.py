@@ -151,3 +151,50 @@ def test_scan_xs_are_the_stacked_params(dtype):
     graphdef, state = nnx.split(_nnx_with(params, cfg))
     jaxpr = jax.make_jaxpr(lambda s: nnx_loss_fn(nnx.merge(graphdef, s), batch))(state)
     assert _scan_xs_sources(jaxpr) == _block_inputs(jaxpr, state)
+
+
+def _packed(docs, width):
+    """One packed row of ``docs`` (token lists), padded to ``width``: tokens, segment ids
+    (1, 2, ... per document; 0 on padding) and positions (restarting at each document)."""
+    tokens, seg, pos = [], [], []
+    for i, doc in enumerate(docs, 1):
+        tokens += doc
+        seg += [i] * len(doc)
+        pos += list(range(len(doc)))
+    pad = width - len(tokens)
+    return [np.array([x + [0] * pad], np.int32) for x in (tokens, seg, pos)]
+
+
+def _token_losses(model, docs, width=17):
+    """Per target: the next-token loss of the packed row, where the target continues its
+    input's document (else NaN)."""
+    tokens, seg, pos = _packed(docs, width)
+    logits, _ = model.forward(jnp.asarray(tokens[:, :-1]), jnp.asarray(seg[:, :-1]),
+                              jnp.asarray(pos[:, :-1]))  # fmt: skip
+    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), tokens[:, 1:, None], -1)
+    keep = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    return np.where(keep, nll[..., 0], np.nan)[0], seg[0, 1:]
+
+
+def test_packed_documents_never_see_each_other(x64):
+    """In a packed row each document attends to itself only and restarts its positions: its
+    per-token losses do not change when another document in the row changes (here its tokens
+    and its length, which moves the third document along the row); float64, so the only
+    difference left is the summation order of zeros' neighbours (far below 1e-10)."""
+    cfg = GPTConfig(vocab_size=32, seq_len=16, num_layers=2, num_heads=2, d_model=16, d_ff=32,
+                    dtype="float64")  # fmt: skip
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    first, third = [1, 5, 9, 2], [7, 7, 3, 4, 8]
+    a, seg_a = _token_losses(model, [first, [3, 1, 4, 1, 5], third])
+    b, seg_b = _token_losses(model, [first, [30, 2, 6], third])
+    for doc, tokens in ((1, first), (3, third)):
+        la, lb = a[seg_a == doc], b[seg_b == doc]
+        la, lb = la[~np.isnan(la)], lb[~np.isnan(lb)]
+        assert len(la) == len(tokens) - 1  # every target but the document's first token
+        np.testing.assert_allclose(la, lb, rtol=1e-10, atol=0)
+    # The second document's own losses did change, and the loss reads only kept targets.
+    assert not np.allclose(a[seg_a == 2][:2], b[seg_b == 2][:2])
+    tokens, seg, pos = _packed([first, [3, 1, 4, 1, 5], third], 17)
+    batch = {"tokens": tokens, "segment_ids": seg, "positions": pos}
+    loss = float(nnx_loss_fn(model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    assert loss == pytest.approx(np.nansum(a) / 16, rel=1e-12)
