@@ -110,10 +110,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             loss += f"; eval loss {_loss(summary['eval_loss'])}"
             loss += f" ({_loss(summary['first_eval_loss'])} at step {first - 1})"
         lines.append(f"  loss:       {loss}")
-        speed = (
-            f"{summary['tokens_per_s']:,.0f} tokens/s, this run's average ({ran} step(s); "
-            "evaluations and compiling included)"
+        rate = (  # tokens where the run knows them (engine.tokens_per_sample), else samples
+            f"{summary['tokens_per_s']:,.0f} tokens/s"
+            if summary.get("tokens_per_s") is not None
+            else f"{summary.get('samples_per_s') or 0:,.1f} samples/s"
         )
+        speed = f"{rate}, this run's average ({ran} step(s); evaluations and compiling included)"
         if summary.get("mfu") is not None:
             speed += f"; MFU {100 * summary['mfu']:.1f}% (mean after the first step)"
         lines.append(f"  throughput: {speed}")

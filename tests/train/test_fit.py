@@ -90,6 +90,7 @@ def test_fit_stops_on_sigterm_and_resumes_the_losses_and_the_data(tmp_path, monk
     written = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert written["steps"] == 3 and written["signal"] == "SIGTERM"
     assert jzero.train.exit_code(written) == 128 + signal.SIGTERM
+    assert "samples/s, this run's average" in jzero.train.format_summary(written)  # no tokens
 
     # A new process would build all of it again: a new engine and the pipeline from its start.
     resumed = jzero.fit(_engine(_config(tmp_path)), _pipeline(), eval_data=evals, progress=False)
