@@ -150,6 +150,9 @@ def format_info(info: CheckpointInfo) -> str:
     )
     if info.problem:
         lines.append(f"  DAMAGED: {info.problem}")
+    position = format_data_position(info.meta)
+    if position:
+        lines.append(f"  data position: {position}")
     for name, leaves in info.trees.items():
         total = sum(leaf.nbytes for leaf in leaves)
         lines.append(f"  tree {name}: {len(leaves)} leaves, {total:,} bytes")
@@ -169,6 +172,28 @@ def format_info(info: CheckpointInfo) -> str:
         lines.append("verified (every file read and compared with the step's file record):")
         lines += [_format_check(c) for c in info.verified]
     return "\n".join(lines)
+
+
+def format_data_position(meta: dict[str, Any]) -> str | None:
+    """The data position a checkpoint's meta holds, in a few words (``None``: none saved):
+    ``sample 96 (epoch 0)`` for :mod:`jzero.data`'s iterator, else the protocol and a short
+    form of the state (:mod:`jzero.engine.data_position`)."""
+    state, grain = meta.get("data"), meta.get("data_grain")
+    if isinstance(state, dict) and "sample" in state:
+        epoch = f" (epoch {state['epoch']})" if "epoch" in state else ""
+        return f"sample {state['sample']}{epoch}"
+    if state is not None:
+        return f"state()/restore(): {_short(json.dumps(state, sort_keys=True))}"
+    if isinstance(grain, dict):
+        kind, value = next(iter(grain.items()), ("value", None))
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return f"Grain get_state()/set_state() ({kind}): {_short(text)}"
+    return None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 _SHOWN_PROBLEMS = 20

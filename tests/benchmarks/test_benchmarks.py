@@ -294,3 +294,27 @@ def test_auto_layout_benchmark_keeps_a_layout_and_times_it_beside_the_next():
     kept, nxt = line.split("|")[0], line.split("|")[1]
     assert "data 8, stage 0" in kept and float(kept.split()[-1]) > 0, line
     assert float(nxt.split()[-1]) > 0 and "stage" in nxt, line
+
+
+def test_data_wait_benchmark_prints_the_wait_share_and_resumes_on_8_and_4_devices():
+    # That a resumed run reads exactly the uninterrupted run's batches, on 8 and 4 devices, is
+    # tests/train/test_resume_anywhere.py's; here the script runs its three children.
+    out = _run("data_wait", "--smoke").stdout.splitlines()
+    (wait,) = [line for line in out if line.startswith("steps after the first")]
+    assert wait.endswith("%") and float(wait.split()[-2]) > 0  # the loop's seconds
+    head = next(i for i, line in enumerate(out) if "start to first step" in line)
+    rows = [line.split() for line in out[head + 1 : head + 3]]
+    assert [r[0] for r in rows] == ["8", "4"] and all(float(r[1]) > 0 for r in rows), out
+
+
+def test_data_loader_benchmark_prints_packed_tokens_per_second():
+    # What the rows hold (packing, segment ids, positions) is tests/data/'s.
+    out = _run("data_loader", "--smoke").stdout.splitlines()
+    rows = [line.split() for line in out if line.startswith(("npy", "jsonl"))]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("npy", "1"),
+        ("npy", "2"),
+        ("jsonl+tokenizer.json", "1"),
+        ("jsonl+tokenizer.json", "2"),
+    ]
+    assert all(float(r[-1].replace(",", "")) > 0 for r in rows)
