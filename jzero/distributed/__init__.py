@@ -13,10 +13,15 @@ axes have their rooms in :mod:`jzero.parallel`.
   alike on every process, each process's rows joined into the global batch, the barrier.
 * :mod:`~jzero.distributed.compile_cache`: JAX's persistent compilation cache for a run, and
   counting compilations.
+* :mod:`~jzero.distributed.agreement`: processes agree on their run before the first step
+  (fingerprints through the runtime's key-value store).
+* :mod:`~jzero.distributed.watchdog`: a run of several processes never hangs in silence.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
   stopped together (``python -m jzero.distributed.launch``).
 """
 
+from jzero.distributed.agreement import ProcessesDisagree as ProcessesDisagree
+from jzero.distributed.agreement import agree as agree
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
 from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
@@ -51,9 +56,17 @@ from jzero.distributed.runtime import is_main_process as is_main_process
 from jzero.distributed.runtime import launcher_replicas as launcher_replicas
 from jzero.distributed.runtime import local_batch_size as local_batch_size
 from jzero.distributed.runtime import process_rows as process_rows
+from jzero.distributed.watchdog import HANG_EXIT as HANG_EXIT
+from jzero.distributed.watchdog import Watchdog as Watchdog
+from jzero.distributed.watchdog import hang_timeout as hang_timeout
 
 __all__ = [
+    "HANG_EXIT",
+    "ProcessesDisagree",
+    "Watchdog",
+    "agree",
     "any_process",
+    "hang_timeout",
     "backends_initialized",
     "barrier",
     "batch_share",

@@ -69,6 +69,7 @@ _KEYS = (
     "initialization_timeout",
     "heartbeat_timeout",
     "shutdown_timeout",
+    "hang_timeout",  # the loop's watchdog (jzero.distributed.watchdog), not the runtime's
 )
 
 

@@ -104,6 +104,10 @@ class Engine:
         """Where a monitor with an empty ``output_path`` writes (``jzero train`` sets its
         ``train.log_dir``); ``None``: the working directory. Read when the monitors open."""
         self.tokens_per_sample: int | None = None
+        # Told each phase of a step as it begins, ``on_phase(what, step)`` (``what`` may hold
+        # ``{step}``; jzero.fit's watchdog publishes them, so a stuck process is named with the
+        # phase it is in).
+        self.on_phase: Callable[[str, int], None] | None = None
         """Tokens in one sample, for the monitors' ``tokens_per_s`` (``jzero train`` sets the
         sequence length); ``None`` leaves it out."""
         self._monitors: Any = None  # jzero.monitor.Monitors, opened at first use
@@ -327,7 +331,9 @@ class Engine:
         """
         started = time.perf_counter()  # a monitored step is timed from here
         self._check_concrete("train")
+        self._phase("step {step}: making the global batch")
         batch = self._global(batch)
+        self._phase("step {step}: running the compiled step")
         fp = self.config.flops_profiler
         if fp.enabled and self.iteration + 1 == fp.profile_step:
             step = self._step_fn(batch)
@@ -342,8 +348,13 @@ class Engine:
             self._log_step(metrics, batch, started)
         interval = self.config.checkpoint.save_interval_steps
         if self.config.checkpoint.directory and interval and self.iteration % interval == 0:
+            self._phase("saving checkpoint {step}", self.iteration)
             self.save(periodic=True)
         return metrics
+
+    def _phase(self, name: str, step: int | None = None) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, self.iteration + 1 if step is None else step)
 
     @property
     def monitor(self) -> Any:

@@ -50,7 +50,9 @@ Decisions:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import os
 import sys
@@ -122,8 +124,16 @@ def fit(
         run_dirs.check_apart(cfg)
         run_dirs.check_checkpoint_directory(cfg, fresh=fresh)
     run_dirs.check_log_dir(cfg, fresh=fresh)
-    with signals.watching() as stop:
-        summary = _fit(engine, train_data, eval_data, steps, fresh, progress, stop)
+    watchdog = distributed.Watchdog(
+        distributed.hang_timeout(cfg.distributed), on_hang=_hang_summary(cfg)
+    )
+    with signals.watching() as stop, watchdog:
+        try:
+            summary = _fit(engine, train_data, eval_data, steps, fresh, progress, (stop, watchdog))
+        except jax.errors.JaxRuntimeError as e:  # a peer lost in a collective: named, then exit
+            logger.exception("jzero: the step failed in the distributed runtime")
+            watchdog.failed(e)
+            raise
     if distributed.is_main_process():
         path = Path(cfg.train.log_dir) / SUMMARY
         path.write_text(strict_json(summary, indent=2) + "\n")
@@ -215,8 +225,9 @@ def _fit(
     steps: int | None,
     fresh: bool,
     progress: bool,
-    stop: signals.StopOnSignal,
+    watchers: tuple[signals.StopOnSignal, distributed.Watchdog],
 ) -> dict[str, Any]:
+    stop, watchdog = watchers
     cfg = engine.config
     main_process = distributed.is_main_process()  # only process 0 logs and writes files
     if cfg.checkpoint.directory and main_process:
@@ -228,9 +239,18 @@ def _fit(
     # A first batch settles what waits for shapes (the state is made once, in its final
     # layout, and the checkpoint read into it); a restore then moves the data to its saved
     # position, so the batch is read again there. Without a position it is step 1's.
+    engine.on_phase = watchdog.phase if watchdog.active else None
+    watchdog.phase("reading the batch of step {step}", engine.iteration + 1)
     probe = next(batches)
     engine.resolve(probe)
+    if jax.process_count() > 1:  # the processes agree on the run before any collective
+        watchdog.phase("agreeing on the run")
+        distributed.agree("run", _fingerprint(engine))
+    watchdog.phase("restoring the latest checkpoint")
     resumed = _resume(engine, fresh=fresh)
+    if jax.process_count() > 1:  # and on the program each will run
+        watchdog.phase("agreeing on the program")
+        distributed.agree("program", {"train_step": _program_hash(engine, probe)})
     pending = None if resumed is not None and data_position.protocol(batches) else probe
     first_step = engine.iteration + 1
     if resumed is not None and first_step > steps:
@@ -280,6 +300,7 @@ def _fit(
         return loss
 
     evaluating = eval_data is not None and cfg.train.eval_interval > 0
+    watchdog.phase("evaluating after step {step}", first_step - 1)
     first_eval = evaluate() if evaluating else None
     if first_eval is not None:
         logger.info("step %d: eval loss %.4f", first_step - 1, first_eval)
@@ -317,9 +338,12 @@ def _fit(
         save_failed = (CheckpointWriteError,)
     try:
         for step in range(first_step, steps + 1):
+            watchdog.phase("reading the batch of step {step}", step)
             batch = pending if pending is not None else next(batches)
+            watchdog.phase("starting step {step}", step)
             pending = None
             m = engine.train_step(batch)
+            watchdog.phase("step {step} dispatched, waiting for its results", step)
             loss = float(m["loss"])
             now = time.perf_counter()
             record = {k: float(v) for k, v in m.items()}
@@ -335,6 +359,7 @@ def _fit(
                 if step > first_step:  # the first step's time holds its compilation
                     mfus.append(mfu)
             t_last, done = now, step
+            watchdog.finished(step, seconds)
             bad = record.get("nonfinite", 0.0) > 0
             streak = streak + 1 if bad else 0
             skipped += int(record.get("skipped", 0.0) > 0)
@@ -346,6 +371,7 @@ def _fit(
                     "the update was skipped" if record.get("skipped") else "the update was applied",
                 )
             if evaluating and (step % cfg.train.eval_interval == 0 or step == steps):
+                watchdog.phase("evaluating after step {step}", step)
                 last_eval = evaluate()
                 record["eval_loss"] = last_eval
                 logger.info("step %d: eval loss %.4f", step, last_eval)
@@ -379,9 +405,11 @@ def _fit(
     if stopped:
         logger.error("jzero: %s", stopped)
     if cfg.checkpoint.directory and checkpoint_error is None:  # on Ctrl-C and SIGTERM too
+        watchdog.phase("saving the final checkpoint, step {step}", done)
         checkpoint_error = _final_save(engine, save_failed)
     if checkpoint_error:
         logger.error("jzero: %s", checkpoint_error)
+    engine.on_phase = None
     engine.close()  # the monitors flushed; the checkpointer's threads and lock released
     ran = done - (first_step - 1)
     tokens = engine.tokens_per_sample
@@ -440,3 +468,50 @@ def _final_save(engine: Engine, save_failed: tuple[type[Exception], ...]) -> str
     except save_failed as e:
         return str(e)
     return None
+
+
+def _fingerprint(engine: Engine) -> dict[str, Any]:
+    """What every process of a run must share: versions, mesh and the resolved config (less
+    its ``distributed`` section, which names each process)."""
+    import importlib.metadata
+
+    import jaxlib
+
+    config = {k: v for k, v in engine.config.to_dict().items() if k != "distributed"}
+    return {
+        "versions": {
+            "jzero": importlib.metadata.version("jzero"),
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+        },  # fmt: skip
+        "mesh": {str(k): int(v) for k, v in engine.mesh.shape.items()},
+        "config": json.loads(strict_json(config)),
+    }
+
+
+def _program_hash(engine: Engine, batch: Any) -> str:
+    """A hash of the train step's lowered program (StableHLO text, locations stripped)."""
+    text = engine.lower(batch).as_text(debug_info=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _hang_summary(cfg: Any) -> Any:
+    """The watchdog's callback: the hang's report as ``summary.json``."""
+
+    def write(report: dict[str, Any]) -> None:
+        log_dir = Path(cfg.train.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        behind = report["processes"]
+        steps = [r["last_step"] for r in behind.values() if r["last_step"] is not None]
+        summary = {
+            "steps": min(steps) if steps else 0,
+            "interrupted": False,
+            "signal": None,
+            "stopped": report["message"],
+            "hang": report,
+            "checkpoint_directory": cfg.checkpoint.directory or None,
+            "last_checkpoint": run_dirs.last_checkpoint(cfg),
+        }
+        (log_dir / SUMMARY).write_text(strict_json(summary, indent=2) + "\n")
+
+    return write
