@@ -16,12 +16,14 @@ The ``data`` section's keys (:data:`SECTION_KEYS`):
   ``eos_id``: appended after each text document, and where ``tokens`` documents end.
 * ``mixture``: a list of sources (the keys above) each with a ``weight``.
 * ``eval``: an eval source of its own; else ``eval_fraction`` (0.05) of each source's rows are
-  held out. ``eval_batches`` (4): fixed eval batches.
+  held out. ``eval_batches`` (4) fixed eval batches of ``eval_batch_size`` (32) rows each,
+  whatever the training batch and the device count, so every layout evaluates the same rows.
 * ``skip_bad_records`` (false), ``num_threads`` (2), ``prefetch`` (4 batches).
 
 A batch is ``{"tokens", "segment_ids", "positions"}``, int32 ``[B / P, seq_len + 1]``.
 """
 
+from jzero.data.build import EVAL_BATCH as EVAL_BATCH
 from jzero.data.build import SECTION_KEYS as SECTION_KEYS
 from jzero.data.build import SOURCE_KEYS as SOURCE_KEYS
 from jzero.data.build import Loaders as Loaders
@@ -40,6 +42,7 @@ from jzero.data.tokenizer import Tokenizer as Tokenizer
 from jzero.data.tokenizer import load_tokenizer as load_tokenizer
 
 __all__ = [
+    "EVAL_BATCH",
     "SECTION_KEYS",
     "SOURCES",
     "SOURCE_KEYS",

@@ -33,7 +33,9 @@ from jzero.data.packing import PackedRows, pack
 from jzero.data.sources import SourceSpec, TextDocs, read_source
 from jzero.data.tokenizer import Tokenizer, check_ids, load_tokenizer
 
-__all__ = ["SOURCE_KEYS", "SECTION_KEYS", "Loaders", "SourceStats", "from_config"]
+__all__ = ["EVAL_BATCH", "SOURCE_KEYS", "SECTION_KEYS", "Loaders", "SourceStats", "from_config"]
+
+EVAL_BATCH = 32  # rows of an eval batch unless data.eval_batch_size says
 
 SOURCE_KEYS = ("source", "path", "paths", "field", "separator", "dtype", "max_bytes")
 SECTION_KEYS = (
@@ -44,6 +46,7 @@ SECTION_KEYS = (
     "eval",
     "eval_fraction",
     "eval_batches",
+    "eval_batch_size",
     "skip_bad_records",
     "num_threads",
     "prefetch",
@@ -276,7 +279,11 @@ def from_config(
     )
     eval_rows_all = ConcatRows([p for p in eval_parts if len(p)])
     count = int(section.get("eval_batches", 4))
-    evals = _eval_batches(eval_rows_all, count, spec) if len(eval_rows_all) else []
+    # The eval set is the config's: its batches' rows never depend on the training batch
+    # (nor so on the device count), so every layout evaluates the same rows alike.
+    eval_spec = BatchSpec(int(section.get("eval_batch_size", EVAL_BATCH)), process_index,
+                          process_count)  # fmt: skip
+    evals = _eval_batches(eval_rows_all, count, eval_spec) if len(eval_rows_all) else []
     return Loaders(
         iterator, evals, stats, eval_note, tok.name, tok.vocab_size, seq_len,
     )  # fmt: skip

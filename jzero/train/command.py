@@ -28,6 +28,7 @@ Decisions:
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -305,6 +306,14 @@ def _data(engine: Engine, seq_len: int, vocab: int | None) -> Any:
     engine.tokens_per_sample = seq_len
     section = {k: v for k, v in cfg.data.items() if k not in _OWN_DATA_KEYS}
     section.setdefault("eval_batches", cfg.train.eval_batches)
+    dp = engine.plan.data_parallel_size
+    section.setdefault("eval_batch_size", math.lcm(data.EVAL_BATCH, dp))
+    if section["eval_batch_size"] % dp:
+        raise config_lib.ConfigError(
+            f"data.eval_batch_size: {section['eval_batch_size']} rows do not split over the "
+            f"{dp} data-parallel devices; set a multiple of {dp}, e.g. "
+            f"data.eval_batch_size: {math.lcm(int(section['eval_batch_size']), dp)}."
+        )
     loaders = data.from_config(
         section,
         seq_len=seq_len,

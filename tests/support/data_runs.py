@@ -30,7 +30,8 @@ def overrides(ckpt: str, log_dir: str) -> list[str]:
         "zero_optimization={stage: 2}",
         "optimizer={type: AdamW, params: {lr: 0.01}}",
         "scheduler=null",
-        "train.eval_interval=0",
+        "train.eval_interval=3",  # evaluated at the start, at 3 (the checkpoint) and at 6
+        "train.eval_batches=1",
         "checkpoint.save_interval_steps=3",
         "checkpoint.async=false",
         f"checkpoint.directory={ckpt}",

@@ -30,7 +30,9 @@ def runs(tmp_path_factory):
     cut_ids, cut = data_runs.run(str(tmp / "cut_ckpt"), str(tmp / "cut"), CUT)
     assert whole["steps"] == STEPS and cut["steps"] == CUT and cut["last_checkpoint"] == CUT
     assert cut_ids == whole_ids[:CUT]  # the first steps read the same batches
-    return {"tmp": tmp, "ids": whole_ids, "losses": _losses(tmp / "whole")}
+    lines = (tmp / "whole" / "metrics.jsonl").read_text().splitlines()
+    eval3 = next(r["eval_loss"] for r in map(json.loads, lines) if r["step"] == CUT)
+    return {"tmp": tmp, "ids": whole_ids, "losses": _losses(tmp / "whole"), "eval3": eval3}
 
 
 def _resumed(runs, name):
@@ -41,9 +43,12 @@ def _resumed(runs, name):
     return tmp / f"{name}_ckpt", tmp / name
 
 
-def _check(runs, ids, log_dir):
-    """Steps 4-6 read the uninterrupted run's samples and trained to its losses."""
+def _check(runs, ids, log_dir, summary):
+    """Steps 4-6 read the uninterrupted run's samples and trained to its losses; checkpoint 3
+    evaluated here (the start of the resumed run) gives the uninterrupted run's eval loss at
+    step 3: the eval set is the config's, whatever the device count."""
     assert ids == runs["ids"][CUT:]
+    assert summary["first_eval_loss"] == pytest.approx(runs["eval3"], rel=1e-12, abs=0)
     losses = _losses(log_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(CUT + 1, STEPS + 1):
@@ -62,7 +67,7 @@ def test_resumed_on_eight_devices(runs):
     ckpt, log_dir = _resumed(runs, "eight")
     ids, summary = data_runs.run(str(ckpt), str(log_dir), STEPS)
     assert summary["resumed_from"] == CUT and summary["devices"] == 8
-    _check(runs, ids[-(STEPS - CUT) :], log_dir)  # the first read sized the step (a probe)
+    _check(runs, ids[-(STEPS - CUT) :], log_dir, summary)  # the first read: a probe
 
 
 def _child_ids(out, processes):
@@ -83,7 +88,7 @@ def test_resumed_on_four_devices_keeps_the_global_batch(runs, children):
     err = "".join(p.err)
     assert "the checkpoint's global batch is 32 samples" in err
     assert "4 per device x 2 accumulation steps x 4 devices" in err
-    _check(runs, ids, log_dir)
+    _check(runs, ids, log_dir, record["summary"])
 
 
 def test_resumed_as_two_processes_of_two_devices(runs):
@@ -98,4 +103,13 @@ def test_resumed_as_two_processes_of_two_devices(runs):
         c.kill_all()
     ids, record = _child_ids(out, 2)
     assert record["devices"] == 4 and record["summary"]["devices"] == 4
-    _check(runs, ids, log_dir)
+    _check(runs, ids, log_dir, record["summary"])
+
+
+def test_the_eval_set_does_not_follow_the_training_batch(runs):
+    """Checkpoint 3 evaluated by a run whose training batch is half (a batch size given with
+    --set, so not the checkpoint's) evaluates the same rows to the same loss."""
+    ckpt, log_dir = _resumed(runs, "half")
+    _, summary = data_runs.run(str(ckpt), str(log_dir), CUT, ["train_micro_batch_size_per_gpu=2"])
+    assert summary["steps"] == CUT and summary["resumed_from"] == CUT  # nothing left to train
+    assert summary["first_eval_loss"] == pytest.approx(runs["eval3"], rel=1e-12, abs=0)
