@@ -146,6 +146,9 @@ def test_eval_is_a_held_out_tail_or_a_source_of_its_own_and_the_same_each_call(t
     np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int32))  # 20 rows of 5
     np.save(tmp_path / "e.npy", np.arange(500, 510, dtype=np.int32))
     section = {"source": "tokens", "path": str(tmp_path / "a.npy"), "eval_fraction": 0.1}
+    default = _load(section, seq_len=4, batch=2)  # eval batches of 32 rows, whatever the batch
+    assert [len(b["tokens"]) for b in default.eval] == [32] * 4
+    section["eval_batch_size"] = 2
     loaders = _load(section, seq_len=4, batch=2, process_index=1, process_count=2)
     assert loaders.train.num_rows == 18
     assert [b["tokens"][:, 0].tolist() for b in loaders.eval] == [[95], [95], [95], [95]]
@@ -154,7 +157,7 @@ def test_eval_is_a_held_out_tail_or_a_source_of_its_own_and_the_same_each_call(t
         np.stack([b["tokens"] for b in loaders.eval]), np.stack([b["tokens"] for b in again.eval])
     )
     own = _load({**section, "eval": {"source": "tokens", "path": str(tmp_path / "e.npy")},
-                 "eval_batches": 1}, seq_len=4, batch=2)  # fmt: skip
+                 "eval_batches": 1}, seq_len=4, batch=4)  # fmt: skip
     assert own.train.num_rows == 20
     assert [t[0] for t in own.eval[0]["tokens"].tolist()] == [500, 505]
     assert "2 rows of tokens(" in own.describe()
