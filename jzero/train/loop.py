@@ -73,7 +73,7 @@ from jzero.plan import host_state_bytes, model_state_bytes
 from jzero.train import run_dirs, signals
 from jzero.train.summary import METRICS, SUMMARY, json_safe, strict_json
 
-__all__ = ["fit"]
+__all__ = ["fit", "what_is_on"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +273,8 @@ def _fit(
     state_bytes, host_bytes, on_disk = _state_bytes(engine)
     samples_per_step = engine.train_batch_size
     logger.info("\n%s", engine.describe())
+    logger.info("jzero: on: %s", what_is_on(engine, batches))
+    _warn_schedule_cut(engine, steps)
     logger.info(
         "training %d steps%s, %d samples a step, per device: model state %s in device memory "
         "(%s in host memory%s), peak %s",
@@ -515,3 +517,62 @@ def _hang_summary(cfg: Any) -> Any:
         (log_dir / SUMMARY).write_text(strict_json(summary, indent=2) + "\n")
 
     return write
+
+
+def what_is_on(engine: Engine, data: Any = None) -> str:
+    """One line of what the run does: the stage and mesh, the compute and master dtypes,
+    activation checkpointing, offload, and the data (its ``describe()`` or its type)."""
+    cfg, plan = engine.config, engine.plan
+    mesh = ", ".join(f"{k}={v}" for k, v in engine.mesh.shape.items())
+    params = {str(x.dtype) for x in jax.tree.leaves(plan.abstract_params)}
+    compute = plan.options.precision.compute_dtype
+    dtypes = f"parameters {'/'.join(sorted(params))}"
+    dtypes += f", compute {np.dtype(compute).name}" if compute is not None else ""
+    dtypes += ", float32 master weights" if plan.master is not None else ""
+    policy = cfg.activation_checkpointing.policy
+    remat_text = (
+        f"activation checkpointing {policy}" if policy else
+        ("activation checkpointing of the gathered layers (stage 3's default)"
+         if plan.stage.stage == 3 else "no activation checkpointing")
+    )  # fmt: skip
+    zero = cfg.zero_optimization
+    offload = [
+        f"{what} on {where}"
+        for what, where in (
+            ("optimizer state", zero.offload_optimizer.device),
+            ("parameters", zero.offload_param.device),
+        )
+        if where not in (None, "none")
+    ]
+    described = getattr(data, "describe", None)
+    source = described() if callable(described) else type(data).__name__ if data is not None else ""
+    parts = [f"ZeRO stage {plan.stage.stage} over {{{mesh}}}", dtypes, remat_text]
+    parts.append(", ".join(offload) if offload else "no offload")
+    if source:
+        parts.append(f"data {source}")
+    return "; ".join(parts)
+
+
+def _warn_schedule_cut(engine: Engine, steps: int) -> None:
+    """One warning when the run ends before the scheduler's warm-up or decay does."""
+    sched = engine.config.scheduler
+    if sched is None:
+        return
+    params = dict(sched.params)
+    for key, what in (("warmup_num_steps", "warm-up"), ("total_num_steps", "decay")):
+        value = params.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and steps < value:
+            lr = engine.setup.learning_rate
+            at = f" (learning rate {float(lr(steps - 1)):.3g} at the last step)" if lr else ""
+            logger.warning(
+                "jzero: the run ends at step %d, before its schedule's %s ends "
+                "(scheduler.params.%s: %d)%s. Set %s: %d to fit the run, or train on.",
+                steps,
+                what,
+                key,
+                value,
+                at,
+                key,
+                steps,
+            )
+            return
