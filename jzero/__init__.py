@@ -38,6 +38,7 @@ from jzero.step import init_train_state as init_train_state
 from jzero.step import make_eval_step as make_eval_step
 from jzero.step import make_train_step as make_train_step
 from jzero.train import fit as fit
+from jzero.train import verify as verify
 
 __all__ = [
     "Config",
@@ -63,6 +64,7 @@ __all__ = [
     "STAGES",
     "StageSpec",
     "TrainState",
+    "verify",
 ]
 
 __version__ = "0.1.0"

@@ -97,6 +97,22 @@ def _train(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    devices.use_cpu_devices(args.cpu_devices)
+    from jzero import distributed, train
+
+    verdict = train.verify(
+        args.config,
+        against=args.against,
+        model=args.model,
+        steps=args.steps,
+        overrides=args.set or (),
+    )
+    if distributed.is_main_process():
+        print(verdict.table())
+    return 0 if verdict.passed else 1
+
+
 def _report(summary: dict, train: object, distributed: object) -> int:
     """Prints the run's summary (process 0) and returns the exit status."""
     if distributed.is_main_process():  # only process 0 prints
@@ -158,6 +174,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile every program at every start (train.compile_cache=null)",
     )
     train.set_defaults(func=_train)
+    verify = sub.add_parser(
+        "verify",
+        help="does my layout change my training? the config's model a few steps at its layout "
+        "and at plain data parallelism, in float64, compared step by step (exit 1 if not)",
+    )
+    verify.add_argument("config", help="a YAML or JSON config (DeepSpeed keys plus jzero's)")
+    verify.add_argument("--model", metavar="ENTRY", help="your model's entry point, as for train")
+    verify.add_argument(
+        "--against", metavar="CONFIG", help="compare with this config instead of plain data "
+        "parallelism (stage 0, every device on data)"
+    )  # fmt: skip
+    verify.add_argument("--steps", type=int, default=5, help="steps each side trains (5)")
+    verify.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config value (both sides)"
+    )
+    devices.add_cpu_devices_flag(verify)
+    verify.set_defaults(func=_verify)
     from jzero.distributed import launch
 
     checkpoint.add_commands(sub)

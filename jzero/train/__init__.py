@@ -4,6 +4,8 @@
   checkpoints with the data position, a clean stop on SIGTERM, resume).
 * :mod:`~jzero.train.command`: :func:`run`, ``jzero train CONFIG``: the model (the built-in GPT
   or an entry point), the data and the engine from a config, then :func:`fit`.
+* :mod:`~jzero.train.verify`: :func:`verify`, ``jzero verify``: the config's layout against plain
+  data parallelism, step by step in float64.
 * :mod:`~jzero.train.entry`: a user's model named by ``package.module:function`` or
   ``file.py:function``.
 * :mod:`~jzero.train.summary`, :mod:`~jzero.train.run_dirs`, :mod:`~jzero.train.signals`: the
@@ -23,6 +25,8 @@ from jzero.train.summary import ending as ending
 from jzero.train.summary import exit_code as exit_code
 from jzero.train.summary import format_summary as format_summary
 from jzero.train.summary import strict_json as strict_json
+from jzero.train.verify import Verdict as Verdict
+from jzero.train.verify import verify as verify
 
 __all__ = [
     "EntryPointError",
@@ -34,4 +38,6 @@ __all__ = [
     "load_entry",
     "run",
     "strict_json",
+    "Verdict",
+    "verify",
 ]

@@ -27,6 +27,8 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -45,7 +47,7 @@ from jzero.train import entry, run_dirs, signals
 from jzero.train.loop import fit
 from jzero.train.summary import SUMMARY, strict_json
 
-__all__ = ["run"]
+__all__ = ["build_engine", "data_loaders", "elastic_split", "model_args", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +117,7 @@ def run(
             with distributed.CompileCounter() as compiled:
                 explicit = any(o.split("=", 1)[0].strip() in _BATCH_KEYS for o in overrides)
                 engine, seq_len, vocab = _engine(config, cfg, given, fresh=fresh, keep=not explicit)
-                loaders = _data(engine, seq_len, vocab)
+                loaders = data_loaders(engine, seq_len, vocab)
                 summary = fit(
                     engine,
                     loaders.train,
@@ -170,9 +172,11 @@ def _fill_auto(cfg: Config, steps: int | None) -> list[str]:
 # -- the model and the engine --------------------------------------------------------------------
 
 
-def _model(cfg: Config) -> tuple[dict[str, Any], int, int | None]:
+def model_args(cfg: Config, *, float64: bool = False) -> tuple[dict[str, Any], int, int | None]:
     """``initialize``'s arguments for the config's model, its sequence length and vocabulary
-    size (``None``: not known, ids are not checked)."""
+    size (``None``: not known, ids are not checked). ``float64`` (under ``jax_enable_x64``):
+    the built-in GPT as float64 parameters of its functional form, as :mod:`jzero.train.verify`
+    compares layouts."""
     section = dict(cfg.model)
     data = dict(cfg.data)
     if "entry" in section:
@@ -199,6 +203,12 @@ def _model(cfg: Config) -> tuple[dict[str, Any], int, int | None]:
         model_cfg.d_model,
         model_cfg.vocab_size,
     )
+    if float64:
+        model_cfg = dataclasses.replace(model_cfg, dtype="float64")
+        made = jax.jit(lambda key: gpt.init_params(key, model_cfg))(jax.random.key(cfg.seed))
+        params = jax.tree.map(lambda x: np.asarray(x, np.float64), made)
+        args = {"params": params, "loss_fn": functools.partial(gpt.loss_fn, cfg=model_cfg)}
+        return args, model_cfg.seq_len, model_cfg.vocab_size
     args = {
         "model": lambda: gpt.GPT(model_cfg, rngs=nnx.Rngs(cfg.seed)),
         "loss_fn": gpt.nnx_loss_fn,
@@ -212,7 +222,7 @@ def _shapes(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: jax.ShapeDtypeStruct(local, np.int32) for k in _BATCH}
 
 
-def _build(cfg: Config, args: Mapping[str, Any], seq_len: int) -> Engine:
+def build_engine(cfg: Config, args: Mapping[str, Any], seq_len: int) -> Engine:
     """The engine, its state made once in its final layout where the batch is known."""
     if cfg.train_batch_size:
         return initialize(config=cfg, batch=_shapes(cfg.train_batch_size, seq_len), **args)
@@ -262,10 +272,10 @@ def _engine(
     """The engine of the config's model, with the checkpoint's global batch on a resume unless
     ``keep`` is false (a batch size given with ``--set``; see the module's decisions); its
     sequence length and vocabulary size."""
-    args, seq_len, vocab = _model(cfg)
+    args, seq_len, vocab = model_args(cfg)
     saved = _saved_batch(cfg, fresh) if cfg.checkpoint.directory else None
     if saved is None or not keep:
-        return _build(cfg, args, seq_len), seq_len, vocab
+        return build_engine(cfg, args, seq_len), seq_len, vocab
     engine = initialize(config=cfg, **args)  # planned only: the state waits for the batch
     if engine.train_batch_size == saved:
         engine.resolve(_shapes(saved, seq_len))
@@ -288,7 +298,7 @@ def _engine(
         dp,
     )
     cfg = load_config(config, overrides=[*given, *(f"{k}={v}" for k, v in sizes.items())])
-    return _build(cfg, args, seq_len), seq_len, vocab
+    return build_engine(cfg, args, seq_len), seq_len, vocab
 
 
 # -- the data ------------------------------------------------------------------------------------
@@ -297,7 +307,7 @@ def _engine(
 _OWN_DATA_KEYS = ("seq_len", "vocab_size")
 
 
-def _data(engine: Engine, seq_len: int, vocab: int | None) -> Any:
+def data_loaders(engine: Engine, seq_len: int, vocab: int | None) -> Any:
     """The config's ``data`` section as :mod:`jzero.data`'s loaders: this process's training
     iterator (its position in every checkpoint) and eval batches; one line names them."""
     from jzero import data
