@@ -59,6 +59,7 @@ from jzero.distributed.runtime import process_rows as process_rows
 from jzero.distributed.watchdog import HANG_EXIT as HANG_EXIT
 from jzero.distributed.watchdog import Watchdog as Watchdog
 from jzero.distributed.watchdog import hang_timeout as hang_timeout
+from jzero.distributed.watchdog import stragglers as stragglers
 
 __all__ = [
     "HANG_EXIT",
@@ -67,6 +68,7 @@ __all__ = [
     "agree",
     "any_process",
     "hang_timeout",
+    "stragglers",
     "backends_initialized",
     "barrier",
     "batch_share",

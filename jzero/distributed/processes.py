@@ -69,7 +69,10 @@ _KEYS = (
     "initialization_timeout",
     "heartbeat_timeout",
     "shutdown_timeout",
-    "hang_timeout",  # the loop's watchdog (jzero.distributed.watchdog), not the runtime's
+    # the loop's watchdog (jzero.distributed.watchdog), not the runtime's:
+    "hang_timeout",
+    "straggler_share",
+    "straggler_steps",
 )
 
 

@@ -20,6 +20,11 @@ Decisions:
   process prints the report (stderr and the ``jzero`` logger), the lowest live process writes
   it into ``summary.json`` through the loop's callback, and each exits with status 124 (as
   ``timeout`` does): a hang ends in jzero's words, in bounded time, before any runtime abort.
+* **Stragglers**: every process publishes its step time and its own time before the step's
+  program (reading the batch, the loop: where a slow process shows, since in a collective the
+  others wait for it); the loop writes both per process into ``metrics.jsonl`` and names a
+  process whose own time is more than ``distributed.straggler_share`` (0.5) above the others'
+  median, and 50 ms, for ``distributed.straggler_steps`` (5) steps in a row.
 * A collective that fails in this process (the runtime's error: a peer's connection lost) is
   reported the same way by the loop (:meth:`Watchdog.failed`), before the runtime's shutdown
   would abort the process with its own stack trace.
@@ -43,12 +48,34 @@ import jax
 
 from jzero.distributed import agreement
 
-__all__ = ["HANG_EXIT", "Watchdog", "hang_timeout"]
+__all__ = ["HANG_EXIT", "Watchdog", "hang_timeout", "stragglers"]
 
 logger = logging.getLogger(__name__)
 
 HANG_EXIT = 124
 _RUNS = itertools.count()
+
+
+def stragglers(section: Any) -> tuple[float, int]:
+    """``(distributed.straggler_share, distributed.straggler_steps)``, defaults 0.5 and 5.
+
+    Raises:
+      ValueError: a share that is not a positive number, or steps that are not a positive int.
+    """
+    section = section or {}
+    share, steps = section.get("straggler_share", 0.5), section.get("straggler_steps", 5)
+    if not (isinstance(share, int | float) and not isinstance(share, bool) and share > 0):
+        raise ValueError(
+            f"distributed.straggler_share: {share!r} is not allowed; it is how much slower than "
+            "the others' median a process's own time a step may be (a positive number, e.g. "
+            "0.5 for 50%). Set e.g. distributed.straggler_share: 0.5."
+        )
+    if not (isinstance(steps, int) and not isinstance(steps, bool) and steps > 0):
+        raise ValueError(
+            f"distributed.straggler_steps: {steps!r} is not allowed; it is how many steps in a "
+            "row a process must be slow to be named (a positive integer, e.g. 5)."
+        )
+    return float(share), steps
 
 
 def hang_timeout(section: Any) -> float | None:
@@ -78,6 +105,9 @@ class Watchdog:
       on_hang: called with the report (a JSON mapping) on the lowest live process before it
         exits, e.g. to write ``summary.json``.
       poll: seconds between the watchdog's looks at the others.
+      stragglers: ``(distributed.straggler_share, distributed.straggler_steps)``: a process
+        whose own time a step is more than the share above the others' median that many steps
+        in a row is named in a warning (:meth:`compare`).
     """
 
     def __init__(
@@ -85,7 +115,9 @@ class Watchdog:
         timeout: float | None = None,
         on_hang: Callable[[dict[str, Any]], None] | None = None,
         poll: float = 1.0,
+        stragglers: tuple[float, int] = (0.5, 5),
     ):
+        straggler_share, straggler_steps = stragglers
         self.timeout, self.on_hang, self.poll = timeout, on_hang, poll
         self.active = jax.process_count() > 1
         self.prefix = f"jzero/progress/{next(_RUNS)}"
@@ -94,6 +126,9 @@ class Watchdog:
         self._phase = ("setup", None)
         self._since = time.time()
         self._step_times: list[float] = []
+        self._times: list[tuple[int, float, float | None]] = []
+        self._slow: dict[int, int] = {}
+        self.straggler_share, self.straggler_steps = straggler_share, straggler_steps
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._host = socket.gethostname()
@@ -107,16 +142,59 @@ class Watchdog:
         self._seq += 1
         self._publish()
 
-    def finished(self, step: int, seconds: float) -> None:
-        """This process finished step ``step`` in ``seconds``."""
+    def finished(self, step: int, seconds: float, own_seconds: float | None = None) -> None:
+        """This process finished step ``step`` in ``seconds``, ``own_seconds`` of them its own
+        work before the step's program (reading the batch, the loop)."""
         self._last_step = step
         self._step_times.append(seconds)
+        self._times = [*self._times[-2:], (step, seconds, own_seconds)]  # the last 3 steps
         self.phase("finished step {step}", step)
+
+    def compare(self, step: int) -> tuple[list[float | None], list[float | None], list[str]]:
+        """Every process's step time and own time of ``step`` (``None`` where one has not
+        published it yet), and a warning for each process whose own time was more than
+        ``straggler_share`` above the others' median (and 50 ms) for ``straggler_steps``
+        steps in a row."""
+        if not self.active:
+            return [], [], []
+        records = self._records()
+        steps_s, own_s = [], []
+        for p in range(jax.process_count()):
+            times = {t[0]: t for t in records.get(p, {}).get("times", [])}
+            steps_s.append(times[step][1] if step in times else None)
+            own_s.append(times[step][2] if step in times else None)
+        warnings = []
+        for p, own in enumerate(own_s):
+            others = [o for q, o in enumerate(own_s) if q != p and o is not None]
+            slow = (
+                own is not None
+                and others
+                and own > (1 + self.straggler_share) * statistics.median(others)
+                and own - statistics.median(others) > 0.05
+            )
+            self._slow[p] = self._slow.get(p, 0) + 1 if slow else 0
+            if self._slow[p] == self.straggler_steps:
+                warnings.append(
+                    f"jzero: process {p} ({records.get(p, {}).get('host', 'unknown host')}) is "
+                    f"a straggler: {own:.3f} s of its own work a step (reading its batch, the "
+                    f"loop) against a median of {statistics.median(others):.3f} s on the others, "
+                    f"for {self.straggler_steps} steps in a row (distributed.straggler_share "
+                    f"{self.straggler_share:g}); the others wait for it in every collective."
+                )
+        return steps_s, own_s, warnings
+
+    def _records(self) -> dict[int, dict[str, Any]]:
+        return {
+            int(k.rsplit("/", 1)[1]): v
+            for k, v in agreement.read_all(self.prefix).items()
+            if k.rsplit("/", 1)[1].isdigit() and "/reported/" not in k
+        }
 
     def _publish(self) -> None:
         if not self.active:
             return
         record = {
+            "times": self._times,
             "seq": self._seq,
             "step": self._last_step,
             "phase": self._phase[0],
@@ -207,11 +285,7 @@ class Watchdog:
     def _report(self, gone: list[int], why: str) -> dict[str, Any]:
         now = time.time()
         try:
-            records = {
-                int(k.rsplit("/", 1)[1]): v
-                for k, v in agreement.read_all(self.prefix).items()
-                if k.rsplit("/", 1)[1].isdigit() and "/reported/" not in k
-            }
+            records = self._records()
         except Exception:  # the store is unreachable: what this process knows
             records = {}
         records.setdefault(

@@ -125,7 +125,9 @@ def fit(
         run_dirs.check_checkpoint_directory(cfg, fresh=fresh)
     run_dirs.check_log_dir(cfg, fresh=fresh)
     watchdog = distributed.Watchdog(
-        distributed.hang_timeout(cfg.distributed), on_hang=_hang_summary(cfg)
+        distributed.hang_timeout(cfg.distributed),
+        on_hang=_hang_summary(cfg),
+        stragglers=distributed.stragglers(cfg.distributed),
     )
     with signals.watching() as stop, watchdog:
         try:
@@ -342,6 +344,7 @@ def _fit(
         for step in range(first_step, steps + 1):
             watchdog.phase("reading the batch of step {step}", step)
             batch = pending if pending is not None else next(batches)
+            own = time.perf_counter() - t_last  # this process's own work before the step
             watchdog.phase("starting step {step}", step)
             pending = None
             m = engine.train_step(batch)
@@ -361,7 +364,15 @@ def _fit(
                 if step > first_step:  # the first step's time holds its compilation
                     mfus.append(mfu)
             t_last, done = now, step
-            watchdog.finished(step, seconds)
+            watchdog.finished(step, seconds, own)
+            if watchdog.active and step > first_step:
+                # Every process's times of the step before (each published them before this
+                # step's collectives could finish), and the stragglers among them named.
+                times_step, own_s, slow = watchdog.compare(step - 1)
+                record.update(process_step_s=times_step, process_own_s=own_s)
+                record["process_times_step"] = step - 1
+                for warning in slow if main_process else ():
+                    logger.warning("%s", warning)
             bad = record.get("nonfinite", 0.0) > 0
             streak = streak + 1 if bad else 0
             skipped += int(record.get("skipped", 0.0) > 0)

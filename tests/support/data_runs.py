@@ -4,13 +4,15 @@ devices, and as 2 processes x 2 devices under ``jzero launch``.
 
 ``python data_runs.py CKPT LOG OUT STEPS``: trains (resuming from CKPT's latest checkpoint) to
 step STEPS in float64 and writes ``OUT.<process>.json``: per step trained, the packed rows
-this process read, and the run's summary.
+this process read, and the run's summary. With ``DATA_RUNS_SLOW_PROCESS=P`` process P takes
+0.25 s longer to read each batch (a straggler, named after 2 steps).
 """
 
 import json
 import logging
 import os
 import sys
+import time
 
 import jax
 
@@ -45,7 +47,11 @@ def run(ckpt: str, log_dir: str, steps: int, extra: list[str] = ()) -> tuple[lis
     read = []
     original = data.DataIterator.next
 
+    slow = os.environ.get("DATA_RUNS_SLOW_PROCESS")  # this process reads its data slowly
+
     def next_batch(self):
+        if slow is not None and jax.process_index() == int(slow):
+            time.sleep(0.25)
         batch = original(self)
         read.append(self.last_row_ids.tolist())
         return batch
@@ -55,7 +61,11 @@ def run(ckpt: str, log_dir: str, steps: int, extra: list[str] = ()) -> tuple[lis
         with jax.enable_x64(True):
             summary = train.run(
                 "configs/zero2.yaml",
-                overrides=[*overrides(ckpt, log_dir), *extra],
+                overrides=[
+                    *overrides(ckpt, log_dir),
+                    *(["distributed.straggler_steps=2"] if slow is not None else []),
+                    *extra,
+                ],
                 steps=steps,
                 progress=False,
                 model=USER_MODEL,

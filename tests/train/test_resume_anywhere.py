@@ -97,13 +97,24 @@ def test_resumed_as_two_processes_of_two_devices(runs):
     c = Children()
     try:
         cmd = launcher("-n", "2", "--devices-per-process", "2", "--", sys.executable)
-        p = c.start([*cmd, str(CHILD), str(ckpt), str(log_dir), str(out), str(STEPS)], child_env())
+        env = child_env(DATA_RUNS_SLOW_PROCESS="1")  # process 1 reads its batches slowly
+        p = c.start([*cmd, str(CHILD), str(ckpt), str(log_dir), str(out), str(STEPS)], env)
         assert c.finish(p, timeout=300) == 0, "".join(p.out + p.err)
     finally:
         c.kill_all()
     ids, record = _child_ids(out, 2)
     assert record["devices"] == 4 and record["summary"]["devices"] == 4
     _check(runs, ids, log_dir, record["summary"])
+    # Each process's own time a step goes into metrics.jsonl; process 1 is named a straggler
+    # once it was slow 2 steps in a row (distributed.straggler_steps: 2).
+    lines = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    last = lines[-1]
+    assert last["step"] == STEPS and last["process_times_step"] == STEPS - 1
+    assert last["process_own_s"][1] >= 0.25 > last["process_own_s"][0]
+    assert len(last["process_step_s"]) == 2
+    out_text = "".join(p.out + p.err)
+    assert out_text.count("is a straggler") == 1, out_text
+    assert "process 1 (" in out_text.split("is a straggler")[0].rsplit("jzero:", 1)[1]
 
 
 def test_the_eval_set_does_not_follow_the_training_batch(runs):
