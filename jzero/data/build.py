@@ -284,6 +284,8 @@ def from_config(
     eval_spec = BatchSpec(int(section.get("eval_batch_size", EVAL_BATCH)), process_index,
                           process_count)  # fmt: skip
     evals = _eval_batches(eval_rows_all, count, eval_spec) if len(eval_rows_all) else []
-    return Loaders(
+    loaders = Loaders(
         iterator, evals, stats, eval_note, tok.name, tok.vocab_size, seq_len,
     )  # fmt: skip
+    iterator.summary = loaders.describe()  # what the training loop's start line names
+    return loaders

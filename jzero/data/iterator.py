@@ -99,9 +99,14 @@ class DataIterator:
         self.skipped_records = skipped_records
         self.last_sample_ids = np.zeros(0, np.int64)
         self.last_row_ids = np.zeros(0, np.int64)
+        self.summary = f"{len(rows):,} packed rows an epoch"  # from_config names the sources
         self._sample = 0
         self._logged_epoch = -1
         self._it = None
+
+    def describe(self) -> str:
+        """One line: the sources, their sizes and the split (as :func:`from_config` built it)."""
+        return self.summary
 
     @property
     def num_rows(self) -> int:

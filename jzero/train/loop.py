@@ -560,7 +560,7 @@ def what_is_on(engine: Engine, data: Any = None) -> str:
     parts = [f"ZeRO stage {plan.stage.stage} over {{{mesh}}}", dtypes, remat_text]
     parts.append(", ".join(offload) if offload else "no offload")
     if source:
-        parts.append(f"data {source}")
+        parts.append(source if source.startswith("data: ") else f"data {source}")
     return "; ".join(parts)
 
 

@@ -69,6 +69,7 @@ def test_a_users_model_on_a_hugging_face_config_stops_and_resumes(tmp_path, monk
     on = next(r.message for r in caplog.records if r.message.startswith("jzero: on: "))
     assert on.startswith("jzero: on: ZeRO stage 3 over {data=8}; parameters float64; ")
     assert "activation checkpointing of the gathered layers" in on and "no offload" in on
+    assert on.endswith("| train 2,114 rows an epoch | eval 111 rows held out (eval_fraction 0.05)")
     assert "before its schedule" not in caplog.text  # total_num_steps was filled from --steps
     whole = _losses(tmp_path / "whole")
 
