@@ -6,7 +6,8 @@ seconds or a process is gone.
 Decisions:
 
 * **Progress goes through the runtime's key-value store** (:mod:`jzero.distributed.agreement`):
-  each process sets ``jzero/progress/<run>/<process>`` at every phase change (reading a batch,
+  each process sets ``jzero/progress/<run>/<process>`` (from a thread of its own, so a step
+  pays no round trip) at every phase change (reading a batch,
   starting a step, the step's global batch, its compiled program, waiting for its results,
   evaluating, saving, restoring), a few hundred bytes, never a collective,
   so a process stuck in a collective (Gloo or NCCL) or in Python still has a thread that reads
@@ -131,6 +132,8 @@ class Watchdog:
         self.straggler_share, self.straggler_steps = straggler_share, straggler_steps
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sender: threading.Thread | None = None
+        self._dirty = threading.Event()
         self._host = socket.gethostname()
 
     # -- this process's progress -------------------------------------------------------------
@@ -140,7 +143,8 @@ class Watchdog:
         text = name.format(step=step) if "{step}" in name else name
         self._phase, self._since = (text, step), time.time()
         self._seq += 1
-        self._publish()
+        if self.active:
+            self._dirty.set()  # the publisher thread sends it: no round trip on this thread
 
     def finished(self, step: int, seconds: float, own_seconds: float | None = None) -> None:
         """This process finished step ``step`` in ``seconds``, ``own_seconds`` of them its own
@@ -190,9 +194,16 @@ class Watchdog:
             if k.rsplit("/", 1)[1].isdigit() and "/reported/" not in k
         }
 
+    def _publisher(self) -> None:
+        """Sends this process's latest progress whenever it changed (a phase change sets
+        ``_dirty``); several changes between two sends go as one, the latest, with its count."""
+        while not self._stop.is_set():
+            self._dirty.wait(self.poll)
+            if self._dirty.is_set():
+                self._dirty.clear()
+                self._publish()
+
     def _publish(self) -> None:
-        if not self.active:
-            return
         record = {
             "times": self._times,
             "seq": self._seq,
@@ -221,14 +232,20 @@ class Watchdog:
         if self.active and self._thread is None:
             self.phase("setting up")
             self._thread = threading.Thread(target=self._run, name="jzero-watchdog", daemon=True)
+            self._sender = threading.Thread(
+                target=self._publisher, name="jzero-progress", daemon=True
+            )
+            self._sender.start()
             self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._dirty.set()
+        for thread in (self._thread, self._sender):
+            if thread is not None:
+                thread.join(timeout=5)
+        self._thread = self._sender = None
 
     def __enter__(self) -> Watchdog:
         return self.start()

@@ -318,3 +318,11 @@ def test_data_loader_benchmark_prints_packed_tokens_per_second():
         ("jsonl+tokenizer.json", "2"),
     ]
     assert all(float(r[-1].replace(",", "")) > 0 for r in rows)
+
+
+def test_watchdog_benchmark_prints_its_share_of_a_step():
+    # What the watchdog reports is tests/distributed/test_watchdog.py's; here the script runs.
+    out = _run("watchdog", "--smoke").stdout.splitlines()
+    (row,) = [line for line in out if line.startswith("watchdog a step")]
+    assert row.endswith("%") and float(row.split()[-2]) >= 0
+    assert any(line.startswith("agreement, once") for line in out)
