@@ -108,6 +108,8 @@ class Engine:
         # ``{step}``; jzero.fit's watchdog publishes them, so a stuck process is named with the
         # phase it is in).
         self.on_phase: Callable[[str, int], None] | None = None
+        self._watchdog: Any = None  # a user's own loop of several processes: see _watch
+        self._last_step_start: float | None = None
         """Tokens in one sample, for the monitors' ``tokens_per_s`` (``jzero train`` sets the
         sequence length); ``None`` leaves it out."""
         self._monitors: Any = None  # jzero.monitor.Monitors, opened at first use
@@ -331,6 +333,7 @@ class Engine:
         """
         started = time.perf_counter()  # a monitored step is timed from here
         self._check_concrete("train")
+        self._watch(started)
         self._phase("step {step}: making the global batch")
         batch = self._global(batch)
         self._phase("step {step}: running the compiled step")
@@ -352,7 +355,25 @@ class Engine:
             self.save(periodic=True)
         return metrics
 
+    def _watch(self, now: float) -> None:
+        """In a user's own loop of several processes (no ``jzero.fit`` watching), the engine's
+        own watchdog (:class:`jzero.distributed.Watchdog`): started at the first step, told
+        each step's phases, and that the previous step finished when the next begins."""
+        if self.on_phase is None and self._watchdog is None and jax.process_count() > 1:
+            self._watchdog = distributed.Watchdog(
+                distributed.hang_timeout(self.config.distributed),
+                stragglers=distributed.stragglers(self.config.distributed),
+            ).start()
+            _OPEN_ENGINES.add(self)
+        if self._watchdog is not None:
+            if self._last_step_start is not None:
+                self._watchdog.finished(self.iteration, now - self._last_step_start)
+            self._last_step_start = now
+            self._watchdog.phase("starting step {step}", self.iteration + 1)
+
     def _phase(self, name: str, step: int | None = None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.phase(name, self.iteration + 1 if step is None else step)
         if self.on_phase is not None:
             self.on_phase(name, self.iteration + 1 if step is None else step)
 
@@ -662,6 +683,9 @@ class Engine:
                 )
             self._disk.close()
             self._disk = self._step = None
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         _OPEN_ENGINES.discard(self)
 
     def __enter__(self) -> Engine:

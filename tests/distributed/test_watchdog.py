@@ -79,6 +79,17 @@ def test_a_killed_process_is_named(tmp_path):
     assert seconds < HANG_TIMEOUT + 60
 
 
+def test_a_users_own_loop_is_watched_too(tmp_path):
+    """No jzero.fit: the engine's own watchdog, started at the first train_step."""
+    codes, out, seconds = _run(tmp_path, "loop")
+    assert codes == [HANG_EXIT, HANG_EXIT], out
+    for text in out:
+        assert "jzero: the run is stuck: no progress for 5 s" in text, text
+        assert "behind: process 1" in text
+        assert "in 'step 4: running the compiled step' for" in text  # process 0 went on
+    assert seconds < HANG_TIMEOUT + 60
+
+
 def test_processes_with_different_configs_stop_before_the_first_step(tmp_path):
     codes, out, _ = _run(tmp_path, "config")
     assert codes == [1, 1], out  # the error raised by every process (jzero train: exit 2)

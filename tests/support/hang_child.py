@@ -3,7 +3,8 @@
 
 ``python hang_child.py MODE CKPT LOG``: ``sleep`` (process 1 stops in Python at step 3, before
 its step starts), ``kill`` (process 1 is killed at step 3), ``config`` (process 1 runs another
-``gradient_clipping``). The run's ``distributed.hang_timeout`` is 5 s.
+``gradient_clipping``), ``loop`` (a user's own loop calling ``engine.train_step``, process 1
+stopping in Python before its step 4). The run's ``distributed.hang_timeout`` is 5 s.
 """
 
 import logging
@@ -30,6 +31,29 @@ def train_step(self, batch):
             os.kill(os.getpid(), signal.SIGKILL)
     return step(self, batch)
 
+
+if mode == "loop":
+    import numpy as np
+    import user_model
+
+    import jzero
+
+    jzero.init_distributed()
+    config = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "distributed": {"hang_timeout": 5},
+    }
+    engine = jzero.initialize(config=config, **user_model.make(256, 8, 8))
+    for k in range(1, 8):
+        if index == 1 and k == 4:
+            time.sleep(3600)
+        tokens = np.random.default_rng(k).integers(0, 256, (8, 9)).astype(np.int32)
+        rows = slice(4 * index, 4 * index + 4)  # this process's rows of the global batch
+        batch = {"tokens": tokens[rows], "segment_ids": np.ones((4, 9), np.int32)}
+        print(f"step {k}: loss {float(engine.train_step(batch)['loss']):.4f}", flush=True)
+    sys.exit(0)
 
 Engine.train_step = train_step
 logging.basicConfig(level=logging.WARNING, force=True)
