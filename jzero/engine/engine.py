@@ -514,6 +514,7 @@ class Engine:
           CheckpointWriteError: the save failed (see ``periodic``); the checkpoints committed
             before are intact.
         """
+        self._check_concrete("save")
         return self._save(self._checkpointer(), step, periodic=periodic)
 
     def _save(
@@ -563,6 +564,7 @@ class Engine:
           Whether a save started (``False``: the parameters hold inf/NaN; a warning says so).
         """
         step = _tag_step(tag)
+        self._check_concrete("save")
         return self._save(self._checkpointer(save_dir), step, client_state=client_state)
 
     def load_checkpoint(

@@ -220,6 +220,222 @@ def _state_bytes(engine: Engine) -> tuple[int, int, int]:
     return sum(by_category.values()), host, on_disk
 
 
+class _Run:
+    """One :func:`fit`: its engine and watchers, the steps it trains, what its steps counted."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        watchers: tuple[signals.StopOnSignal, distributed.Watchdog],
+        steps: int | None,
+    ):
+        self.engine, self.cfg = engine, engine.config
+        self.stop, self.watchdog = watchers
+        self.steps = steps if steps is not None else self.cfg.train.steps
+        self.main = distributed.is_main_process()  # only process 0 logs and writes files
+        self.log_dir = Path(self.cfg.train.log_dir)
+        self.loss, self.streak, self.skipped = float("nan"), 0, 0
+        self.mfus: list[float] = []
+        self.interrupted, self.stopped, self.checkpoint_error = False, None, None
+        self.save_failed: tuple[type[Exception], ...] = ()
+        if self.cfg.checkpoint.directory:
+            from jzero.checkpoint import CheckpointWriteError
+
+            self.save_failed = (CheckpointWriteError,)
+
+    def start(self, train_data: Iterable[Any], fresh: bool) -> None:
+        """The data's iterator, the state (restored where a checkpoint is), the processes'
+        agreement; ``first_step`` and the batch it trains on (``pending``)."""
+        engine, watchdog = self.engine, self.watchdog
+        if self.cfg.checkpoint.directory and self.main:
+            from jzero.checkpoint import dirs
+
+            dirs.clean_unfinished(self.cfg.checkpoint.directory)  # a killed run's saves
+        self.batches = _iterator(engine, train_data)
+        # A first batch settles what waits for shapes (the state is made once, in its final
+        # layout, and the checkpoint read into it); a restore then moves the data to its saved
+        # position, so the batch is read again there. Without a position it is step 1's.
+        engine.on_phase = watchdog.phase if watchdog.active else None
+        watchdog.phase("reading the batch of step {step}", engine.iteration + 1)
+        self.probe = next(self.batches)
+        engine.resolve(self.probe)
+        if jax.process_count() > 1:  # the processes agree on the run before any collective
+            watchdog.phase("agreeing on the run")
+            distributed.agree("run", _fingerprint(engine))
+        watchdog.phase("restoring the latest checkpoint")
+        self.resumed = _resume(engine, fresh=fresh)
+        if jax.process_count() > 1:  # and on the program each will run
+            watchdog.phase("agreeing on the program")
+            distributed.agree("program", {"train_step": _program_hash(engine, self.probe)})
+        positioned = self.resumed is not None and data_position.protocol(self.batches)
+        self.pending = None if positioned else self.probe
+        self.first_step = engine.iteration + 1
+        self.done = self.first_step - 1
+        if self.resumed is not None and self.first_step > self.steps:
+            logger.warning(
+                "checkpoint %d is at or past the last step, %d: there is nothing to train. "
+                "Pass --steps above %d to train on, or --overwrite to start again.",
+                self.resumed,
+                self.steps,
+                self.resumed,
+            )
+
+    def announce(self) -> None:
+        """The plan, what is on, and the figures the run starts with, logged."""
+        engine = self.engine
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if engine.monitor_dir is None:  # monitors without an output_path write beside metrics
+            engine.monitor_dir = str(self.log_dir)
+        self.measured = engine.peak_bytes(self.probe)
+        self.state_bytes = _state_bytes(engine)
+        state, host, on_disk = self.state_bytes
+        logger.info("\n%s", engine.describe())
+        logger.info("jzero: on: %s", what_is_on(engine, self.batches))
+        _warn_schedule_cut(engine, self.steps)
+        logger.info(
+            "training %d steps%s, %d samples a step, per device: model state %s in device "
+            "memory (%s in host memory%s), peak %s",
+            max(self.steps - self.first_step + 1, 0),
+            f" ({self.first_step} to {self.steps})" if self.resumed is not None else "",
+            engine.train_batch_size,
+            format_bytes(state),
+            format_bytes(host),
+            f", {format_bytes(on_disk)} on NVMe" if on_disk else "",
+            format_bytes(self.peak()),
+        )
+        self.rates = monitor.step_rates(engine, _global_shapes(self.probe))
+
+    def peak(self) -> int:
+        return self.measured() or 0
+
+    def evaluate(self, eval_data: Iterable[Any], step: int) -> float:
+        """The mean loss over the eval batches, logged and given to the monitors."""
+        self.watchdog.phase("evaluating after step {step}", step)
+        limit = self.cfg.train.eval_batches
+        losses = [float(self.engine.evaluate(b)) for b in _eval_batches(eval_data, limit)]
+        if not losses:
+            raise ValueError(
+                "eval_data gave no batch: pass a list of batches, or a collection that iterates "
+                "again from its start (a Grain MapDataset or DataLoader), or eval_data=None."
+            )
+        loss = float(sum(losses) / len(losses))
+        samples = self.engine.iteration * self.engine.train_batch_size  # the monitors' x-axis
+        self.engine.monitor.write_events([(monitor.tag("eval_loss"), loss, samples)])
+        logger.info("step %d: eval loss %.4f", step, loss)
+        return loss
+
+    def train(self, step: int) -> dict[str, Any]:
+        """Step ``step`` trained; its ``metrics.jsonl`` record (without the eval loss)."""
+        watchdog = self.watchdog
+        watchdog.phase("reading the batch of step {step}", step)
+        batch = self.pending if self.pending is not None else next(self.batches)
+        own = time.perf_counter() - self.t_last  # this process's own work before the step
+        watchdog.phase("starting step {step}", step)
+        self.pending = None
+        m = self.engine.train_step(batch)
+        watchdog.phase("step {step} dispatched, waiting for its results", step)
+        self.loss = float(m["loss"])
+        now = time.perf_counter()
+        record = {k: float(v) for k, v in m.items()}
+        seconds = now - self.t_last
+        record.update(step=step, time=now - self.t_start)
+        record["samples_per_s"] = self.engine.train_batch_size / max(seconds, 1e-9)
+        tokens_per_s = self.rates.tokens_per_s(seconds)
+        if tokens_per_s is not None:
+            record["tokens_per_s"] = tokens_per_s
+        mfu = self.rates.mfu(seconds)
+        if mfu is not None:
+            record["mfu"] = mfu
+            if step > self.first_step:  # the first step's time holds its compilation
+                self.mfus.append(mfu)
+        self.t_last, self.done = now, step
+        watchdog.finished(step, seconds, own)
+        if watchdog.active and step > self.first_step:
+            # Every process's times of the step before (each published them before this
+            # step's collectives could finish), and the stragglers among them named.
+            times_step, own_s, slow = watchdog.compare(step - 1)
+            record.update(process_step_s=times_step, process_own_s=own_s)
+            record["process_times_step"] = step - 1
+            for warning in slow if self.main else ():
+                logger.warning("%s", warning)
+        self._count_nonfinite(step, record)
+        return record
+
+    def _count_nonfinite(self, step: int, record: Mapping[str, float]) -> None:
+        bad = record.get("nonfinite", 0.0) > 0
+        self.streak = self.streak + 1 if bad else 0
+        self.skipped += int(record.get("skipped", 0.0) > 0)
+        if bad:
+            logger.warning(
+                "step %d: the gradients hold inf/NaN (loss %s); %s",
+                step,
+                self.loss,
+                "the update was skipped" if record.get("skipped") else "the update was applied",
+            )
+
+    def should_stop(self, step: int) -> bool:
+        """Whether the run ends after ``step``: too many inf/NaN steps, or a stop signal on
+        any process (every process stops after the same step)."""
+        limit = self.cfg.train.max_consecutive_nonfinite
+        if limit and self.streak >= limit:
+            self.stopped = (
+                f"stopped at step {step}: {self.streak} consecutive steps had inf/NaN "
+                f"gradients (train.max_consecutive_nonfinite: {limit}). Lower the learning "
+                "rate, check the data, or set skip_nonfinite: true; the checkpoints with "
+                "finite parameters are kept."
+            )
+            return True
+        self.interrupted = distributed.any_process(self.stop.requested)
+        return self.interrupted
+
+    def finish(self) -> None:
+        """The final checkpoint (on a stop or a signal too) and the engine closed."""
+        if self.stopped:
+            logger.error("jzero: %s", self.stopped)
+        if self.cfg.checkpoint.directory and self.checkpoint_error is None:
+            self.watchdog.phase("saving the final checkpoint, step {step}", self.done)
+            self.checkpoint_error = _final_save(self.engine, self.save_failed)
+        if self.checkpoint_error:
+            logger.error("jzero: %s", self.checkpoint_error)
+        self.engine.on_phase = None
+        self.engine.close()  # the monitors flushed; the checkpointer's threads released
+
+    def summary(self, elapsed: float, evals: tuple[float | None, float | None]) -> dict:
+        """The run's summary (NaN as ``None``), as :func:`fit` returns and writes it."""
+        engine, cfg = self.engine, self.cfg
+        ran = self.done - (self.first_step - 1)
+        samples, tokens = engine.train_batch_size, engine.tokens_per_sample
+        state, host, _ = self.state_bytes
+        summary = {
+            "steps": self.done,
+            "interrupted": self.interrupted,
+            "signal": self.stop.name() if self.interrupted else None,
+            "stopped": self.stopped,
+            "skipped_steps": self.skipped,
+            "final_loss": self.loss,
+            "first_eval_loss": evals[0],
+            "eval_loss": evals[1],
+            "seconds": round(elapsed, 2),
+            "samples_per_s": round(ran * samples / max(elapsed, 1e-9), 2),
+            "tokens_per_s": (
+                round(ran * samples * tokens / max(elapsed, 1e-9), 1) if tokens else None
+            ),
+            "resumed_from": self.resumed,
+            "stage": engine.plan.stage.stage,
+            "devices": engine.plan.data_parallel_size,
+            "mesh": {str(k): int(v) for k, v in engine.mesh.shape.items()},
+            "model_state_bytes_per_device": state,
+            "host_state_bytes_per_device": host,
+            "peak_bytes_per_device": self.peak(),
+            "mfu": float(np.mean(self.mfus)) if self.mfus else None,  # None: no known peak
+            "metrics": str(self.log_dir / METRICS),
+            "checkpoint_directory": cfg.checkpoint.directory or None,
+            "checkpoint_error": self.checkpoint_error,
+            "last_checkpoint": run_dirs.last_checkpoint(cfg),
+        }
+        return json_safe(summary)
+
+
 def _fit(
     engine: Engine,
     train_data: Iterable[Any],
@@ -229,231 +445,51 @@ def _fit(
     progress: bool,
     watchers: tuple[signals.StopOnSignal, distributed.Watchdog],
 ) -> dict[str, Any]:
-    stop, watchdog = watchers
-    cfg = engine.config
-    main_process = distributed.is_main_process()  # only process 0 logs and writes files
-    if cfg.checkpoint.directory and main_process:
-        from jzero.checkpoint import dirs
-
-        dirs.clean_unfinished(cfg.checkpoint.directory)  # saves a killed run left unfinished
-    steps = steps if steps is not None else cfg.train.steps
-    batches = _iterator(engine, train_data)
-    # A first batch settles what waits for shapes (the state is made once, in its final
-    # layout, and the checkpoint read into it); a restore then moves the data to its saved
-    # position, so the batch is read again there. Without a position it is step 1's.
-    engine.on_phase = watchdog.phase if watchdog.active else None
-    watchdog.phase("reading the batch of step {step}", engine.iteration + 1)
-    probe = next(batches)
-    engine.resolve(probe)
-    if jax.process_count() > 1:  # the processes agree on the run before any collective
-        watchdog.phase("agreeing on the run")
-        distributed.agree("run", _fingerprint(engine))
-    watchdog.phase("restoring the latest checkpoint")
-    resumed = _resume(engine, fresh=fresh)
-    if jax.process_count() > 1:  # and on the program each will run
-        watchdog.phase("agreeing on the program")
-        distributed.agree("program", {"train_step": _program_hash(engine, probe)})
-    pending = None if resumed is not None and data_position.protocol(batches) else probe
-    first_step = engine.iteration + 1
-    if resumed is not None and first_step > steps:
-        logger.warning(
-            "checkpoint %d is at or past the last step, %d: there is nothing to train. Pass "
-            "--steps above %d to train on, or --overwrite to start again.",
-            resumed,
-            steps,
-            resumed,
-        )
-    log_dir = Path(cfg.train.log_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if engine.monitor_dir is None:  # monitors without an output_path write beside metrics
-        engine.monitor_dir = str(log_dir)
-    measured = engine.peak_bytes(probe)
-
-    def peak() -> int:
-        return measured() or 0
-
-    state_bytes, host_bytes, on_disk = _state_bytes(engine)
-    samples_per_step = engine.train_batch_size
-    logger.info("\n%s", engine.describe())
-    logger.info("jzero: on: %s", what_is_on(engine, batches))
-    _warn_schedule_cut(engine, steps)
-    logger.info(
-        "training %d steps%s, %d samples a step, per device: model state %s in device memory "
-        "(%s in host memory%s), peak %s",
-        max(steps - first_step + 1, 0),
-        f" ({first_step} to {steps})" if resumed is not None else "",
-        samples_per_step,
-        format_bytes(state_bytes),
-        format_bytes(host_bytes),
-        f", {format_bytes(on_disk)} on NVMe" if on_disk else "",
-        format_bytes(peak()),
-    )
-
-    def evaluate() -> float:
-        losses = [
-            float(engine.evaluate(b)) for b in _eval_batches(eval_data, cfg.train.eval_batches)
-        ]
-        if not losses:
-            raise ValueError(
-                "eval_data gave no batch: pass a list of batches, or a collection that iterates "
-                "again from its start (a Grain MapDataset or DataLoader), or eval_data=None."
-            )
-        loss = float(sum(losses) / len(losses))
-        samples = engine.iteration * engine.train_batch_size  # the monitors' x-axis
-        engine.monitor.write_events([(monitor.tag("eval_loss"), loss, samples)])
-        return loss
-
+    run = _Run(engine, watchers, steps)
+    run.start(train_data, fresh)
+    run.announce()
+    cfg, first_step, last = engine.config, run.first_step, run.steps
     evaluating = eval_data is not None and cfg.train.eval_interval > 0
-    watchdog.phase("evaluating after step {step}", first_step - 1)
-    first_eval = evaluate() if evaluating else None
-    if first_eval is not None:
-        logger.info("step %d: eval loss %.4f", first_step - 1, first_eval)
+    first_eval = run.evaluate(eval_data, first_step - 1) if evaluating else None
     last_eval = first_eval
-    metrics_path = log_dir / METRICS if main_process else Path(os.devnull)
-    if resumed is not None and main_process:
-        run_dirs.keep_metrics_until(metrics_path, resumed)
-    metrics_file = metrics_path.open("a" if resumed is not None else "w")
+    metrics_path = run.log_dir / METRICS if run.main else Path(os.devnull)
+    if run.resumed is not None and run.main:
+        run_dirs.keep_metrics_until(metrics_path, run.resumed)
+    metrics_file = metrics_path.open("a" if run.resumed is not None else "w")
     # The bar only on a terminal: piped into a file it would leave a carriage return per
     # update; there the steps_per_print lines are the progress.
-    show_bar = progress and main_process and sys.stderr.isatty()
-    bar = tqdm(
-        total=steps,
-        initial=first_step - 1,
-        desc="jzero",
-        unit="step",
-        disable=not show_bar,
-        dynamic_ncols=True,
-        file=sys.stderr,
-    )
+    show_bar = progress and run.main and sys.stderr.isatty()
+    bar = tqdm(total=last, initial=first_step - 1, desc="jzero", unit="step",
+               disable=not show_bar, dynamic_ncols=True, file=sys.stderr)  # fmt: skip
     live = contextlib.ExitStack()  # while the bar is shown, log lines are written above it
     if show_bar:
         live.enter_context(logging_redirect_tqdm())
-    rates = monitor.step_rates(engine, _global_shapes(probe))
-    mfus: list[float] = []
-    t_start = time.perf_counter()
-    t_last, done, loss = t_start, first_step - 1, float("nan")
-    interrupted, stopped, checkpoint_error = False, None, None
-    limit = cfg.train.max_consecutive_nonfinite
-    streak, skipped = 0, 0
-    save_failed: tuple[type[Exception], ...] = ()
-    if cfg.checkpoint.directory:
-        from jzero.checkpoint import CheckpointWriteError
-
-        save_failed = (CheckpointWriteError,)
+    run.t_start = run.t_last = time.perf_counter()
     try:
-        for step in range(first_step, steps + 1):
-            watchdog.phase("reading the batch of step {step}", step)
-            batch = pending if pending is not None else next(batches)
-            own = time.perf_counter() - t_last  # this process's own work before the step
-            watchdog.phase("starting step {step}", step)
-            pending = None
-            m = engine.train_step(batch)
-            watchdog.phase("step {step} dispatched, waiting for its results", step)
-            loss = float(m["loss"])
-            now = time.perf_counter()
-            record = {k: float(v) for k, v in m.items()}
-            seconds = now - t_last
-            record.update(step=step, time=now - t_start)
-            record["samples_per_s"] = samples_per_step / max(seconds, 1e-9)
-            tokens_per_s = rates.tokens_per_s(seconds)
-            if tokens_per_s is not None:
-                record["tokens_per_s"] = tokens_per_s
-            mfu = rates.mfu(seconds)
-            if mfu is not None:
-                record["mfu"] = mfu
-                if step > first_step:  # the first step's time holds its compilation
-                    mfus.append(mfu)
-            t_last, done = now, step
-            watchdog.finished(step, seconds, own)
-            if watchdog.active and step > first_step:
-                # Every process's times of the step before (each published them before this
-                # step's collectives could finish), and the stragglers among them named.
-                times_step, own_s, slow = watchdog.compare(step - 1)
-                record.update(process_step_s=times_step, process_own_s=own_s)
-                record["process_times_step"] = step - 1
-                for warning in slow if main_process else ():
-                    logger.warning("%s", warning)
-            bad = record.get("nonfinite", 0.0) > 0
-            streak = streak + 1 if bad else 0
-            skipped += int(record.get("skipped", 0.0) > 0)
-            if bad:
-                logger.warning(
-                    "step %d: the gradients hold inf/NaN (loss %s); %s",
-                    step,
-                    loss,
-                    "the update was skipped" if record.get("skipped") else "the update was applied",
-                )
-            if evaluating and (step % cfg.train.eval_interval == 0 or step == steps):
-                watchdog.phase("evaluating after step {step}", step)
-                last_eval = evaluate()
-                record["eval_loss"] = last_eval
-                logger.info("step %d: eval loss %.4f", step, last_eval)
+        for step in range(first_step, last + 1):
+            record = run.train(step)
+            if evaluating and (step % cfg.train.eval_interval == 0 or step == last):
+                last_eval = record["eval_loss"] = run.evaluate(eval_data, step)
             metrics_file.write(strict_json(record) + "\n")
             metrics_file.flush()
             if show_bar:
-                bar.set_postfix_str(_bar_text(record, peak(), skipped), refresh=False)
+                bar.set_postfix_str(_bar_text(record, run.peak(), run.skipped), refresh=False)
             bar.update(1)
             if cfg.steps_per_print and step % cfg.steps_per_print == 0:
                 _log_step(step, record)
-            if limit and streak >= limit:
-                stopped = (
-                    f"stopped at step {step}: {streak} consecutive steps had inf/NaN "
-                    f"gradients (train.max_consecutive_nonfinite: {limit}). Lower the "
-                    "learning rate, check the data, or set skip_nonfinite: true; the "
-                    "checkpoints with finite parameters are kept."
-                )
-                break
-            if distributed.any_process(stop.requested):  # all stop after one step
-                interrupted = True
+            if run.should_stop(step):
                 break
     except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler was installed
-        interrupted = True
-    except save_failed as e:  # max_consecutive_failures periodic saves failed in a row
-        checkpoint_error, done = str(e), engine.iteration
+        run.interrupted = True
+    except run.save_failed as e:  # max_consecutive_failures periodic saves failed in a row
+        run.checkpoint_error, run.done = str(e), engine.iteration
     finally:
         bar.close()
         live.close()
         metrics_file.close()
-    elapsed = time.perf_counter() - t_start
-    if stopped:
-        logger.error("jzero: %s", stopped)
-    if cfg.checkpoint.directory and checkpoint_error is None:  # on Ctrl-C and SIGTERM too
-        watchdog.phase("saving the final checkpoint, step {step}", done)
-        checkpoint_error = _final_save(engine, save_failed)
-    if checkpoint_error:
-        logger.error("jzero: %s", checkpoint_error)
-    engine.on_phase = None
-    engine.close()  # the monitors flushed; the checkpointer's threads and lock released
-    ran = done - (first_step - 1)
-    tokens = engine.tokens_per_sample
-    summary = {
-        "steps": done,
-        "interrupted": interrupted,
-        "signal": stop.name() if interrupted else None,
-        "stopped": stopped,
-        "skipped_steps": skipped,
-        "final_loss": loss,
-        "first_eval_loss": first_eval,
-        "eval_loss": last_eval,
-        "seconds": round(elapsed, 2),
-        "samples_per_s": round(ran * samples_per_step / max(elapsed, 1e-9), 2),
-        "tokens_per_s": (
-            round(ran * samples_per_step * tokens / max(elapsed, 1e-9), 1) if tokens else None
-        ),
-        "resumed_from": resumed,
-        "stage": engine.plan.stage.stage,
-        "devices": engine.plan.data_parallel_size,
-        "mesh": {str(k): int(v) for k, v in engine.mesh.shape.items()},
-        "model_state_bytes_per_device": state_bytes,
-        "host_state_bytes_per_device": host_bytes,
-        "peak_bytes_per_device": peak(),
-        "mfu": float(np.mean(mfus)) if mfus else None,  # None: the device's peak is unknown
-        "metrics": str(log_dir / METRICS),
-        "checkpoint_directory": cfg.checkpoint.directory or None,
-        "checkpoint_error": checkpoint_error,
-        "last_checkpoint": run_dirs.last_checkpoint(cfg),
-    }
-    return json_safe(summary)
+    elapsed = time.perf_counter() - run.t_start
+    run.finish()
+    return run.summary(elapsed, (first_eval, last_eval))
 
 
 def _log_step(step: int, record: Mapping[str, float]) -> None:
@@ -565,7 +601,9 @@ def what_is_on(engine: Engine, data: Any = None) -> str:
 
 
 def _warn_schedule_cut(engine: Engine, steps: int) -> None:
-    """One warning when the run ends before the scheduler's warm-up or decay does."""
+    """One warning when the run ends before the scheduler's warm-up or decay does (each
+    step's ``lr`` in ``metrics.jsonl`` shows where it ends; computing it here would compile
+    the schedule's operations one by one)."""
     sched = engine.config.scheduler
     if sched is None:
         return
@@ -573,16 +611,14 @@ def _warn_schedule_cut(engine: Engine, steps: int) -> None:
     for key, what in (("warmup_num_steps", "warm-up"), ("total_num_steps", "decay")):
         value = params.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and steps < value:
-            lr = engine.setup.learning_rate
-            at = f" (learning rate {float(lr(steps - 1)):.3g} at the last step)" if lr else ""
             logger.warning(
                 "jzero: the run ends at step %d, before its schedule's %s ends "
-                "(scheduler.params.%s: %d)%s. Set %s: %d to fit the run, or train on.",
+                "(scheduler.params.%s: %d): the learning rate never reaches the schedule's "
+                "end. Set %s: %d to fit the run, or train on.",
                 steps,
                 what,
                 key,
                 value,
-                at,
                 key,
                 steps,
             )
