@@ -34,6 +34,7 @@ Decisions:
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -55,6 +56,15 @@ logger = logging.getLogger(__name__)
 
 HANG_EXIT = 124
 _RUNS = itertools.count()
+_RUNNING: set[Any] = set()  # the watchdogs started and not stopped
+_AT_EXIT: list[bool] = []
+
+
+def _stop_running() -> None:
+    """At exit, before the distributed runtime shuts down (registered after it started, so
+    run before its own hook): no watchdog thread may call a runtime that is going away."""
+    for watchdog in list(_RUNNING):
+        watchdog.stop()
 
 
 def stragglers(section: Any) -> tuple[float, int]:
@@ -237,9 +247,14 @@ class Watchdog:
             )
             self._sender.start()
             self._thread.start()
+            _RUNNING.add(self)
+            if not _AT_EXIT:  # the runtime is up: this hook runs before its shutdown
+                atexit.register(_stop_running)
+                _AT_EXIT.append(True)
         return self
 
     def stop(self) -> None:
+        _RUNNING.discard(self)
         self._stop.set()
         self._dirty.set()
         for thread in (self._thread, self._sender):
@@ -259,7 +274,11 @@ class Watchdog:
                 gone = self._gone()
                 stale = time.time() - self._since > self.limit()
             except Exception as e:  # the runtime itself failed: say so, then end
+                if self._stop.is_set():  # stopping (the process exits): nothing to report
+                    return
                 self._end(self._report(gone=[], why=f"the distributed runtime failed: {e}"))
+                return
+            if self._stop.is_set():
                 return
             if gone or stale:
                 why = (
