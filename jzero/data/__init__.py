@@ -38,6 +38,7 @@ from jzero.data.packing import pack as pack
 from jzero.data.sources import SOURCES as SOURCES
 from jzero.data.sources import SourceSpec as SourceSpec
 from jzero.data.sources import read_source as read_source
+from jzero.data.sources import stdlib_files as stdlib_files
 from jzero.data.tokenizer import Tokenizer as Tokenizer
 from jzero.data.tokenizer import load_tokenizer as load_tokenizer
 
@@ -59,4 +60,5 @@ __all__ = [
     "pack",
     "read_source",
     "sample_ids",
+    "stdlib_files",
 ]

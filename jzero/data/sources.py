@@ -44,6 +44,7 @@ __all__ = [
     "TokenDocs",
     "expand_paths",
     "read_source",
+    "stdlib_files",
 ]
 
 SOURCES = ("text", "jsonl", "parquet", "arrayrecord", "tokens", "stdlib")
@@ -162,16 +163,22 @@ def read_source(spec: SourceSpec, *, skip_bad_records: bool = False) -> TextDocs
     return docs
 
 
-def _stdlib(max_bytes: int | None) -> TextDocs:
-    budget = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+def stdlib_files() -> list[Path]:
+    """The Python standard library's ``.py`` files, in sorted order of their path relative to
+    its root, test folders and ``site-packages`` left out: the same list on every machine with
+    this Python version (the built-in corpus, here and in :mod:`jzero.demo.data`)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
         files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _stdlib(max_bytes: int | None) -> TextDocs:
+    budget = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     docs = TextDocs([], [])
-    for path in files:
+    for path in stdlib_files():
         if budget <= 0:
             break
         data = path.read_bytes()[:budget]

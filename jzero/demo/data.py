@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import os
-import sysconfig
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+
+from jzero.data.sources import DEFAULT_MAX_BYTES, stdlib_files
 
 __all__ = [
     "BatchIterator",
@@ -35,10 +36,6 @@ __all__ = [
     "stdlib_corpus_bytes",
 ]
 
-DEFAULT_MAX_BYTES = 8 * 1024 * 1024
-_SKIPPED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
 _SOURCES = ("stdlib", "text", "tokens")
 _TOKEN_SUFFIXES = (".npy", ".bin")
 
@@ -60,14 +57,8 @@ def stdlib_corpus_bytes(max_bytes: int | None = None) -> bytes:
     max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive or None, got {max_bytes}.")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
-        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    files.sort(key=lambda p: p.relative_to(root).as_posix())
     chunks, total = [], 0
-    for path in files:
+    for path in stdlib_files():
         chunks.append(path.read_bytes() + b"\n")
         total += len(chunks[-1])
         if total >= max_bytes:

@@ -580,7 +580,7 @@ def what_is_on(engine: Engine, data: Any = None) -> str:
     remat_text = (
         f"activation checkpointing {policy}" if policy else
         ("activation checkpointing of the gathered layers (stage 3's default)"
-         if plan.stage.stage == 3 else "no activation checkpointing")
+         if plan.stage.shard_params else "no activation checkpointing")
     )  # fmt: skip
     zero = cfg.zero_optimization
     offload = [
