@@ -96,7 +96,16 @@ from jzero import costs
 from jzero._util import divisors
 from jzero.choices.pipeline import SCHEDULES
 from jzero.choices.pipeline import virtual_stages as virtual_stages_of
-from jzero.costs import DTYPE_BYTES, OPTIMIZER_DTYPES, Dtypes, ModelShape, ParallelDims
+from jzero.costs import (
+    ATTENTIONS,
+    DTYPE_BYTES,
+    OPTIMIZER_DTYPES,
+    PAPER,
+    Dtypes,
+    ModelShape,
+    ParallelDims,
+    Techniques,
+)
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -152,7 +161,8 @@ class EstimateRow:
       comm_psi: communication volume per step in units of Psi (elements).
       comm: the collectives behind ``comm_psi``.
       activations: activation bytes per device without recomputation (0: not counted).
-      activations_checkpointed: the same with full activation checkpointing.
+      activations_checkpointed: the same with full activation checkpointing (the device's
+        part; :attr:`activations_host` the host's).
     """
 
     stage: int
@@ -168,6 +178,9 @@ class EstimateRow:
     model_axis_bytes: float = 0.0
     seq_axis_bytes: float = 0.0
     pipe_axis_bytes: float = 0.0
+    activations_host: float = 0.0
+    """Activation bytes a device keeps in host memory with activation checkpointing: the
+    offloaded layer inputs (``Techniques(offload=True)``), else 0."""
 
     @property
     def device_bytes(self) -> float:
@@ -222,6 +235,10 @@ class Estimate:
     expert_params: float = 0
     optimizer_dtype: str = "fp32"
     master_dtype: str = "fp32"
+    vocab: int | None = None
+    """The vocabulary V whose logits are counted; ``None``: not counted."""
+    techniques: Techniques = PAPER
+    """How the layers keep their activations (:class:`jzero.costs.Techniques`)."""
 
     @property
     def devices(self) -> int:
@@ -578,6 +595,7 @@ def estimate(
         )
     tp = check_positive(tensor_parallel, "tensor_parallel", "2", integer=True)
     sp = check_positive(sequence_parallel, "sequence_parallel", "4", integer=True)
+    cp = check_positive(layout.context, "context_parallel", "4", integer=True)
     pp = check_positive(pipeline, "pipeline", "2", integer=True)
     mb = 2 * pp if micro_batches is None else check_positive(micro_batches, "micro_batches", "8",
                                                         integer=True)  # fmt: skip
@@ -595,16 +613,18 @@ def estimate(
     # The schedule's table (it checks the micro-batches' groups and the chunks): what a stage
     # keeps in flight.
     table = make_schedule(pipeline_schedule, pp, mb, virtual_stages) if pp > 1 else None
-    if n % (r * tp * sp * pp):
+    if n % (r * tp * sp * cp * pp):
+        ring = f"context_parallel={cp} x " if cp > 1 else ""
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
-            f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
+            f"sequence_parallel={sp} x {ring}pipeline={pp}; pass sizes whose product divides "
+            f"{n}."
         )
     if (  # beside other axes (alone, _check_experts names the divisors)
-        tp * sp * pp > 1
+        tp * sp * cp * pp > 1
         and isinstance(expert_parallel, int)
         and expert_parallel > 1
-        and n % (r * tp * sp * pp * expert_parallel)
+        and n % (r * tp * sp * cp * pp * expert_parallel)
     ):
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
@@ -631,7 +651,8 @@ def estimate(
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
     given.update(layers=layers, heads=heads)
-    shape, act, act_ac = None, 0.0, 0.0
+    shape, act, act_ac, act_host = None, 0.0, 0.0, 0.0
+    vocab, techniques = _check_techniques(model)
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
@@ -655,17 +676,17 @@ def estimate(
                 f"pipeline: {pp} stages do not divide layers={shape['layers']}; pass a number "
                 f"of stages among the divisors of {shape['layers']}."
             )
-        staged = {**shape, "layers": shape["layers"] // pp}
-        act, act_ac = costs.transformer_activations(
-            **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
-        )
-        if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
-            held = table.slots / virtual_stages  # a chunk counts 1/V of a stage's layers
-            per_layer = act / staged["layers"]
-            act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
+        held = table.slots / virtual_stages if pp > 1 else 1.0  # a chunk: 1/V of the layers
+        sized = dataclasses.replace(
+            model, seq_len=shape["seq_len"], hidden=shape["hidden"], layers=shape["layers"],
+            heads=shape["heads"], vocab=vocab, techniques=techniques,
+        )  # fmt: skip
+        split = ParallelDims(n, micro_batch=shape["micro_batch"], model=tp, seq=sp, pipe=pp,
+                             context=cp)  # fmt: skip
+        act, act_ac, act_host = _activations(sized, split, activation_dtype, held)
     model_bytes = seq_bytes = pipe_bytes = 0.0
     if shape is not None:  # the model and seq axes' for one micro-batch through all L layers
-        sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / sp
+        sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / (sp * cp)
         flow = costs.LayerFlow(sbh, shape["layers"], 1, DTYPE_BYTES[activation_dtype])
         model_bytes = costs.model_axis_bytes(flow, tp)
         seq_bytes = costs.seq_axis_bytes(flow, tp, sp)
@@ -723,17 +744,18 @@ def estimate(
             model_bytes,
             seq_bytes,
             pipe_bytes,
+            act_host,
         )
         for spec, o, d, h, disk in rows
     )
     resolved = dataclasses.replace(
         layout, devices=n, devices_per_node=per_node, replica=r, model=tp, seq=sp, pipe=pp,
-        expert=ep, micro_batches=mb, virtual=virtual_stages,
+        context=cp, expert=ep, micro_batches=mb, virtual=virtual_stages,
         micro_batch=shape["micro_batch"] if shape else None,
     )  # fmt: skip
     return Estimate(
         psi_all, resolved, out, memory, check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, n_experts, psi_e, opt_dtype, master,
+        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques,
     )  # fmt: skip
 
 
@@ -798,3 +820,41 @@ def _check_experts(
             f"also divide {group}."
         )
     return e, ep, psi_e
+
+
+def _activations(
+    model: ModelShape, layout: ParallelDims, dtype: str, held: float
+) -> tuple[float, float, float]:
+    """A device's activation bytes (without checkpointing, with ``full`` on the device, with
+    ``full`` in host memory) when its pipeline stage holds ``held`` micro-batches; with
+    activation offload the first is as without offload (nothing is checkpointed to move)."""
+    plain = dataclasses.replace(model, techniques=dataclasses.replace(model.techniques,
+                                                                      offload=False))  # fmt: skip
+    without = costs.activation_bytes(plain, layout, dtype=dtype, in_flight=held)
+    full = costs.activation_bytes(model, layout, checkpointing="full", dtype=dtype, in_flight=held)
+    return without.device, full.device, full.host
+
+
+def _check_techniques(model: ModelShape) -> tuple[int | None, Techniques]:
+    """The model's vocabulary (``None`` or a positive integer) and its
+    :class:`~jzero.costs.Techniques`, checked; a clear error naming the value and the fix."""
+    vocab = None if model.vocab is None else check_positive(model.vocab, "vocab", "32000", True)
+    t = model.techniques
+    if not isinstance(t, Techniques):
+        raise ValueError(
+            f"techniques: {t!r} is not allowed; it must be a jzero.costs.Techniques, e.g. "
+            "Techniques(attention='blockwise', loss_chunk=1024)."
+        )
+    if t.attention not in ATTENTIONS:
+        raise ValueError(
+            f"attention: {t.attention!r} is not allowed; it must be one of "
+            f"{', '.join(ATTENTIONS)} (plain keeps the [s, s] scores, blockwise none)."
+        )
+    for name in ("loss_chunk", "mlp_chunk"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name}: {value!r} is not allowed; it must be a whole number of tokens, e.g. "
+                "1024, or 0 (not tiled)."
+            )
+    return vocab, t
