@@ -118,6 +118,7 @@ from jzero.memory._format import (
     render_columns,
 )
 from jzero.memory._plot import plot_bars
+from jzero.memory._sequence import SequenceReport, sequence_report
 from jzero.parallel.pipeline.schedule import Schedule, make_schedule
 from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
@@ -300,6 +301,46 @@ class Estimate:
         """The row of one option."""
         return find_row(self.rows, stage, offload)
 
+    def sequence_report(self, stage: int = 3) -> SequenceReport:
+        """The long-sequence table of this model and layout: activations per device with each
+        long-context technique added in turn and, with a device memory, the longest sequence
+        that fits beside the model states of ``stage`` without offload
+        (:func:`~jzero.memory.sequence_report`).
+
+        Raises:
+          ValueError: without the transformer's shape, a ``stage`` not 0-3, or an estimate
+            of the options with offload only.
+        """
+        if self.shape is None:
+            raise ValueError(
+                "The long-sequence table needs the transformer's shape; pass all of "
+                f"{', '.join(_SHAPE)} (e.g. 2048, 1, 4096, 32, 32)."
+            )
+        if stage not in stages.STAGES:
+            raise ValueError(
+                f"stage: {stage!r} is not allowed; it must be one of "
+                f"{', '.join(map(str, stages.STAGES))}."
+            )
+        sh = self.shape
+        model = ModelShape(
+            self.params, seq_len=sh["seq_len"], hidden=sh["hidden"], layers=sh["layers"],
+            heads=sh["heads"], vocab=self.vocab, techniques=self.techniques,
+        )  # fmt: skip
+        table = self.pipeline_table
+        held = table.slots / self.layout.virtual if table is not None else 1.0
+        usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
+        states = [r.device_bytes for r in self.rows if (r.stage, r.offload) == (stage, "none")]
+        if not states:
+            raise ValueError(
+                f"The long-sequence table adds the model states of stage {stage} without "
+                "offload, but this estimate lists only the options with offload (offload="
+                "'cpu'); estimate with offload=None or 'none'."
+            )
+        return sequence_report(
+            model, self.layout, states=states[0], stage=stage, usable=usable,
+            dtype=self.activation_dtype, in_flight=held,
+        )  # fmt: skip
+
     def table(self) -> str:
         """The estimate as text: one row per option, the conventions, the recommendation."""
         nodes = self.devices // self.devices_per_node
@@ -426,26 +467,43 @@ class Estimate:
             ]
         if act:
             sh, k = self.shape or {}, DTYPE_BYTES[self.activation_dtype] / 2
-            lines += [
+            paper = self.techniques == PAPER and not self.vocab and self.layout.context == 1
+            where = (
                 f"activations per device (s = {sh['seq_len']}, b = {sh['micro_batch']}, "
                 f"h = {sh['hidden']}, L = {sh['layers']}, a = {sh['heads']}, "
-                f"{self.activation_dtype}): Korthikanti et al. 2022, per layer s b h "
-                "(34 + 5 a s / h) bytes in 16-bit (1-byte dropout masks);",
-                f"  used here: per layer s b h ({32 * k:g} + 2) + a s^2 b ({4 * k:g} + 1) "
-                "(16-bit part x bytes/2, masks 1 byte); with full activation checkpointing (AC) "
-                f"{2 * k:g} s b h L + one layer rebuilt in the backward pass.",
-                "  fits: yes (without AC), AC (only with activation checkpointing), no.",
-            ]
+                + (f"V = {self.vocab}, " if self.vocab else "")
+                + f"{self.activation_dtype}): "
+            )
+            if paper:
+                lines += [
+                    where + "Korthikanti et al. 2022, per layer s b h "
+                    "(34 + 5 a s / h) bytes in 16-bit (1-byte dropout masks);",
+                    f"  used here: per layer s b h ({32 * k:g} + 2) + a s^2 b ({4 * k:g} + 1) "
+                    "(16-bit part x bytes/2, masks 1 byte); with full activation checkpointing "
+                    f"(AC) {2 * k:g} s b h L + one layer rebuilt in the backward pass.",
+                ]
+            else:
+                lines.append(
+                    where
+                    + "Korthikanti et al. 2022's terms with "
+                    + self._techniques_text()
+                    + "; with full activation checkpointing (AC) each layer's input, one layer "
+                    "rebuilt (jzero.costs.activation_bytes)."
+                )
+            lines.append("  fits: yes (without AC), AC (only with activation checkpointing), no.")
             if split:
                 t, sp = self.layout.model, self.layout.seq
-                lines += [
-                    f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
-                    f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
-                    "tensor-parallel split; Ulysses divides every term by S).",
+                if paper:
+                    lines.append(
+                        f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
+                        f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
+                        "tensor-parallel split; Ulysses divides every term by S)."
+                    )
+                lines.append(
                     "  model GB/step: Megatron's 4 all-reduces of s b h / S a layer, 2 (T-1)/T "
                     "each; seq GB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
-                    "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
-                ]
+                    "(S-1)/S each; comm/step counts Psi as the device's Psi/T."
+                )
             if piped:
                 held = self.pipeline_table.slots / self.layout.virtual  # a chunk: 1/V
                 lines += [
@@ -458,6 +516,26 @@ class Estimate:
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
+
+    def _techniques_text(self) -> str:
+        """The model's techniques in words, for the table's note."""
+        t, c = self.techniques, self.layout.context
+        parts = [
+            f"{t.attention} attention" + (f" (ring over C = {c}: by blocks)" if c > 1 else ""),
+            f"dropout {'on' if t.dropout else 'off'}",
+        ]
+        if self.vocab:
+            parts.append(f"loss chunk {t.loss_chunk}" if t.loss_chunk else "whole logits")
+        else:
+            parts.append("logits not counted")
+        parts.append(f"MLP chunk {t.mlp_chunk}" if t.mlp_chunk else "whole MLP")
+        if t.offload:
+            host = self.rows[0].activations_host if self.rows else 0.0
+            parts.append(
+                f"activation offload (AC's layer inputs in host memory, {host / GB:.2f} GB a "
+                "device)"
+            )
+        return ", ".join(parts)
 
     def bars(self) -> list[tuple[str, Mapping[str, float], Mapping[str, float]]]:
         """(label, device bytes by category, host bytes by category) per option, for plots;
