@@ -26,6 +26,13 @@ Decisions:
   activations are rebuilt in the backward pass: ``2 k s b h L + per layer``. Embeddings, the
   final LayerNorm and the logits are not counted. ZeRO does not shard activations: every
   stage and offload option carries the same term.
+* The model's :class:`~jzero.costs.Techniques` (blockwise attention, dropout, tiled loss and
+  MLP, activation offload), its vocabulary (the float32 logits) and the layout's ``context``
+  axis (ring attention: the tokens split by C) change the activation term
+  (:func:`jzero.costs.activation_bytes`); the default, :data:`jzero.costs.PAPER` without a
+  vocabulary, is the paper's accounting above. :meth:`Estimate.sequence_report` adds the
+  techniques one a row and finds the longest sequence that fits
+  (:mod:`jzero.memory._sequence`).
 * Without the transformer's shape, activations are not counted and the margin of the
   recommendation is kept for them.
 * The NVMe tier (``offload_optimizer: {device: nvme}``, rows ``nvme``, offered last, as the
