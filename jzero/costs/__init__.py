@@ -18,7 +18,7 @@ memory planner, the config or the CLI (``tests/project/test_house.py`` checks it
 * :mod:`~jzero.costs.memory`: bytes held: ZeRO's model states per stage and offload
   (:func:`model_states`), a transformer's activations (:func:`transformer_activations`).
 * :mod:`~jzero.costs.traffic`: bytes a step on each axis (ZeRO's group, ``model``, ``seq``,
-  ``expert``, ``pipe``, the host) and which cross hosts.
+  ``context``, ``expert``, ``pipe``, the host) and which cross hosts.
 * :mod:`~jzero.costs.step_time`: the step's predicted time at :class:`Rates`
   (:func:`predict`).
 """
@@ -49,6 +49,7 @@ from jzero.costs.step_time import Work as Work
 from jzero.costs.step_time import bubble as bubble
 from jzero.costs.step_time import predict as predict
 from jzero.costs.traffic import LayerFlow as LayerFlow
+from jzero.costs.traffic import context_axis_bytes as context_axis_bytes
 from jzero.costs.traffic import cross_host_elements as cross_host_elements
 from jzero.costs.traffic import crosses_hosts as crosses_hosts
 from jzero.costs.traffic import expert_axis_bytes as expert_axis_bytes
@@ -80,6 +81,7 @@ __all__ = [
     "Work",
     "activation_bytes",
     "bubble",
+    "context_axis_bytes",
     "cross_host_elements",
     "crosses_hosts",
     "expert_axis_bytes",

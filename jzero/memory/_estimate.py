@@ -189,6 +189,9 @@ class EstimateRow:
     activations_host: float = 0.0
     """Activation bytes a device keeps in host memory with activation checkpointing: the
     offloaded layer inputs (``Techniques(offload=True)``), else 0."""
+    context_axis_bytes: float = 0.0
+    """Bytes a device sends a step on the ``context`` axis (ring attention's keys and values,
+    :func:`jzero.costs.context_axis_bytes`); 0 without it or without the shape."""
 
     @property
     def device_bytes(self) -> float:
@@ -363,6 +366,8 @@ class Estimate:
         header += ["cross-host/step"]
         split = act and (self.layout.model > 1 or self.layout.seq > 1)
         header += ["model GB/step", "seq GB/step"] if split else []
+        ringed = act and self.layout.context > 1
+        header += ["context GB/step"] if ringed else []
         piped = act and self.layout.pipe > 1
         header += ["pipe GB/step"] if piped else []
         header += (["fits"] if usable is not None else []) + ["collectives"]
@@ -379,6 +384,8 @@ class Estimate:
             cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
             if split:
                 cells += [f"{r.model_axis_bytes / GB:.3g}", f"{r.seq_axis_bytes / GB:.3g}"]
+            if ringed:
+                cells.append(f"{r.context_axis_bytes / GB:.3g}")
             if piped:
                 cells.append(f"{r.pipe_axis_bytes / GB:.3g}")
             if usable is not None:
@@ -498,6 +505,12 @@ class Estimate:
                     "rebuilt (jzero.costs.activation_bytes)."
                 )
             lines.append("  fits: yes (without AC), AC (only with activation checkpointing), no.")
+            if ringed:
+                lines.append(
+                    f"  context GB/step: ring attention over C = {self.layout.context} passes a "
+                    "device's keys and values (2 s b h / (S C T)) C-1 steps forward, and again "
+                    "with their gradients backward: 6 (C-1) s b h / (S C T) a layer."
+                )
             if split:
                 t, sp = self.layout.model, self.layout.seq
                 if paper:
@@ -769,12 +782,13 @@ def estimate(
         split = ParallelDims(n, micro_batch=shape["micro_batch"], model=tp, seq=sp, pipe=pp,
                              context=cp)  # fmt: skip
         act, act_ac, act_host = _activations(sized, split, activation_dtype, held)
-    model_bytes = seq_bytes = pipe_bytes = 0.0
+    model_bytes = seq_bytes = pipe_bytes = context_bytes = 0.0
     if shape is not None:  # the model and seq axes' for one micro-batch through all L layers
         sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / (sp * cp)
         flow = costs.LayerFlow(sbh, shape["layers"], 1, DTYPE_BYTES[activation_dtype])
         model_bytes = costs.model_axis_bytes(flow, tp)
         seq_bytes = costs.seq_axis_bytes(flow, tp, sp)
+        context_bytes = costs.context_axis_bytes(flow, tp, cp)
         if pp > 1:  # each of the M micro-batches forward to the next stage, its gradient back
             flow = dataclasses.replace(flow, micro_batches=mb)
             pipe_bytes = costs.pipe_axis_bytes(flow, virtual_stages)
@@ -830,6 +844,7 @@ def estimate(
             seq_bytes,
             pipe_bytes,
             act_host,
+            context_bytes,
         )
         for spec, o, d, h, disk in rows
     )

@@ -248,3 +248,19 @@ def test_estimate_cli_prints_the_long_sequence_table(capsys):
     help_text = parser._subparsers._group_actions[0].choices["estimate"].format_help()
     for flag in ("--vocab", "--loss-chunk", "--mlp-chunk", "--activation-offload", "--cp"):
         assert flag in help_text
+
+
+def test_the_ring_passes_keys_and_values_around_the_context_axis():
+    s, h, layers, c = 32768, 4096, 32, 4
+    layout = ParallelDims(64, devices_per_node=8, micro_batch=1, context=c, micro_batches=1)
+    row = memory.estimate(SHAPE, layout).row(3)
+    x = s // c * h  # the device's tokens times h
+    assert row.context_axis_bytes == 6 * (c - 1) * x * 2 * layers  # bf16 keys, values, grads
+    assert memory.estimate(SHAPE, ParallelDims(64, micro_batch=1)).row(3).context_axis_bytes == 0
+    assert "context GB/step" in memory.estimate(SHAPE, layout).table().splitlines()[1]
+    # The step time's prediction prices it (the auto layout's ranking).
+    choice = argparse.Namespace(stage=3, offload=False, checkpointing=False)
+    rates = costs.Rates(100.0, 10.0, 100.0, 5.0)
+    predicted = costs.predict(layout, choice, SHAPE, costs.Work(1e15, 2, 2), rates)
+    assert predicted.axis_bytes["context"] == row.context_axis_bytes
+    assert not costs.crosses_hosts(layout, "context")  # 4 x seq 1 x model 1 devices in a node
