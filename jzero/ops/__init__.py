@@ -1,5 +1,6 @@
-"""Memory-lean building blocks for long sequences, for the built-in GPT and any user's model:
-attention that never holds a ``[T, T]`` score matrix, and the output head's loss and the MLP
+"""Memory-lean building blocks for long sequences, for the built-in GPT and any model.
+
+Attention that never holds a ``[T, T]`` score matrix, and the output head's loss and the MLP
 computed over sequence chunks.
 
 Import direction: imports JAX only (nothing of jzero's), so any package, the built-in GPT
