@@ -65,6 +65,13 @@ Decisions:
   ``moe_aux_loss_coef`` times it) and the dropped fraction of token choices averaged over
   them; jzero's step reports both as metrics. With ``num_experts = 0`` (the default) none of
   this exists: the tree, the numbers and the compiled program are the dense model's.
+* Long sequences (:mod:`jzero.ops`): a sequence longer than ``attention_block`` tokens runs
+  :func:`jzero.ops.blockwise_attention` (no ``[T, T]`` scores), the head and the loss run over
+  ``loss_chunk``-token chunks (:func:`jzero.ops.tiled_cross_entropy`, no ``[B, T, V]`` logits)
+  and the dense blocks' MLP over ``mlp_chunk``-token chunks (:func:`jzero.ops.tiled_mlp`; 0,
+  the default, is off). A sequence within them compiles the plain forms, so a short-context
+  model's program is unchanged. To let the loss tile the head, both forms run the blocks as a
+  *trunk* (the final activations, before the final LayerNorm) and the loss applies the head.
 * Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size``) is built in: where
   jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
   inputs and targets, the position table from this device's first position, and attention
