@@ -235,12 +235,11 @@ def _check_block_size(block_size: int) -> None:
         )
 
 
-def _use_cudnn(q: jax.Array, fused: bool) -> bool:
-    """Whether cuDNN's fused attention can take this call (GPU, 16-bit, a head size it supports,
-    a plain causal mask)."""
+def _use_cudnn(q: jax.Array) -> bool:
+    """Whether cuDNN's fused attention can take q (GPU, 16-bit, a head size it supports); the
+    caller checks that the mask is the plain causal one."""
     return (
-        fused
-        and jax.default_backend() == "gpu"
+        jax.default_backend() == "gpu"
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and q.shape[-1] % 8 == 0
         and q.shape[-1] <= 128
@@ -297,8 +296,8 @@ def blockwise_attention(
         float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: shapes that do not fit together, or a ``block_size`` that is not a positive
-            integer.
+        ValueError: shapes that do not fit together (q, k, v, the segment ids or positions), or
+            a ``block_size`` that is not a positive integer.
     """
     _check_heads(q, k, v)
     _check_block_size(block_size)
@@ -308,7 +307,17 @@ def blockwise_attention(
             f"blockwise_attention is self-attention: q has {t} tokens and k, v have "
             f"{k.shape[1]}. Pass q, k and v of the same sequence."
         )
-    if causal and segment_ids is None and positions is None and _use_cudnn(q, True):
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(
+            f"blockwise_attention: segment_ids has shape {segment_ids.shape}; it must be "
+            f"[B, T] = {(b, t)}, one document id per token of each row."
+        )
+    if positions is not None and jnp.atleast_2d(positions).shape not in ((b, t), (1, t)):
+        raise ValueError(
+            f"blockwise_attention: positions has shape {positions.shape}; it must be [B, T] = "
+            f"{(b, t)} or [1, T] (the same for every row)."
+        )
+    if causal and segment_ids is None and positions is None and _use_cudnn(q):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     pos = jnp.arange(t)[None] if positions is None else jnp.atleast_2d(positions)
     if t <= block_size:

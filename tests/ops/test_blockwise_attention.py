@@ -86,6 +86,24 @@ def test_values_and_gradients_equal_plain_attention(case):
     assert max_rel_error(got_grads, want_grads) <= RTOL
 
 
+def test_positions_set_the_causal_order():
+    """Each document's own positions (restarting at 0) with its segment ids mask as the row's
+    places do; positions in reverse turn the causal mask around."""
+    t = 16
+    q, k, v = qkv(t, 2, 2)
+    seg = packed_segments(t)
+    starts = jnp.argmax(seg[:, :, None] == seg[:, None, :], axis=-1)  # first place of the doc
+    own = jnp.arange(t)[None] - starts
+    got = blockwise_attention(q, k, v, segment_ids=seg, positions=own, block_size=4)
+    want = blockwise_attention(q, k, v, segment_ids=seg, block_size=4)
+    assert max_rel_error(got, want) <= RTOL
+    backwards = blockwise_attention(q, k, v, positions=(t - jnp.arange(t))[None], block_size=4)
+    pos = jnp.arange(t)[None]
+    mask = jnp.broadcast_to(block_mask(pos, pos), (B, t, t))
+    flipped = plain_attention(q[:, ::-1], k[:, ::-1], v[:, ::-1], mask)[:, ::-1]
+    assert max_rel_error(backwards, flipped) <= RTOL
+
+
 def test_a_row_with_nothing_to_attend_is_zero_not_nan():
     q, k, v = qkv(8, 2, 2)
     hidden = jnp.zeros((1, 8, 8), bool).at[:, 4:].set(jnp.tril(jnp.ones((4, 8), bool), 3))
@@ -144,6 +162,10 @@ def test_bad_arguments_are_clear_errors():
         blockwise_attention(q, k, v, block_size=0)
     with pytest.raises(ValueError, match=r"q has 8 tokens and k, v have 4"):
         blockwise_attention(q, k[:, :4], v[:, :4])
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 4\); it must be"):
+        blockwise_attention(q, k, v, segment_ids=jnp.zeros((B, 4), jnp.int32))
+    with pytest.raises(ValueError, match=r"positions has shape \(3, 8\)"):
+        blockwise_attention(q, k, v, positions=jnp.zeros((3, 8), jnp.int32))
     with pytest.raises(ValueError, match=r"both q_seg and k_seg"):
         block_mask(jnp.arange(8)[None], jnp.arange(8)[None], jnp.zeros((B, 8), jnp.int32))
 
