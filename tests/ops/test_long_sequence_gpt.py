@@ -78,6 +78,26 @@ def test_the_functional_gpt_with_blocks_and_chunks_equals_the_plain_one():
     assert not tiled_whole, tiled_whole
 
 
+def test_the_moe_gpt_with_blocks_and_chunks_equals_the_plain_one():
+    """Every block an MoE block: blockwise attention and the tiled loss (the experts' MLP is
+    not tiled); the loss, its aux and the gradients as the plain model's."""
+    moe = {"num_experts": 2, "experts_per_token": 1, "num_layers": 1}
+    plain = dataclasses.replace(PLAIN, **moe)
+    tiled = dataclasses.replace(TILED, **moe)
+    params = jax.tree.map(lambda x: x.astype(jnp.float64), init_params(jax.random.key(0), plain))
+    batch = {"tokens": packed_batch()["tokens"]}
+
+    def run(cfg):
+        step = jax.value_and_grad(lambda p: loss_fn(p, batch, cfg), has_aux=True)
+        (loss, aux), grads = jax.jit(step)(params)
+        return (loss, grads), aux
+
+    (got, got_aux), (want, want_aux) = run(tiled), run(plain)
+    assert_same(got, want)
+    for name in want_aux:
+        np.testing.assert_allclose(got_aux[name], want_aux[name], rtol=RTOL, atol=0)
+
+
 def test_the_nnx_gpt_on_packed_rows_with_blocks_and_chunks_equals_the_plain_one():
     batch = {k: jnp.asarray(v) for k, v in packed_batch().items()}
     params = params64()
