@@ -34,9 +34,10 @@ Decisions:
   block of work.
 * **cuDNN on GPU**: on a GPU backend, with 16-bit q, k, v, a causal mask and no segment ids or
   positions, :func:`blockwise_attention` calls ``jax.nn.dot_product_attention(...,
-  implementation="cudnn", is_causal=True)`` (cuDNN's fused flash attention). This branch is not
-  exercised by the CPU test suite. Packed documents (segment ids) always take the blockwise
-  path, which supports them.
+  implementation="cudnn", is_causal=True)`` (cuDNN's fused flash attention); where JAX refuses
+  that call when tracing it (no cuDNN, a shape it does not take) the blockwise path runs. This
+  branch is not exercised by the CPU test suite. Packed documents (segment ids) always take
+  the blockwise path, which supports them.
 """
 
 from __future__ import annotations
@@ -277,8 +278,9 @@ def blockwise_attention(
 
     On a GPU, with 16-bit inputs, ``causal``, no ``segment_ids`` and no ``positions``, the call
     goes to cuDNN's fused attention (``jax.nn.dot_product_attention(...,
-    implementation="cudnn", is_causal=True)``) instead; that branch is not run by the CPU test
-    suite. Packed documents (``segment_ids``) are supported by the blockwise path.
+    implementation="cudnn", is_causal=True)``) instead, or the blockwise path where JAX refuses
+    that call when tracing it; that branch is not run by the CPU test suite. Packed documents
+    (``segment_ids``) are supported by the blockwise path.
 
     Args:
         q: queries ``[B, T, H, Dh]``.
@@ -318,7 +320,10 @@ def blockwise_attention(
             f"{(b, t)} or [1, T] (the same for every row)."
         )
     if causal and segment_ids is None and positions is None and _use_cudnn(q):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # refused when traced (no cuDNN, or a shape it does not take): blockwise below
     pos = jnp.arange(t)[None] if positions is None else jnp.atleast_2d(positions)
     if t <= block_size:
         mask = block_mask(pos, pos, segment_ids, segment_ids, causal=causal)
