@@ -153,6 +153,30 @@ def test_bfloat16_stays_within_the_rounding_bound():
     assert err <= 3 * EPS["bfloat16"] * float(np.max(np.abs(wide[2]))), err
 
 
+def test_on_a_gpu_16_bit_causal_attention_asks_cudnn_first(monkeypatch):
+    """The backend reads as a GPU: plain causal bf16 attention calls cuDNN's fused attention
+    (which JAX refuses here, no cuDNN: the blockwise path answers, bit for bit); packed
+    documents or float32 never ask it."""
+    calls = []
+    fused = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return fused(*args, **kwargs)
+
+    q, k, v = (jax.random.normal(key, (B, 16, 2, 8), jnp.bfloat16)  # cuDNN: Dh % 8 == 0
+               for key in jax.random.split(jax.random.key(3), 3))  # fmt: skip
+    want = blockwise_attention(q, k, v, block_size=4)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    got = blockwise_attention(q, k, v, block_size=4)
+    assert calls == [{"is_causal": True, "implementation": "cudnn"}]
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    blockwise_attention(q, k, v, segment_ids=packed_segments(16), block_size=4)
+    blockwise_attention(*(x.astype(jnp.float32) for x in (q, k, v)), block_size=4)
+    assert len(calls) == 1
+
+
 def test_bad_arguments_are_clear_errors():
     q, k, v = qkv(8, 3, 2)
     with pytest.raises(ValueError, match=r"3 heads and k, v have 2"):
