@@ -271,13 +271,16 @@ def initialize(
     from_first_batch = config_lib.batch_from_first_batch(cfg)
     auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
     cfg = _resolve(cfg, shapes, mesh, optimizer_given=optimizer is not None)
-    specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs)
+    program = model_in.program(shapes, batch)
+    specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs, program)
     tx, schedule = _optimizer(cfg, optimizer)
     planner = _planner(mesh, shapes, tx, specs, tp_rules)
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
     layout = None
     if layout_auto:  # the stage too is chosen with the layout, at the first batch
-        layout = _auto_layout(cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs))
+        layout = _auto_layout(
+            cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs, program)
+        )
         auto = None
     replan = planner(cfg)
     plan = _first_plan(
@@ -352,6 +355,17 @@ class _ModelInputs:
             self.params = jax.eval_shape(lambda: self.init_fn(key()))
         _check_array_leaves(self.params)
         return abstract_tree(self.params)
+
+    def program(self, shapes: PyTree, batch: PyTree | None) -> Callable[[], Any] | None:
+        """AutoTP's reading of the traced loss on ``batch``'s shapes
+        (:func:`jzero.rewrite.program_splits`), made once when first asked; ``None`` without a
+        batch."""
+        if batch is None:
+            return None
+        from jzero.rewrite import program_splits
+
+        extra = () if self.adapted is None else (self.adapted.abstract_extra,)
+        return functools.cache(lambda: program_splits(self.loss_fn, shapes, *extra, batch))
 
     @property
     def made_with_extra(self) -> bool:
@@ -632,7 +646,7 @@ def _auto_layout(
     auto_keys: tuple[str, ...],
     mesh: jax.sharding.Mesh,
     auto: Any,
-    model: tuple[PyTree, optax.GradientTransformation, PyTree | None],
+    model: tuple[PyTree, optax.GradientTransformation, PyTree | None, Any],
 ) -> Any:
     """What the parallel sizes ``"auto"`` choose from (:mod:`jzero.engine.auto_layout`): the
     stages of ``stage: auto`` (``auto``) or the one configured, the budget, the rates, and a
@@ -640,13 +654,13 @@ def _auto_layout(
     from jzero import costs
     from jzero.engine import auto_layout, auto_stage
 
-    shapes, tx, user_specs = model
+    shapes, tx, user_specs, program = model
     device = mesh.devices.flat[0]
     what = 'the parallel sizes "auto"'
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
         m = make_mesh(_mesh_sizes(c))
-        specs, rules = settings.tensor_parallel(c, m, shapes, user_specs)
+        specs, rules = settings.tensor_parallel(c, m, shapes, user_specs, program)
         return _planner(m, shapes, tx, specs, rules)(c)
 
     zero = cfg.zero_optimization

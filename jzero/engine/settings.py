@@ -28,7 +28,7 @@ Decisions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -356,25 +356,45 @@ def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]
     }
 
 
+def _note_no_program(choices: Sequence[Any], axis: str) -> None:
+    """Names matched no rule and no batch's shapes are known, so the program cannot be read:
+    where nothing at all is split over ``axis``, the error that says how to give them."""
+    if any(axis in tuple(c.spec) for c in choices):
+        return
+    raise ValueError(
+        f"tensor_parallel.autotp_size: no parameter's name matches an AutoTP rule, so nothing "
+        f"would be split over {axis!r}, and AutoTP reads the model's program only from a "
+        "batch's shapes. Pass jzero.initialize(..., batch=batch) (arrays or "
+        "jax.ShapeDtypeStruct), or give the leaves a tensor_parallel.tp_plan."
+    )
+
+
 def tensor_parallel(
-    cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree, param_specs: PyTree
+    cfg: config_lib.Config,
+    mesh: jax.sharding.Mesh,
+    abstract: PyTree,
+    param_specs: PyTree,
+    program: Callable[[], Mapping[int, Any]] | None = None,
 ) -> tuple[PyTree, list[str] | None]:
     """AutoTP (``tensor_parallel.autotp_size`` > 1, or a ``tp_plan``): the params' specs over
-    the model axis, the user's own winning, and the rule behind each; as given otherwise."""
+    the model axis, the user's own winning, and the rule behind each; as given otherwise.
+    ``program`` (read only when some leaf's name matches no rule) gives the splits the traced
+    loss shows (:func:`jzero.rewrite.program_splits`); ``None`` where no batch's shapes are
+    known yet."""
     size, tp_plan = cfg.autotp_size(), cfg.tp_plan()
     if size <= 1 and not tp_plan:
         return param_specs, None
     axis = tensor.MODEL_AXIS
     _require_axis("tensor_parallel.autotp_size", size, axis, mesh)
     heads = (cfg.tensor_parallel or {}).get("num_heads", cfg.model.get("num_heads"))
-    specs, choices = tensor.autotp_specs(
-        abstract,
-        int(mesh.shape.get(axis, 1)),
-        tp_plan=tp_plan,
-        param_specs=param_specs,
-        num_heads=heads,
-        axis=axis,
-    )
+    keys = {"tp_plan": tp_plan, "param_specs": param_specs, "num_heads": heads, "axis": axis}
+    tp = int(mesh.shape.get(axis, 1))
+    specs, choices = tensor.autotp_specs(abstract, tp, **keys)
+    if tensor.unmatched(choices) and tp > 1:
+        if program is None:
+            _note_no_program(choices, axis)
+        else:
+            specs, choices = tensor.autotp_specs(abstract, tp, program=program(), **keys)
     loose = tensor.unmatched(choices)
     if loose:
         logger.warning(
