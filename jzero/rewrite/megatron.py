@@ -325,18 +325,19 @@ class _Walk:
         outs = []
         for k, (d, _) in enumerate(got):
             if k < n_carry:
-                outs.append(tuple(_join(self.c, [a, b]) for a, b in zip(d, ins[n_c + k],
-                                                                        strict=True)))  # fmt: skip
+                carried = zip(d, ins[n_c + k], strict=True)
+                outs.append(tuple(_join(self.c, [a, b]) for a, b in carried))
             else:
                 outs.append((None, *d))
         return outs, [None] * len(outs)
 
     def _cond(self, eqn: Any, ins: list[Dims], views: list[int | None]) -> tuple[list, list]:
         branches = [self.run(b.jaxpr, ins[1:], views[1:]) for b in eqn.params["branches"]]
-        outs = [
-            tuple(_join(self.c, [b[k][0][i] for b in branches]) for i in range(len(branches[0][k][0])))
-            for k in range(len(eqn.outvars))
-        ]  # fmt: skip
+        outs = []
+        for k, v in enumerate(eqn.outvars):
+            outs.append(
+                tuple(_join(self.c, [b[k][0][i] for b in branches]) for i in range(len(_shape(v))))
+            )
         return outs, [None] * len(outs)
 
 
@@ -409,9 +410,7 @@ def _choose(reading: _Reading, ranks: Sequence[int]) -> dict[int, ProgramSplit]:
     return taken
 
 
-def program_splits(
-    loss_fn: Callable[..., Any], params: Any, *args: Any
-) -> dict[int, ProgramSplit]:
+def program_splits(loss_fn: Callable[..., Any], params: Any, *args: Any) -> dict[int, ProgramSplit]:
     """Megatron's splits of ``params``' leaves, read from ``loss_fn(params, *args)`` traced on
     shapes (nothing runs).
 
