@@ -4,8 +4,11 @@
 A Flax NNX transformer with einsum-style fused weights (GQA, a fused kv, a gated MLP, a tied
 embedding) and an Equinox transformer of ``eqx.nn`` layers (weights ``[out, in]``) train on
 ``{data: 4, model: 2}`` at stages 1 and 3 exactly like the single-device optax loop (float64:
-losses at 1e-10, parameters at 1e-9), every attention and MLP matmul weight split, and no split
-weight gathered whole over ``model`` in the compiled step. On Hugging Face's Llama names and
+losses at 1e-10, parameters at 1e-9), every attention and MLP matmul weight split, no split
+weight gathered whole over ``model`` in the compiled step, Megatron's all-reduces over
+``model``, and at stage 1 no activation gathered or exchanged over ``model`` either (a
+mis-split pair, e.g. ``q_einsum`` split on ``d`` or ``linear`` on its output, shows 15-17
+all-gathers there; the gated MLP split gate-from-up, all-to-alls). On Hugging Face's Llama names and
 the built-in GPT, whose names the rules know, the program alone gives the names' specs.
 """
 
@@ -25,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from numerics import max_rel_error
 
 import jzero
-from jzero.hlo import replica_groups
+from jzero.hlo import collectives_by_axes, replica_groups
 from jzero.parallel import autotp_specs
 from jzero.rewrite import program_splits
 
@@ -87,7 +90,8 @@ def reference(kind):
 
 def _split_weight_gathers(compiled, mesh, shapes):
     """All-gathers within the model groups whose result is a weight's shape (a split weight
-    gathered whole over ``model``)."""
+    gathered whole over ``model``). The sequence (12 tokens) is no weight's dimension, so an
+    activation's shape never passes for a weight's."""
     names, sizes = list(mesh.shape), list(mesh.shape.values())
     found = []
     for line in compiled.as_text().splitlines():
@@ -152,6 +156,10 @@ def test_a_model_with_its_own_names_is_split_from_its_program_and_trains_exactly
                                  for i, n in enumerate(x.shape)))  # fmt: skip
     compiled = engine.lower(b[0]).compile()
     assert _split_weight_gathers(compiled, engine.mesh, shapes) == []
+    model = collectives_by_axes(compiled, engine.mesh)[("model",)]
+    assert model["all-reduce"].count >= 2 * m.L  # Megatron's, after each row-parallel matmul
+    if stage == 1:  # whole activations where a pair is mis-split: none here
+        assert model["all-gather"].count == 0 and model["all-to-all"].count == 0
 
 
 def _same_specs(params, loss_fn, batch, tp=2):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-V, D, H, HKV, DH, F, L, T = 64, 32, 4, 2, 8, 64, 2, 8
+V, D, H, HKV, DH, F, L, T = 64, 32, 4, 2, 8, 64, 2, 12
 F64 = jnp.float64
 
 
