@@ -272,9 +272,17 @@ def initialize(
     auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
     cfg = _resolve(cfg, shapes, mesh, optimizer_given=optimizer is not None)
     program = model_in.program(shapes, batch)
-    specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs, program)
+    # Names that split nothing, and no batch yet: the program is read at the first batch (a
+    # layout or stage search needs it at once, so there it is an error naming the fix).
+    wait = not layout_auto and "zero_optimization.stage" not in auto_keys
+    specs, tp_rules = settings.tensor_parallel(
+        cfg, mesh, shapes, model_in.param_specs, program, wait=wait
+    )
     tx, schedule = _optimizer(cfg, optimizer)
     planner = _planner(mesh, shapes, tx, specs, tp_rules)
+    read_program = None
+    if program is None and settings.needs_program(mesh, specs, tp_rules):
+        read_program = _program_reader(cfg, mesh, (shapes, tx, model_in))
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
     layout = None
     if layout_auto:  # the stage too is chosen with the layout, at the first batch
@@ -282,9 +290,13 @@ def initialize(
             cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs, program)
         )
         auto = None
-    replan = planner(cfg)
+    replan = planner(cfg) if read_program is None else _waiting(planner(cfg))
     plan = _first_plan(
-        cfg, replan, mesh, tx, stage_chosen_later=auto is not None or layout is not None
+        cfg,
+        replan,
+        mesh,
+        tx,
+        stage_chosen_later=auto is not None or layout is not None or read_program is not None,
     )
     sizes = (
         None
@@ -314,6 +326,7 @@ def initialize(
         replan=replan,
         auto_stage=auto,
         auto_layout=layout,
+        read_program=read_program,
     )
 
     def make_state(s: Setup) -> tuple[TrainState, Any]:
@@ -474,6 +487,32 @@ def _planner(
         return functools.partial(make_plan, shapes, tx, mesh, c.zero_optimization.stage, options)
 
     return planner
+
+
+def _waiting(replan: functools.partial) -> functools.partial:
+    """``replan`` (a ``make_plan`` partial) with its options marked ``tp_waiting``: its plan may
+    leave the model axis unused until the first batch's program is read."""
+    *args, options = replan.args
+    parallel = dataclasses.replace(options.parallel, tp_waiting=True)
+    options = dataclasses.replace(options, parallel=parallel)
+    return functools.partial(replan.func, *args, options, **replan.keywords)
+
+
+def _program_reader(
+    cfg: config_lib.Config,
+    mesh: jax.sharding.Mesh,
+    model: tuple[PyTree, optax.GradientTransformation, _ModelInputs],
+) -> Callable[[PyTree], Callable[..., Plan]]:
+    """AutoTP waiting for a batch: ``reader(batch)`` reads the model's program on ``batch``'s
+    shapes and returns the ``replan`` of the specs it gives."""
+    shapes, tx, model_in = model
+
+    def reader(batch: PyTree) -> Callable[..., Plan]:
+        program = model_in.program(shapes, batch)
+        specs, rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs, program)
+        return _planner(mesh, shapes, tx, specs, rules)(cfg)
+
+    return reader
 
 
 def _first_plan(

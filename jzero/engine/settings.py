@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jzero import config as config_lib
 from jzero._util import dotted
@@ -356,6 +357,16 @@ def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]
     }
 
 
+def needs_program(mesh: jax.sharding.Mesh, specs: PyTree, tp_rules: Any) -> bool:
+    """Whether AutoTP is on (``tp_rules`` from :func:`tensor_parallel`) over a model axis of
+    more than one device and its names split nothing over it (``specs``), so the model's
+    program must be read: at the first batch, where ``initialize`` was given none."""
+    if tp_rules is None or mesh.shape.get(tensor.MODEL_AXIS, 1) <= 1:
+        return False
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return not any(tensor.MODEL_AXIS in tuple(x) for x in leaves if isinstance(x, P))
+
+
 def _note_no_program(choices: Sequence[Any], axis: str) -> None:
     """Names matched no rule and no batch's shapes are known, so the program cannot be read:
     where nothing at all is split over ``axis``, the error that says how to give them."""
@@ -375,12 +386,15 @@ def tensor_parallel(
     abstract: PyTree,
     param_specs: PyTree,
     program: Callable[[], Mapping[int, Any]] | None = None,
+    *,
+    wait: bool = False,
 ) -> tuple[PyTree, list[str] | None]:
     """AutoTP (``tensor_parallel.autotp_size`` > 1, or a ``tp_plan``): the params' specs over
     the model axis, the user's own winning, and the rule behind each; as given otherwise.
     ``program`` (read only when some leaf's name matches no rule) gives the splits the traced
     loss shows (:func:`jzero.rewrite.program_splits`); ``None`` where no batch's shapes are
-    known yet."""
+    known yet: where the names split nothing, an error, unless ``wait`` (the engine reads the
+    program at the first batch: :func:`needs_program`)."""
     size, tp_plan = cfg.autotp_size(), cfg.tp_plan()
     if size <= 1 and not tp_plan:
         return param_specs, None
@@ -391,12 +405,12 @@ def tensor_parallel(
     tp = int(mesh.shape.get(axis, 1))
     specs, choices = tensor.autotp_specs(abstract, tp, **keys)
     if tensor.unmatched(choices) and tp > 1:
-        if program is None:
-            _note_no_program(choices, axis)
-        else:
+        if program is not None:
             specs, choices = tensor.autotp_specs(abstract, tp, program=program(), **keys)
+        elif not wait:
+            _note_no_program(choices, axis)
     loose = tensor.unmatched(choices)
-    if loose:
+    if loose and (program is not None or not wait):  # else read at the first batch
         logger.warning(
             "jzero: AutoTP matched no rule for %d leaves, replicated over %r: %s (give them a "
             "tensor_parallel.tp_plan entry to split them)",

@@ -218,9 +218,22 @@ def test_a_pair_the_model_axis_does_not_divide_stays_whole_and_is_listed():
     assert layer["mlp"]["linear"] == P("model")
 
 
-def test_without_a_batch_a_model_no_name_rule_matches_is_a_clear_error():
+def test_without_a_batch_the_program_is_read_at_the_first_one():
+    """No batch to initialize: the plan splits nothing until the first batch's shapes, which
+    give the program's specs (the state is made then, in that layout)."""
+    engine = jzero.initialize(
+        model=MODELS["nnx"][0], loss_fn=m.nnx_loss, optimizer=optax.adamw(LR), config=config(1)
+    )
+    assert engine.setup.read_program is not None
+    engine.resolve(jax.eval_shape(lambda: batches(1)[0]))
+    spec = dict(zip([x.path for x in engine.plan.leaves], engine.plan.base_specs, strict=True))
+    assert spec["layers.0.attn.q_einsum"] == P(None, "model")
+    assert engine.params["layers"][0]["attn"]["q_einsum"].sharding.spec == P(None, "model")
+
+
+def test_a_stage_search_needs_the_batch_at_once():
+    cfg = {**config(1), "zero_optimization": {"stage": "auto"}, "device_memory": "1GB"}
     with pytest.raises(ValueError, match=r"Pass jzero.initialize\(\.\.\., batch=batch\)"):
         jzero.initialize(
-            model=MODELS["nnx"][0], loss_fn=m.nnx_loss, optimizer=optax.adamw(LR),
-            config=config(1),
-        )  # fmt: skip
+            model=MODELS["nnx"][0], loss_fn=m.nnx_loss, optimizer=optax.adamw(LR), config=cfg
+        )
