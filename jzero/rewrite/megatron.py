@@ -50,9 +50,9 @@ __all__ = ["ProgramSplit", "program_splits", "splits_of_jaxpr"]
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
            "argmax", "argmin", "reduce_xor"}  # fmt: skip
 _CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
-_LAYOUT = {"convert_element_type", "copy", "copy_p", "transpose", "reshape", "squeeze",
+_LAYOUT = {"convert_element_type", "copy", "transpose", "reshape", "squeeze",
            "broadcast_in_dim", "slice", "dynamic_slice", "reduce_precision",
-           "optimization_barrier", "stop_gradient", "sharding_constraint"}  # fmt: skip
+           "stop_gradient", "sharding_constraint"}  # fmt: skip
 _INNER = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
