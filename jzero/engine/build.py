@@ -271,17 +271,32 @@ def initialize(
     from_first_batch = config_lib.batch_from_first_batch(cfg)
     auto_keys = cfg.auto  # resolve_auto empties it; stage "auto" is chosen at the first batch
     cfg = _resolve(cfg, shapes, mesh, optimizer_given=optimizer is not None)
-    specs, tp_rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs)
+    program = model_in.program(shapes, batch)
+    # Names that split nothing, and no batch yet: the program is read at the first batch (a
+    # layout or stage search needs it at once, so there it is an error naming the fix).
+    wait = not layout_auto and "zero_optimization.stage" not in auto_keys
+    specs, tp_rules = settings.tensor_parallel(
+        cfg, mesh, shapes, model_in.param_specs, program, wait=wait
+    )
     tx, schedule = _optimizer(cfg, optimizer)
     planner = _planner(mesh, shapes, tx, specs, tp_rules)
+    read_program = None
+    if program is None and settings.needs_program(mesh, specs, tp_rules):
+        read_program = _program_reader(cfg, mesh, (shapes, tx, model_in))
     auto = _auto_stage(cfg, auto_keys, mesh, planner)
     layout = None
     if layout_auto:  # the stage too is chosen with the layout, at the first batch
-        layout = _auto_layout(cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs))
+        layout = _auto_layout(
+            cfg, auto_keys, mesh, auto, (shapes, tx, model_in.param_specs, program)
+        )
         auto = None
-    replan = planner(cfg)
+    replan = planner(cfg) if read_program is None else _waiting(planner(cfg))
     plan = _first_plan(
-        cfg, replan, mesh, tx, stage_chosen_later=auto is not None or layout is not None
+        cfg,
+        replan,
+        mesh,
+        tx,
+        stage_chosen_later=auto is not None or layout is not None or read_program is not None,
     )
     sizes = (
         None
@@ -311,6 +326,7 @@ def initialize(
         replan=replan,
         auto_stage=auto,
         auto_layout=layout,
+        read_program=read_program,
     )
 
     def make_state(s: Setup) -> tuple[TrainState, Any]:
@@ -352,6 +368,17 @@ class _ModelInputs:
             self.params = jax.eval_shape(lambda: self.init_fn(key()))
         _check_array_leaves(self.params)
         return abstract_tree(self.params)
+
+    def program(self, shapes: PyTree, batch: PyTree | None) -> Callable[[], Any] | None:
+        """AutoTP's reading of the traced loss on ``batch``'s shapes
+        (:func:`jzero.rewrite.program_splits`), made once when first asked; ``None`` without a
+        batch."""
+        if batch is None:
+            return None
+        from jzero.rewrite import program_splits
+
+        extra = () if self.adapted is None else (self.adapted.abstract_extra,)
+        return functools.cache(lambda: program_splits(self.loss_fn, shapes, *extra, batch))
 
     @property
     def made_with_extra(self) -> bool:
@@ -460,6 +487,32 @@ def _planner(
         return functools.partial(make_plan, shapes, tx, mesh, c.zero_optimization.stage, options)
 
     return planner
+
+
+def _waiting(replan: functools.partial) -> functools.partial:
+    """``replan`` (a ``make_plan`` partial) with its options marked ``tp_waiting``: its plan may
+    leave the model axis unused until the first batch's program is read."""
+    *args, options = replan.args
+    parallel = dataclasses.replace(options.parallel, tp_waiting=True)
+    options = dataclasses.replace(options, parallel=parallel)
+    return functools.partial(replan.func, *args, options, **replan.keywords)
+
+
+def _program_reader(
+    cfg: config_lib.Config,
+    mesh: jax.sharding.Mesh,
+    model: tuple[PyTree, optax.GradientTransformation, _ModelInputs],
+) -> Callable[[PyTree], Callable[..., Plan]]:
+    """AutoTP waiting for a batch: ``reader(batch)`` reads the model's program on ``batch``'s
+    shapes and returns the ``replan`` of the specs it gives."""
+    shapes, tx, model_in = model
+
+    def reader(batch: PyTree) -> Callable[..., Plan]:
+        program = model_in.program(shapes, batch)
+        specs, rules = settings.tensor_parallel(cfg, mesh, shapes, model_in.param_specs, program)
+        return _planner(mesh, shapes, tx, specs, rules)(cfg)
+
+    return reader
 
 
 def _first_plan(
@@ -632,7 +685,7 @@ def _auto_layout(
     auto_keys: tuple[str, ...],
     mesh: jax.sharding.Mesh,
     auto: Any,
-    model: tuple[PyTree, optax.GradientTransformation, PyTree | None],
+    model: tuple[PyTree, optax.GradientTransformation, PyTree | None, Any],
 ) -> Any:
     """What the parallel sizes ``"auto"`` choose from (:mod:`jzero.engine.auto_layout`): the
     stages of ``stage: auto`` (``auto``) or the one configured, the budget, the rates, and a
@@ -640,13 +693,13 @@ def _auto_layout(
     from jzero import costs
     from jzero.engine import auto_layout, auto_stage
 
-    shapes, tx, user_specs = model
+    shapes, tx, user_specs, program = model
     device = mesh.devices.flat[0]
     what = 'the parallel sizes "auto"'
 
     def planner(c: config_lib.Config) -> Callable[..., Plan]:
         m = make_mesh(_mesh_sizes(c))
-        specs, rules = settings.tensor_parallel(c, m, shapes, user_specs)
+        specs, rules = settings.tensor_parallel(c, m, shapes, user_specs, program)
         return _planner(m, shapes, tx, specs, rules)(c)
 
     zero = cfg.zero_optimization

@@ -3,8 +3,9 @@ fixed order.
 
 Decisions:
 
-* **Four decisions depend on a batch's shapes**, and each changes where the state rests: the
-  parallel sizes ``"auto"`` (the mesh), the batch sizes when every batch key is ``"auto"``,
+* **Five decisions depend on a batch's shapes**, and each changes where the state rests:
+  AutoTP's specs read from the model's program (where no parameter's name matched a rule),
+  the parallel sizes ``"auto"`` (the mesh), the batch sizes when every batch key is ``"auto"``,
   ``zero_optimization.stage: auto``, and the stacked-layer dimensions the loss's scans consume
   (at stage 3, under a pipeline or over experts a leaf is split beside the dimension its scan
   consumes). :func:`resolve` takes them in that order from shapes alone (the loss traced, each
@@ -32,10 +33,10 @@ import optax
 
 from jzero import config as config_lib
 from jzero.engine import layout
-from jzero.engine.checks import check_live_parameters
+from jzero.engine.checks import check_live_parameters, check_mesh_splits
 from jzero.plan import Plan
 
-__all__ = ["Setup", "resolve", "waits_for_batch"]
+__all__ = ["Setup", "read_program", "resolve", "waits_for_batch"]
 
 logger = logging.getLogger("jzero.engine")
 PyTree = Any
@@ -63,6 +64,9 @@ class Setup:
       auto_stage: ``stage: auto``'s pending choice (:class:`jzero.engine.auto_stage.AutoStage`).
       auto_layout: the pending layout search (:class:`jzero.engine.auto_layout.AutoLayout`).
       traced: the model's FLOPs traced so far, by shapes (:func:`jzero.engine.figures.model_flops`).
+      read_program: AutoTP waiting for a batch (no name split anything and ``initialize`` had
+        no batch): ``read_program(batch)`` reads the model's program on the batch's shapes and
+        returns the ``replan`` of its specs; ``None`` otherwise.
     """
 
     config: config_lib.Config
@@ -78,6 +82,7 @@ class Setup:
     auto_stage: Any = None
     auto_layout: Any = None
     traced: dict[Any, float] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    read_program: Callable[[PyTree], Callable[..., Plan]] | None = None
 
     @property
     def micro_batch_size(self) -> int | None:
@@ -100,7 +105,12 @@ class Setup:
 def waits_for_batch(setup: Setup) -> bool:
     """Whether a decision that moves the state still waits for a batch's shapes (the batch
     sizes alone do not: they change no layout)."""
-    return setup.auto_layout is not None or setup.auto_stage is not None or setup.fits_layers
+    return (
+        setup.auto_layout is not None
+        or setup.auto_stage is not None
+        or setup.read_program is not None
+        or setup.fits_layers
+    )
 
 
 def resolve(setup: Setup, batch: PyTree, *, train: bool = True) -> tuple[Setup, Any]:
@@ -114,6 +124,8 @@ def resolve(setup: Setup, batch: PyTree, *, train: bool = True) -> tuple[Setup, 
       executable), or ``None`` where nothing was compiled.
     """
     step = None
+    if setup.read_program is not None:
+        setup = read_program(setup, batch)
     if setup.auto_layout is not None:
         setup, step = _choose_layout(setup, batch)
     if train:
@@ -123,6 +135,16 @@ def resolve(setup: Setup, batch: PyTree, *, train: bool = True) -> tuple[Setup, 
     if setup.fits_layers and (train or setup.auto_stage is None):
         setup = fit_layers(setup, batch)
     return setup, step
+
+
+def read_program(setup: Setup, batch: PyTree) -> Setup:
+    """AutoTP from the program: the model's program read on ``batch``'s shapes gives the
+    model-axis specs (:func:`jzero.rewrite.program_splits`), and the plan made with them is
+    checked as ``initialize`` checks a plan (the model axis must now split something)."""
+    replan = setup.read_program(batch)
+    plan = replan()
+    check_mesh_splits(plan, plan.mesh)
+    return dataclasses.replace(setup, plan=plan, replan=replan, read_program=None)
 
 
 def take_batch_sizes(setup: Setup, batch: PyTree) -> Setup:

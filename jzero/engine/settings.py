@@ -28,11 +28,12 @@ Decisions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jzero import config as config_lib
 from jzero._util import dotted
@@ -356,27 +357,60 @@ def _pipeline(cfg: config_lib.Config, mesh: jax.sharding.Mesh) -> dict[str, Any]
     }
 
 
+def needs_program(mesh: jax.sharding.Mesh, specs: PyTree, tp_rules: Any) -> bool:
+    """Whether AutoTP is on (``tp_rules`` from :func:`tensor_parallel`) over a model axis of
+    more than one device and its names split nothing over it (``specs``), so the model's
+    program must be read: at the first batch, where ``initialize`` was given none."""
+    if tp_rules is None or mesh.shape.get(tensor.MODEL_AXIS, 1) <= 1:
+        return False
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return not any(tensor.MODEL_AXIS in tuple(x) for x in leaves if isinstance(x, P))
+
+
+def _note_no_program(choices: Sequence[Any], axis: str) -> None:
+    """Names matched no rule and no batch's shapes are known, so the program cannot be read:
+    where nothing at all is split over ``axis``, the error that says how to give them."""
+    if any(axis in tuple(c.spec) for c in choices):
+        return
+    raise ValueError(
+        f"tensor_parallel.autotp_size: no parameter's name matches an AutoTP rule, so nothing "
+        f"would be split over {axis!r}, and AutoTP reads the model's program only from a "
+        "batch's shapes. Pass jzero.initialize(..., batch=batch) (arrays or "
+        "jax.ShapeDtypeStruct), or give the leaves a tensor_parallel.tp_plan."
+    )
+
+
 def tensor_parallel(
-    cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree, param_specs: PyTree
+    cfg: config_lib.Config,
+    mesh: jax.sharding.Mesh,
+    abstract: PyTree,
+    param_specs: PyTree,
+    program: Callable[[], Mapping[int, Any]] | None = None,
+    *,
+    wait: bool = False,
 ) -> tuple[PyTree, list[str] | None]:
     """AutoTP (``tensor_parallel.autotp_size`` > 1, or a ``tp_plan``): the params' specs over
-    the model axis, the user's own winning, and the rule behind each; as given otherwise."""
+    the model axis, the user's own winning, and the rule behind each; as given otherwise.
+    ``program`` (read only when some leaf's name matches no rule) gives the splits the traced
+    loss shows (:func:`jzero.rewrite.program_splits`); ``None`` where no batch's shapes are
+    known yet: where the names split nothing, an error, unless ``wait`` (the engine reads the
+    program at the first batch: :func:`needs_program`)."""
     size, tp_plan = cfg.autotp_size(), cfg.tp_plan()
     if size <= 1 and not tp_plan:
         return param_specs, None
     axis = tensor.MODEL_AXIS
     _require_axis("tensor_parallel.autotp_size", size, axis, mesh)
     heads = (cfg.tensor_parallel or {}).get("num_heads", cfg.model.get("num_heads"))
-    specs, choices = tensor.autotp_specs(
-        abstract,
-        int(mesh.shape.get(axis, 1)),
-        tp_plan=tp_plan,
-        param_specs=param_specs,
-        num_heads=heads,
-        axis=axis,
-    )
+    keys = {"tp_plan": tp_plan, "param_specs": param_specs, "num_heads": heads, "axis": axis}
+    tp = int(mesh.shape.get(axis, 1))
+    specs, choices = tensor.autotp_specs(abstract, tp, **keys)
+    if tensor.unmatched(choices) and tp > 1:
+        if program is not None:
+            specs, choices = tensor.autotp_specs(abstract, tp, program=program(), **keys)
+        elif not wait:
+            _note_no_program(choices, axis)
     loose = tensor.unmatched(choices)
-    if loose:
+    if loose and (program is not None or not wait):  # else read at the first batch
         logger.warning(
             "jzero: AutoTP matched no rule for %d leaves, replicated over %r: %s (give them a "
             "tensor_parallel.tp_plan entry to split them)",

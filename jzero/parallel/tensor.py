@@ -42,6 +42,13 @@ Decisions:
   dotted paths (``"*.mlp.fc_in.*"``) to ``colwise``, ``rowwise``, ``vocab``, ``replicate`` or
   an explicit spec list; the first pattern that matches wins over the built-in rules, and a
   user's own annotations (``InitOptions.param_specs``, Flax sharding metadata) win over both.
+* **From the program** (:mod:`jzero.rewrite.megatron`): a leaf no name rule matches takes the
+  split the traced loss shows (Megatron's pair: a matmul output dimension that a second weight
+  contracts; a gathered table's rows; an output head's vocabulary), so a model whose weights
+  carry its author's own names (``q_einsum``, ``gating_einsum``, ``linear``) is split too.
+  Names keep precedence, a ``tp_plan`` wins over both; the rule says which decided
+  (``"column (from the program)"``). A pair the model-axis size does not divide stays
+  replicated and is listed with the unmatched leaves (not an error: nothing named it).
 * A leaf that no rule matched stays replicated over ``model``, and :func:`autotp_specs` says
   so in its rule (``engine.describe()`` lists those leaves once), never silently.
 * A split dimension the model-axis size does not divide, or a head count it does not divide,
@@ -61,6 +68,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jzero._util import divisors, dotted
+from jzero.rewrite import ProgramSplit
 
 __all__ = ["MODEL_AXIS", "TPChoice", "autotp_specs", "unmatched"]
 
@@ -253,8 +261,11 @@ def autotp_specs(
     param_specs: PyTree | None = None,
     num_heads: int | None = None,
     axis: str = MODEL_AXIS,
+    program: Mapping[int, ProgramSplit] | None = None,
+    by_name: bool = True,
 ) -> tuple[PyTree, tuple[TPChoice, ...]]:
-    """Megatron-style ``model``-axis specs for a params tree, from names and shapes.
+    """Megatron-style ``model``-axis specs for a params tree, from names and shapes, and from
+    the model's program for the leaves no name matches.
 
     Args:
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``; only shapes and paths are
@@ -266,6 +277,12 @@ def autotp_specs(
         with one keeps it.
       num_heads: the attention heads, when known: ``tp_size`` must divide them.
       axis: the model axis's name.
+      program: the splits read from the traced loss
+        (:func:`jzero.rewrite.megatron.program_splits`), by leaf index: they lay out the
+        leaves no name rule matched. A pair whose split dimension ``tp_size`` does not divide
+        stays replicated, listed as unmatched.
+      by_name: ``False`` skips the name rules (the program alone decides, then the
+        ``tp_plan``); for comparing the two.
 
     Returns:
       ``(specs, choices)``: a tree of ``PartitionSpec`` with the params' structure, and one
@@ -304,7 +321,8 @@ def autotp_specs(
         ),
         None,
     )
-    heads = _heads_layout(paths, shapes)
+    heads = _heads_layout(paths, shapes) if by_name else {}
+    uneven = _uneven_groups(program or {}, paths, shapes, tp_size)
     choices = []
     for path, shape, user in zip(paths, shapes, users, strict=True):
         if _user_spec(user):
@@ -315,7 +333,11 @@ def autotp_specs(
             spec, dim = _from_plan(tp_plan[pattern], shape, axis, pattern)
             rule = f"tp_plan {pattern!r}"
         else:
-            rule, dim = heads[path] if path in heads else _builtin(path, shape, vocab)[:2]
+            rule, dim = "no rule: replicated", None
+            if by_name:
+                rule, dim = heads[path] if path in heads else _builtin(path, shape, vocab)[:2]
+            if rule.startswith("no rule") and program is not None:
+                rule, dim = _from_program(program.get(len(choices)), uneven)
             spec = _spec(len(shape), dim, axis)
         if dim is not None and tp_size > 1 and shape[dim] % tp_size:
             raise ValueError(
@@ -327,6 +349,38 @@ def autotp_specs(
             )
         choices.append(TPChoice(path, spec if tp_size > 1 else P(), rule))
     return treedef.unflatten([c.spec for c in choices]), tuple(choices)
+
+
+def _uneven_groups(
+    program: Mapping[int, ProgramSplit],
+    paths: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    tp_size: int,
+) -> dict[int, str]:
+    """The program's pairs ``tp_size`` cannot split: ``{group: why}`` (the first leaf whose
+    split dimension it does not divide)."""
+    out: dict[int, str] = {}
+    for i, split in sorted(program.items()):
+        size = shapes[i][split.dim]
+        if tp_size > 1 and size % tp_size and split.group not in out:
+            out[split.group] = f"dimension {split.dim} ({size}) of {paths[i]}"
+    return out
+
+
+def _from_program(split: ProgramSplit | None, uneven: Mapping[int, str]) -> tuple:
+    """A program split as ``(rule, dim)``: replicated where the program pairs the leaf with
+    nothing (a norm, a row bias, a position table), and, with the reason, where its pair
+    cannot be split evenly."""
+    if split is None:
+        return "replicated (from the program: in no matmul pair)", None
+    if split.group in uneven:
+        why = uneven[split.group]
+        return (
+            f"no rule: replicated ({split.kind} from the program, but autotp_size does not "
+            f"divide its pair's {why}; give it a tensor_parallel.tp_plan entry)",
+            None,
+        )
+    return f"{split.kind} (from the program)", split.dim
 
 
 def unmatched(choices: Sequence[TPChoice]) -> list[str]:

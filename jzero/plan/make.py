@@ -340,7 +340,11 @@ def _parallel_bases(
             flat, bases, par.expert_leaves, par.expert_axis, int(mesh.shape[par.expert_axis]),
             par.num_experts, layer_dims,
         )  # fmt: skip
-    _check_axes_used(mesh, (*zero_axes, *((par.pipe_axis,) if par.pipe_axis else ())), bases)
+    waiting = (
+        *((par.pipe_axis,) if par.pipe_axis else ()),
+        *(("model",) if par.tp_waiting else ()),
+    )
+    _check_axes_used(mesh, (*zero_axes, *waiting), bases)
     return bases
 
 

@@ -121,6 +121,9 @@ class ParallelOptions:
       tp_rules: per leaf, the tensor-parallel rule behind its ``param_specs`` entry (AutoTP,
         :func:`jzero.parallel.tensor.autotp_specs`), shown by
         :func:`jzero.plan.describe`; a tuple in the plan's options (empty without AutoTP).
+      tp_waiting: AutoTP's specs wait for the model's program, read at the first batch
+        (:func:`jzero.engine.resolve.read_program`): until then the ``model`` axis may split
+        nothing.
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
         not split over it (its devices share the batch's rows and each computes the loss of
         its own tokens, :mod:`jzero.parallel.sequence`).
@@ -143,6 +146,7 @@ class ParallelOptions:
     axis: str | tuple[str, ...] = DATA_AXIS
     param_specs: PyTree | None = None
     tp_rules: Sequence[str] | None = None
+    tp_waiting: bool = False
     seq_axis: str | None = None
     pipe_axis: str | None = None
     pipe_schedule: str = "1f1b"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -251,6 +252,7 @@ def describe(plan: Plan) -> str:
             f"tensor parallel (AutoTP) over {model}: Megatron's column, row and vocabulary "
             "splits; ZeRO shards a dimension the model axis leaves free"
         )
+        lines.extend(_split_by(plan, rules))
         loose = [leaf.path for leaf, r in zip(plan.leaves, rules, strict=True)
                  if r.startswith("no rule")]  # fmt: skip
         if loose:
@@ -264,6 +266,27 @@ def describe(plan: Plan) -> str:
         lines.append("leaves ZeRO left whole on every device:")
         lines.extend(f"  {leaf.path}: {leaf.note}" for leaf in whole)
     return "\n".join(lines)
+
+
+def _split_by(plan: Plan, rules: Sequence[str]) -> list[str]:
+    """One line per way AutoTP split leaves over ``model``: by name, from the program, by the
+    ``tp_plan`` or the user's own annotation, each with the leaves it split."""
+    methods: dict[str, list[str]] = {}
+    for leaf, rule, spec in zip(plan.leaves, rules, plan.base_specs or (), strict=False):
+        if "model" not in str(tuple(spec)):
+            continue
+        how = (
+            "tp_plan" if rule.startswith("tp_plan")
+            else "your annotation" if rule == "your annotation"
+            else "from the program" if "(from the program)" in rule
+            else "by name"
+        )  # fmt: skip
+        methods.setdefault(how, []).append(leaf.path)
+    return [
+        f"  split {how} ({len(paths)}): {', '.join(paths)}"
+        for how in ("by name", "from the program", "tp_plan", "your annotation")
+        if (paths := methods.get(how))
+    ]
 
 
 def _communication(comm: CommOptions) -> list[str]:

@@ -10,6 +10,8 @@ engine. It knows nothing of configs or plans beyond the partition it is given.
   it.
 * :mod:`~jzero.rewrite.gather`: the entry points: :func:`gather_at_use` (stage 3),
   :func:`remat_layers` and :func:`remat_scans` (activation checkpointing), :func:`layer_dims`.
+* :mod:`~jzero.rewrite.megatron`: Megatron's tensor-parallel pairs read from the traced loss
+  (AutoTP for a model with its own names).
 * :mod:`~jzero.rewrite.overlap`: stage 3's ``overlap_comm``, the layer scan that gathers one layer
   ahead.
 * :mod:`~jzero.rewrite.prefetch`: DeepSpeed's prefetch and reuse knobs on the gather order.
@@ -29,6 +31,8 @@ from jzero.rewrite.gather import remat_scans as remat_scans
 from jzero.rewrite.interpreter import GATHERED as GATHERED
 from jzero.rewrite.interpreter import PARTITIONED as PARTITIONED
 from jzero.rewrite.interpreter import remat_save_policy as remat_save_policy
+from jzero.rewrite.megatron import ProgramSplit as ProgramSplit
+from jzero.rewrite.megatron import program_splits as program_splits
 from jzero.rewrite.overlap import can_overlap as can_overlap
 from jzero.rewrite.overlap import overlapped_scan as overlapped_scan
 from jzero.rewrite.pending import all_gather as all_gather
@@ -52,6 +56,8 @@ __all__ = [
     "parse_policy",
     "Partition",
     "PARTITIONED",
+    "ProgramSplit",
+    "program_splits",
     "prefetch_anchors",
     "RematPolicy",
     "remat_save_policy",
