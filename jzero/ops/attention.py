@@ -1,0 +1,226 @@
+"""Attention that never holds a ``[T, T]`` score matrix: online softmax over key blocks.
+
+The primitive (:class:`Partial`, :func:`empty_partial`, :func:`attend_block`, :func:`merge`,
+:func:`finish`, :func:`block_mask`) is the flash-attention recurrence written as small pure
+functions: attention over some key blocks is a :class:`Partial` (the un-normalised output, the
+running maximum of the scores and the running sum of their exponentials), two partials over
+disjoint key blocks merge into the partial over both, and :func:`finish` divides. Ring attention
+(keys passed around a ring of devices) and :func:`blockwise_attention` (keys visited in blocks
+on one device) are both loops of these.
+
+Decisions:
+
+* **Layout** ``[B, T, H, Dh]`` for q, k, v and the output (the built-in GPT's, and
+  :func:`jzero.sequence_parallel_attention`'s default); the statistics are ``[B, H, Tq]``.
+  **Grouped-query attention**: k and v may have ``Hkv`` heads with ``H % Hkv == 0``; query head
+  ``h`` reads key/value head ``h // (H // Hkv)``.
+* **Wide statistics**: scores, maxima, sums and the output accumulator are float32 (float64 for
+  float64 inputs); the scores' matmul accumulates in that dtype, the probabilities are cast to
+  v's dtype for the ``p @ v`` matmul (accumulated wide), as flash attention does.
+* **No infinities**: a masked score is the wide dtype's most negative finite number, and the
+  probabilities of masked places are zeroed explicitly, so a row with nothing to attend gives a
+  zero sum (never ``inf - inf``) and :func:`finish` turns it into zeros, not NaN.
+* **The running maximum carries no gradient** (``stop_gradient``): the finished output and the
+  log-sum-exp (``max + log(sum)``) do not depend on it, so their gradients are exact, and no
+  gradient flows through the maximum's choice of element.
+* :func:`blockwise_attention`: an outer ``lax.scan`` over query blocks whose body is under
+  ``jax.checkpoint``, an inner ``lax.scan`` over key blocks whose body is checkpointed too, and a
+  ``lax.cond`` that skips a key block the mask hides entirely (under a causal mask, about half of
+  them). What the backward pass keeps is one query block's per-key-block partials, ``O(T * H *
+  Dh)``; the ``[block, block]`` score tiles are recomputed. A sequence of at most
+  ``block_size`` tokens is one block: one :func:`attend_block` and :func:`finish`, no scan.
+* **Lengths that are not a multiple of the block are padded** up to one (padded keys are masked,
+  padded queries dropped from the output), so any length works; the padding costs at most one
+  block of work.
+* **cuDNN on GPU**: on a GPU backend, with 16-bit q, k, v, a causal mask and no segment ids or
+  positions, :func:`blockwise_attention` calls ``jax.nn.dot_product_attention(...,
+  implementation="cudnn", is_causal=True)`` (cuDNN's fused flash attention). This branch is not
+  exercised by the CPU test suite. Packed documents (segment ids) always take the blockwise
+  path, which supports them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "Partial",
+    "attend_block",
+    "block_mask",
+    "empty_partial",
+    "finish",
+    "merge",
+]
+
+
+class Partial(NamedTuple):
+    """Attention of some queries over some key blocks, not yet normalised."""
+
+    out: jax.Array
+    """``[B, Tq, H, Dh]``: the sum of ``exp(score - max) * v`` over the keys seen (wide dtype)."""
+    max: jax.Array
+    """``[B, H, Tq]``: the running maximum of the scores (wide dtype; the most negative finite
+    number while no key has been attended)."""
+    sum: jax.Array
+    """``[B, H, Tq]``: the running sum of ``exp(score - max)`` (wide dtype)."""
+
+
+def _wide(dtype: jnp.dtype) -> jnp.dtype:
+    """The statistics' dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def empty_partial(q: jax.Array) -> Partial:
+    """The partial over no keys, the identity of :func:`merge`.
+
+    Args:
+        q: the queries ``[B, Tq, H, Dh]``.
+
+    Returns:
+        A :class:`Partial` with a zero output and sum and the most negative finite maximum.
+    """
+    b, t, h, _ = q.shape
+    wide = _wide(q.dtype)
+    stats = (b, h, t)
+    return Partial(
+        out=jnp.zeros(q.shape, wide),
+        max=jnp.full(stats, jnp.finfo(wide).min, wide),
+        sum=jnp.zeros(stats, wide),
+    )
+
+
+def _check_heads(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"Attention takes q, k, v shaped [B, T, H, Dh]; got q {q.shape}, k {k.shape}, "
+            f"v {v.shape}. Reshape the heads out of the model dimension first."
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k {k.shape} and v {v.shape} must have the same shape.")
+    if q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"q {q.shape} and k {k.shape} must agree on the batch and head dimensions (dims 0 "
+            "and 3)."
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"q has {q.shape[2]} heads and k, v have {k.shape[2]}: grouped-query attention "
+            "needs the key/value heads to divide the query heads. Use a divisor of "
+            f"{q.shape[2]} key/value heads."
+        )
+
+
+def attend_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> Partial:
+    """The partial attention of queries over one block of keys.
+
+    Args:
+        q: queries ``[B, Tq, H, Dh]``.
+        k: keys ``[B, Tk, Hkv, Dh]`` with ``H % Hkv == 0`` (query head ``h`` reads key head
+            ``h // (H // Hkv)``).
+        v: values, shaped as ``k``.
+        mask: bool, broadcastable to ``[B, Tq, Tk]``; ``True`` where a query may attend a key
+            (:func:`block_mask` builds one).
+
+    Returns:
+        The :class:`Partial` over these keys; scores scaled by ``1 / sqrt(Dh)``.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    _check_heads(q, k, v)
+    b, tq, h, dh = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    wide = _wide(q.dtype)
+    qg = q.reshape(b, tq, hkv, h // hkv, dh)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=wide)
+    scores = scores * jnp.asarray(1 / math.sqrt(dh), wide)
+    allowed = jnp.broadcast_to(mask, (b, tq, tk))[:, None, None]  # [B, 1, 1, Tq, Tk]
+    scores = jnp.where(allowed, scores, jnp.finfo(wide).min)
+    top = jax.lax.stop_gradient(scores.max(-1))  # [B, Hkv, G, Tq]
+    probs = jnp.where(allowed, jnp.exp(scores - top[..., None]), 0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=wide)
+    return Partial(
+        out=out.reshape(b, tq, h, dh),
+        max=top.reshape(b, h, tq),
+        sum=probs.sum(-1).reshape(b, h, tq),
+    )
+
+
+def merge(a: Partial, b: Partial) -> Partial:
+    """The partial over the keys of both ``a`` and ``b`` (disjoint key sets, same queries).
+
+    Args:
+        a: one partial.
+        b: the other; :func:`empty_partial` is the identity.
+
+    Returns:
+        Their online-softmax combination: each rescaled to the larger maximum, then added.
+    """
+    top = jnp.maximum(a.max, b.max)
+    scale_a, scale_b = jnp.exp(a.max - top), jnp.exp(b.max - top)
+
+    def per_query(s: jax.Array) -> jax.Array:  # [B, H, Tq] -> [B, Tq, H, 1]
+        return jnp.swapaxes(s, 1, 2)[..., None]
+
+    return Partial(
+        out=a.out * per_query(scale_a) + b.out * per_query(scale_b),
+        max=top,
+        sum=a.sum * scale_a + b.sum * scale_b,
+    )
+
+
+def finish(p: Partial, dtype: jnp.dtype) -> jax.Array:
+    """The attention output of a partial: its output divided by its sum.
+
+    Args:
+        p: the partial over all the keys.
+        dtype: the result's dtype (usually q's).
+
+    Returns:
+        ``[B, Tq, H, Dh]`` in ``dtype``; a query that attended no key gets zeros.
+    """
+    total = jnp.swapaxes(p.sum, 1, 2)[..., None]  # [B, Tq, H, 1]
+    seen = total > 0
+    return jnp.where(seen, p.out / jnp.where(seen, total, 1), 0).astype(dtype)
+
+
+def block_mask(
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    q_seg: jax.Array | None = None,
+    k_seg: jax.Array | None = None,
+    *,
+    causal: bool = True,
+) -> jax.Array:
+    """Which queries may attend which keys, from their positions and documents.
+
+    Args:
+        q_pos: int ``[B or 1, Tq]``: the queries' positions in the whole sequence.
+        k_pos: int ``[B or 1, Tk]``: the keys' positions.
+        q_seg: int ``[B, Tq]`` document ids of packed rows (or ``None``): a query sees only keys
+            of its own document. Padding (id 0) is a document like any other.
+        k_seg: the keys' document ids; given exactly when ``q_seg`` is.
+        causal: a query sees only keys at its position or before.
+
+    Returns:
+        bool ``[B, Tq, Tk]`` (``B`` the largest leading dim given), ``True`` where allowed.
+
+    Raises:
+        ValueError: only one of ``q_seg`` and ``k_seg`` given.
+    """
+    if (q_seg is None) != (k_seg is None):
+        raise ValueError(
+            "block_mask needs both q_seg and k_seg (the queries' and keys' document ids) or "
+            "neither; pass the missing one."
+        )
+    q_pos, k_pos = jnp.atleast_2d(q_pos), jnp.atleast_2d(k_pos)
+    mask = jnp.ones((max(q_pos.shape[0], k_pos.shape[0]), q_pos.shape[1], k_pos.shape[1]), bool)
+    if causal:
+        mask = mask & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if q_seg is not None:
+        mask = mask & (k_seg[:, None, :] == q_seg[:, :, None])
+    return mask
