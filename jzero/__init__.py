@@ -11,6 +11,10 @@ The public surface fits on one screen:
   (:data:`STAGES` of :class:`StageSpec`).
 * :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
   processes; DeepSpeed's name).
+* Sequence and context parallelism for a user's model: :func:`sequence_chunk` and
+  :func:`sequence_positions` (this device's tokens and their places),
+  :func:`sequence_parallel_attention` (Ulysses) and :func:`context_parallel_attention` (ring
+  attention, with Ulysses beside it).
 * :mod:`moe` (:mod:`jzero.parallel.expert`): a mixture-of-experts layer for a user's model,
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
@@ -25,9 +29,11 @@ from jzero.engine import InitOptions as InitOptions
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
 from jzero.parallel import expert as moe
+from jzero.parallel import context_parallel_attention as context_parallel_attention
 from jzero.parallel import sequence_chunk as sequence_chunk
 from jzero.parallel import sequence_offset as sequence_offset
 from jzero.parallel import sequence_parallel_attention as sequence_parallel_attention
+from jzero.parallel import sequence_positions as sequence_positions
 from jzero.plan import STAGES as STAGES
 from jzero.plan import Plan as Plan
 from jzero.plan import Precision as Precision
@@ -43,6 +49,7 @@ from jzero.train import verify as verify
 __all__ = [
     "Config",
     "ConfigError",
+    "context_parallel_attention",
     "Engine",
     "estimate",
     "fit",
@@ -61,6 +68,7 @@ __all__ = [
     "sequence_chunk",
     "sequence_offset",
     "sequence_parallel_attention",
+    "sequence_positions",
     "STAGES",
     "StageSpec",
     "TrainState",
