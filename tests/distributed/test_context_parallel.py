@@ -16,6 +16,7 @@ collective-permutes within the ``context`` groups only, and no buffer is ``[T, T
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import optax
 import pytest
 from compositions import collective_axes
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from numerics import max_rel_error
 
 import jzero
@@ -110,23 +112,23 @@ def reference(packed):
 def config(stage, context, seq=1, tp=1, pipe=1):
     return {
         "train_batch_size": BATCH,
-        "gradient_accumulation_steps": 2 if pipe > 1 else 1,
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "context_parallel_size": context,
         "sequence_parallel_size": seq,
         "tensor_parallel": {"autotp_size": tp},
         "pipeline": {"stages": pipe},
+        "model": {"num_heads": CFG.num_heads, "seq_len": T},
     }
 
 
 @functools.cache
-def run(stage, context, seq=1, tp=1, pipe=1, packed=True):
+def run(stage, context, seq=1, tp=1, packed=True):
     engine = jzero.initialize(
         model=_model,
         loss_fn=gpt.nnx_loss_fn,
         optimizer=optax.adamw(LR),
-        config=config(stage, context, seq, tp, pipe),
+        config=config(stage, context, seq, tp),
     )
     metrics = [engine.train_step(b) for b in batches(packed)]
     return engine, [(float(m["loss"]), float(m["grad_norm"])) for m in metrics]
@@ -143,6 +145,9 @@ def assert_trains_like_the_single_device_loop(engine, metrics, packed):
 LAYOUTS = {
     "context8-zero1-plain": dict(stage=1, context=8, packed=False),
     "context8-zero3": dict(stage=3, context=8),
+    "seq2xcontext4-zero3": dict(stage=3, context=4, seq=2),
+    "seq2xcontext4-zero1": dict(stage=1, context=4, seq=2, packed=False),
+    "context4xmodel2-zero3": dict(stage=3, context=4, tp=2),
 }
 
 
@@ -151,7 +156,107 @@ def test_ring_attention_trains_like_the_single_device_loop(name):
     layout = LAYOUTS[name]
     engine, metrics = run(**layout)
     assert_trains_like_the_single_device_loop(engine, metrics, layout.get("packed", True))
-    plan = engine.plan
-    assert engine.mesh.shape["context"] == layout["context"]
-    assert plan.options.parallel.context_axis == "context" and plan.context_size == layout["context"]
+    plan, context = engine.plan, layout["context"]
+    assert engine.mesh.shape["context"] == context and plan.context_size == context
+    assert plan.options.parallel.context_axis == "context"
+    # Each ring member shares its rows: they are split over data only; ZeRO over context too.
     assert "context" in plan.zero_axes and "context" not in jax.tree.leaves(tuple(plan.batch.spec))
+    assert plan.data_parallel_size == 8 // (context * layout.get("seq", 1) * layout.get("tp", 1))
+    assert "tokens: each row's split over 'context'" in engine.describe()
+    assert float(engine.evaluate(batches(layout.get("packed", True))[0])) == pytest.approx(
+        float(_loss(jax.device_get(engine.params), batches(layout.get("packed", True))[0])),
+        rel=1e-10,
+        abs=0,
+    )
+
+
+def _collectives(engine, packed=True):
+    compiled = engine.lower(batches(packed)[0]).compile()
+    return compiled, collective_axes(compiled, engine.mesh)
+
+
+@pytest.mark.parametrize(
+    "name, permuted, exchanged",
+    [
+        ("context8-zero1-plain", {"context"}, set()),
+        ("seq2xcontext4-zero3", {"context"}, {"seq"}),
+        ("context4xmodel2-zero3", {"context"}, set()),
+    ],
+)
+def test_the_ring_passes_keys_within_the_context_groups_only(name, permuted, exchanged):
+    """Every collective-permute of the step is the ring's, within the ``context`` groups
+    (never across ``data``, ``seq`` or ``model``); all-to-alls only Ulysses's, within ``seq``;
+    and the ring runs forward and back in every layer."""
+    layout = LAYOUTS[name]
+    engine, _ = run(**layout)
+    _, found = _collectives(engine, layout.get("packed", True))
+    permutes = [spanned for kind, spanned, _ in found if kind == "collective-permute"]
+    assert permutes and {frozenset(permuted)} == set(permutes), set(permutes)
+    a2a = {spanned for kind, spanned, _ in found if kind == "all-to-all"}
+    assert a2a == ({frozenset(exchanged)} if exchanged else set()), a2a
+    # C - 1 steps of k, v, positions (and segment ids) each way, in each of the 2 layers:
+    # the compiler may fuse a step's operands into one tuple permute, never skip a step.
+    steps = layout["context"] - 1
+    assert len(permutes) >= 2 * steps * CFG.num_layers or len(permutes) >= 2, len(permutes)
+
+
+def _square_buffers(text, n):
+    """The HLO shapes of ``text`` with two dimensions of ``n`` side by side."""
+    return sorted(set(re.findall(rf"\w+\[[\d,]*\b{n},{n}\b[\d,]*\]", text)))
+
+
+def test_no_buffer_is_the_whole_sequence_squared():
+    """At ``context: 8`` each device attends its 4 queries to 4 keys at a time: no ``[T, T]``
+    (32 x 32) score buffer is in the compiled step, where the one-device step has one."""
+    engine, _ = run(stage=1, context=8, packed=False)
+    compiled, _ = _collectives(engine, packed=False)
+    assert _square_buffers(compiled.as_text(), T) == []
+    whole = jax.jit(jax.grad(_loss)).lower(_params(), batches(False)[0]).compile()
+    assert _square_buffers(whole.as_text(), T), "the check finds the one-device step's scores"
+
+
+def test_zig_zag_layout_and_positions():
+    """Member ``c`` of ``context: 4`` holds chunks ``c`` and ``7 - c`` of 8, and within it
+    device ``s`` of ``seq: 2`` the ``s``-th half; the positions are those tokens' places."""
+    mesh = jzero.make_mesh({"data": 1, "context": 4, "seq": 2})
+    row = jnp.arange(32)[None]
+
+    def local(x):
+        chunk = jzero.sequence_chunk(x)
+        return chunk, jzero.sequence_positions(chunk.shape[1])[None]
+
+    chunks, positions = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=P(None, ("context", "seq")))
+    )(row)
+    want = np.concatenate([np.r_[4 * c : 4 * c + 4, 4 * (7 - c) : 4 * (7 - c) + 4]
+                           for c in range(4)])  # fmt: skip
+    np.testing.assert_array_equal(chunks[0], want)
+    np.testing.assert_array_equal(positions[0], want)
+    assert jzero.sequence_chunk(row) is row  # unbound axes: the row itself
+    np.testing.assert_array_equal(jzero.sequence_positions(8), np.arange(8))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"context_parallel_size": 4, "model": {"seq_len": 12}},
+         r"context_parallel_size: 4 cuts each sequence into 8 zig-zag chunks.*multiple of 8.*12"),
+        ({"context_parallel_size": 4, "sequence_parallel_size": 4, "model": {"seq_len": 24}},
+         r"multiple of 16, but they are 24"),
+        ({"context_parallel_size": 2, "pipeline": {"stages": 2}},
+         r"context_parallel_size: 2 does not compose with pipeline.stages: 2"),
+        ({"context_parallel_size": 0}, r"context_parallel_size"),
+    ],
+)  # fmt: skip
+def test_sizes_the_layout_cannot_take_are_clear_errors(settings, message):
+    with pytest.raises(ValueError, match=message):
+        jzero.load_config(settings)
+
+
+def test_ring_attention_past_the_head_count_where_ulysses_stops():
+    """Ulysses over 8 devices cannot split 2 heads; the ring over 8 devices of the same model
+    trains (above), and the config names the two sizes."""
+    with pytest.raises(ValueError, match=r"sequence_parallel_size: 8 does not divide the 2"):
+        jzero.load_config({"sequence_parallel_size": 8, "model": {"num_heads": 2, "seq_len": T}})
+    cfg = jzero.load_config({"context_parallel_size": 8, "model": {"num_heads": 2, "seq_len": T}})
+    assert cfg.mesh_sizes()["context"] == 8
