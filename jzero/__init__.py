@@ -28,8 +28,8 @@ from jzero.engine import Engine as Engine
 from jzero.engine import InitOptions as InitOptions
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
-from jzero.parallel import expert as moe
 from jzero.parallel import context_parallel_attention as context_parallel_attention
+from jzero.parallel import expert as moe
 from jzero.parallel import sequence_chunk as sequence_chunk
 from jzero.parallel import sequence_offset as sequence_offset
 from jzero.parallel import sequence_parallel_attention as sequence_parallel_attention

@@ -27,13 +27,13 @@ torchtitan's ``distributed/``, one module per technique:
 from jzero.parallel import expert as expert
 from jzero.parallel import hybrid as hybrid
 from jzero.parallel import pipeline as pipeline
+from jzero.parallel import sequence as sequence
 from jzero.parallel import tensor as tensor
 from jzero.parallel import zero as zero
 from jzero.parallel.pipeline import SCHEDULES as SCHEDULES
 from jzero.parallel.pipeline import Schedule as Schedule
 from jzero.parallel.pipeline import bubble_fraction as bubble_fraction
 from jzero.parallel.pipeline import make_schedule as make_schedule
-from jzero.parallel import sequence as sequence
 from jzero.parallel.sequence import context_chunk as context_chunk
 from jzero.parallel.sequence import context_parallel_attention as context_parallel_attention
 from jzero.parallel.sequence import ring_attention as ring_attention

@@ -72,7 +72,8 @@ class Plan:
         them: ZeRO's (``options.zero``), the collectives' (``options.comm``; bucket sizes
         ``None`` where the step's own reductions do not use them), the other parallelisms'
         layout (``options.parallel``: ZeRO's ``axis``, ``seq_axis``, ``context_axis``,
-        ``pipe_axis``, ``expert_axis``, ``tp_rules``, ...) and the run's dtypes (``options.precision``).
+        ``pipe_axis``, ``expert_axis``, ``tp_rules``, ...) and the run's dtypes
+        (``options.precision``).
       master: under mixed precision, shardings of the float32 master weights (the update
         layout, like the optimizer state, and in the same memory); ``None`` otherwise.
       base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.

@@ -194,10 +194,9 @@ def test_the_ring_passes_keys_within_the_context_groups_only(name, permuted, exc
     assert permutes and {frozenset(permuted)} == set(permutes), set(permutes)
     a2a = {spanned for kind, spanned, _ in found if kind == "all-to-all"}
     assert a2a == ({frozenset(exchanged)} if exchanged else set()), a2a
-    # C - 1 steps of k, v, positions (and segment ids) each way, in each of the 2 layers:
-    # the compiler may fuse a step's operands into one tuple permute, never skip a step.
-    steps = layout["context"] - 1
-    assert len(permutes) >= 2 * steps * CFG.num_layers or len(permutes) >= 2, len(permutes)
+    # The ring's loop body forward and its transpose backward (instructions, each run C - 1
+    # times a layer in its loop): at least one permute each way.
+    assert len(permutes) >= 2, len(permutes)
 
 
 def _square_buffers(text, n):

@@ -120,9 +120,11 @@ def sequence_chunk(
     if size == 1:
         return x
     if x.shape[dim] % size:
-        where = f" (one ring member's tokens of {context_axis!r})" if _split_size(
-            context_axis
-        ) > 1 else ""
+        where = (
+            f" (one ring member's tokens of {context_axis!r})"
+            if _split_size(context_axis) > 1
+            else ""
+        )
         raise ValueError(
             f"sequence_chunk: a sequence of {x.shape[dim]} tokens{where} (dimension {dim} of "
             f"shape {tuple(x.shape)}) cannot be split evenly over the {size} devices of the "

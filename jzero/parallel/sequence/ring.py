@@ -87,7 +87,10 @@ def _queries_half(q: _Queries, which: int) -> _Queries:
 
 def _keys_half(keys: _Keys, which: int) -> _Keys:
     return _Keys(
-        _half(keys.k, which), _half(keys.v, which), _half(keys.pos, which, 0), _half(keys.seg, which)
+        _half(keys.k, which),
+        _half(keys.v, which),
+        _half(keys.pos, which, 0),
+        _half(keys.seg, which),
     )
 
 

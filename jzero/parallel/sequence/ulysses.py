@@ -191,9 +191,9 @@ def sequence_parallel_attention(
 
 
 def heads_axis(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> str | None:
-    """The tensor-parallel axis the heads are split over, when the current abstract mesh has one left
-    to the compiler (AutoTP's ``model``: its column-parallel q/k/v split the heads) and it
-    divides every head count; else ``None``."""
+    """The tensor-parallel axis the heads are split over, when the current abstract mesh has
+    one left to the compiler (AutoTP's ``model``: its column-parallel q/k/v split the heads)
+    and it divides every head count; else ``None``."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or MODEL_AXIS not in mesh.axis_names:
         return None
