@@ -2,7 +2,8 @@
 
 ``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``pipeline.stages``,
 ``expert_parallel.autoep_size`` (and ``gradient_accumulation_steps`` beside a fixed
-``train_batch_size``) may be ``"auto"``, with ``zero_optimization.stage: auto`` or a fixed stage.
+``train_batch_size``) may be ``"auto"`` (``context_parallel_size: auto`` stays 1: no
+candidate has a ``context`` axis yet, and a fixed one beside ``"auto"`` sizes is refused), with ``zero_optimization.stage: auto`` or a fixed stage.
 At the first batch the engine enumerates the layouts the model and the batch allow, ranks them
 by a cost model, compiles them in that order (abstract state: nothing is allocated) and keeps the
 first whose compiled peak fits the budget, as :mod:`jzero.engine.auto_stage` does for the stage.
@@ -123,6 +124,12 @@ def check_fixed_sizes(cfg: config_lib.Config, devices: int) -> None:
     (the others' powers of two are tried beside it): a clear error otherwise."""
     allowed = ", ".join(map(str, _pow2_divisors(devices)))
     autos = [k for k in config_lib.LAYOUT_KEYS if k in cfg.auto]
+    if cfg.context_parallel_size > 1:
+        raise config_lib.ConfigError(
+            f"context_parallel_size: {cfg.context_parallel_size} with {', '.join(autos)} "
+            '"auto": the auto layout does not lay out a context axis yet. Give the other '
+            "sizes numbers, or set context_parallel_size: 1 to let them be chosen."
+        )
     for key, axis in _AXES:
         size = dict(_sizes(cfg))[axis]
         if key in cfg.auto or devices % size == 0:

@@ -259,3 +259,15 @@ def test_ring_attention_past_the_head_count_where_ulysses_stops():
         jzero.load_config({"sequence_parallel_size": 8, "model": {"num_heads": 2, "seq_len": T}})
     cfg = jzero.load_config({"context_parallel_size": 8, "model": {"num_heads": 2, "seq_len": T}})
     assert cfg.mesh_sizes()["context"] == 8
+
+
+def test_the_auto_layout_keeps_context_at_one_and_refuses_a_fixed_one_beside_auto():
+    from jzero.engine.auto_layout import check_fixed_sizes
+
+    cfg = jzero.load_config({"train_batch_size": 8, "context_parallel_size": "auto"})
+    assert cfg.context_parallel_size == 1 and "context_parallel_size" in cfg.auto
+    fixed = jzero.load_config(
+        {"train_batch_size": 8, "context_parallel_size": 2, "sequence_parallel_size": "auto"}
+    )
+    with pytest.raises(jzero.ConfigError, match=r"context_parallel_size: 2 with sequence_parallel"):
+        check_fixed_sizes(fixed, 8)
