@@ -5,8 +5,9 @@
 ``train_batch_size``) may be ``"auto"``, with ``zero_optimization.stage: auto`` or a fixed
 stage (``context_parallel_size: auto`` stays 1: no candidate has a ``context`` axis yet, and a
 fixed one beside ``"auto"`` sizes is refused). At the first batch the engine enumerates the
-layouts the model and the batch allow, ranks them by a cost model, compiles them in that order (abstract state: nothing is allocated) and keeps the
-first whose compiled peak fits the budget, as :mod:`jzero.engine.auto_stage` does for the stage.
+layouts the model and the batch allow, ranks them by a cost model, compiles them in that order
+(abstract state: nothing is allocated) and keeps the first whose compiled peak fits the budget,
+as :mod:`jzero.engine.auto_stage` does for the stage.
 
 Decisions:
 
