@@ -8,6 +8,8 @@ when ``XLA_FLAGS`` does not name a device count). For each sequence length the b
 ``{data: 8/S, seq: S}``, and its whole train step (forward, backward, reduction, update) is
 compiled, never run: the figure is ``compiled.memory_analysis().temp_size_in_bytes``, the
 compiler's temporaries per device (activations, the attention scores, gradients in flight).
+The model runs its plain forms (``attention_block`` the length, ``loss_chunk`` 0), so the
+figures are Ulysses's alone; ``benchmarks/long_sequence.py`` measures the blockwise ones.
 
 Two tables, both on the same 8 devices:
 
@@ -101,9 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     for title, batch_of in tables[:1] if args.smoke else tables:
         rows = []
         for t in seq_lens:
+            # The plain forms (whole scores and logits): what Ulysses splits, measured alone;
+            # benchmarks/long_sequence.py measures the blockwise and tiled forms.
             cfg = gpt.GPTConfig(
                 vocab_size=256, seq_len=t, num_layers=args.layers, num_heads=args.heads,
-                d_model=d_model, d_ff=4 * d_model,
+                d_model=d_model, d_ff=4 * d_model, attention_block=t, loss_chunk=0,
             )  # fmt: skip
             rows.append((t, *(temp_bytes(s, batch_of(s), cfg) for s in SIZES)))
         print(table(f"{title} ({shape}, train step)", rows))

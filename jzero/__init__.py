@@ -19,6 +19,7 @@ The public surface fits on one screen:
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
 
+from jzero import ops as ops
 from jzero.config import Config as Config
 from jzero.config import ConfigError as ConfigError
 from jzero.config import load_config as load_config
@@ -28,6 +29,9 @@ from jzero.engine import Engine as Engine
 from jzero.engine import InitOptions as InitOptions
 from jzero.engine import initialize as initialize
 from jzero.memory import estimate as estimate
+from jzero.ops import blockwise_attention as blockwise_attention
+from jzero.ops import tiled_cross_entropy as tiled_cross_entropy
+from jzero.ops import tiled_mlp as tiled_mlp
 from jzero.parallel import context_parallel_attention as context_parallel_attention
 from jzero.parallel import expert as moe
 from jzero.parallel import sequence_chunk as sequence_chunk
@@ -47,6 +51,7 @@ from jzero.train import fit as fit
 from jzero.train import verify as verify
 
 __all__ = [
+    "blockwise_attention",
     "Config",
     "ConfigError",
     "context_parallel_attention",
@@ -63,6 +68,7 @@ __all__ = [
     "make_plan",
     "make_train_step",
     "moe",
+    "ops",
     "Plan",
     "Precision",
     "sequence_chunk",
@@ -71,6 +77,8 @@ __all__ = [
     "sequence_positions",
     "STAGES",
     "StageSpec",
+    "tiled_cross_entropy",
+    "tiled_mlp",
     "TrainState",
     "verify",
 ]

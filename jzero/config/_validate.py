@@ -293,7 +293,16 @@ def _mesh_axes(others: Mapping[str, Any], known: Mapping[str, Any], path: str) -
     return FrozenMap(axes)
 
 
-_MODEL_INTS = ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff")
+_MODEL_INTS = (
+    "vocab_size",
+    "seq_len",
+    "num_layers",
+    "num_heads",
+    "d_model",
+    "d_ff",
+    "attention_block",
+)
+_MODEL_CHUNKS = ("loss_chunk", "mlp_chunk")  # tokens per chunk, 0 for none
 
 
 def _check_config(cfg: Config, noted: list) -> None:
@@ -333,6 +342,13 @@ def _check_config(cfg: Config, noted: list) -> None:
         if value is not None and not (is_number(value) and value == int(value) and value >= 1):
             raise ConfigError(
                 f"model.{key}: {show(value)} is not allowed; it must be a positive integer."
+            )
+    for key in _MODEL_CHUNKS:
+        value = cfg.model.get(key)
+        if value is not None and not (is_number(value) and value == int(value) and value >= 0):
+            raise ConfigError(
+                f"model.{key}: {show(value)} is not allowed; it must be an integer >= 0 (tokens "
+                "per chunk; 0 computes the whole sequence at once)."
             )
     _check_activation_checkpointing(cfg, noted)
     heads, width = cfg.model.get("num_heads"), cfg.model.get("d_model")

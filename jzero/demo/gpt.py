@@ -65,6 +65,13 @@ Decisions:
   ``moe_aux_loss_coef`` times it) and the dropped fraction of token choices averaged over
   them; jzero's step reports both as metrics. With ``num_experts = 0`` (the default) none of
   this exists: the tree, the numbers and the compiled program are the dense model's.
+* Long sequences (:mod:`jzero.ops`): a sequence longer than ``attention_block`` tokens runs
+  :func:`jzero.ops.blockwise_attention` (no ``[T, T]`` scores), the head and the loss run over
+  ``loss_chunk``-token chunks (:func:`jzero.ops.tiled_cross_entropy`, no ``[B, T, V]`` logits)
+  and the dense blocks' MLP over ``mlp_chunk``-token chunks (:func:`jzero.ops.tiled_mlp`; 0,
+  the default, is off). A sequence within them compiles the plain forms, so a short-context
+  model's program is unchanged. To let the loss tile the head, both forms run the blocks as a
+  *trunk* (the final activations, before the final LayerNorm) and the loss applies the head.
 * Sequence parallelism (DeepSpeed-Ulysses, ``sequence_parallel_size``) is built in: where
   jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
   inputs and targets, the position table from this device's first position, and attention
@@ -84,12 +91,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jzero.ops import blockwise_attention, tiled_cross_entropy, tiled_mlp
 from jzero.parallel.expert import MoEStats, moe_layer
 from jzero.parallel.sequence import (
     CONTEXT_AXIS,
@@ -118,6 +126,17 @@ EXPERT_TP_PLAN = {
 """DeepSpeed's expert tensor parallelism for this GPT's experts, as ``tensor_parallel.tp_plan``
 rules: each expert's MLP split over ``model`` too (column-wise in, row-wise out). AutoTP's own
 rules leave the experts whole."""
+
+
+_POSITIVE = (
+    "vocab_size",
+    "seq_len",
+    "num_layers",
+    "num_heads",
+    "d_model",
+    "d_ff",
+    "attention_block",
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -158,12 +177,30 @@ class GPTConfig:
     """An MoE MLP in every ``moe_every``-th block (the others dense); divides ``num_layers``."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss (summed over the MoE layers) in the loss."""
+    attention_block: int = 512
+    """Tokens per query and key block of attention: a sequence longer than this runs
+    :func:`jzero.ops.blockwise_attention` (no ``[T, T]`` scores; cuDNN's fused attention on a
+    GPU in 16-bit), a shorter one the plain ``einsum`` attention."""
+    loss_chunk: int = 1024
+    """Tokens per chunk of the output head and the loss (:func:`jzero.ops.tiled_cross_entropy`:
+    no ``[B, T, V]`` logits) when a device's sequence is longer; 0 computes it whole."""
+    mlp_chunk: int = 0
+    """Tokens per chunk of the dense blocks' MLP (:func:`jzero.ops.tiled_mlp`: no whole
+    ``[B, T, d_ff]`` hidden layer, one more MLP forward in the backward pass) when a device's
+    sequence is longer; 0 (the default) computes it whole. MoE blocks are not tiled."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model", "d_ff"):
+        for name in _POSITIVE:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}.")
+        for name in ("loss_chunk", "mlp_chunk"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(
+                    f"GPTConfig.{name} must be an integer >= 0 (tokens per chunk; 0 computes the "
+                    f"whole sequence at once), got {value!r}."
+                )
         self._check_moe()
         if self.d_model % self.num_heads:
             raise ValueError(
@@ -354,11 +391,19 @@ def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
 
 
 def _causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segments: jax.Array | None = None,
+    block: int | None = None,
 ) -> jax.Array:
     """Causal softmax attention of [B, T, H, Dh] heads, the softmax in float32 (or wider);
-    with ``segments`` ([B, T] document ids of packed rows) a token sees only its document's."""
+    with ``segments`` ([B, T] document ids of packed rows) a token sees only its document's.
+    A sequence longer than ``block`` tokens runs blockwise (:func:`jzero.ops.blockwise_attention`);
+    under sequence parallelism ``T`` here is the whole sequence's."""
     t, head_dim = q.shape[1], q.shape[-1]
+    if block is not None and t > block:
+        return blockwise_attention(q, k, v, segment_ids=segments, block_size=block)
     wide = _wide(q.dtype)
     scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(wide) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
@@ -375,38 +420,48 @@ _ulysses_attention = sequence_parallel_attention(_causal_attention)
 
 
 def _parallel_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, block: int
 ) -> jax.Array:
     """Attention of this device's q, k, v (``segments``: the whole rows' document ids, or
     ``None``): ring attention where jzero's step binds a ``context`` axis of more than one
-    device (with Ulysses inside each ring member where ``seq`` is bound too), else Ulysses
-    where ``seq`` is bound, else the plain call."""
+    device (with Ulysses inside each ring member where ``seq`` is bound too; each ring step is
+    one block of the member's tokens, so ``block`` is not read), else Ulysses where ``seq`` is
+    bound, else the plain call (blockwise past ``block`` tokens)."""
     if (bound_axis_size(CONTEXT_AXIS) or 1) == 1:
-        return _ulysses_attention(q, k, v, segments)
+        return _ulysses_attention(q, k, v, segments, block)
     local = None if segments is None else sequence_chunk(segments)
     return context_parallel_attention(q, k, v, local)
 
 
 def _attention(
-    p: Mapping[str, jax.Array], x: jax.Array, num_heads: int, segments: jax.Array | None = None
+    p: Mapping[str, jax.Array], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
 ) -> jax.Array:
     """Causal multi-head self-attention; ``x`` is [B, T, D] (this device's tokens),
     ``segments`` the whole rows' document ids (or ``None``)."""
     b, t, d = x.shape
+    num_heads = cfg.num_heads
     head_dim = d // num_heads
     qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
     qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = _parallel_attention(q, k, v, segments).reshape(b, t, d)
+    out = _parallel_attention(q, k, v, segments, cfg.attention_block).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
 
 
 def _block(
-    p: Mapping[str, jax.Array], x: jax.Array, num_heads: int, segments: jax.Array | None = None
+    p: Mapping[str, jax.Array], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
 ) -> jax.Array:
-    """One pre-LayerNorm transformer block; ``p`` is already in the compute dtype."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), num_heads, segments)
+    """One pre-LayerNorm transformer block; ``p`` is already in the compute dtype. The MLP runs
+    over chunks of ``cfg.mlp_chunk`` tokens when the sequence is longer."""
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+    if cfg.mlp_chunk and x.shape[1] > cfg.mlp_chunk:
+
+        def mlp(h: jax.Array) -> jax.Array:
+            h = jax.nn.gelu(h @ p["mlp_in"] + p["mlp_in_bias"])
+            return h @ p["mlp_out"] + p["mlp_out_bias"]
+
+        return x + tiled_mlp(mlp, h, chunk=cfg.mlp_chunk)
     h = jax.nn.gelu(h @ p["mlp_in"] + p["mlp_in_bias"])
     return x + h @ p["mlp_out"] + p["mlp_out_bias"]
 
@@ -426,7 +481,7 @@ def _moe_block(
 
     The router's logits are accumulated in float32 (or wider): the top-k choice and the
     load-balancing loss read probabilities that low-precision logits would round together."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg.num_heads, segments)
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     logits = jnp.einsum("btd,de->bte", h, p["router"], preferred_element_type=_wide(h.dtype))
     y, stats = moe_layer(
@@ -450,7 +505,7 @@ def _unit(
     inner scan): ``k`` is small, and the outer scan stays the only one over stored weights."""
     dense = p.get("dense")
     for j in range(cfg.moe_every - 1):
-        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg.num_heads, segments)
+        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg, segments)
     return _moe_block(p, x, cfg, segments)
 
 
@@ -493,6 +548,14 @@ def _embed(
     return x.astype(cfg.compute_dtype)
 
 
+class _Head(NamedTuple):
+    """What the output head reads besides the activations: the final LayerNorm's parameters
+    and the (tied) token table."""
+
+    ln_f: Mapping[str, jax.Array]
+    tokens_table: jax.Array
+
+
 def _head(ln_f: Mapping[str, jax.Array], tokens_table: jax.Array, x: jax.Array) -> jax.Array:
     """Final LayerNorm and the tied output head; float32 (or wider) logits [B, T, V]."""
     x = _layer_norm(x, ln_f["scale"], ln_f["bias"])
@@ -500,22 +563,47 @@ def _head(ln_f: Mapping[str, jax.Array], tokens_table: jax.Array, x: jax.Array) 
     return logits.astype(_wide(x.dtype))
 
 
-def _next_token_loss(logits_fn: Callable[[jax.Array], jax.Array], tokens: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats; ``tokens`` is int [B, T + 1]."""
-    loss, _ = _next_token_loss_and_aux(lambda inputs: (logits_fn(inputs), {}), tokens)
+def _mean_loss(
+    head: _Head, x: jax.Array, targets: jax.Array, cfg: GPTConfig, keep: jax.Array | None = None
+) -> jax.Array:
+    """Mean next-token cross-entropy of the final activations ``x`` [B, T, D] (before the final
+    LayerNorm) against ``targets`` [B, T]; with ``keep``, only the kept targets count, the sum
+    still divided by every target place. Over ``cfg.loss_chunk``-token chunks
+    (:func:`jzero.ops.tiled_cross_entropy`) when the sequence is longer."""
+    if cfg.loss_chunk and x.shape[1] > cfg.loss_chunk:
+        y = _layer_norm(x, head.ln_f["scale"], head.ln_f["bias"])
+        table = head.tokens_table.astype(y.dtype)
+        total = tiled_cross_entropy(y, table, targets, chunk=cfg.loss_chunk, weights=keep)
+        return total / targets.size
+    log_probs = jax.nn.log_softmax(_head(head.ln_f, head.tokens_table, x), axis=-1)
+    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
+    if keep is None:
+        return -picked.mean()
+    picked = picked[..., 0]
+    return -jnp.where(keep, picked, 0.0).sum() / picked.size
+
+
+def _next_token_loss(
+    trunk: Callable[[jax.Array], jax.Array], head: _Head, tokens: jax.Array, cfg: GPTConfig
+) -> jax.Array:
+    """Mean next-token cross-entropy in nats; ``tokens`` is int [B, T + 1], ``trunk`` maps
+    inputs to the final activations."""
+    loss, _ = _next_token_loss_and_aux(lambda inputs: (trunk(inputs), {}), head, tokens, cfg)
     return loss
 
 
 def _next_token_loss_and_aux(
-    forward: Callable[[jax.Array], tuple[jax.Array, dict]], tokens: jax.Array
+    forward: Callable[[jax.Array], tuple[jax.Array, dict]],
+    head: _Head,
+    tokens: jax.Array,
+    cfg: GPTConfig,
 ) -> tuple[jax.Array, dict]:
-    """:func:`_next_token_loss` of a ``forward`` that returns ``(logits, aux)``; the aux too."""
+    """:func:`_next_token_loss` of a ``forward`` that returns ``(activations, aux)``; the aux
+    too."""
     # Under sequence parallelism each device takes its own T/S positions of both.
     inputs, targets = sequence_chunk(tokens[:, :-1]), sequence_chunk(tokens[:, 1:])
-    logits, aux = forward(inputs)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)
-    return -picked.mean(), aux
+    x, aux = forward(inputs)
+    return _mean_loss(head, x, targets, cfg), aux
 
 
 def _packed_loss_and_aux(
@@ -531,18 +619,19 @@ def _packed_loss_and_aux(
     inputs, targets = sequence_chunk(tokens[:, :-1]), sequence_chunk(tokens[:, 1:])
     at = sequence_chunk(batch["positions"][:, :-1])
     keep = sequence_chunk((seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0))
-    logits, aux = model.forward(inputs, seg[:, :-1], at)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return -jnp.where(keep, picked, 0.0).sum() / picked.size, aux
+    x, aux = model._trunk(inputs, seg[:, :-1], at)
+    return _mean_loss(model._head_params(), x, targets, model.cfg, keep), aux
 
 
 def _moe_loss(
-    forward: Callable[[jax.Array], tuple[jax.Array, dict]], tokens: jax.Array, cfg: GPTConfig
+    forward: Callable[[jax.Array], tuple[jax.Array, dict]],
+    head: _Head,
+    tokens: jax.Array,
+    cfg: GPTConfig,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """An MoE model's ``(loss, aux)``: the cross-entropy plus ``moe_aux_loss_coef`` times the
     load-balancing loss, and the aux of :func:`_moe_aux`."""
-    ce, aux = _next_token_loss_and_aux(forward, tokens)
+    ce, aux = _next_token_loss_and_aux(forward, head, tokens, cfg)
     return ce + cfg.moe_aux_loss_coef * aux["moe_aux_loss"].astype(ce.dtype), aux
 
 
@@ -596,24 +685,33 @@ def apply(params: dict, tokens: jax.Array, cfg: GPTConfig, *, return_aux: bool =
 
 
 def _forward(params: dict, tokens: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, dict]:
+    x, aux = _trunk(params, tokens, cfg)
+    return _head(params["ln_f"], params["embed"]["tokens"], x), aux
+
+
+def _trunk(params: dict, tokens: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, dict]:
+    """The embeddings and the blocks: the final activations [B, T, D] (before the final
+    LayerNorm) and the MoE aux."""
     x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
     # The only op between the stored stacked weights and the scan: the cast (ZeRO-3 gathers there).
     blocks = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params["blocks"])
-    aux: dict = {}
     if cfg.moe:
 
         def moe_body(carry: jax.Array, unit: dict) -> tuple[jax.Array, MoEStats]:
             return _unit(unit, carry, cfg)
 
         x, stats = jax.lax.scan(moe_body, x, blocks)
-        aux = _moe_aux(stats)
-    else:
+        return x, _moe_aux(stats)
 
-        def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
-            return _block(layer, carry, cfg.num_heads), None
+    def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
+        return _block(layer, carry, cfg), None
 
-        x, _ = jax.lax.scan(body, x, blocks)
-    return _head(params["ln_f"], params["embed"]["tokens"], x), aux
+    x, _ = jax.lax.scan(body, x, blocks)
+    return x, {}
+
+
+def _params_head(params: dict) -> _Head:
+    return _Head(params["ln_f"], params["embed"]["tokens"])
 
 
 def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> Any:
@@ -629,9 +727,10 @@ def loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfig) -> Any
         ``moe_aux_loss_coef * aux["moe_aux_loss"]``, and ``aux`` ``{"moe_aux_loss": summed
         over the MoE layers, "moe_dropped_fraction": averaged over them}``.
     """
+    head = _params_head(params)
     if cfg.moe:
-        return _moe_loss(lambda x: _forward(params, x, cfg), batch["tokens"], cfg)
-    return _next_token_loss(lambda x: apply(params, x, cfg), batch["tokens"])
+        return _moe_loss(lambda x: _trunk(params, x, cfg), head, batch["tokens"], cfg)
+    return _next_token_loss(lambda x: _trunk(params, x, cfg)[0], head, batch["tokens"], cfg)
 
 
 def unstack_blocks(params: dict) -> dict:
@@ -650,11 +749,11 @@ def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfi
     def cast(tree: Any) -> Any:
         return jax.tree.map(lambda w: w.astype(cfg.compute_dtype), tree)
 
-    def logits(tokens: jax.Array) -> jax.Array:
+    def trunk(tokens: jax.Array) -> jax.Array:
         x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
         for layer in params["blocks"]:
-            x = _block(cast(layer), x, cfg.num_heads)
-        return _head(params["ln_f"], params["embed"]["tokens"], x)
+            x = _block(cast(layer), x, cfg)
+        return x
 
     def forward(tokens: jax.Array) -> tuple[jax.Array, dict]:
         x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
@@ -663,11 +762,12 @@ def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfi
             x, unit_stats = _unit(cast(unit), x, cfg)
             stats.append(unit_stats)
         stacked = MoEStats(*(jnp.stack(s) for s in zip(*stats, strict=True)))
-        return _head(params["ln_f"], params["embed"]["tokens"], x), _moe_aux(stacked)
+        return x, _moe_aux(stacked)
 
+    head = _params_head(params)
     if cfg.moe:
-        return _moe_loss(forward, batch["tokens"], cfg)
-    return _next_token_loss(logits, batch["tokens"])
+        return _moe_loss(forward, head, batch["tokens"], cfg)
+    return _next_token_loss(trunk, head, batch["tokens"], cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -698,10 +798,10 @@ class _Block(_Params):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         super().__init__(_init_block(rngs.params(), cfg))
-        self.num_heads = cfg.num_heads
+        self.cfg = cfg
 
     def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        return _block(self.arrays(), x, self.num_heads, segments)
+        return _block(self.arrays(), x, self.cfg, segments)
 
 
 class _Unit(_Params):
@@ -765,20 +865,7 @@ class GPT(nnx.Module):
         their document ids ``segment_ids`` [B, T] (attention stays within a document) and
         each token's ``positions`` [B, T] (under sequence parallelism: the whole rows' ids,
         this device's positions)."""
-        if self.cfg.moe:
-            return self.forward(tokens, segment_ids, positions)[0]
-        cfg = self.cfg
-        table = self.embed.tokens[...]
-        x = _embed(table, self.embed.positions[...], tokens, cfg, positions)
-        # A cast copy of the stacked blocks, so the cast sits before the scan as in `apply`.
-        graphdef, state = nnx.split(self.blocks)
-        blocks = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
-
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(carry: jax.Array, block: _Block) -> jax.Array:
-            return block(carry, segment_ids)
-
-        return _head(self.ln_f.arrays(), table, run(x, blocks))
+        return self.forward(tokens, segment_ids, positions)[0]
 
     def forward(
         self,
@@ -788,20 +875,40 @@ class GPT(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``(logits, aux)`` for int tokens [B, T] (packed rows: as ``__call__``): the aux is
         the MoE layers' stats as :func:`loss_fn` returns them (``{}`` for a dense model)."""
+        x, aux = self._trunk(tokens, segment_ids, positions)
+        head = self._head_params()
+        return _head(head.ln_f, head.tokens_table, x), aux
+
+    def _head_params(self) -> _Head:
+        return _Head(self.ln_f.arrays(), self.embed.tokens[...])
+
+    def _trunk(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The embeddings and the blocks: the final activations [B, T, D] (before the final
+        LayerNorm) and the MoE aux."""
         cfg = self.cfg
-        if not cfg.moe:
-            return self(tokens, segment_ids, positions), {}
-        table = self.embed.tokens[...]
-        x = _embed(table, self.embed.positions[...], tokens, cfg, positions)
+        x = _embed(self.embed.tokens[...], self.embed.positions[...], tokens, cfg, positions)
+        # A cast copy of the stacked blocks, so the cast sits before the scan as in `apply`.
         graphdef, state = nnx.split(self.blocks)
-        units = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
+        blocks = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
+        if cfg.moe:
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def run(carry: jax.Array, unit: _Unit) -> tuple[jax.Array, MoEStats]:
-            return unit(carry, segment_ids)
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def run_units(carry: jax.Array, unit: _Unit) -> tuple[jax.Array, MoEStats]:
+                return unit(carry, segment_ids)
 
-        x, stats = run(x, units)
-        return _head(self.ln_f.arrays(), table, x), _moe_aux(stats)
+            x, stats = run_units(x, blocks)
+            return x, _moe_aux(stats)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(carry: jax.Array, block: _Block) -> jax.Array:
+            return block(carry, segment_ids)
+
+        return run(x, blocks), {}
 
 
 def nnx_loss_fn(model: GPT, batch: Mapping[str, jax.Array]) -> Any:
@@ -812,6 +919,7 @@ def nnx_loss_fn(model: GPT, batch: Mapping[str, jax.Array]) -> Any:
         if not model.cfg.moe:
             return ce
         return ce + model.cfg.moe_aux_loss_coef * aux["moe_aux_loss"].astype(ce.dtype), aux
+    head = model._head_params()
     if model.cfg.moe:
-        return _moe_loss(model.forward, batch["tokens"], model.cfg)
-    return _next_token_loss(model, batch["tokens"])
+        return _moe_loss(model._trunk, head, batch["tokens"], model.cfg)
+    return _next_token_loss(lambda x: model._trunk(x)[0], head, batch["tokens"], model.cfg)

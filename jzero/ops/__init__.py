@@ -1,27 +1,38 @@
-"""Memory-lean building blocks for long sequences, usable by any model: attention that never
-holds a ``[T, T]`` score matrix, and the output head's loss and the MLP computed over sequence
-chunks.
+"""Memory-lean building blocks for long sequences, for the built-in GPT and any model.
 
-Import direction: imports JAX and NumPy only (nothing of jzero's), so any package, the built-in
-GPT (:mod:`jzero.demo.gpt`) and a user's model may import it.
+Attention that never holds a ``[T, T]`` score matrix, and the output head's loss and the MLP
+computed over sequence chunks.
 
-* :mod:`~jzero.ops.attention`: the online-softmax primitive (:class:`Partial`,
-  :func:`empty_partial`, :func:`attend_block`, :func:`merge`, :func:`finish`,
-  :func:`block_mask`) that blockwise and ring attention are loops of.
+Import direction: imports JAX only (nothing of jzero's), so any package, the built-in GPT
+(:mod:`jzero.demo.gpt`) and a user's model may import it.
+
+* :mod:`~jzero.ops.attention`: :func:`blockwise_attention` (flash-style, online softmax over key
+  blocks, packed documents and grouped-query attention, cuDNN's fused kernel on GPU where it
+  applies) and the online-softmax primitive it and ring attention are loops of
+  (:class:`Partial`, :func:`empty_partial`, :func:`attend_block`, :func:`merge`,
+  :func:`finish`, :func:`block_mask`).
+* :mod:`~jzero.ops.tiled`: :func:`tiled_cross_entropy` (the output head and the loss without
+  ``[B, T, V]`` logits) and :func:`tiled_mlp` (a position-wise function over sequence chunks).
 """
 
 from jzero.ops.attention import Partial as Partial
 from jzero.ops.attention import attend_block as attend_block
 from jzero.ops.attention import block_mask as block_mask
+from jzero.ops.attention import blockwise_attention as blockwise_attention
 from jzero.ops.attention import empty_partial as empty_partial
 from jzero.ops.attention import finish as finish
 from jzero.ops.attention import merge as merge
+from jzero.ops.tiled import tiled_cross_entropy as tiled_cross_entropy
+from jzero.ops.tiled import tiled_mlp as tiled_mlp
 
 __all__ = [
     "Partial",
     "attend_block",
     "block_mask",
+    "blockwise_attention",
     "empty_partial",
     "finish",
     "merge",
+    "tiled_cross_entropy",
+    "tiled_mlp",
 ]

@@ -34,9 +34,10 @@ Decisions:
   block of work.
 * **cuDNN on GPU**: on a GPU backend, with 16-bit q, k, v, a causal mask and no segment ids or
   positions, :func:`blockwise_attention` calls ``jax.nn.dot_product_attention(...,
-  implementation="cudnn", is_causal=True)`` (cuDNN's fused flash attention). This branch is not
-  exercised by the CPU test suite. Packed documents (segment ids) always take the blockwise
-  path, which supports them.
+  implementation="cudnn", is_causal=True)`` (cuDNN's fused flash attention); where JAX refuses
+  that call when tracing it (no cuDNN, a shape it does not take) the blockwise path runs. This
+  branch is not exercised by the CPU test suite. Packed documents (segment ids) always take
+  the blockwise path, which supports them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "Partial",
     "attend_block",
     "block_mask",
+    "blockwise_attention",
     "empty_partial",
     "finish",
     "merge",
@@ -224,3 +226,133 @@ def block_mask(
     if q_seg is not None:
         mask = mask & (k_seg[:, None, :] == q_seg[:, :, None])
     return mask
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(
+            f"blockwise_attention: block_size={block_size!r} must be a positive integer (the "
+            "tokens per query and key block; 512 is the usual)."
+        )
+
+
+def _use_cudnn(q: jax.Array) -> bool:
+    """Whether cuDNN's fused attention can take q (GPU, 16-bit, a head size it supports); the
+    caller checks that the mask is the plain causal one."""
+    return (
+        jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 128
+    )
+
+
+def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
+    """``x`` ``[B, n * size, ...]`` as ``[n, B, size, ...]``: the scans' leading block dim."""
+    return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
+
+
+def _pad_seq(x: jax.Array, pad: int) -> jax.Array:
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+
+def blockwise_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    causal: bool = True,
+    block_size: int = 512,
+) -> jax.Array:
+    """Softmax self-attention computed block by block, never holding a ``[T, T]`` matrix.
+
+    Flash attention's recurrence: for each block of ``block_size`` queries (an outer
+    ``lax.scan`` under ``jax.checkpoint``), the keys are visited a block at a time (an inner
+    ``lax.scan``, its body checkpointed too) and folded in with :func:`attend_block` and
+    :func:`merge`; a key block the mask hides entirely is skipped (``lax.cond``). The backward
+    pass recomputes the score tiles, one query block at a time. A length of at most
+    ``block_size`` is one block (no scan); a length that is not a multiple of ``block_size`` is
+    padded up to one (the padded keys masked, the padded queries dropped).
+
+    On a GPU, with 16-bit inputs, ``causal``, no ``segment_ids`` and no ``positions``, the call
+    goes to cuDNN's fused attention (``jax.nn.dot_product_attention(...,
+    implementation="cudnn", is_causal=True)``) instead, or the blockwise path where JAX refuses
+    that call when tracing it; that branch is not run by the CPU test suite. Packed documents
+    (``segment_ids``) are supported by the blockwise path.
+
+    Args:
+        q: queries ``[B, T, H, Dh]``.
+        k: keys ``[B, T, Hkv, Dh]``, ``H % Hkv == 0`` (grouped-query attention).
+        v: values, shaped as ``k``.
+        segment_ids: int ``[B, T]`` document ids of packed rows: a token attends only tokens of
+            its own document (padding, id 0, is a document like any other).
+        positions: int ``[B or 1, T]`` positions for the causal mask (default: the place in the
+            row, ``0 .. T-1``).
+        causal: a token attends only tokens at its position or before.
+        block_size: tokens per query and key block.
+
+    Returns:
+        ``[B, T, H, Dh]`` in q's dtype; scores scaled by ``1 / sqrt(Dh)``, the softmax in
+        float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: shapes that do not fit together (q, k, v, the segment ids or positions), or
+            a ``block_size`` that is not a positive integer.
+    """
+    _check_heads(q, k, v)
+    _check_block_size(block_size)
+    b, t, h, dh = q.shape
+    if k.shape[1] != t:
+        raise ValueError(
+            f"blockwise_attention is self-attention: q has {t} tokens and k, v have "
+            f"{k.shape[1]}. Pass q, k and v of the same sequence."
+        )
+    if segment_ids is not None and segment_ids.shape != (b, t):
+        raise ValueError(
+            f"blockwise_attention: segment_ids has shape {segment_ids.shape}; it must be "
+            f"[B, T] = {(b, t)}, one document id per token of each row."
+        )
+    if positions is not None and jnp.atleast_2d(positions).shape not in ((b, t), (1, t)):
+        raise ValueError(
+            f"blockwise_attention: positions has shape {positions.shape}; it must be [B, T] = "
+            f"{(b, t)} or [1, T] (the same for every row)."
+        )
+    if causal and segment_ids is None and positions is None and _use_cudnn(q):
+        try:
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # refused when traced (no cuDNN, or a shape it does not take): blockwise below
+    pos = jnp.arange(t)[None] if positions is None else jnp.atleast_2d(positions)
+    if t <= block_size:
+        mask = block_mask(pos, pos, segment_ids, segment_ids, causal=causal)
+        return finish(attend_block(q, k, v, mask), q.dtype)
+
+    n = -(-t // block_size)
+    pad = n * block_size - t
+    qb, kb, vb = (_blocks(_pad_seq(x, pad), n, block_size) for x in (q, k, v))
+    posb = _blocks(_pad_seq(pos, pad), n, block_size)  # [n, B or 1, block]
+    segb = None if segment_ids is None else _blocks(_pad_seq(segment_ids, pad), n, block_size)
+    realb = (jnp.arange(n * block_size) < t).reshape(n, 1, 1, block_size)  # keys, not padding
+
+    def key_step(acc: Partial, key_block: tuple) -> tuple[Partial, None]:
+        qi, qpos, qseg, kj, vj, kpos, kseg, kreal = key_block
+        mask = block_mask(qpos, kpos, qseg, kseg, causal=causal) & kreal
+
+        def attend(acc: Partial) -> Partial:
+            return merge(acc, attend_block(qi, kj, vj, mask))
+
+        return jax.lax.cond(mask.any(), attend, lambda acc: acc, acc), None
+
+    def query_step(_: None, query_block: tuple) -> tuple[None, jax.Array]:
+        qi, qpos, qseg = query_block
+        # The query block rides along each key step (broadcast, not stacked).
+        step = jax.checkpoint(
+            lambda acc, kv: key_step(acc, (qi, qpos, qseg, *kv)), prevent_cse=False
+        )
+        acc, _ = jax.lax.scan(step, empty_partial(qi), (kb, vb, posb, segb, realb))
+        return None, finish(acc, q.dtype)
+
+    _, out = jax.lax.scan(jax.checkpoint(query_step, prevent_cse=False), None, (qb, posb, segb))
+    return jnp.moveaxis(out, 0, 1).reshape(b, n * block_size, h, dh)[:, :t]

@@ -326,3 +326,13 @@ def test_watchdog_benchmark_prints_its_share_of_a_step():
     (row,) = [line for line in out if line.startswith("watchdog a step")]
     assert row.endswith("%") and float(row.split()[-2]) >= 0
     assert any(line.startswith("agreement, once") for line in out)
+
+
+def test_long_sequence_benchmark_prints_temporaries_per_form():
+    # Smoke: length 64 in blocks and chunks of 16. That the tiled forms hold no [T, T] scores,
+    # [B, T, V] logits or whole MLP layer is tests/ops/test_long_sequence_gpt.py's
+    # test_the_functional_gpt_with_blocks_and_chunks_equals_the_plain_one.
+    out = _run("long_sequence", "--smoke").stdout
+    (row,) = [line.strip("|").split("|") for line in out.splitlines() if line[:4] == "| 64"]
+    plain, attention, loss, mlp = (float(c) for c in row[1:])
+    assert loss < plain and mlp <= loss  # the [64, 512] logits were the largest temporaries

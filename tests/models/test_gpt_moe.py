@@ -108,10 +108,8 @@ def reference_loss(params: dict, batch: dict, cfg: GPTConfig) -> tuple[jax.Array
     for u in range(cfg.num_layers // cfg.moe_every):
         unit = jax.tree.map(lambda w, u=u: w[u], params["blocks"])
         for j in range(cfg.moe_every - 1):
-            x = gpt._block(jax.tree.map(lambda w, j=j: w[j], unit["dense"]), x, cfg.num_heads)
-        x = x + gpt._attention(
-            unit, gpt._layer_norm(x, unit["ln1_scale"], unit["ln1_bias"]), cfg.num_heads
-        )
+            x = gpt._block(jax.tree.map(lambda w, j=j: w[j], unit["dense"]), x, cfg)
+        x = x + gpt._attention(unit, gpt._layer_norm(x, unit["ln1_scale"], unit["ln1_bias"]), cfg)
         h = gpt._layer_norm(x, unit["ln2_scale"], unit["ln2_bias"])
         y, stats = jzero.moe.dense_reference(
             h @ unit["router"],
