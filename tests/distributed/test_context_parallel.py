@@ -10,11 +10,13 @@ online softmax rescales them, far below the bound, while a lost key block, a chu
 wrong place or a gradient not returned around the ring is far above it).
 
 Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional
-(``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 3; beside tensor
-parallelism. From the compiled step: the ring's transfers are collective-permutes within the
-``context`` groups only, no buffer is ``[T, T]``, and a long sequence's temporaries per device
-fall with the ring. Beside a pipeline context parallelism is refused (a config error), and sizes
-the layout cannot take are errors naming the numbers.
+(``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
+parallelism. The public functions alone (``jzero.context_parallel_attention``, grouped-query
+heads, packed documents) against one device's attention, values and gradients. From the
+compiled step: the ring's transfers are collective-permutes within the ``context`` groups
+only, no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
+ring. Beside a pipeline context parallelism is refused (a config error), and sizes the layout
+cannot take are errors naming the numbers.
 """
 
 import functools
@@ -214,6 +216,48 @@ def test_no_buffer_is_the_whole_sequence_squared():
     assert _square_buffers(compiled.as_text(), T) == []
     whole = jax.jit(jax.grad(_loss)).lower(_params(), batches(False)[0]).compile()
     assert _square_buffers(whole.as_text(), T), "the check finds the one-device step's scores"
+
+
+@pytest.mark.parametrize("sizes", [{"data": 1, "context": 8}, {"data": 1, "context": 4, "seq": 2}],
+                         ids=["context8", "seq2xcontext4"])  # fmt: skip
+def test_the_public_attention_equals_one_devices_with_grouped_query_heads(sizes):
+    """4 query heads reading 2 key/value heads, packed documents: this device's rows of
+    ``context_parallel_attention`` over the ring (and Ulysses) are one device's attention's
+    rows in the zig-zag order, and so are the gradients of q, k and v."""
+    from jzero.ops.attention import attend_block, block_mask, finish
+
+    b, heads, kv_heads, dh = 2, 4, 2, 8
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (b, T, heads, dh), jnp.float64)
+    k = jax.random.normal(keys[1], (b, T, kv_heads, dh), jnp.float64)
+    v = jax.random.normal(keys[2], (b, T, kv_heads, dh), jnp.float64)
+    seg = jnp.sort(jax.random.randint(keys[3], (b, T), 0, 4), axis=1)
+    mesh = jzero.make_mesh(sizes)
+    c = sizes["context"]
+    piece = T // (2 * c)
+    order = np.concatenate([np.r_[i * piece : (i + 1) * piece, (2 * c - 1 - i) * piece :
+                                  (2 * c - i) * piece] for i in range(c)])  # fmt: skip
+
+    def split(q, k, v, seg):
+        local = jzero.sequence_chunk
+        return jzero.context_parallel_attention(local(q), local(k), local(v), local(seg))
+
+    tokens = P(None, tuple(a for a in sizes if a != "data"))
+    ring = jax.shard_map(split, mesh=mesh, in_specs=P(), out_specs=tokens)
+
+    def whole(q, k, v):
+        pos = jnp.arange(T)
+        return finish(attend_block(q, k, v, block_mask(pos, pos, seg, seg)), q.dtype)[:, order]
+
+    def weighted(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+
+    got = jax.jit(lambda q, k, v: ring(q, k, v, seg))
+    np.testing.assert_allclose(got(q, k, v), whole(q, k, v), rtol=1e-12, atol=1e-12)
+    grads = jax.jit(jax.grad(weighted(got), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(weighted(whole), argnums=(0, 1, 2))(q, k, v)
+    for a, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=1e-10, atol=1e-12)
 
 
 def test_zig_zag_layout_and_positions():
