@@ -18,6 +18,7 @@ from typing import Any
 
 from jzero.choices.pipeline import SCHEDULES
 from jzero.cli import devices, logs
+from jzero.costs import ATTENTIONS
 
 __all__ = ["add_commands"]
 
@@ -69,7 +70,19 @@ bf16 master weights, with --master-dtype bf16 (bf16.bf16_master_weights_and_grad
 bf16 params are the masters, no fp32 copy, so K drops by 4: K = 8 with fp32 moments, K = 4
 with --optimizer-dtype bf16 too (stage 0 8 Psi, stage 1 4 Psi + 4 Psi/N, stage 2 2 Psi +
 6 Psi/N, stage 3 8 Psi/N), in the offloaded host rows as well; no nvme rows (jzero refuses the
-NVMe tier with bf16 masters)."""
+NVMe tier with bf16 masters).
+Long sequences: with the shape, a second table adds one long-context technique a row and
+prints activations per device without and with AC (and the total with --stage's model states,
+stage 3 by default): plain attention (the [s, s] scores kept); + blockwise attention (none; a
+float32 log-sum-exp a head and token); + tiled loss and MLP (one --loss-chunk of the float32
+[s, V] logits, --vocab V, and one --mlp-chunk of the [s, 4h] intermediate; 1024 tokens where
+not given); + ring attention over --context-parallel C (every term's tokens / C); + activation
+offload (cpu_checkpointing: AC's layer inputs in host memory, one on the device). With
+--device-memory each row's longest sequence that fits (a multiple of S, x 2C with the ring),
+found by bisection: the next step does not fit. --dropout off drops the masks (2*s*b*h and,
+with plain attention, a*s^2*b bytes and the dropped-out probabilities); --attention,
+--loss-chunk, --mlp-chunk, --activation-offload, --vocab and --context-parallel describe the
+model of the first table too."""
 
 _PLAN_HELP = """\
 Every ZeRO stage of a config's built-in GPT side by side: per-device bytes of params,
@@ -95,6 +108,13 @@ def _estimate(args: argparse.Namespace) -> int:
             "together (part of --params), e.g. --expert-params 6e9: they are sharded apart from "
             "the dense parameters. Pass --expert-params, or leave out --experts."
         )
+    techniques = costs.Techniques(
+        args.attention,
+        dropout=args.dropout == "on",
+        loss_chunk=args.loss_chunk,
+        mlp_chunk=args.mlp_chunk,
+        offload=args.activation_offload,
+    )
     model = costs.ModelShape(
         args.params,
         largest_layer_params=args.largest_layer_params or 0,
@@ -102,6 +122,8 @@ def _estimate(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         layers=args.layers,
         heads=args.heads,
+        vocab=args.vocab,
+        techniques=techniques,
         experts=args.experts or 0,
         expert_params=args.expert_params or 0,
     )
@@ -112,6 +134,7 @@ def _estimate(args: argparse.Namespace) -> int:
         replica=args.replicas,
         model=args.tensor_parallel,
         seq=args.sequence_parallel,
+        context=args.context_parallel,
         pipe=args.pipeline,
         expert=args.expert_parallel,
         micro_batches=args.micro_batches,
@@ -119,16 +142,16 @@ def _estimate(args: argparse.Namespace) -> int:
         virtual=args.virtual_stages,
     )
     dtypes = costs.Dtypes(args.activation_dtype, args.optimizer_dtype, args.master_dtype)
-    result = memory.estimate(
-        model,
-        layout,
-        args.device_memory,
-        args.offload,
-        margin=args.margin,
-        dtypes=dtypes,
-        sub_group_size=args.sub_group_size,
-    )
-    return _print_report(result, args.plot)
+    options = {"margin": args.margin, "dtypes": dtypes, "sub_group_size": args.sub_group_size}
+    result = memory.estimate(model, layout, args.device_memory, args.offload, **options)
+    if not result.counts_activations:
+        return _print_report(result, args.plot)
+    # The long-sequence table adds a stage's model states without offload: an estimate of the
+    # offloaded options only (--offload cpu) lacks them.
+    whole = result
+    if args.offload == "cpu":
+        whole = memory.estimate(model, layout, args.device_memory, **options)
+    return _print_report(result, args.plot, whole.sequence_report(args.stage).table())
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -152,9 +175,13 @@ def _plan(args: argparse.Namespace) -> int:
     return _print_report(result, args.plot)
 
 
-def _print_report(result: Any, plot: str | None) -> int:
-    """Prints the report's table and, with ``--plot``, draws its chart; exit status 0."""
+def _print_report(result: Any, plot: str | None, more: str | None = None) -> int:
+    """Prints the report's table (and ``more`` after a blank line) and, with ``--plot``, draws
+    its chart; exit status 0."""
     print(result.table())
+    if more:
+        print()
+        print(more)
     if plot:
         result.plot(plot)
         print(f"wrote {plot}")
@@ -215,6 +242,13 @@ def add_commands(subparsers: Any) -> None:
         default=1,
         help="Ulysses's seq axis S (sequence_parallel_size): activations / S, ZeRO over it too "
         "(default 1)",
+    )
+    est.add_argument(
+        "--context-parallel",
+        "--cp",
+        default=1,
+        help="ring attention's context axis C (context_parallel_size): each device holds s/C "
+        "tokens, no head limit; activations / C, ZeRO over it too (default 1)",
     )
     est.add_argument(
         "--pipeline",
@@ -307,6 +341,56 @@ def add_commands(subparsers: Any) -> None:
         est.add_argument(
             flag, metavar="N", help=f"{what}, for the activation term (give all five or none)"
         )
+    est.add_argument(
+        "--vocab",
+        metavar="V",
+        help="vocabulary size V, for the float32 [s, V] logits the loss keeps (default: not "
+        "counted)",
+    )
+    est.add_argument(
+        "--attention",
+        choices=list(ATTENTIONS),
+        default="plain",
+        help="plain (default): the [s, s] scores a head are kept; blockwise (flash-style, the "
+        "built-in GPT's attention_block): none",
+    )
+    est.add_argument(
+        "--dropout",
+        choices=["on", "off"],
+        default="on",
+        help="on (default, Korthikanti et al.'s accounting): 1-byte dropout masks are kept; off: "
+        "none (the built-in GPT has no dropout)",
+    )
+    est.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="tiled loss: the logits are never whole, one chunk of TOKENS is (the built-in "
+        "GPT's loss_chunk); 0 (default): whole",
+    )
+    est.add_argument(
+        "--mlp-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="tiled MLP: the [s, 4h] intermediate is recomputed in chunks of TOKENS (the "
+        "built-in GPT's mlp_chunk); 0 (default): kept whole",
+    )
+    est.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="activation_checkpointing.cpu_checkpointing: with activation checkpointing the "
+        "layer inputs live in host memory (the device keeps the one in flight)",
+    )
+    est.add_argument(
+        "--stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=3,
+        help="the ZeRO stage whose model states (without offload) the long-sequence table adds "
+        "(default 3)",
+    )
     est.add_argument(
         "--activation-dtype",
         choices=["bf16", "fp16", "fp32"],

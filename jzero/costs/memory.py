@@ -13,7 +13,9 @@ Decisions:
   the masters) and Adam's two moments (4 + 4 in fp32, 2 + 2 in bf16): 12, 8 or 4.
 * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
   Models" (arXiv:2205.05198), section 4, with its tensor-parallel split; Ulysses divides every
-  term by the seq axis (:func:`transformer_activations`).
+  term by the seq axis (:func:`transformer_activations`: the paper's accounting, dropout and
+  plain attention, of :func:`jzero.costs.activation_bytes`, which also counts each
+  long-context technique and the logits).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jzero.choices.stages import StageSpec
+from jzero.costs.activations import activation_bytes
+from jzero.costs.shapes import ModelShape, ParallelDims
 
 __all__ = [
     "BUFFER_FACTOR",
@@ -104,7 +108,9 @@ def transformer_activations(
     tensor_parallel: int = 1,
     sequence_parallel: int = 1,
 ) -> tuple[float, float]:
-    """Activation bytes per device of a transformer's layers, without and with full recomputation.
+    """Activation bytes per device of a transformer's layers, without and with full recomputation,
+    as the paper counts them (:data:`jzero.costs.PAPER`: plain attention with dropout, no
+    logits; :func:`jzero.costs.activation_bytes` has the other techniques).
 
     Korthikanti et al. 2022 (arXiv:2205.05198), section 4: per layer ``s b h (34 + 5 a s / h)``
     bytes with 16-bit activations and 1-byte dropout masks. In ``fp32`` the 16-bit part doubles
@@ -133,8 +139,8 @@ def transformer_activations(
       >>> [x / 2**30 for x in transformer_activations(2048, 1, 4096, 32, 32)]  # GiB, 16-bit
       [28.5, 1.390625]
     """
-    s, b, h, n, a = seq_len, micro_batch, hidden, layers, heads
-    k = DTYPE_BYTES[dtype] / 2
-    t, sp = tensor_parallel, sequence_parallel
-    per_layer = (s * b * h * (8 * k + 2 + 24 * k / t) + a * s * s * b * (4 * k + 1) / t) / sp
-    return n * per_layer, n * 2 * k * s * b * h / sp + per_layer
+    model = ModelShape(0, seq_len=seq_len, hidden=hidden, layers=layers, heads=heads)  # PAPER
+    layout = ParallelDims(1, micro_batch=micro_batch, model=tensor_parallel, seq=sequence_parallel)
+    without = activation_bytes(model, layout, dtype=dtype)
+    full = activation_bytes(model, layout, checkpointing="full", dtype=dtype)
+    return without.device, full.device

@@ -7,8 +7,9 @@ Decisions:
   (:mod:`jzero.engine.auto_layout`) both describe a model by a :class:`ModelShape` and a mesh
   by a :class:`ParallelDims`.
 * :class:`ParallelDims` names the axes as the mesh does (``replica``, ``pipe``, ``data``,
-  ``expert``, ``seq``, ``model``, :func:`jzero.make_mesh`'s order from the major axis) and is
-  given the device count: ``data`` is what the other axes leave, as ``data: -1`` in the config.
+  ``expert``, ``context``, ``seq``, ``model``, :func:`jzero.make_mesh`'s order from the major
+  axis) and is given the device count: ``data`` is what the other axes leave, as ``data: -1``
+  in the config.
   The sizes derived from the axes (the data-parallel degree, ZeRO's group) are its properties,
   so no caller multiplies axes again.
 * The values hold what they are given and check nothing: the estimate checks each one and
@@ -19,11 +20,39 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["AXES", "Dtypes", "ModelShape", "ParallelDims"]
+__all__ = ["AXES", "PAPER", "Dtypes", "ModelShape", "ParallelDims", "Techniques"]
 
-AXES = ("replica", "pipe", "data", "expert", "seq", "model")
+AXES = ("replica", "pipe", "data", "expert", "context", "seq", "model")
 """The mesh's axes from the major (across hosts first) to the minor one."""
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """How a transformer keeps its activations: the attention kind, dropout and the tiled
+    loss, tiled MLP and activation offload (the checkpointing policy and the sequence splits
+    are apart: :func:`jzero.costs.activation_bytes`'s ``checkpointing``, the layout's ``seq``
+    and ``context``)."""
+
+    attention: Literal["plain", "blockwise"] = "plain"
+    """``"plain"``: the softmax's ``[s, s]`` scores are kept for the backward pass;
+    ``"blockwise"`` (flash-style): none, only a log-sum-exp a head and token."""
+    dropout: bool = False
+    """Whether the model applies dropout, whose 1-byte masks are kept."""
+    loss_chunk: int = 0
+    """Tokens of one chunk of the tiled loss: the ``[s, V]`` logits are never whole, one chunk
+    is; 0: the whole logits."""
+    mlp_chunk: int = 0
+    """Tokens of one chunk of the tiled MLP: the ``[s, 4h]`` intermediate is recomputed chunk
+    by chunk; 0: the whole intermediate is kept."""
+    offload: bool = False
+    """Activation offload (``activation_checkpointing.cpu_checkpointing``): the checkpointed
+    layer inputs live in host memory; needs checkpointing ``full``."""
+
+
+PAPER = Techniques(dropout=True)
+"""Korthikanti et al.'s accounting: plain attention with dropout, nothing tiled or offloaded."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +73,11 @@ class ModelShape:
     """Transformer layers L."""
     heads: int | None = None
     """Attention heads a."""
+    vocab: int | None = None
+    """Vocabulary size V, for the logits the loss keeps (``None``: not counted)."""
+    techniques: Techniques = PAPER
+    """How the layers keep their activations (attention kind, dropout, tiled loss and MLP,
+    activation offload); :data:`PAPER` by default, Korthikanti et al.'s accounting."""
     experts: int = 0
     """The experts E of each MoE layer; 0: no mixture of experts."""
     expert_params: float | str = 0
@@ -86,6 +120,11 @@ class ParallelDims:
     """Ulysses's seq axis S (``sequence_parallel_size``): ZeRO shards over it too (DeepSpeed's
     way), the activations divide by S, and its traffic is 8 all-to-alls of ``s b h / (S T)`` a
     layer, ``(S-1)/S`` each."""
+    context: int = 1
+    """The context axis C (``context_parallel_size``, ring attention): each device holds
+    ``s / C`` tokens of every row, attends the others' keys block by block as they pass
+    around the ring, and ZeRO shards over it too; the activations divide by C (no head
+    limit, unlike ``seq``)."""
     pipe: int = 1
     """The pipeline stages P (``pipeline.stages``): each device holds ``Psi / P`` (its stage's
     layers; the embedding and head are counted as spread too), ZeRO-sharded over the
@@ -121,8 +160,8 @@ class ParallelDims:
 
     @property
     def shards(self) -> int:
-        """ZeRO's group, the devices each sharded state is split over: ``data`` x ``seq`` x
-        ``expert``, ``N / (R T P)``."""
+        """ZeRO's group, the devices each sharded state is split over: ``data`` x ``context``
+        x ``seq`` x ``expert``, ``N / (R T P)``."""
         return self.devices // self.replica // self.model // self.pipe
 
     def size(self, axis: str) -> int:

@@ -97,7 +97,8 @@ def predict(
     local_params = shape.params / (t * p)
     group = dims.shards * dims.replica
     layers = (shape.layers or 1) / p
-    x = dims.micro_batch * (shape.seq_len or 1) / dims.seq * (shape.hidden or 1)
+    tokens = (shape.seq_len or 1) / (dims.seq * dims.context)
+    x = dims.micro_batch * tokens * (shape.hidden or 1)
     flow = traffic.LayerFlow(x, layers, m, work.act_bytes)
     out: dict[str, float] = {}
     count: dict[str, float] = {}
@@ -111,6 +112,10 @@ def predict(
         out["model"], count["model"] = traffic.model_axis_bytes(flow, t), m * layers * 4
     if dims.seq > 1:
         out["seq"], count["seq"] = traffic.seq_axis_bytes(flow, t, dims.seq), m * layers * 8
+    if dims.context > 1:
+        c = dims.context
+        out["context"] = traffic.context_axis_bytes(flow, t, c)
+        count["context"] = m * layers * 3 * (c - 1)
     if dims.expert > 1:
         k = shape.experts_per_token
         out["expert"] = traffic.expert_axis_bytes(flow, dims.expert, k)

@@ -10,10 +10,12 @@ Decisions:
   (:meth:`~jzero.choices.stages.StageSpec.traffic`: ``2 Psi``, or ``3 Psi`` where the
   parameters are sharded) of the parameters a device holds.
 * The activations' are counted per layer and micro-batch of ``X`` activation elements a device
-  (:class:`LayerFlow`): ``model`` Megatron's four all-reduces of ``X`` (two forward, two
-  backward), ``seq`` Ulysses's eight all-to-alls of ``X / T``, ``expert`` four all-to-alls of
-  ``k X`` (k the experts a token is routed to), ``pipe`` one micro-batch's activations forward
-  to the next stage and their gradient back, at every chunk boundary under interleaving.
+  (:class:`LayerFlow`; its tokens are ``s / (S C)``): ``model`` Megatron's four all-reduces
+  of ``X`` (two forward, two backward), ``seq`` Ulysses's eight all-to-alls of ``X / T``,
+  ``context`` ring attention's keys and values around the ring, ``6 (C - 1) X / T``,
+  ``expert`` four all-to-alls of ``k X`` (k the experts a token is routed to), ``pipe`` one
+  micro-batch's activations forward to the next stage and their gradient back, at every chunk
+  boundary under interleaving.
 * An axis crosses hosts where its groups hold more devices than a node: the axes from it to
   the minor end of the mesh (:data:`~jzero.costs.shapes.AXES`) hold more than
   ``devices_per_node``.
@@ -29,6 +31,7 @@ from jzero.costs.shapes import AXES, ParallelDims
 
 __all__ = [
     "LayerFlow",
+    "context_axis_bytes",
     "cross_host_elements",
     "crosses_hosts",
     "expert_axis_bytes",
@@ -82,6 +85,15 @@ def seq_axis_bytes(flow: LayerFlow, model: int, seq: int) -> float:
     micro-batch, ``(S-1)/S`` each."""
     x = flow.elements / model
     return flow.micro_batches * flow.layers * 8 * x * flow.element_bytes * ring(seq)
+
+
+def context_axis_bytes(flow: LayerFlow, model: int, context: int) -> float:
+    """The context axis' (C devices, ring attention) bytes: a device's keys and values, ``2 X /
+    T``, passed C - 1 steps around the ring forward, and again with their gradients backward,
+    ``6 (C - 1) X / T`` a layer and micro-batch (collective-permutes; every head counted, an
+    upper bound under grouped-query attention)."""
+    x = flow.elements / model
+    return flow.micro_batches * flow.layers * 6 * (context - 1) * x * flow.element_bytes
 
 
 def expert_axis_bytes(flow: LayerFlow, expert: int, per_token: int) -> float:

@@ -29,6 +29,9 @@ Every public name lives in one of the private modules below and is re-exported h
 * ``_estimate``: :func:`estimate` of a :class:`~jzero.costs.ModelShape` on a
   :class:`~jzero.costs.ParallelDims` (in :class:`~jzero.costs.Dtypes`), and the
   :class:`Estimate` / :class:`EstimateRow`.
+* ``_sequence``: :func:`sequence_report` (and :meth:`Estimate.sequence_report`), the
+  activations of long sequences with each long-context technique added in turn, and the
+  longest sequence that fits: :class:`SequenceReport` / :class:`SequenceRow`.
 * ``_report``: :class:`StageMemory` and :class:`PlanReport`, the measured report's rows and table.
 * ``_measure``: :func:`measure_stages` and :func:`memory_report`, which compile.
 * ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
@@ -51,12 +54,17 @@ from jzero.memory._measure import memory_report as memory_report
 from jzero.memory._plot import plot_bars as plot_bars
 from jzero.memory._report import PlanReport as PlanReport
 from jzero.memory._report import StageMemory as StageMemory
+from jzero.memory._sequence import SequenceReport as SequenceReport
+from jzero.memory._sequence import SequenceRow as SequenceRow
+from jzero.memory._sequence import sequence_report as sequence_report
 
 __all__ = [
     "Estimate",
     "EstimateRow",
     "PlanReport",
     "Recommendation",
+    "SequenceReport",
+    "SequenceRow",
     "StageMemory",
     "StageRows",
     "estimate",
@@ -64,4 +72,5 @@ __all__ = [
     "memory_report",
     "parse_size",
     "plot_bars",
+    "sequence_report",
 ]

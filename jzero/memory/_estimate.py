@@ -26,6 +26,13 @@ Decisions:
   activations are rebuilt in the backward pass: ``2 k s b h L + per layer``. Embeddings, the
   final LayerNorm and the logits are not counted. ZeRO does not shard activations: every
   stage and offload option carries the same term.
+* The model's :class:`~jzero.costs.Techniques` (blockwise attention, dropout, tiled loss and
+  MLP, activation offload), its vocabulary (the float32 logits) and the layout's ``context``
+  axis (ring attention: the tokens split by C) change the activation term
+  (:func:`jzero.costs.activation_bytes`); the default, :data:`jzero.costs.PAPER` without a
+  vocabulary, is the paper's accounting above. :meth:`Estimate.sequence_report` adds the
+  techniques one a row and finds the longest sequence that fits
+  (:mod:`jzero.memory._sequence`).
 * Without the transformer's shape, activations are not counted and the margin of the
   recommendation is kept for them.
 * The NVMe tier (``offload_optimizer: {device: nvme}``, rows ``nvme``, offered last, as the
@@ -96,7 +103,16 @@ from jzero import costs
 from jzero._util import divisors
 from jzero.choices.pipeline import SCHEDULES
 from jzero.choices.pipeline import virtual_stages as virtual_stages_of
-from jzero.costs import DTYPE_BYTES, OPTIMIZER_DTYPES, Dtypes, ModelShape, ParallelDims
+from jzero.costs import (
+    ATTENTIONS,
+    DTYPE_BYTES,
+    OPTIMIZER_DTYPES,
+    PAPER,
+    Dtypes,
+    ModelShape,
+    ParallelDims,
+    Techniques,
+)
 from jzero.memory._format import (
     GB,
     Recommendation,
@@ -109,6 +125,7 @@ from jzero.memory._format import (
     render_columns,
 )
 from jzero.memory._plot import plot_bars
+from jzero.memory._sequence import SequenceReport, sequence_report
 from jzero.parallel.pipeline.schedule import Schedule, make_schedule
 from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
 
@@ -152,7 +169,8 @@ class EstimateRow:
       comm_psi: communication volume per step in units of Psi (elements).
       comm: the collectives behind ``comm_psi``.
       activations: activation bytes per device without recomputation (0: not counted).
-      activations_checkpointed: the same with full activation checkpointing.
+      activations_checkpointed: the same with full activation checkpointing (the device's
+        part; :attr:`activations_host` the host's).
     """
 
     stage: int
@@ -168,6 +186,12 @@ class EstimateRow:
     model_axis_bytes: float = 0.0
     seq_axis_bytes: float = 0.0
     pipe_axis_bytes: float = 0.0
+    activations_host: float = 0.0
+    """Activation bytes a device keeps in host memory with activation checkpointing: the
+    offloaded layer inputs (``Techniques(offload=True)``), else 0."""
+    context_axis_bytes: float = 0.0
+    """Bytes a device sends a step on the ``context`` axis (ring attention's keys and values,
+    :func:`jzero.costs.context_axis_bytes`); 0 without it or without the shape."""
 
     @property
     def device_bytes(self) -> float:
@@ -222,6 +246,10 @@ class Estimate:
     expert_params: float = 0
     optimizer_dtype: str = "fp32"
     master_dtype: str = "fp32"
+    vocab: int | None = None
+    """The vocabulary V whose logits are counted; ``None``: not counted."""
+    techniques: Techniques = PAPER
+    """How the layers keep their activations (:class:`jzero.costs.Techniques`)."""
 
     @property
     def devices(self) -> int:
@@ -283,6 +311,46 @@ class Estimate:
         """The row of one option."""
         return find_row(self.rows, stage, offload)
 
+    def sequence_report(self, stage: int = 3) -> SequenceReport:
+        """The long-sequence table of this model and layout: activations per device with each
+        long-context technique added in turn and, with a device memory, the longest sequence
+        that fits beside the model states of ``stage`` without offload
+        (:func:`~jzero.memory.sequence_report`).
+
+        Raises:
+          ValueError: without the transformer's shape, a ``stage`` not 0-3, or an estimate
+            of the options with offload only.
+        """
+        if self.shape is None:
+            raise ValueError(
+                "The long-sequence table needs the transformer's shape; pass all of "
+                f"{', '.join(_SHAPE)} (e.g. 2048, 1, 4096, 32, 32)."
+            )
+        if stage not in stages.STAGES:
+            raise ValueError(
+                f"stage: {stage!r} is not allowed; it must be one of "
+                f"{', '.join(map(str, stages.STAGES))}."
+            )
+        sh = self.shape
+        model = ModelShape(
+            self.params, seq_len=sh["seq_len"], hidden=sh["hidden"], layers=sh["layers"],
+            heads=sh["heads"], vocab=self.vocab, techniques=self.techniques,
+        )  # fmt: skip
+        table = self.pipeline_table
+        held = table.slots / self.layout.virtual if table is not None else 1.0
+        usable = None if self.device_memory is None else self.device_memory * (1 - self.margin)
+        states = [r.device_bytes for r in self.rows if (r.stage, r.offload) == (stage, "none")]
+        if not states:
+            raise ValueError(
+                f"The long-sequence table adds the model states of stage {stage} without "
+                "offload, but this estimate lists only the options with offload (offload="
+                "'cpu'); estimate with offload=None or 'none'."
+            )
+        return sequence_report(
+            model, self.layout, states=states[0], stage=stage, usable=usable,
+            dtype=self.activation_dtype, in_flight=held,
+        )  # fmt: skip
+
     def table(self) -> str:
         """The estimate as text: one row per option, the conventions, the recommendation."""
         nodes = self.devices // self.devices_per_node
@@ -298,6 +366,8 @@ class Estimate:
         header += ["cross-host/step"]
         split = act and (self.layout.model > 1 or self.layout.seq > 1)
         header += ["model GB/step", "seq GB/step"] if split else []
+        ringed = act and self.layout.context > 1
+        header += ["context GB/step"] if ringed else []
         piped = act and self.layout.pipe > 1
         header += ["pipe GB/step"] if piped else []
         header += (["fits"] if usable is not None else []) + ["collectives"]
@@ -314,6 +384,8 @@ class Estimate:
             cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
             if split:
                 cells += [f"{r.model_axis_bytes / GB:.3g}", f"{r.seq_axis_bytes / GB:.3g}"]
+            if ringed:
+                cells.append(f"{r.context_axis_bytes / GB:.3g}")
             if piped:
                 cells.append(f"{r.pipe_axis_bytes / GB:.3g}")
             if usable is not None:
@@ -409,26 +481,49 @@ class Estimate:
             ]
         if act:
             sh, k = self.shape or {}, DTYPE_BYTES[self.activation_dtype] / 2
-            lines += [
+            paper = self.techniques == PAPER and not self.vocab and self.layout.context == 1
+            where = (
                 f"activations per device (s = {sh['seq_len']}, b = {sh['micro_batch']}, "
                 f"h = {sh['hidden']}, L = {sh['layers']}, a = {sh['heads']}, "
-                f"{self.activation_dtype}): Korthikanti et al. 2022, per layer s b h "
-                "(34 + 5 a s / h) bytes in 16-bit (1-byte dropout masks);",
-                f"  used here: per layer s b h ({32 * k:g} + 2) + a s^2 b ({4 * k:g} + 1) "
-                "(16-bit part x bytes/2, masks 1 byte); with full activation checkpointing (AC) "
-                f"{2 * k:g} s b h L + one layer rebuilt in the backward pass.",
-                "  fits: yes (without AC), AC (only with activation checkpointing), no.",
-            ]
+                + (f"V = {self.vocab}, " if self.vocab else "")
+                + f"{self.activation_dtype}): "
+            )
+            if paper:
+                lines += [
+                    where + "Korthikanti et al. 2022, per layer s b h "
+                    "(34 + 5 a s / h) bytes in 16-bit (1-byte dropout masks);",
+                    f"  used here: per layer s b h ({32 * k:g} + 2) + a s^2 b ({4 * k:g} + 1) "
+                    "(16-bit part x bytes/2, masks 1 byte); with full activation checkpointing "
+                    f"(AC) {2 * k:g} s b h L + one layer rebuilt in the backward pass.",
+                ]
+            else:
+                lines.append(
+                    where
+                    + "Korthikanti et al. 2022's terms with "
+                    + self._techniques_text()
+                    + "; with full activation checkpointing (AC) each layer's input, one layer "
+                    "rebuilt (jzero.costs.activation_bytes)."
+                )
+            lines.append("  fits: yes (without AC), AC (only with activation checkpointing), no.")
+            if ringed:
+                lines.append(
+                    f"  context GB/step: ring attention over C = {self.layout.context} passes a "
+                    "device's keys and values (2 s b h / (S C T)) C-1 steps forward, and again "
+                    "with their gradients backward: 6 (C-1) s b h / (S C T) a layer."
+                )
             if split:
                 t, sp = self.layout.model, self.layout.seq
-                lines += [
-                    f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
-                    f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
-                    "tensor-parallel split; Ulysses divides every term by S).",
+                if paper:
+                    lines.append(
+                        f"  split over T = {t} and S = {sp}: per layer (s b h ({8 * k:g} + 2 + "
+                        f"{24 * k:g}/T) + a s^2 b ({4 * k:g} + 1)/T) / S (Korthikanti et al.'s "
+                        "tensor-parallel split; Ulysses divides every term by S)."
+                    )
+                lines.append(
                     "  model GB/step: Megatron's 4 all-reduces of s b h / S a layer, 2 (T-1)/T "
                     "each; seq GB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
-                    "(S-1)/S each; comm/step counts Psi as the device's Psi/T.",
-                ]
+                    "(S-1)/S each; comm/step counts Psi as the device's Psi/T."
+                )
             if piped:
                 held = self.pipeline_table.slots / self.layout.virtual  # a chunk: 1/V
                 lines += [
@@ -441,6 +536,26 @@ class Estimate:
         if self.recommendation is not None:
             lines.append(str(self.recommendation))
         return "\n".join(lines)
+
+    def _techniques_text(self) -> str:
+        """The model's techniques in words, for the table's note."""
+        t, c = self.techniques, self.layout.context
+        parts = [
+            f"{t.attention} attention" + (f" (ring over C = {c}: by blocks)" if c > 1 else ""),
+            f"dropout {'on' if t.dropout else 'off'}",
+        ]
+        if self.vocab:
+            parts.append(f"loss chunk {t.loss_chunk}" if t.loss_chunk else "whole logits")
+        else:
+            parts.append("logits not counted")
+        parts.append(f"MLP chunk {t.mlp_chunk}" if t.mlp_chunk else "whole MLP")
+        if t.offload:
+            host = self.rows[0].activations_host if self.rows else 0.0
+            parts.append(
+                f"activation offload (AC's layer inputs in host memory, {host / GB:.2f} GB a "
+                "device)"
+            )
+        return ", ".join(parts)
 
     def bars(self) -> list[tuple[str, Mapping[str, float], Mapping[str, float]]]:
         """(label, device bytes by category, host bytes by category) per option, for plots;
@@ -578,6 +693,7 @@ def estimate(
         )
     tp = check_positive(tensor_parallel, "tensor_parallel", "2", integer=True)
     sp = check_positive(sequence_parallel, "sequence_parallel", "4", integer=True)
+    cp = check_positive(layout.context, "context_parallel", "4", integer=True)
     pp = check_positive(pipeline, "pipeline", "2", integer=True)
     mb = 2 * pp if micro_batches is None else check_positive(micro_batches, "micro_batches", "8",
                                                         integer=True)  # fmt: skip
@@ -595,16 +711,18 @@ def estimate(
     # The schedule's table (it checks the micro-batches' groups and the chunks): what a stage
     # keeps in flight.
     table = make_schedule(pipeline_schedule, pp, mb, virtual_stages) if pp > 1 else None
-    if n % (r * tp * sp * pp):
+    if n % (r * tp * sp * cp * pp):
+        ring = f"context_parallel={cp} x " if cp > 1 else ""
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
-            f"sequence_parallel={sp} x pipeline={pp}; pass sizes whose product divides {n}."
+            f"sequence_parallel={sp} x {ring}pipeline={pp}; pass sizes whose product divides "
+            f"{n}."
         )
     if (  # beside other axes (alone, _check_experts names the divisors)
-        tp * sp * pp > 1
+        tp * sp * cp * pp > 1
         and isinstance(expert_parallel, int)
         and expert_parallel > 1
-        and n % (r * tp * sp * pp * expert_parallel)
+        and n % (r * tp * sp * cp * pp * expert_parallel)
     ):
         raise ValueError(
             f"devices={n} can't be split into {r} replica group(s) x tensor_parallel={tp} x "
@@ -631,7 +749,8 @@ def estimate(
     memory = None if device_memory is None else parse_size(device_memory)
     given = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden}
     given.update(layers=layers, heads=heads)
-    shape, act, act_ac = None, 0.0, 0.0
+    shape, act, act_ac, act_host = None, 0.0, 0.0, 0.0
+    vocab, techniques = _check_techniques(model)
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
@@ -655,20 +774,21 @@ def estimate(
                 f"pipeline: {pp} stages do not divide layers={shape['layers']}; pass a number "
                 f"of stages among the divisors of {shape['layers']}."
             )
-        staged = {**shape, "layers": shape["layers"] // pp}
-        act, act_ac = costs.transformer_activations(
-            **staged, dtype=activation_dtype, tensor_parallel=tp, sequence_parallel=sp
-        )
-        if pp > 1:  # a stage keeps `held` micro-batches of its layers' activations
-            held = table.slots / virtual_stages  # a chunk counts 1/V of a stage's layers
-            per_layer = act / staged["layers"]
-            act, act_ac = act * held, (act_ac - per_layer) * held + per_layer
-    model_bytes = seq_bytes = pipe_bytes = 0.0
+        held = table.slots / virtual_stages if pp > 1 else 1.0  # a chunk: 1/V of the layers
+        sized = dataclasses.replace(
+            model, seq_len=shape["seq_len"], hidden=shape["hidden"], layers=shape["layers"],
+            heads=shape["heads"], vocab=vocab, techniques=techniques,
+        )  # fmt: skip
+        split = ParallelDims(n, micro_batch=shape["micro_batch"], model=tp, seq=sp, pipe=pp,
+                             context=cp)  # fmt: skip
+        act, act_ac, act_host = _activations(sized, split, activation_dtype, held)
+    model_bytes = seq_bytes = pipe_bytes = context_bytes = 0.0
     if shape is not None:  # the model and seq axes' for one micro-batch through all L layers
-        sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / sp
+        sbh = shape["seq_len"] * shape["micro_batch"] * shape["hidden"] / (sp * cp)
         flow = costs.LayerFlow(sbh, shape["layers"], 1, DTYPE_BYTES[activation_dtype])
         model_bytes = costs.model_axis_bytes(flow, tp)
         seq_bytes = costs.seq_axis_bytes(flow, tp, sp)
+        context_bytes = costs.context_axis_bytes(flow, tp, cp)
         if pp > 1:  # each of the M micro-batches forward to the next stage, its gradient back
             flow = dataclasses.replace(flow, micro_batches=mb)
             pipe_bytes = costs.pipe_axis_bytes(flow, virtual_stages)
@@ -723,17 +843,19 @@ def estimate(
             model_bytes,
             seq_bytes,
             pipe_bytes,
+            act_host,
+            context_bytes,
         )
         for spec, o, d, h, disk in rows
     )
     resolved = dataclasses.replace(
         layout, devices=n, devices_per_node=per_node, replica=r, model=tp, seq=sp, pipe=pp,
-        expert=ep, micro_batches=mb, virtual=virtual_stages,
+        context=cp, expert=ep, micro_batches=mb, virtual=virtual_stages,
         micro_batch=shape["micro_batch"] if shape else None,
     )  # fmt: skip
     return Estimate(
         psi_all, resolved, out, memory, check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, n_experts, psi_e, opt_dtype, master,
+        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques,
     )  # fmt: skip
 
 
@@ -798,3 +920,41 @@ def _check_experts(
             f"also divide {group}."
         )
     return e, ep, psi_e
+
+
+def _activations(
+    model: ModelShape, layout: ParallelDims, dtype: str, held: float
+) -> tuple[float, float, float]:
+    """A device's activation bytes (without checkpointing, with ``full`` on the device, with
+    ``full`` in host memory) when its pipeline stage holds ``held`` micro-batches; with
+    activation offload the first is as without offload (nothing is checkpointed to move)."""
+    plain = dataclasses.replace(model, techniques=dataclasses.replace(model.techniques,
+                                                                      offload=False))  # fmt: skip
+    without = costs.activation_bytes(plain, layout, dtype=dtype, in_flight=held)
+    full = costs.activation_bytes(model, layout, checkpointing="full", dtype=dtype, in_flight=held)
+    return without.device, full.device, full.host
+
+
+def _check_techniques(model: ModelShape) -> tuple[int | None, Techniques]:
+    """The model's vocabulary (``None`` or a positive integer) and its
+    :class:`~jzero.costs.Techniques`, checked; a clear error naming the value and the fix."""
+    vocab = None if model.vocab is None else check_positive(model.vocab, "vocab", "32000", True)
+    t = model.techniques
+    if not isinstance(t, Techniques):
+        raise ValueError(
+            f"techniques: {t!r} is not allowed; it must be a jzero.costs.Techniques, e.g. "
+            "Techniques(attention='blockwise', loss_chunk=1024)."
+        )
+    if t.attention not in ATTENTIONS:
+        raise ValueError(
+            f"attention: {t.attention!r} is not allowed; it must be one of "
+            f"{', '.join(ATTENTIONS)} (plain keeps the [s, s] scores, blockwise none)."
+        )
+    for name in ("loss_chunk", "mlp_chunk"):
+        value = getattr(t, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"{name}: {value!r} is not allowed; it must be a whole number of tokens, e.g. "
+                "1024, or 0 (not tiled)."
+            )
+    return vocab, t

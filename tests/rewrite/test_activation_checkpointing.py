@@ -188,6 +188,31 @@ def test_cpu_checkpointing_trains_with_unchanged_losses():
     assert_reference(losses(loop))
 
 
+def test_cpu_checkpointing_offloads_the_built_in_gpts_layer_inputs():
+    """The built-in GPT (the long-context model: its layers are a scan whose body may hold the
+    model's own remat, blockwise attention or a tiled MLP) keeps each layer's input in host
+    memory under cpu_checkpointing: the traced step moves the tagged input to ``<host>``."""
+    from jzero.demo import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=16, d_ff=32, num_heads=2)
+    params = jax.jit(gpt.init_params, static_argnums=1)(jax.random.key(0), cfg)
+    config = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "activation_checkpointing": {"policy": "full", "cpu_checkpointing": True},
+    }
+
+    def loss(p, b):
+        return gpt.loss_fn(p, b, cfg)
+
+    e = jzero.initialize(params, loss, config=config)
+    policy = settings.remat_policy(e.config)
+    assert policy.offload and policy.kind == "full"
+    step = jzero.make_train_step(e.plan, loss, e.optimizer, StepOptions(remat_policy=policy))
+    text = str(jax.make_jaxpr(step)(e.state, {"tokens": jnp.zeros((8, 17), jnp.int32)}))
+    assert "<host>" in text and remat.LAYER_INPUT in text
+
+
 def test_bad_settings_are_clear_errors():
     with pytest.raises(ConfigError, match="one of none, full, dots, dots_no_batch, or names:a,b"):
         load_config({"activation_checkpointing": {"policy": "selective"}})
