@@ -391,7 +391,8 @@ class Config:
     and ``jzero.context_parallel_attention`` for your own model). Nothing splits the heads, so
     C is not bounded by them; beside ``sequence_parallel_size`` Ulysses runs within each ring
     member. ZeRO shards over ``data`` x ``context`` x ``seq``. 2C (and C x S) must divide the
-    sequence length."""
+    sequence length; not beside ``pipeline.stages`` yet. ``"auto"``: chosen by the auto layout
+    (:mod:`jzero.engine.auto_layout`)."""
     gradient_allreduce_op: str = "mean"
     """DeepSpeed: how gradients are combined over the data axis. jzero averages them, so
     only "mean" (DeepSpeed's default) is accepted."""

@@ -307,16 +307,27 @@ def test_ring_attention_past_the_head_count_where_ulysses_stops():
     assert cfg.mesh_sizes()["context"] == 8
 
 
-def test_the_auto_layout_keeps_context_at_one_and_refuses_a_fixed_one_beside_auto():
-    from jzero.engine.auto_layout import check_fixed_sizes
+def test_the_auto_layout_lays_out_a_ring_where_heads_and_rows_run_out():
+    """One row on 8 devices of a 2-head model: data cannot split it and Ulysses stops at 2,
+    so every candidate spreads the sequence with ``context`` (alone or beside ``seq: 2``);
+    none beside a pipeline."""
+    from jzero import costs
+    from jzero.engine import auto_layout
 
-    cfg = jzero.load_config({"train_batch_size": 8, "context_parallel_size": "auto"})
-    assert cfg.context_parallel_size == 1 and "context_parallel_size" in cfg.auto
-    fixed = jzero.load_config(
-        {"train_batch_size": 8, "context_parallel_size": 2, "sequence_parallel_size": "auto"}
+    cfg = jzero.load_config(
+        {
+            "train_batch_size": 1,
+            "context_parallel_size": "auto",
+            "sequence_parallel_size": "auto",
+            "pipeline": {"stages": "auto"},
+            "model": {"num_heads": 2, "seq_len": T, "num_layers": 2},
+        }
     )
-    with pytest.raises(jzero.ConfigError, match=r"context_parallel_size: 2 with sequence_parallel"):
-        check_fixed_sizes(fixed, 8)
+    shape = costs.ModelShape(params=1e4, hidden=16, seq_len=T, heads=2, layers=2)
+    found = auto_layout.layouts(cfg, shape, costs.ParallelDims(8, 8))
+    sizes = {(lay.context, lay.seq, lay.pipe, lay.data) for lay in found}
+    assert (8, 1, 1, 1) in sizes and (4, 2, 1, 1) in sizes, sizes
+    assert all(c * s * p == 8 and p == 1 for c, s, p, _ in sizes), sizes
 
 
 def test_a_sequences_temporaries_per_device_fall_with_the_ring():
@@ -339,3 +350,24 @@ def test_a_sequences_temporaries_per_device_fall_with_the_ring():
             batch = {"tokens": np.zeros((rows, cfg.seq_len + 1), np.int32)}
             temps[context] = engine.lower(batch).compile().memory_analysis().temp_size_in_bytes
     assert temps[8] <= 0.2 * temps[1], temps
+
+
+def test_an_auto_layout_with_one_row_trains_on_a_ring():
+    """``context_parallel_size: auto`` beside ``sequence_parallel_size: auto`` with one row on
+    8 devices: the engine chooses a layout whose ``context`` x ``seq`` is 8, and its first step's
+    loss is the one-device loss of that row."""
+    row = {k: v[:1] for k, v in batches(True)[0].items()}
+    settings = {
+        **config(1, "auto", "auto"),
+        "train_batch_size": 1,
+        "gradient_accumulation_steps": 1,
+        "device_memory": "1GB",
+    }
+    engine = jzero.initialize(
+        model=_model, loss_fn=gpt.nnx_loss_fn, optimizer=optax.adamw(LR), config=settings
+    )
+    loss = float(engine.train_step(row)["loss"])
+    cfg = engine.config
+    assert cfg.context_parallel_size > 1, dict(engine.mesh.shape)
+    assert cfg.context_parallel_size * cfg.sequence_parallel_size == 8
+    assert loss == pytest.approx(float(_loss(_params(), row)), rel=1e-10, abs=0)
