@@ -11,6 +11,10 @@ The public surface fits on one screen:
   (:data:`STAGES` of :class:`StageSpec`).
 * :func:`estimate` (the closed-form memory planner) and :func:`init_distributed` (several
   processes; DeepSpeed's name).
+* Sequence and context parallelism for a user's model: :func:`sequence_chunk` and
+  :func:`sequence_positions` (this device's tokens and their places),
+  :func:`sequence_parallel_attention` (Ulysses) and :func:`context_parallel_attention` (ring
+  attention, with Ulysses beside it).
 * :mod:`moe` (:mod:`jzero.parallel.expert`): a mixture-of-experts layer for a user's model,
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
 """
@@ -28,10 +32,12 @@ from jzero.memory import estimate as estimate
 from jzero.ops import blockwise_attention as blockwise_attention
 from jzero.ops import tiled_cross_entropy as tiled_cross_entropy
 from jzero.ops import tiled_mlp as tiled_mlp
+from jzero.parallel import context_parallel_attention as context_parallel_attention
 from jzero.parallel import expert as moe
 from jzero.parallel import sequence_chunk as sequence_chunk
 from jzero.parallel import sequence_offset as sequence_offset
 from jzero.parallel import sequence_parallel_attention as sequence_parallel_attention
+from jzero.parallel import sequence_positions as sequence_positions
 from jzero.plan import STAGES as STAGES
 from jzero.plan import Plan as Plan
 from jzero.plan import Precision as Precision
@@ -48,6 +54,7 @@ __all__ = [
     "blockwise_attention",
     "Config",
     "ConfigError",
+    "context_parallel_attention",
     "Engine",
     "estimate",
     "fit",
@@ -67,6 +74,7 @@ __all__ = [
     "sequence_chunk",
     "sequence_offset",
     "sequence_parallel_attention",
+    "sequence_positions",
     "STAGES",
     "StageSpec",
     "tiled_cross_entropy",

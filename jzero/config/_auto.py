@@ -57,6 +57,7 @@ _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumu
 LAYOUT_KEYS = (
     "tensor_parallel.autotp_size",
     "sequence_parallel_size",
+    "context_parallel_size",
     "pipeline.stages",
     "expert_parallel.autoep_size",
 )

@@ -382,6 +382,17 @@ class Config:
     for a head split (:mod:`jzero.parallel.sequence`; built into the built-in GPT, and
     ``jzero.sequence_parallel_attention`` for your own model). ZeRO shards over ``data`` x
     ``seq``, as DeepSpeed does. S must divide the heads and the sequence length."""
+    context_parallel_size: int = checked_field(1, min=1, auto=1)
+    """jzero's key, context parallelism by ring attention: ``C`` > 1 adds a ``context`` mesh
+    axis of C devices beside ``data`` (``{data: N/(C*S*T), context: C, seq: S}``). Its
+    devices share the batch's rows; each holds two zig-zag chunks (``c`` and ``2C-1-c`` of
+    ``2C``) of every row, so causal attention costs each the same, and passes its keys and
+    values around the ring (:mod:`jzero.parallel.sequence.ring`; built into the built-in GPT,
+    and ``jzero.context_parallel_attention`` for your own model). Nothing splits the heads, so
+    C is not bounded by them; beside ``sequence_parallel_size`` Ulysses runs within each ring
+    member. ZeRO shards over ``data`` x ``context`` x ``seq``. 2C (and C x S) must divide the
+    sequence length; not beside ``pipeline.stages`` yet. ``"auto"``: chosen by the auto layout
+    (:mod:`jzero.engine.auto_layout`)."""
     gradient_allreduce_op: str = "mean"
     """DeepSpeed: how gradients are combined over the data axis. jzero averages them, so
     only "mean" (DeepSpeed's default) is accepted."""
@@ -397,6 +408,7 @@ class Config:
         return (
             ("tensor_parallel.autotp_size", "model", self.autotp_size()),
             ("sequence_parallel_size", "seq", self.sequence_parallel_size),
+            ("context_parallel_size", "context", self.context_parallel_size),
             ("pipeline.stages", "pipe", self.pipeline_stages()),
             ("expert_parallel.autoep_size", "expert", self.autoep_size()),
         )

@@ -570,7 +570,8 @@ class AutoLayoutConfig:
     """``auto_layout``: the rates the parallel layout's cost model ranks candidates by.
 
     Read only when a parallel size is ``"auto"`` (``tensor_parallel.autotp_size``,
-    ``sequence_parallel_size``, ``pipeline.stages``, ``expert_parallel.autoep_size``; see
+    ``sequence_parallel_size``, ``context_parallel_size``, ``pipeline.stages``,
+    ``expert_parallel.autoep_size``; see
     :mod:`jzero.engine.auto_layout`). Each rate left out takes its platform's default. The
     rates order the candidates; which one is kept is decided by its compiled memory.
     """

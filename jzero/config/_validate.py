@@ -667,6 +667,34 @@ def _expert_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def _context_errors(cfg: Config) -> list[str]:
+    """``context_parallel_size`` C: not beside a pipeline yet; each ring member holds two
+    equal zig-zag chunks of a sequence, which Ulysses (``sequence_parallel_size`` S) splits
+    again, so 2C and C x S must divide ``model.seq_len``."""
+    cp, sp = cfg.context_parallel_size, cfg.sequence_parallel_size
+    seq_len = cfg.model.get("seq_len")
+    if cp > 1 and cfg.pipeline_stages() > 1:
+        return [
+            f"context_parallel_size: {cp} does not compose with pipeline.stages: "
+            f"{cfg.pipeline_stages()} yet (ring attention inside a pipeline stage is not "
+            "supported); set context_parallel_size: 1 (sequence_parallel_size splits the "
+            "sequence beside a pipeline), or pipeline.stages: 1."
+        ]
+    if cp <= 1 or not is_number(seq_len):
+        return []
+    need = math.lcm(2 * cp, cp * sp)
+    if seq_len % need == 0:
+        return []
+    ok = [str(c) for c in divisors(int(seq_len)) if seq_len % math.lcm(2 * c, c * sp) == 0]
+    return [
+        f"context_parallel_size: {cp} cuts each sequence into {2 * cp} zig-zag chunks"
+        + (f", each ring member's split again over the {sp} seq devices" if sp > 1 else "")
+        + f", which needs the tokens of a sequence (model.seq_len) to be a multiple of {need},"
+        f" but they are {seq_len}; choose a context_parallel_size among {', '.join(ok) or '1'}"
+        f", or a seq_len that is a multiple of {need}."
+    ]
+
+
 def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
     """DeepSpeed features whose absence would train something else than what was asked;
     ``tensor_parallel.tp.tp_size`` without AutoTP goes to ``noted``."""
@@ -684,6 +712,7 @@ def _check_unsupported_parallelism(cfg: Config, noted: list) -> None:
                 "be split evenly over the seq axis; choose a sequence_parallel_size among the "
                 f"divisors of {n} ({', '.join(map(str, divisors(int(n))))})."
             )
+    errors += _context_errors(cfg)
     enabled = _enabled_techniques(cfg.compression_training, "compression_training")
     if enabled:
         errors.append(

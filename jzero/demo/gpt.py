@@ -76,7 +76,13 @@ Decisions:
   jzero's step binds a ``seq`` axis, the loss takes this device's ``T/S`` positions of the
   inputs and targets, the position table from this device's first position, and attention
   runs through :func:`jzero.parallel.sequence.sequence_parallel_attention` (all-to-all to
-  the whole sequence for ``H/S`` heads, and back). Called anywhere else, it is the plain model.
+  the whole sequence for ``H/S`` heads, and back). Context parallelism (ring attention,
+  ``context_parallel_size``) likewise: where the step binds a ``context`` axis, each device
+  holds two zig-zag chunks of every row (inputs, targets, the packed loss's mask and the
+  position table all in that order: :func:`jzero.parallel.sequence.sequence_chunk`,
+  :func:`~jzero.parallel.sequence.sequence_positions`) and attention is
+  :func:`jzero.parallel.sequence.context_parallel_attention` (the ring, with Ulysses inside
+  each ring member where ``seq`` is bound too). Called anywhere else, it is the plain model.
 """
 
 from __future__ import annotations
@@ -93,7 +99,15 @@ from flax import nnx
 
 from jzero.ops import blockwise_attention, tiled_cross_entropy, tiled_mlp
 from jzero.parallel.expert import MoEStats, moe_layer
-from jzero.parallel.sequence import sequence_chunk, sequence_offset, sequence_parallel_attention
+from jzero.parallel.sequence import (
+    CONTEXT_AXIS,
+    bound_axis_size,
+    context_parallel_attention,
+    sequence_chunk,
+    sequence_offset,
+    sequence_parallel_attention,
+    sequence_positions,
+)
 
 __all__ = ["EXPERT_TP_PLAN", "GPT", "GPTConfig", "apply", "init_params", "loss_fn", "nnx_loss_fn"]
 
@@ -405,6 +419,20 @@ def _causal_attention(
 _ulysses_attention = sequence_parallel_attention(_causal_attention)
 
 
+def _parallel_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, block: int
+) -> jax.Array:
+    """Attention of this device's q, k, v (``segments``: the whole rows' document ids, or
+    ``None``): ring attention where jzero's step binds a ``context`` axis of more than one
+    device (with Ulysses inside each ring member where ``seq`` is bound too; each ring step is
+    one block of the member's tokens, so ``block`` is not read), else Ulysses where ``seq`` is
+    bound, else the plain call (blockwise past ``block`` tokens)."""
+    if (bound_axis_size(CONTEXT_AXIS) or 1) == 1:
+        return _ulysses_attention(q, k, v, segments, block)
+    local = None if segments is None else sequence_chunk(segments)
+    return context_parallel_attention(q, k, v, local)
+
+
 def _attention(
     p: Mapping[str, jax.Array], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
 ) -> jax.Array:
@@ -416,7 +444,7 @@ def _attention(
     qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
     qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    out = _ulysses_attention(q, k, v, segments, cfg.attention_block).reshape(b, t, d)
+    out = _parallel_attention(q, k, v, segments, cfg.attention_block).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
 
 
@@ -507,12 +535,15 @@ def _embed(
         )
     if at is not None:
         return (jnp.take(tokens_table, tokens, axis=0) + positions[at]).astype(cfg.compute_dtype)
-    offset = sequence_offset(t)  # this device's first position under sequence parallelism
-    table = (
-        positions[:t]
-        if isinstance(offset, int)
-        else jax.lax.dynamic_slice_in_dim(positions, offset, t)
-    )
+    if (bound_axis_size(CONTEXT_AXIS) or 1) > 1:  # zig-zag chunks: each token's own place
+        table = jnp.take(positions, sequence_positions(t), axis=0)
+    else:
+        offset = sequence_offset(t)  # this device's first position under sequence parallelism
+        table = (
+            positions[:t]
+            if isinstance(offset, int)
+            else jax.lax.dynamic_slice_in_dim(positions, offset, t)
+        )
     x = jnp.take(tokens_table, tokens, axis=0) + table
     return x.astype(cfg.compute_dtype)
 

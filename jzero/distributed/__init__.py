@@ -25,6 +25,7 @@ from jzero.distributed.agreement import agree as agree
 from jzero.distributed.compile_cache import CompileCounter as CompileCounter
 from jzero.distributed.compile_cache import compile_cache_dir as compile_cache_dir
 from jzero.distributed.compile_cache import enable_compile_cache as enable_compile_cache
+from jzero.distributed.mesh import CONTEXT_AXIS as CONTEXT_AXIS
 from jzero.distributed.mesh import DATA_AXIS as DATA_AXIS
 from jzero.distributed.mesh import EXPERT_AXIS as EXPERT_AXIS
 from jzero.distributed.mesh import PIPE_AXIS as PIPE_AXIS
@@ -75,6 +76,7 @@ __all__ = [
     "check_batch",
     "ClusterJob",
     "compile_cache_dir",
+    "CONTEXT_AXIS",
     "CompileCounter",
     "DATA_AXIS",
     "DEFAULT_HEARTBEAT_TIMEOUT",

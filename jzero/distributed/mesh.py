@@ -13,9 +13,10 @@ Decisions:
 * The product of the sizes must equal the number of devices: a mesh that silently left
   devices idle would hide a typo. To train on fewer devices, pass them as ``devices``.
 * ``replica`` (hybrid sharding: FSDP's HSDP, DeepSpeed's MiCS) is always the outermost axis,
-  ``pipe`` (pipeline stages) the next, then ``data``, then ``seq`` (sequence parallelism)
-  where there is one, so each ``data`` group is made of neighbouring devices: within one
-  host.
+  ``pipe`` (pipeline stages) the next, then ``data``, then ``context`` (ring attention) and
+  ``seq`` (Ulysses) where there are, so each ``data`` group is made of neighbouring devices:
+  within one host. ``seq`` is the minor one: its all-to-alls move the most bytes a layer, and
+  a ring's neighbours are then ``seq``-groups apart.
   With several processes the devices are laid out by ``create_hybrid_device_mesh`` with the
   processes as the slow (cross-host) dimension, so that ``replica`` runs across processes and
   ``data`` within them wherever the sizes allow.
@@ -33,7 +34,15 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["DATA_AXIS", "EXPERT_AXIS", "PIPE_AXIS", "REPLICA_AXIS", "SEQ_AXIS", "make_mesh"]
+__all__ = [
+    "CONTEXT_AXIS",
+    "DATA_AXIS",
+    "EXPERT_AXIS",
+    "PIPE_AXIS",
+    "REPLICA_AXIS",
+    "SEQ_AXIS",
+    "make_mesh",
+]
 
 logger = logging.getLogger("jzero")
 
@@ -44,6 +53,12 @@ SEQ_AXIS = "seq"
 """The name of the sequence-parallel axis (DeepSpeed-Ulysses, :mod:`jzero.parallel.sequence`):
 its devices share the batch's rows and split their tokens; ZeRO shards over it beside
 ``data``."""
+
+CONTEXT_AXIS = "context"
+"""The name of the context-parallel axis (ring attention, :mod:`jzero.parallel.sequence`): its
+devices share the batch's rows and each holds two zig-zag chunks of their tokens, keys and
+values passing around it; ZeRO shards over it beside ``data``. Beside ``seq`` (two-dimensional
+sequence parallelism) it is the major of the two."""
 
 EXPERT_AXIS = "expert"
 """The name of the expert-parallel axis (:mod:`jzero.parallel.expert`): the batch is split
@@ -132,9 +147,10 @@ def make_mesh(
             f"mesh {sizes} asks for {total} devices but only {len(devices)} {platform} "
             f"device(s) are available. Lower mesh.data (or set it to -1 for all devices).{hint}"
         )
-    # replica outermost, then pipe, data, seq: data groups (and each data x seq ZeRO group)
-    # are neighbours, and each seq group's devices too; a pipeline stage's data group too.
-    lead = [a for a in (REPLICA_AXIS, PIPE_AXIS, DATA_AXIS, EXPERT_AXIS, SEQ_AXIS) if a in sizes]
+    # replica outermost, then pipe, data, context, seq: data groups (and each data x seq ZeRO
+    # group) are neighbours, and each seq group's devices too; a pipeline stage's data group too.
+    order = (REPLICA_AXIS, PIPE_AXIS, DATA_AXIS, EXPERT_AXIS, CONTEXT_AXIS, SEQ_AXIS)
+    lead = [a for a in order if a in sizes]
     sizes = {**{a: sizes[a] for a in lead}, **{k: v for k, v in sizes.items() if k not in lead}}
     names = tuple(sizes)
     shape = tuple(sizes.values())

@@ -1,27 +1,30 @@
 """``"auto"`` parallel sizes: the layout (and stage) predicted fastest whose compiled step fits.
 
-``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``pipeline.stages``,
-``expert_parallel.autoep_size`` (and ``gradient_accumulation_steps`` beside a fixed
-``train_batch_size``) may be ``"auto"``, with ``zero_optimization.stage: auto`` or a fixed stage.
-At the first batch the engine enumerates the layouts the model and the batch allow, ranks them
-by a cost model, compiles them in that order (abstract state: nothing is allocated) and keeps the
-first whose compiled peak fits the budget, as :mod:`jzero.engine.auto_stage` does for the stage.
+``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``context_parallel_size``,
+``pipeline.stages``, ``expert_parallel.autoep_size`` (and ``gradient_accumulation_steps``
+beside a fixed ``train_batch_size``) may be ``"auto"``, with ``zero_optimization.stage: auto``
+or a fixed stage. At the first batch the engine enumerates the layouts the model and the batch
+allow, ranks them by a cost model, compiles them in that order (abstract state: nothing is
+allocated) and keeps the first whose compiled peak fits the budget, as
+:mod:`jzero.engine.auto_stage` does for the stage.
 
 Decisions:
 
 * **Candidates** are every layout the model and batch allow: the sizes of the ``"auto"`` axes
   are powers of two dividing the device count (the others stay as written), their product with
   ``data`` is the device count; the heads divide by ``model`` x ``seq``, the sequence length by
-  ``seq``, the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches), the experts by
-  ``expert``; the global batch's rows divide by the data-like axes (``replica`` x ``data`` x
-  ``expert``) times the micro-batches. A batch of fewer rows than devices therefore needs a
-  ``seq``, ``model`` or ``pipe`` axis. An axis whose divisor is unknown (no ``num_heads`` in
-  the ``model`` or ``tensor_parallel`` section, no layers traced, no experts) stays 1.
-* **Placement**: the axes that talk every layer (``model``, ``seq``, ``expert``) are the mesh's
-  minor axes (:func:`jzero.make_mesh`'s order), and a candidate is kept only where their product
-  divides one process's devices, so each of their groups stays within a host; ``data``,
-  ``pipe`` and ``replica`` may cross hosts, and the cost model prices an axis at the inter-host
-  bandwidth where its group does.
+  ``seq`` and by ``2 context`` and ``context`` x ``seq`` (the ring's zig-zag chunks, split again
+  by Ulysses), the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches; no
+  ``context`` beside ``pipe``), the experts by ``expert``; the global batch's rows divide by the
+  data-like axes (``replica`` x ``data`` x ``expert``) times the micro-batches. A batch of fewer
+  rows than devices therefore needs a ``seq``, ``context``, ``model`` or ``pipe`` axis. An axis
+  whose divisor is unknown (no ``num_heads`` in the ``model`` or ``tensor_parallel`` section, no
+  layers traced, no experts, no sequence length) stays 1.
+* **Placement**: the axes that talk every layer (``model``, ``seq``, ``context``, ``expert``)
+  are the mesh's minor axes (:func:`jzero.make_mesh`'s order), and a candidate is kept only
+  where their product divides one process's devices, so each of their groups stays within a
+  host; ``data``, ``pipe`` and ``replica`` may cross hosts, and the cost model prices an axis
+  at the inter-host bandwidth where its group does.
 * **Ranked by the cost model, before any compilation** (:func:`jzero.costs.predict`, the
   formulas ``jzero estimate`` counts with too). Lowered programs hold only the collectives jzero
   writes itself (its ``shard_map`` ZeRO step); tensor parallelism's and the GSPMD parts' appear
@@ -81,6 +84,7 @@ logger = logging.getLogger(__name__)
 _AXES = (
     ("pipeline.stages", "pipe"),
     ("expert_parallel.autoep_size", "expert"),
+    ("context_parallel_size", "context"),
     ("sequence_parallel_size", "seq"),
     ("tensor_parallel.autotp_size", "model"),
 )
@@ -104,6 +108,7 @@ def _configured(cfg: config_lib.Config, layout: costs.ParallelDims) -> config_li
             else None
         ),
         sequence_parallel_size=layout.seq,
+        context_parallel_size=layout.context,
         gradient_accumulation_steps=layout.micro_batches,
         train_micro_batch_size_per_gpu=rows // (layout.micro_batches * layout.batch_split),
         auto=tuple(k for k in cfg.auto if k not in (*config_lib.LAYOUT_KEYS, _ACCUM)),
@@ -144,6 +149,7 @@ def _sizes(cfg: config_lib.Config) -> list[tuple[str, int]]:
     return [
         ("pipe", cfg.pipeline_stages()),
         ("expert", cfg.autoep_size()),
+        ("context", cfg.context_parallel_size),
         ("seq", cfg.sequence_parallel_size),
         ("model", cfg.autotp_size()),
     ]
@@ -155,6 +161,7 @@ def _choices(cfg: config_lib.Config, shape: costs.ModelShape, devices: int) -> d
     allows = {
         "model": lambda s: _divides(shape.heads, s),
         "seq": lambda s: _divides(shape.heads, s) and _divides(shape.seq_len, s),
+        "context": lambda c: _divides(shape.seq_len, 2 * c if c > 1 else 1),
         "pipe": lambda s: _divides(shape.layers, s * cfg.pipeline_virtual_stages()),
         "expert": lambda s: _divides(shape.experts or None, s),
     }
@@ -177,15 +184,18 @@ def layouts(
     replica = max(1, int(cfg.mesh.sizes().get("replica", 1)))
     rows, micro = int(cfg.train_batch_size), cfg.train_micro_batch_size_per_gpu
     out = []
-    for pipe, expert, seq, model in itertools.product(*(choices[a] for _, a in _AXES)):
-        inner = model * seq * expert  # the minor axes: within one host
+    for pipe, expert, context, seq, model in itertools.product(*(choices[a] for _, a in _AXES)):
+        inner = model * seq * expert * context  # the minor axes: within one host
         if devices.devices_per_node % inner or not _divides(shape.heads, model * seq):
             continue  # Ulysses splits the heads of a model axis' share again
+        if context > 1 and (pipe > 1 or not _divides(shape.seq_len, context * seq)):
+            continue  # no ring inside a pipeline stage; Ulysses splits a member's tokens
         rest, left = divmod(devices.devices, inner * pipe * replica)
         if left or rest < 1:
             continue
         layout = dataclasses.replace(
-            devices, replica=replica, model=model, seq=seq, pipe=pipe, expert=expert,
+            devices, replica=replica, model=model, seq=seq, context=context, pipe=pipe,
+            expert=expert,
             micro_batches=1, schedule=cfg.pipeline_schedule(),
             virtual=cfg.pipeline_virtual_stages(),
         )  # fmt: skip
@@ -506,6 +516,7 @@ def adopt_saved(auto: AutoLayout, saved: Any) -> None:
         replica=replica,
         model=sizes["model"],
         seq=sizes["seq"],
+        context=sizes["context"],
         pipe=sizes["pipe"],
         expert=sizes["expert"],
         schedule=cfg.pipeline_schedule(),

@@ -116,7 +116,8 @@ def _check_array_leaves(params: PyTree) -> None:
 
 
 def _check_sequence_parallel(cfg: config_lib.Config) -> None:
-    """What sequence parallelism does not compose with yet: clear errors, never a wrong step."""
+    """What sequence and context parallelism do not compose with yet: clear errors, never a
+    wrong step."""
     zero = cfg.zero_optimization
     refused = {
         "zero_hpz_partition_size > 1 (ZeRO++ hpZ)": zero.zero_hpz_partition_size > 1,
@@ -125,11 +126,21 @@ def _check_sequence_parallel(cfg: config_lib.Config) -> None:
         ),
         "offload_optimizer.device: nvme": zero.offload_optimizer.device == "nvme",
     }
+    key, size = next(
+        (
+            (k, n)
+            for k, n in (
+                ("sequence_parallel_size", cfg.sequence_parallel_size),
+                ("context_parallel_size", cfg.context_parallel_size),
+            )
+            if n > 1
+        ),
+        ("sequence_parallel_size", cfg.sequence_parallel_size),
+    )
     for what, on in refused.items():
         if on:
             raise ValueError(
-                f"sequence_parallel_size: {cfg.sequence_parallel_size} does not compose with "
-                f"{what} yet; set sequence_parallel_size: 1, or turn that off."
+                f"{key}: {size} does not compose with {what} yet; set {key}: 1, or turn that off."
             )
 
 
@@ -524,13 +535,14 @@ def _first_plan(
     stage_chosen_later: bool,
 ) -> Plan:
     """The plan before the loss is traced, checked: the mesh's splits (unless ``stage: auto``
-    chooses the stage at the first batch), what sequence parallelism does not compose with,
+    chooses the stage at the first batch), what sequence and context parallelism do not
+    compose with,
     ``optax.contrib.muon``'s collectives, and that ``offload_optimizer.compute: host`` has a
     leafwise optimizer to stream."""
     plan = replan()
     if not stage_chosen_later:
         check_mesh_splits(plan, mesh)
-    if plan.options.parallel.seq_axis is not None:
+    if plan.options.parallel.seq_axis is not None or plan.options.parallel.context_axis:
         _check_sequence_parallel(cfg)
     _note_optax_muon(plan, tx)
     from jzero.step import streamed_groups

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jzero import config as config_lib
 from jzero._util import dotted
 from jzero.choices import stage_spec
-from jzero.distributed import DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS
+from jzero.distributed import CONTEXT_AXIS, DATA_AXIS, EXPERT_AXIS, PIPE_AXIS, SEQ_AXIS
 from jzero.parallel import expert, tensor
 from jzero.plan import (
     PINNED_HOST,
@@ -277,8 +277,9 @@ def parallel_options(
     tp_rules: Sequence[str] | None = None,
 ) -> ParallelOptions:
     """The :class:`~jzero.plan.ParallelOptions` of ``cfg`` on ``mesh``: the axes ZeRO shards
-    over (``data``, with ``seq`` or ``expert`` under sequence or expert parallelism), the
-    expert leaves, the pipeline axis and schedule, and the given specs and AutoTP rules."""
+    over (``data``, with ``context``, ``seq`` or ``expert`` under context, sequence or expert
+    parallelism), the expert leaves, the pipeline axis and schedule, and the given specs and
+    AutoTP rules."""
     fields: dict[str, Any] = {"param_specs": param_specs, "tp_rules": tp_rules}
     fields.update(_zero_axes(cfg, mesh, abstract_params))
     fields.update(_pipeline(cfg, mesh))
@@ -297,24 +298,29 @@ def _require_axis(key: str, size: int, axis: str, mesh: jax.sharding.Mesh) -> No
 
 
 def _zero_axes(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:
-    """Under sequence parallelism (a ``seq`` axis of more than one device) ZeRO shards over
-    ``data`` x ``seq``, as DeepSpeed shards over its sequence-parallel ranks; under expert
-    parallelism (an ``expert`` axis) over ``data`` x ``expert``, each expert leaf split over
-    ``expert`` on its experts dimension (DeepSpeed's expert and expert data-parallel groups);
-    else ``data``."""
-    size = cfg.sequence_parallel_size
-    _require_axis("sequence_parallel_size", size, SEQ_AXIS, mesh)
+    """Under sequence or context parallelism (a ``seq`` or ``context`` axis of more than one
+    device) ZeRO shards over ``data`` x ``context`` x ``seq``, as DeepSpeed shards over its
+    sequence-parallel ranks; under expert parallelism (an ``expert`` axis) over ``data`` x
+    ``expert``, each expert leaf split over ``expert`` on its experts dimension (DeepSpeed's
+    expert and expert data-parallel groups); else ``data``."""
+    _require_axis("sequence_parallel_size", cfg.sequence_parallel_size, SEQ_AXIS, mesh)
+    _require_axis("context_parallel_size", cfg.context_parallel_size, CONTEXT_AXIS, mesh)
     _require_axis("expert_parallel.autoep_size", cfg.autoep_size(), EXPERT_AXIS, mesh)
-    seq = mesh.shape.get(SEQ_AXIS, 1) > 1
+    split = {
+        field: axis
+        for field, axis in (("context_axis", CONTEXT_AXIS), ("seq_axis", SEQ_AXIS))
+        if mesh.shape.get(axis, 1) > 1
+    }
+    tokens = tuple(split.values())  # the axes whose devices share rows and split tokens
     if mesh.shape.get(EXPERT_AXIS, 1) > 1:
         out = _experts(cfg, mesh, abstract)
-        if seq:  # the experts' groups inside each sequence group's tokens, as the mesh orders
-            out["axis"] = tuple(a for a in mesh.axis_names if a in (*out["axis"], SEQ_AXIS))
-            out["seq_axis"] = SEQ_AXIS
-        return out
-    if not seq:
+    elif tokens:
+        out = {"axis": (DATA_AXIS,)}
+    else:
         return {}
-    return {"axis": (DATA_AXIS, SEQ_AXIS), "seq_axis": SEQ_AXIS}
+    # the experts' groups inside each sequence group's tokens, as the mesh orders them
+    out["axis"] = tuple(a for a in mesh.axis_names if a in (*out["axis"], *tokens))
+    return {**out, **split}
 
 
 def _experts(cfg: config_lib.Config, mesh: jax.sharding.Mesh, abstract: PyTree) -> dict[str, Any]:

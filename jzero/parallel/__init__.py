@@ -14,8 +14,9 @@ torchtitan's ``distributed/``, one module per technique:
   over the ``replica`` axis.
 * :mod:`~jzero.parallel.tensor`: AutoTP, Megatron-style ``model``-axis specs from the
   parameters' names and shapes.
-* :mod:`~jzero.parallel.sequence`: DeepSpeed-Ulysses, attention over a sequence split on
-  the ``seq`` axis by two all-to-alls.
+* :mod:`~jzero.parallel.sequence`: attention over a sequence split across devices:
+  DeepSpeed-Ulysses on the ``seq`` axis by two all-to-alls, ring attention on the
+  ``context`` axis (zig-zag chunks, keys and values passed around the ring), and both.
 * :mod:`~jzero.parallel.pipeline`: pipeline parallelism's schedules (GPipe, 1F1B,
   interleaved, zero-bubble), the engine that runs one over the ``pipe`` axis, the loss cut
   into stage units, and its part of the step.
@@ -26,17 +27,22 @@ torchtitan's ``distributed/``, one module per technique:
 from jzero.parallel import expert as expert
 from jzero.parallel import hybrid as hybrid
 from jzero.parallel import pipeline as pipeline
+from jzero.parallel import sequence as sequence
 from jzero.parallel import tensor as tensor
 from jzero.parallel import zero as zero
 from jzero.parallel.pipeline import SCHEDULES as SCHEDULES
 from jzero.parallel.pipeline import Schedule as Schedule
 from jzero.parallel.pipeline import bubble_fraction as bubble_fraction
 from jzero.parallel.pipeline import make_schedule as make_schedule
+from jzero.parallel.sequence import context_chunk as context_chunk
+from jzero.parallel.sequence import context_parallel_attention as context_parallel_attention
+from jzero.parallel.sequence import ring_attention as ring_attention
 from jzero.parallel.sequence import sequence_chunk as sequence_chunk
 from jzero.parallel.sequence import sequence_offset as sequence_offset
 from jzero.parallel.sequence import (
     sequence_parallel_attention as sequence_parallel_attention,
 )
+from jzero.parallel.sequence import sequence_positions as sequence_positions
 from jzero.parallel.tensor import MODEL_AXIS as MODEL_AXIS
 from jzero.parallel.tensor import TPChoice as TPChoice
 from jzero.parallel.tensor import autotp_specs as autotp_specs
@@ -44,16 +50,21 @@ from jzero.parallel.tensor import autotp_specs as autotp_specs
 __all__ = [
     "autotp_specs",
     "bubble_fraction",
+    "context_chunk",
+    "context_parallel_attention",
     "expert",
     "hybrid",
     "make_schedule",
     "MODEL_AXIS",
     "pipeline",
+    "ring_attention",
     "Schedule",
     "SCHEDULES",
+    "sequence",
     "sequence_chunk",
     "sequence_offset",
     "sequence_parallel_attention",
+    "sequence_positions",
     "tensor",
     "TPChoice",
     "zero",

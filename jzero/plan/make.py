@@ -231,8 +231,10 @@ def make_plan(
     opt_sh, master_sh = _offloaded_state(
         zero, leaves, opt_sh, update_sh, optimizer, abstract_params, abstract_opt_state, treedef
     )
-    # The batch's rows are split over every batch axis but seq (whose devices share rows).
-    row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a != par.seq_axis)
+    # The batch's rows are split over every batch axis but seq and context (whose devices
+    # share rows).
+    shared = (par.seq_axis, par.context_axis)
+    row_axes = tuple(a for a in ((replica,) if replica else ()) + zero_axes if a not in shared)
     applied = dataclasses.replace(
         options,
         zero=dataclasses.replace(
@@ -272,7 +274,8 @@ def make_plan(
 
 
 def _zero_axes(mesh: Mesh, par: ParallelOptions) -> tuple[str, ...]:
-    """The axes ZeRO shards over, each one of the mesh's; the sequence axis one of them."""
+    """The axes ZeRO shards over, each one of the mesh's; the sequence and context axes
+    among them."""
     zero_axes = (par.axis,) if isinstance(par.axis, str) else tuple(par.axis)
     for name in zero_axes:
         if name not in mesh.shape:
@@ -280,10 +283,11 @@ def _zero_axes(mesh: Mesh, par: ParallelOptions) -> tuple[str, ...]:
                 f"The mesh has no axis {name!r}; its axes are {list(mesh.shape)}. "
                 f"Build the mesh with jzero.make_mesh or name its data-parallel axis {name!r}."
             )
-    if par.seq_axis is not None and par.seq_axis not in zero_axes:
-        raise ValueError(
-            f"seq_axis {par.seq_axis!r} must be one of the axes ZeRO shards over {zero_axes}."
-        )
+    for field, name in (("seq_axis", par.seq_axis), ("context_axis", par.context_axis)):
+        if name is not None and name not in zero_axes:
+            raise ValueError(
+                f"{field} {name!r} must be one of the axes ZeRO shards over {zero_axes}."
+            )
     return zero_axes
 
 

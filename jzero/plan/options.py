@@ -111,7 +111,7 @@ class CommOptions:
 @dataclass(frozen=True)
 class ParallelOptions:
     """Where the other parallelisms put the leaves: the axes ZeRO shards over, the user's or
-    AutoTP's partition specs, the sequence, pipeline and expert axes.
+    AutoTP's partition specs, the sequence, context, pipeline and expert axes.
 
     Attributes:
       axis: the data-parallel mesh axis, or a tuple of the axes ZeRO shards over
@@ -127,6 +127,9 @@ class ParallelOptions:
       seq_axis: the sequence-parallel axis (Ulysses), one of ``axis``'s: the batch's rows are
         not split over it (its devices share the batch's rows and each computes the loss of
         its own tokens, :mod:`jzero.parallel.sequence`).
+      context_axis: the context-parallel axis (ring attention), one of ``axis``'s: as
+        ``seq_axis``, the batch's rows are not split over it (each device holds two zig-zag
+        chunks of every row, :mod:`jzero.parallel.sequence.ring`).
       pipe_axis: the pipeline mesh axis (``pipe``), or ``None`` without pipeline parallelism:
         the leaves the layer scan consumes are split over it on their stacked dimension (their
         base spec names it), every other leaf is whole on each stage.
@@ -148,6 +151,7 @@ class ParallelOptions:
     tp_rules: Sequence[str] | None = None
     tp_waiting: bool = False
     seq_axis: str | None = None
+    context_axis: str | None = None
     pipe_axis: str | None = None
     pipe_schedule: str = "1f1b"
     pipe_virtual: int = 1

@@ -71,8 +71,9 @@ class Plan:
       options: the options the plan was made with, as :func:`~jzero.plan.make_plan` applied
         them: ZeRO's (``options.zero``), the collectives' (``options.comm``; bucket sizes
         ``None`` where the step's own reductions do not use them), the other parallelisms'
-        layout (``options.parallel``: ZeRO's ``axis``, ``seq_axis``, ``pipe_axis``,
-        ``expert_axis``, ``tp_rules``, ...) and the run's dtypes (``options.precision``).
+        layout (``options.parallel``: ZeRO's ``axis``, ``seq_axis``, ``context_axis``,
+        ``pipe_axis``, ``expert_axis``, ``tp_rules``, ...) and the run's dtypes
+        (``options.precision``).
       master: under mixed precision, shardings of the float32 master weights (the update
         layout, like the optimizer state, and in the same memory); ``None`` otherwise.
       base_specs: per leaf, the user's own ``PartitionSpec`` on other mesh axes.
@@ -134,8 +135,8 @@ class Plan:
 
     @property
     def zero_axes(self) -> tuple[str, ...]:
-        """The mesh axes ZeRO shards over, major first: ``data``, and ``seq`` beside it under
-        sequence parallelism (the options' ``parallel.axis``)."""
+        """The mesh axes ZeRO shards over, major first: ``data``, and ``context`` and ``seq``
+        beside it under context and sequence parallelism (the options' ``parallel.axis``)."""
         axis = self.options.parallel.axis
         return (axis,) if isinstance(axis, str) else tuple(axis)
 
@@ -161,6 +162,12 @@ class Plan:
     def seq_size(self) -> int:
         """The size of the sequence-parallel axis (1 without one)."""
         axis = self.options.parallel.seq_axis
+        return int(self.mesh.shape[axis]) if axis else 1
+
+    @property
+    def context_size(self) -> int:
+        """The size of the context-parallel (ring) axis (1 without one)."""
+        axis = self.options.parallel.context_axis
         return int(self.mesh.shape[axis]) if axis else 1
 
     @property
@@ -249,8 +256,8 @@ class Plan:
     def batch_axes(self) -> tuple[str, ...]:
         """The mesh axes each device computes its own part of the loss over, the ones the
         step's ``shard_map`` makes manual: ``replica`` (if any), then ZeRO's axes. The
-        batch's rows are split over all of them but ``seq``, whose devices share rows and
-        split their tokens."""
+        batch's rows are split over all of them but ``seq`` and ``context``, whose devices
+        share rows and split their tokens."""
         return (self.replica_axis, *self.zero_axes) if self.replica_axis else self.zero_axes
 
     @property
@@ -271,9 +278,9 @@ class Plan:
 
     @property
     def data_parallel_size(self) -> int:
-        """Devices the batch's rows are split over (``replica`` x ``data``); a ``seq`` group
-        shares its rows."""
-        return self.num_shards * self.num_replicas // self.seq_size
+        """Devices the batch's rows are split over (``replica`` x ``data``); a ``seq`` or
+        ``context`` group shares its rows."""
+        return self.num_shards * self.num_replicas // (self.seq_size * self.context_size)
 
     @property
     def loss_shards(self) -> int:

@@ -129,6 +129,24 @@ def host_state_bytes(plan: Plan, accumulation_steps: int = 1) -> dict[str, int]:
     return _bytes_where(plan, True, accumulation_steps)
 
 
+def _token_split(plan: Plan) -> str:
+    """The line naming how each row's tokens are split: ring attention over ``context``,
+    Ulysses over ``seq``, or both."""
+    par = plan.options.parallel
+    parts = []
+    if par.context_axis:
+        parts.append(
+            f"{par.context_axis!r} ({plan.context_size} devices, ring attention: two zig-zag "
+            f"chunks of {2 * plan.context_size} each)"
+        )
+    if par.seq_axis:
+        parts.append(f"{par.seq_axis!r} ({plan.seq_size} devices, Ulysses: contiguous)")
+    return (
+        f"tokens: each row's split over {' then '.join(parts)}; these devices share the rows "
+        f"and ZeRO shards over them too"
+    )
+
+
 def describe(plan: Plan) -> str:
     """A table of every leaf: shape, spec per category, per-device bytes, what stayed whole;
     above it the stage, the mesh and the other parallelisms, below it the bytes per device,
@@ -204,6 +222,8 @@ def describe(plan: Plan) -> str:
             f"{others or 'no other axis'} for them, over all of "
             f"{'x'.join(plan.zero_axes)} for the rest: " + ", ".join(experts)
         )
+    if par.seq_axis or par.context_axis:
+        lines.append(_token_split(plan))
     for i, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:

@@ -4,9 +4,8 @@ mesh axis, by two all-to-alls around an unchanged attention function.
 Outside attention every op of a transformer block (projections, MLP, norms) acts on each token
 alone, so each device keeps only its own ``T/S`` tokens. :func:`sequence_parallel_attention`
 wraps an attention function so that, inside ``jax.shard_map`` with ``seq`` manual, it sees the
-whole sequence for a group of ``H/S`` heads; :func:`sequence_chunk` and
-:func:`sequence_offset` cut a replicated batch into each device's tokens and give their
-positions.
+whole sequence for a group of ``H/S`` heads; :mod:`jzero.parallel.sequence.layout` cuts a
+replicated batch into each device's tokens and gives their positions.
 
 Decisions:
 
@@ -17,7 +16,9 @@ Decisions:
   all-to-all back restores ``[B, T/S, H, Dh]``. Each device then does ``1/S`` of the attention
   work with no change to the attention code, and its activation memory outside attention is
   ``~1/S``. An all-gather of k and v (Megatron's context parallelism) would keep every head and
-  hold the full k/v on every device; ring attention needs an attention kernel written for it.
+  hold the full k/v on every device. Past the head count, ring attention
+  (:mod:`jzero.parallel.sequence.ring`, the ``context`` axis) takes over, and the two compose:
+  ``attn_fn`` may be :func:`~jzero.parallel.sequence.ring.ring_attention`.
 * **Communication:** four all-to-alls of the activations per attention call in the forward
   pass (q, k, v in, the output back), each moving ``(S-1)/S`` of a ``[B, T/S, H, Dh]`` tensor
   per device: a constant volume per device as ``T`` and ``S`` grow together, where an
@@ -45,8 +46,9 @@ Decisions:
   the full sequence and the device's group of heads (a scalar scale, a dropout key; not a
   per-head bias of all ``H`` heads).
 * The sequence dimension is contiguous per device: device ``j`` of ``seq`` holds tokens
-  ``j*T/S ... (j+1)*T/S - 1``, the order ``PartitionSpec(..., "seq")`` gives and the order the
-  all-to-all concatenates in.
+  ``j*T/S ... (j+1)*T/S - 1`` of the sequence it is given, the order
+  ``PartitionSpec(..., "seq")`` gives and the order the all-to-all concatenates in. Under
+  ring attention that sequence is one ring member's zig-zag tokens, in their order.
 """
 
 from __future__ import annotations
@@ -63,18 +65,10 @@ from jax.sharding import PartitionSpec as P
 
 from jzero._util import divisors
 from jzero.distributed.mesh import SEQ_AXIS
+from jzero.parallel.sequence.layout import bound_axis_size
 from jzero.parallel.tensor import MODEL_AXIS
 
-__all__ = ["SEQ_AXIS", "sequence_chunk", "sequence_offset", "sequence_parallel_attention"]
-
-
-def bound_axis_size(axis: str) -> int | None:
-    """The size of the mapped axis ``axis`` where it is bound (``shard_map`` with it manual,
-    or ``vmap``/``pmap`` naming it), else ``None``."""
-    try:
-        return jax.lax.axis_size(axis)
-    except NameError:  # JAX: "unbound axis name: seq"
-        return None
+__all__ = ["heads_axis", "sequence_parallel_attention"]
 
 
 def _check_heads(
@@ -178,7 +172,7 @@ def sequence_parallel_attention(
             return jax.lax.all_to_all(out, axis, split_axis=s_dim, concat_axis=h_dim, tiled=True)
 
         arrays = [args[i] for i in at]
-        model = _head_axis(q, k, v, h_dim)
+        model = heads_axis(q, k, v, h_dim)
         if model is None:
             return ulysses(q, k, v, *arrays)
         # Heads split over the model axis too (tensor parallelism): each device's all-to-alls
@@ -196,10 +190,10 @@ def sequence_parallel_attention(
     return wrapped
 
 
-def _head_axis(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> str | None:
-    """The tensor-parallel axis the heads are split over, when the context mesh has one left
-    to the compiler (AutoTP's ``model``: its column-parallel q/k/v split the heads) and it
-    divides every head count; else ``None``."""
+def heads_axis(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> str | None:
+    """The tensor-parallel axis the heads are split over, when the current abstract mesh has
+    one left to the compiler (AutoTP's ``model``: its column-parallel q/k/v split the heads)
+    and it divides every head count; else ``None``."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or MODEL_AXIS not in mesh.axis_names:
         return None
@@ -210,51 +204,3 @@ def _head_axis(q: jax.Array, k: jax.Array, v: jax.Array, head_dim: int) -> str |
     if any(x.shape[head_dim] % size for x in (q, k, v)):
         return None
     return MODEL_AXIS
-
-
-def sequence_chunk(x: jax.Array, axis: str = SEQ_AXIS, dim: int = 1) -> jax.Array:
-    """This device's contiguous chunk of ``x`` along ``dim``, for a batch that enters
-    ``shard_map`` replicated over ``axis`` (device ``j`` gets chunk ``j`` of ``S``).
-
-    Args:
-      x: the full-length array, the same on every device of ``axis``.
-      axis: the sequence-parallel mesh axis.
-      dim: the sequence dimension of ``x``.
-
-    Returns:
-      ``x``'s chunk ``jax.lax.axis_index(axis)`` of length ``T/S`` along ``dim``; ``x`` itself
-      where ``axis`` is unbound or of size 1.
-
-    Raises:
-      ValueError: a length along ``dim`` that the size of ``axis`` does not divide.
-    """
-    size = bound_axis_size(axis)
-    if size is None or size == 1:
-        return x
-    length = x.shape[dim]
-    if length % size:
-        raise ValueError(
-            f"sequence_chunk: a sequence of {length} tokens (dimension {dim} of shape "
-            f"{tuple(x.shape)}) cannot be split evenly over the {size} devices of the {axis!r} "
-            f"axis. Pad or cut the sequence to a multiple of {size}, or choose a {axis!r} size "
-            f"among the divisors of {length}."
-        )
-    local = length // size
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * local, local, axis=dim)
-
-
-def sequence_offset(local_len: int, axis: str = SEQ_AXIS) -> jax.Array | int:
-    """The global position of this device's first token, for position embeddings: this
-    device's index on ``axis`` times ``local_len`` (0 where ``axis`` is unbound).
-
-    Args:
-      local_len: the number of tokens each device holds (``T/S``).
-      axis: the sequence-parallel mesh axis.
-
-    Returns:
-      ``jax.lax.axis_index(axis) * local_len`` (a traced int32 scalar) under a bound ``axis``;
-      the Python int 0 where it is unbound.
-    """
-    if bound_axis_size(axis) is None:
-        return 0
-    return jax.lax.axis_index(axis) * local_len

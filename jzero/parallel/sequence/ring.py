@@ -1,0 +1,243 @@
+"""Context parallelism by ring attention: attention over a sequence split across the
+``context`` mesh axis, keys and values passed around the ring of its devices.
+
+Each device keeps its queries and, for ``C`` steps, attends them to one ring member's keys
+and values, accumulating an online softmax (:mod:`jzero.ops.attention`'s :class:`Partial`),
+then hands those keys on to its neighbour with ``jax.lax.ppermute``. Unlike Ulysses
+(:mod:`jzero.parallel.sequence.ulysses`) nothing splits the heads, so a model of few heads
+spreads one sequence over as many devices as the sequence has chunks;
+:func:`context_parallel_attention` runs Ulysses within each ring member and the ring across
+members (two-dimensional sequence parallelism), each where its axis is bound.
+
+Decisions:
+
+* **Zig-zag layout** (:func:`jzero.parallel.sequence.layout.context_chunk`): member ``c``
+  holds chunks ``c`` and ``2C-1-c`` of ``2C``. Under a causal mask the keys of an earlier
+  member (``j < c``) are wholly visible to both query chunks through their first chunk and
+  wholly hidden through their second; a later member's (``j > c``) are visible only to the
+  second query chunk, and wholly. So every step past the first is half a block on every
+  member (a ``lax.cond`` picks which half), and the first is three quarters of one (the
+  chunk pair the mask hides is skipped). Every member does the same work each step, so none
+  waits for another at the ``ppermute``.
+* **What travels**: k, v (grouped-query attention: only the ``Hkv`` key/value heads), the
+  keys' positions in the row and, for packed rows, their document ids; the queries and the
+  running :class:`Partial` stay. ``C - 1`` ``ppermute`` s forward, each ``1/C`` of the
+  row's keys and values per device; autodiff transposes each into one the other way, the
+  backward ring that returns the keys' gradients to their owners.
+* **Memory**: each step's block (scores, probabilities) is under ``jax.checkpoint``, so the
+  backward pass recomputes it: no ``[T/C, T/C]`` score buffer is saved, only the visited keys
+  and the partials, ``O(T * H * Dh)`` a device.
+* **Where ``context`` is unbound or of size 1** the function is attention over the sequence it
+  is given, positions ``0 ... T-1``: one model code inside and outside the step.
+* **Masks from positions**: causality compares the tokens' places in the row (not their
+  documents' positions), documents by equal ids, as
+  :func:`jzero.ops.attention.block_mask` does; padding (id 0) is a document of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jzero.distributed.mesh import CONTEXT_AXIS, SEQ_AXIS
+from jzero.ops.attention import Partial, attend_block, block_mask, empty_partial, finish, merge
+from jzero.parallel.sequence.layout import bound_axis_size, context_chunk
+from jzero.parallel.sequence.ulysses import sequence_parallel_attention
+
+__all__ = ["context_parallel_attention", "ring_attention"]
+
+
+class _Keys(NamedTuple):
+    """What travels around the ring: one member's keys, values, positions and documents."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    seg: jax.Array | None
+
+
+class _Queries(NamedTuple):
+    """What stays: this member's queries, their positions and documents."""
+
+    q: jax.Array
+    pos: jax.Array
+    seg: jax.Array | None
+
+
+def _half(x: jax.Array | None, which: int, dim: int = 1) -> jax.Array | None:
+    """The first (``which=0``) or second zig-zag chunk of ``x`` along ``dim``."""
+    if x is None:
+        return None
+    n = x.shape[dim] // 2
+    return jax.lax.slice_in_dim(x, which * n, (which + 1) * n, axis=dim)
+
+
+def _attend(q: _Queries, keys: _Keys, causal: bool) -> Partial:
+    """:func:`attend_block` of ``q`` over ``keys`` under their mask."""
+    mask = block_mask(q.pos, keys.pos, q.seg, keys.seg, causal=causal)
+    return attend_block(q.q, keys.k, keys.v, mask)
+
+
+def _queries_half(q: _Queries, which: int) -> _Queries:
+    return _Queries(_half(q.q, which), _half(q.pos, which, 0), _half(q.seg, which))
+
+
+def _keys_half(keys: _Keys, which: int) -> _Keys:
+    return _Keys(
+        _half(keys.k, which),
+        _half(keys.v, which),
+        _half(keys.pos, which, 0),
+        _half(keys.seg, which),
+    )
+
+
+def _second_only(q: _Queries, part: Partial) -> Partial:
+    """``part`` (over the second query chunk) as a partial over all of ``q``: the first
+    chunk's queries saw nothing."""
+    none = empty_partial(_half(q.q, 0))
+    return Partial(
+        out=jnp.concatenate([none.out, part.out], axis=1),
+        max=jnp.concatenate([none.max, part.max], axis=2),
+        sum=jnp.concatenate([none.sum, part.sum], axis=2),
+    )
+
+
+def _own(q: _Queries, keys: _Keys, causal: bool) -> Partial:
+    """The first step, this member's own keys: under a causal mask the first key chunk for
+    every query, the second for the second query chunk (the first query chunk's view of the
+    second key chunk is hidden, and skipped)."""
+    if not causal:
+        return _attend(q, keys, causal)
+    first = _attend(q, _keys_half(keys, 0), causal)
+    second = _attend(_queries_half(q, 1), _keys_half(keys, 1), causal)
+    return merge(first, _second_only(q, second))
+
+
+def _visit(q: _Queries, keys: _Keys, earlier: jax.Array, causal: bool) -> Partial:
+    """A later step, another member's keys: under a causal mask an earlier member's first key
+    chunk for every query, else every key for the second query chunk."""
+    if not causal:
+        return _attend(q, keys, causal)
+    return jax.lax.cond(
+        earlier,
+        lambda: _attend(q, _keys_half(keys, 0), causal),
+        lambda: _second_only(q, _attend(_queries_half(q, 1), keys, causal)),
+    )
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    axis: str = CONTEXT_AXIS,
+) -> jax.Array:
+    """Attention of this ring member's queries over the whole row's keys, keys and values
+    passed around the ``axis`` ring.
+
+    Call it inside ``shard_map`` with ``axis`` manual, on each member's tokens in
+    :func:`~jzero.parallel.sequence.layout.context_chunk`'s zig-zag order.
+
+    Args:
+      q: this member's queries ``[B, T/C, H, Dh]``.
+      k: its keys ``[B, T/C, Hkv, Dh]`` (``Hkv`` dividing ``H``: grouped-query attention).
+      v: its values, shaped as ``k``.
+      segment_ids: int ``[B, T/C]``, the documents of this member's tokens in packed rows (a
+        token sees only its own document's), or ``None``.
+      causal: a token sees only the tokens at its place in the row or before.
+      axis: the context-parallel mesh axis.
+
+    Returns:
+      ``[B, T/C, H, Dh]`` in q's dtype: this member's rows of the attention output. Where
+      ``axis`` is unbound or of size 1, plain attention over ``q``, ``k``, ``v``.
+
+    Raises:
+      ValueError: under a bound ``axis``, an odd number of tokens (not two zig-zag chunks).
+
+    Example:
+      >>> step = jax.shard_map(lambda q, k, v: ring_attention(q, k, v), mesh=mesh,
+      ...     in_specs=P("data", "context"), out_specs=P("data", "context"))  # doctest: +SKIP
+    """
+    size = bound_axis_size(axis) or 1
+    t = q.shape[1]
+    if size == 1:
+        pos = jnp.arange(t, dtype=jnp.int32)
+        mask = block_mask(pos, pos, segment_ids, segment_ids, causal=causal)
+        return finish(attend_block(q, k, v, mask), q.dtype)
+    if t % 2:
+        raise ValueError(
+            f"ring_attention: {t} tokens on each of the {size} members of {axis!r} are not two "
+            "zig-zag chunks; give each member an even number of tokens (a row of a multiple "
+            f"of {2 * size}), cut by jzero.sequence_chunk."
+        )
+    pos = context_chunk(jnp.arange(t * size, dtype=jnp.int32), axis, 0)
+    queries = _Queries(q, pos, segment_ids)
+    own = jax.checkpoint(functools.partial(_own, causal=causal))
+    visit = jax.checkpoint(functools.partial(_visit, causal=causal))
+    c = jax.lax.axis_index(axis)
+    ring = [(i, (i + 1) % size) for i in range(size)]
+
+    def step(carry: tuple[Partial, _Keys], s: jax.Array) -> tuple[tuple[Partial, _Keys], None]:
+        acc, keys = carry
+        keys = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, ring), keys)
+        source = (c - s) % size  # the member whose keys arrived: c - s around the ring
+        return (merge(acc, visit(queries, keys, source < c)), keys), None
+
+    keys = _Keys(k, v, pos, segment_ids)
+    (acc, _), _ = jax.lax.scan(step, (own(queries, keys), keys), jnp.arange(1, size))
+    return finish(acc, q.dtype)
+
+
+def context_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    axis: str = CONTEXT_AXIS,
+    seq_axis: str = SEQ_AXIS,
+) -> jax.Array:
+    """Attention of this device's tokens over the whole row under context parallelism, with
+    Ulysses beside it: ring attention over ``axis``, inside Ulysses's all-to-alls over
+    ``seq_axis``, each where its axis is bound (plain attention where neither is).
+
+    Each device holds :func:`~jzero.parallel.sequence.layout.sequence_chunk`'s tokens: its
+    ring member's zig-zag tokens, of which the ``j``-th contiguous ``1/S`` on device ``j`` of
+    ``seq_axis``. Ulysses's all-to-all gives each ``seq`` device its member's tokens for
+    ``H/S`` heads; the ring then runs over the members.
+
+    Args:
+      q: this device's queries ``[B, T/(C*S), H, Dh]``.
+      k: its keys ``[B, T/(C*S), Hkv, Dh]`` (grouped-query attention: ``Hkv`` divides ``H``;
+        under Ulysses ``S`` divides both).
+      v: its values, shaped as ``k``.
+      segment_ids: int ``[B, T/(C*S)]``, the documents of this device's tokens in packed
+        rows, or ``None``.
+      causal: a token sees only the tokens at its place in the row or before.
+      axis: the context-parallel (ring) mesh axis.
+      seq_axis: the sequence-parallel (Ulysses) mesh axis.
+
+    Returns:
+      ``[B, T/(C*S), H, Dh]`` in q's dtype: this device's rows of the attention output.
+
+    Raises:
+      ValueError: a head count ``S`` does not divide, or an odd number of tokens per ring
+        member.
+
+    Example:
+      >>> def loss(params, batch):  # inside jzero's step, context and seq bound  # doctest: +SKIP
+      ...     tokens = jzero.sequence_chunk(batch["tokens"])
+      ...     pos = jzero.sequence_positions(tokens.shape[1])   # for position embeddings
+      ...     out = jzero.context_parallel_attention(q, k, v)
+    """
+    if segment_ids is not None and (bound_axis_size(seq_axis) or 1) > 1:
+        # The ring member's documents: Ulysses's attention sees the member's tokens.
+        segment_ids = jax.lax.all_gather(segment_ids, seq_axis, axis=1, tiled=True)
+    ring = functools.partial(ring_attention, causal=causal, axis=axis)
+    return sequence_parallel_attention(ring, seq_axis)(q, k, v, segment_ids)
