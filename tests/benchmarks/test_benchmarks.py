@@ -336,3 +336,24 @@ def test_long_sequence_benchmark_prints_temporaries_per_form():
     (row,) = [line.strip("|").split("|") for line in out.splitlines() if line[:4] == "| 64"]
     plain, attention, loss, mlp = (float(c) for c in row[1:])
     assert loss < plain and mlp <= loss  # the [64, 512] logits were the largest temporaries
+
+
+def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_rings_bytes():
+    # Smoke: a one-layer GPT, lengths from and up to 32 (one probe a row). The figures' claims
+    # (no [T, T] scores, logits or MLP layer; the ring's permutes over `context` only; the tiled
+    # forms' smaller temporaries) are tests/ops/test_long_sequence_gpt.py's,
+    # tests/distributed/test_context_parallel.py's and the smoke test above.
+    args = ["--smoke", "--budget", "2MiB", "--most", "32", "--first", "32"]
+    args += ["--steps", "1"]
+    out = _run("long_sequence", *args).stdout
+    longest, ring = out.split("### Ring against Ulysses")
+    rows = [line.strip("|").split("|") for line in longest.splitlines() if line[:3] == "| +"]
+    rows = [line.strip("|").split("|") for line in longest.splitlines() if "| plain" in line] + rows
+    lengths = [int(r[2]) for r in rows]
+    assert len(lengths) == 6 and lengths[0] > 0, out
+    # Each technique keeps at least the length of the one before it (offload changes nothing
+    # measurable on CPU).
+    assert lengths == sorted(lengths) and lengths[-1] > 0, lengths
+    moved = {r[0].strip(): float(r[3]) for r in
+             (line.strip("|").split("|") for line in ring.splitlines()[4:6])}  # fmt: skip
+    assert set(moved) == {"ring attention", "Ulysses (seq 2)"} and min(moved.values()) > 0, out
