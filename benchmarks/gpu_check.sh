@@ -21,6 +21,12 @@
 #                 as a Python loop over layers, that loop with activation_checkpointing (policy
 #                 full) and with cpu_checkpointing, the scan with policy full: device peak and
 #                 step time. $OUT/gpu_memory_wall.json
+#   long_context  benchmarks/long_sequence.py --gpu: attention in bf16 at 32K tokens through
+#                 cuDNN's fused attention (jzero.blockwise_attention picks it on a GPU) and the
+#                 blockwise XLA path (ms/call, peak); the GPT (4 layers, d_model 256, 2 heads)
+#                 with blockwise attention, tiled loss and MLP, activation checkpointing and
+#                 offload, and ring attention over every GPU, at 131,072 tokens: ms/step,
+#                 tokens/s, device peak
 #   comm          benchmarks/gpu_comm.py: the GPT at stage 3 with overlap_comm false/true,
 #                 ZeRO++ qwZ, qgZ and all three: ms/step, MFU, collective bytes, how many
 #                 collectives XLA runs asynchronously beside compute. $OUT/gpu_comm.json
@@ -46,7 +52,8 @@
 # machine with no package index it fails at once), the host offload section to 130 s, the
 # step-time section to 120 s and the memory-wall section to 110 s (those two get --time-budget
 # a little under that, so they stop their variants and still print their tables), the step
-# time's T=1 vs T=2 row (several GPUs only) to 90 s, its pipeline row to 60 s, the comm section to 120 s (no variant
+# time's T=1 vs T=2 row (several GPUs only) to 90 s, its pipeline row to 60 s, the long-context
+# section to 75 s, the comm section to 120 s (no variant
 # starts in its last 40 s), the auto layout section (last) to 60 s; each section
 # is also cut to what is left of the overall limit. A section that fails or runs out of time says so and the
 # next one runs; the exit status is non-zero when any section failed.
@@ -55,7 +62,7 @@ cd "$(dirname "$0")/.."
 start=$SECONDS
 overall=465  # seconds: 8 minutes less a margin for start-up and a last SIGKILL grace
 venv="${JZERO_GPU_VENV:-/tmp/jzero-gpu-venv}"
-sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall comm auto_layout}"
+sections="${JZERO_GPU_SECTIONS:-offload step_time memory_wall long_context comm auto_layout}"
 jax_version="$(sed -n 's/^jax==//p' constraints.txt)"
 source_opts=(--retries 1 --timeout 15)
 if [[ -n "${JZERO_WHEELS:-}" ]]; then
@@ -153,6 +160,10 @@ for section in $sections; do
         "$py" benchmarks/gpu_step_time.py --name memory_wall --stages 3,3-unrolled,3-unrolled-ac,3-unrolled-ac-cpu,3-ac \
         --time-budget $((limit - 15)) "$@"
       ;;
+    long_context)
+      run_section "long context" "$(limit_for 75)" "$py" benchmarks/long_sequence.py --gpu \
+        --steps 2 "$@"
+      ;;
     comm)
       limit=$(limit_for 120)  # variants start until 40 s before the end: the table still prints
       run_section "comm" "$limit" "$py" benchmarks/gpu_comm.py --time-budget $((limit - 40)) "$@"
@@ -161,7 +172,7 @@ for section in $sections; do
       run_section "auto layout" "$(limit_for 60)" "$py" benchmarks/auto_layout.py "$@"
       ;;
     *)
-      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall, comm, auto_layout)"
+      echo "gpu_check: unknown section '$section' in JZERO_GPU_SECTIONS (offload, step_time, memory_wall, long_context, comm, auto_layout)"
       failed+=("$section")
       ;;
   esac

@@ -31,6 +31,14 @@ host bytes (``docs/benchmarks.md``); the GPU section of ``benchmarks/gpu_check.s
 it on a device. A third table compares the ring with Ulysses at the same length on 8
 devices: the bytes each moves a step (collective-permutes over ``context``, all-to-alls over
 ``seq``, from the compiled step) and tokens per second.
+
+``--gpu`` (``benchmarks/gpu_check.sh``'s ``long_context`` section) measures on the devices
+JAX has: attention alone in bf16 (``[1, T, 8, 128]``, forward and backward) through cuDNN's
+fused attention (:func:`jzero.blockwise_attention` picks it on a GPU) and through the
+blockwise XLA path, ms per call and the device's peak bytes; then the GPT with every
+technique (ring over all devices where there are several) trained at ``--gpu-seq`` tokens
+(131,072 by default), ms per step, tokens per second and the device's peak
+(``memory_stats()``). On CPU (``--smoke``) both attention rows are the XLA path.
 """
 
 from __future__ import annotations
@@ -231,6 +239,71 @@ def ring_vs_ulysses(base: gpt.GPTConfig, t: int, block: int, chunk: int, steps: 
         print(f"| {row.name} | {n} | {axis} | {moved / 1e6:.2f} | {rate:.0f} |", flush=True)
 
 
+def _timed(fn, *args, repeats: int) -> float:
+    """Milliseconds per call of ``fn`` (compiled and run once before)."""
+    jax.block_until_ready(fn(*args))
+    started = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - started) * 1e3 / repeats
+
+
+def _peak() -> int | None:
+    """The first device's peak bytes in use so far (``None`` where JAX does not say)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def gpu_tables(base: gpt.GPTConfig, t: int, attention_t: int, repeats: int) -> None:
+    """The ``--gpu`` tables: attention through cuDNN and blockwise, then the GPT at ``t``."""
+    device = jax.devices()[0]
+    print(f"### Attention in bf16, [1, {attention_t}, 8, 128], forward and backward, on "
+          f"{device.device_kind}")  # fmt: skip
+    print()
+    print("| path | ms/call | peak MiB |")
+    print("|---|---:|---:|")
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(x, (1, attention_t, 8, 128), jnp.bfloat16) for x in keys)
+    where = jnp.arange(attention_t)[None]
+    paths = {
+        "cuDNN (picked on a GPU)" if device.platform == "gpu" else "XLA (no GPU)": {},
+        "blockwise XLA (positions given)": {"positions": where},
+    }
+    for name, extra in paths.items():
+
+        def loss(q, k, v, extra=extra):
+            out = jzero.blockwise_attention(q, k, v, block_size=512, **extra)
+            return out.astype(jnp.float32).sum()
+
+        ms = _timed(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v, repeats=repeats)
+        peak = _peak()
+        print(f"| {name} | {ms:.2f} | {'-' if peak is None else f'{peak / MIB:.0f}'} |")
+    print()
+    n = jax.device_count()
+    cfg = dataclasses.replace(base, seq_len=t, dtype="bfloat16")
+    config = {
+        "train_batch_size": 1,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "activation_checkpointing": {"policy": "full", "cpu_checkpointing": True},
+        "context_parallel_size": n,
+    }
+    engine = jzero.initialize(
+        model=lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0)), loss_fn=gpt.nnx_loss_fn, config=config
+    )
+    tokens = np.random.default_rng(0).integers(0, base.vocab_size, (1, t + 1))
+    batch = {"tokens": jnp.asarray(tokens, jnp.int32)}
+    ms = _timed(engine.train_step, batch, repeats=repeats)
+    peak = _peak()
+    print(f"### The GPT with every technique at {t} tokens on {n} x {device.device_kind}")
+    print()
+    print("| tokens | devices | ms/step | tokens/s | peak MiB (device 0) |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {t} | {n} | {ms:.0f} | {t / ms * 1e3:.0f} | "
+          f"{'-' if peak is None else f'{peak / MIB:.0f}'} |")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="length 64, a tiny model, blocks of 16")
@@ -239,9 +312,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--most", type=int, default=1 << 20, help="the longest length probed")
     ap.add_argument("--first", type=int, default=0, help="the first length probed")
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the ring/Ulysses table")
-    args = ap.parse_args(argv)
+    ap.add_argument("--gpu", action="store_true", help="the GPU tables (gpu_check.sh)")
+    ap.add_argument("--gpu-seq", type=int, default=131072, help="the GPT's length under --gpu")
+    # gpu_check.sh passes its shared flags to every section: --layers, --d-model and --heads
+    # shape the --gpu GPT; --seq-len is its length; the others are not read here.
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, help="the same as --gpu-seq")
+    args, _ = ap.parse_known_args(argv)
     # The one-device rows are ZeRO-3 on a mesh of one device, which jzero warns splits nothing.
     warnings.filterwarnings("ignore", "ZeRO stage 3 splits the training state")
+    if args.gpu:
+        if args.smoke:
+            base = gpt.GPTConfig(vocab_size=256, num_layers=1, num_heads=2, d_model=16, d_ff=32,
+                                 attention_block=8, loss_chunk=8, mlp_chunk=8)  # fmt: skip
+            gpu_tables(base, 64, 64, repeats=1)
+        else:
+            base = gpt.GPTConfig(
+                vocab_size=32000, num_layers=args.layers, num_heads=args.heads,
+                d_model=args.d_model, d_ff=4 * args.d_model, loss_chunk=1024, mlp_chunk=1024,
+            )  # fmt: skip
+            gpu_tables(base, args.seq_len or args.gpu_seq, 32768, repeats=args.steps)
+        if not args.budget:
+            return
+        print()
     if args.budget:
         if args.smoke:
             base = gpt.GPTConfig(vocab_size=256, num_layers=1, num_heads=2, d_model=16, d_ff=32)

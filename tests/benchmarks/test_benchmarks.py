@@ -343,9 +343,12 @@ def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_
     # (no [T, T] scores, logits or MLP layer; the ring's permutes over `context` only; the tiled
     # forms' smaller temporaries) are tests/ops/test_long_sequence_gpt.py's,
     # tests/distributed/test_context_parallel.py's and the smoke test above.
+    # --gpu too (gpu_check.sh's long_context section), whose tables on CPU are the XLA path.
     args = ["--smoke", "--budget", "2MiB", "--most", "32", "--first", "32"]
-    args += ["--steps", "1"]
+    args += ["--steps", "1", "--gpu"]
     out = _run("long_sequence", *args).stdout
+    gpu, out = out.split("### Longest sequence")
+    assert "| XLA (no GPU) |" in gpu and "| 64 | 8 |" in gpu, gpu
     longest, ring = out.split("### Ring against Ulysses")
     rows = [line.strip("|").split("|") for line in longest.splitlines() if line[:3] == "| +"]
     rows = [line.strip("|").split("|") for line in longest.splitlines() if "| plain" in line] + rows
