@@ -430,7 +430,7 @@ def _parallel_attention(
     if (bound_axis_size(CONTEXT_AXIS) or 1) == 1:
         return _ulysses_attention(q, k, v, segments, block)
     local = None if segments is None else sequence_chunk(segments)
-    return context_parallel_attention(q, k, v, local)
+    return context_parallel_attention(q, k, v, local, block_size=block)
 
 
 def _attention(

@@ -8,7 +8,8 @@ Import direction: imports JAX only (nothing of jzero's), so any package, the bui
 
 * :mod:`~jzero.ops.attention`: :func:`blockwise_attention` (flash-style, online softmax over key
   blocks, packed documents and grouped-query attention, cuDNN's fused kernel on GPU where it
-  applies) and the online-softmax primitive it and ring attention are loops of
+  applies), its body for queries and keys of any lengths (:func:`blockwise_partial`, each
+  ring attention step's), and the online-softmax primitive both are loops of
   (:class:`Partial`, :func:`empty_partial`, :func:`attend_block`, :func:`merge`,
   :func:`finish`, :func:`block_mask`).
 * :mod:`~jzero.ops.tiled`: :func:`tiled_cross_entropy` (the output head and the loss without
@@ -19,6 +20,7 @@ from jzero.ops.attention import Partial as Partial
 from jzero.ops.attention import attend_block as attend_block
 from jzero.ops.attention import block_mask as block_mask
 from jzero.ops.attention import blockwise_attention as blockwise_attention
+from jzero.ops.attention import blockwise_partial as blockwise_partial
 from jzero.ops.attention import empty_partial as empty_partial
 from jzero.ops.attention import finish as finish
 from jzero.ops.attention import merge as merge
@@ -30,6 +32,7 @@ __all__ = [
     "attend_block",
     "block_mask",
     "blockwise_attention",
+    "blockwise_partial",
     "empty_partial",
     "finish",
     "merge",

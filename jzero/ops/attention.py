@@ -53,6 +53,7 @@ __all__ = [
     "attend_block",
     "block_mask",
     "blockwise_attention",
+    "blockwise_partial",
     "empty_partial",
     "finish",
     "merge",
@@ -247,6 +248,20 @@ def _use_cudnn(q: jax.Array) -> bool:
     )
 
 
+def _varying_like(part: Partial, *data: object) -> Partial:
+    """``part`` varying over the manual mesh axes any array of ``data`` varies over: inside
+    ``shard_map`` (a ring step's keys, Ulysses's heads) a scan's carry and a ``cond``'s two
+    branches must agree on them, and an empty partial made of constants varies over none."""
+    axes: set[str] = set()
+    for x in jax.tree.leaves(data):
+        aval = jax.typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older JAX: ``vma``
+        axes |= set(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+    if not axes:
+        return part
+    return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(sorted(axes)), to="varying"), part)
+
+
 def _blocks(x: jax.Array, n: int, size: int) -> jax.Array:
     """``x`` ``[B, n * size, ...]`` as ``[n, B, size, ...]``: the scans' leading block dim."""
     return jnp.moveaxis(x.reshape(x.shape[0], n, size, *x.shape[2:]), 1, 0)
@@ -325,16 +340,64 @@ def blockwise_attention(
         except (RuntimeError, ValueError, NotImplementedError):
             pass  # refused when traced (no cuDNN, or a shape it does not take): blockwise below
     pos = jnp.arange(t)[None] if positions is None else jnp.atleast_2d(positions)
-    if t <= block_size:
-        mask = block_mask(pos, pos, segment_ids, segment_ids, causal=causal)
-        return finish(attend_block(q, k, v, mask), q.dtype)
+    part = blockwise_partial(
+        q, k, v, pos, pos, segment_ids, segment_ids, causal=causal, block_size=block_size
+    )
+    return finish(part, q.dtype)
 
-    n = -(-t // block_size)
-    pad = n * block_size - t
-    qb, kb, vb = (_blocks(_pad_seq(x, pad), n, block_size) for x in (q, k, v))
-    posb = _blocks(_pad_seq(pos, pad), n, block_size)  # [n, B or 1, block]
-    segb = None if segment_ids is None else _blocks(_pad_seq(segment_ids, pad), n, block_size)
-    realb = (jnp.arange(n * block_size) < t).reshape(n, 1, 1, block_size)  # keys, not padding
+
+def blockwise_partial(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    q_seg: jax.Array | None = None,
+    k_seg: jax.Array | None = None,
+    *,
+    causal: bool = True,
+    block_size: int = 512,
+) -> Partial:
+    """The :class:`Partial` of ``q`` over the keys ``k``, ``v``, block by block: the body of
+    :func:`blockwise_attention`, for queries and keys of any two lengths (a ring step's).
+
+    Queries and keys are cut into blocks of ``block_size`` (padded: the padded keys masked,
+    the padded queries dropped); an outer ``lax.scan`` over query blocks under
+    ``jax.checkpoint`` visits the key blocks in an inner one (its body checkpointed too),
+    skipping those the mask hides entirely. Within one block each way it is one
+    :func:`attend_block`.
+
+    Args:
+        q: queries ``[B, Tq, H, Dh]``.
+        k: keys ``[B, Tk, Hkv, Dh]`` (``Hkv`` divides ``H``).
+        v: values, shaped as ``k``.
+        q_pos: int ``[B or 1, Tq]``: the queries' positions in the row.
+        k_pos: int ``[B or 1, Tk]``: the keys'.
+        q_seg: int ``[B, Tq]`` document ids of packed rows, or ``None``.
+        k_seg: the keys' document ids; given exactly when ``q_seg`` is.
+        causal: a query sees only keys at its position or before.
+        block_size: tokens per query and key block.
+
+    Returns:
+        The partial over all of ``k``'s keys, in the wide dtype (:func:`finish` normalises it).
+    """
+    _check_heads(q, k, v)
+    _check_block_size(block_size)
+    b, tq, h, dh = q.shape
+    tk = k.shape[1]
+    q_pos, k_pos = jnp.atleast_2d(q_pos), jnp.atleast_2d(k_pos)
+    if tq <= block_size and tk <= block_size:
+        return attend_block(q, k, v, block_mask(q_pos, k_pos, q_seg, k_seg, causal=causal))
+    nq, nk = -(-tq // block_size), -(-tk // block_size)
+    qb = _blocks(_pad_seq(q, nq * block_size - tq), nq, block_size)
+    qposb = _blocks(_pad_seq(q_pos, nq * block_size - tq), nq, block_size)
+    kb, vb = (_blocks(_pad_seq(x, nk * block_size - tk), nk, block_size) for x in (k, v))
+    kposb = _blocks(_pad_seq(k_pos, nk * block_size - tk), nk, block_size)
+    qsegb = ksegb = None
+    if q_seg is not None:
+        qsegb = _blocks(_pad_seq(q_seg, nq * block_size - tq), nq, block_size)
+        ksegb = _blocks(_pad_seq(k_seg, nk * block_size - tk), nk, block_size)
+    realb = (jnp.arange(nk * block_size) < tk).reshape(nk, 1, 1, block_size)  # not padding
 
     def key_step(acc: Partial, key_block: tuple) -> tuple[Partial, None]:
         qi, qpos, qseg, kj, vj, kpos, kseg, kreal = key_block
@@ -345,14 +408,21 @@ def blockwise_attention(
 
         return jax.lax.cond(mask.any(), attend, lambda acc: acc, acc), None
 
-    def query_step(_: None, query_block: tuple) -> tuple[None, jax.Array]:
+    def query_step(_: None, query_block: tuple) -> tuple[None, Partial]:
         qi, qpos, qseg = query_block
         # The query block rides along each key step (broadcast, not stacked).
         step = jax.checkpoint(
             lambda acc, kv: key_step(acc, (qi, qpos, qseg, *kv)), prevent_cse=False
         )
-        acc, _ = jax.lax.scan(step, empty_partial(qi), (kb, vb, posb, segb, realb))
-        return None, finish(acc, q.dtype)
+        keys = (kb, vb, kposb, ksegb, realb)
+        acc, _ = jax.lax.scan(step, _varying_like(empty_partial(qi), query_block, keys), keys)
+        return None, acc
 
-    _, out = jax.lax.scan(jax.checkpoint(query_step, prevent_cse=False), None, (qb, posb, segb))
-    return jnp.moveaxis(out, 0, 1).reshape(b, n * block_size, h, dh)[:, :t]
+    _, parts = jax.lax.scan(
+        jax.checkpoint(query_step, prevent_cse=False), None, (qb, qposb, qsegb)
+    )  # out [nq, B, block, H, Dh]; max, sum [nq, B, H, block]
+    return Partial(
+        out=jnp.moveaxis(parts.out, 0, 1).reshape(b, nq * block_size, h, dh)[:, :tq],
+        max=jnp.moveaxis(parts.max, 0, 2).reshape(b, h, nq * block_size)[..., :tq],
+        sum=jnp.moveaxis(parts.sum, 0, 2).reshape(b, h, nq * block_size)[..., :tq],
+    )

@@ -218,12 +218,17 @@ def test_no_buffer_is_the_whole_sequence_squared():
     assert _square_buffers(whole.as_text(), T), "the check finds the one-device step's scores"
 
 
-@pytest.mark.parametrize("sizes", [{"data": 1, "context": 8}, {"data": 1, "context": 4, "seq": 2}],
-                         ids=["context8", "seq2xcontext4"])  # fmt: skip
-def test_the_public_attention_equals_one_devices_with_grouped_query_heads(sizes):
+@pytest.mark.parametrize(
+    ("sizes", "block"),
+    [({"data": 1, "context": 8}, None), ({"data": 1, "context": 4, "seq": 2}, None),
+     ({"data": 2, "context": 4}, 2)],
+    ids=["context8", "seq2xcontext4", "context4-blocks2"],
+)  # fmt: skip
+def test_the_public_attention_equals_one_devices_with_grouped_query_heads(sizes, block):
     """4 query heads reading 2 key/value heads, packed documents: this device's rows of
     ``context_parallel_attention`` over the ring (and Ulysses) are one device's attention's
-    rows in the zig-zag order, and so are the gradients of q, k and v."""
+    rows in the zig-zag order, and so are the gradients of q, k and v. With ``block`` each
+    ring step is itself blockwise (a member's half chunk of 4 tokens in blocks of 2)."""
     from jzero.ops.attention import attend_block, block_mask, finish
 
     b, heads, kv_heads, dh = 2, 4, 2, 8
@@ -240,7 +245,9 @@ def test_the_public_attention_equals_one_devices_with_grouped_query_heads(sizes)
 
     def split(q, k, v, seg):
         local = jzero.sequence_chunk
-        return jzero.context_parallel_attention(local(q), local(k), local(v), local(seg))
+        return jzero.context_parallel_attention(
+            local(q), local(k), local(v), local(seg), block_size=block
+        )
 
     tokens = P(None, tuple(a for a in sizes if a != "data"))
     ring = jax.shard_map(split, mesh=mesh, in_specs=P(), out_specs=tokens)

@@ -26,7 +26,10 @@ Decisions:
   backward ring that returns the keys' gradients to their owners.
 * **Memory**: each step's block (scores, probabilities) is under ``jax.checkpoint``, so the
   backward pass recomputes it: no ``[T/C, T/C]`` score buffer is saved, only the visited keys
-  and the partials, ``O(T * H * Dh)`` a device.
+  and the partials, ``O(T * H * Dh)`` a device. With ``block_size`` (the built-in GPT passes
+  its ``attention_block``) each step is itself blockwise
+  (:func:`jzero.ops.blockwise_partial`), so not even one step's recomputation holds a
+  ``[T/2C, T/2C]`` tile: at long sequences that tile, not the keys, was the ring's peak.
 * **Where ``context`` is unbound or of size 1** the function is attention over the sequence it
   is given, positions ``0 ... T-1``: one model code inside and outside the step.
 * **Masks from positions**: causality compares the tokens' places in the row (not their
@@ -43,7 +46,15 @@ import jax
 import jax.numpy as jnp
 
 from jzero.distributed.mesh import CONTEXT_AXIS, SEQ_AXIS
-from jzero.ops.attention import Partial, attend_block, block_mask, empty_partial, finish, merge
+from jzero.ops.attention import (
+    Partial,
+    attend_block,
+    block_mask,
+    blockwise_partial,
+    empty_partial,
+    finish,
+    merge,
+)
 from jzero.parallel.sequence.layout import bound_axis_size, context_chunk
 from jzero.parallel.sequence.ulysses import sequence_parallel_attention
 
@@ -75,8 +86,13 @@ def _half(x: jax.Array | None, which: int, dim: int = 1) -> jax.Array | None:
     return jax.lax.slice_in_dim(x, which * n, (which + 1) * n, axis=dim)
 
 
-def _attend(q: _Queries, keys: _Keys, causal: bool) -> Partial:
-    """:func:`attend_block` of ``q`` over ``keys`` under their mask."""
+def _attend(q: _Queries, keys: _Keys, causal: bool, block: int | None) -> Partial:
+    """The partial of ``q`` over ``keys`` under their mask: one :func:`attend_block`, or
+    blockwise (:func:`blockwise_partial`) in blocks of ``block`` tokens."""
+    if block is not None:
+        return blockwise_partial(
+            q.q, keys.k, keys.v, q.pos, keys.pos, q.seg, keys.seg, causal=causal, block_size=block
+        )
     mask = block_mask(q.pos, keys.pos, q.seg, keys.seg, causal=causal)
     return attend_block(q.q, keys.k, keys.v, mask)
 
@@ -105,26 +121,28 @@ def _second_only(q: _Queries, part: Partial) -> Partial:
     )
 
 
-def _own(q: _Queries, keys: _Keys, causal: bool) -> Partial:
+def _own(q: _Queries, keys: _Keys, causal: bool, block: int | None) -> Partial:
     """The first step, this member's own keys: under a causal mask the first key chunk for
     every query, the second for the second query chunk (the first query chunk's view of the
     second key chunk is hidden, and skipped)."""
     if not causal:
-        return _attend(q, keys, causal)
-    first = _attend(q, _keys_half(keys, 0), causal)
-    second = _attend(_queries_half(q, 1), _keys_half(keys, 1), causal)
+        return _attend(q, keys, causal, block)
+    first = _attend(q, _keys_half(keys, 0), causal, block)
+    second = _attend(_queries_half(q, 1), _keys_half(keys, 1), causal, block)
     return merge(first, _second_only(q, second))
 
 
-def _visit(q: _Queries, keys: _Keys, earlier: jax.Array, causal: bool) -> Partial:
+def _visit(
+    q: _Queries, keys: _Keys, earlier: jax.Array, causal: bool, block: int | None
+) -> Partial:
     """A later step, another member's keys: under a causal mask an earlier member's first key
     chunk for every query, else every key for the second query chunk."""
     if not causal:
-        return _attend(q, keys, causal)
+        return _attend(q, keys, causal, block)
     return jax.lax.cond(
         earlier,
-        lambda: _attend(q, _keys_half(keys, 0), causal),
-        lambda: _second_only(q, _attend(_queries_half(q, 1), keys, causal)),
+        lambda: _attend(q, _keys_half(keys, 0), causal, block),
+        lambda: _second_only(q, _attend(_queries_half(q, 1), keys, causal, block)),
     )
 
 
@@ -136,6 +154,7 @@ def ring_attention(
     *,
     causal: bool = True,
     axis: str = CONTEXT_AXIS,
+    block_size: int | None = None,
 ) -> jax.Array:
     """Attention of this ring member's queries over the whole row's keys, keys and values
     passed around the ``axis`` ring.
@@ -151,6 +170,9 @@ def ring_attention(
         token sees only its own document's), or ``None``.
       causal: a token sees only the tokens at its place in the row or before.
       axis: the context-parallel mesh axis.
+      block_size: each ring step's attention in blocks of this many tokens
+        (:func:`jzero.ops.blockwise_partial`), so no ``[T/C, T/C]`` score tile exists even
+        in one step's recomputation; ``None``: each step is one block.
 
     Returns:
       ``[B, T/C, H, Dh]`` in q's dtype: this member's rows of the attention output. Where
@@ -167,8 +189,9 @@ def ring_attention(
     t = q.shape[1]
     if size == 1:
         pos = jnp.arange(t, dtype=jnp.int32)
-        mask = block_mask(pos, pos, segment_ids, segment_ids, causal=causal)
-        return finish(attend_block(q, k, v, mask), q.dtype)
+        queries = _Queries(q, pos, segment_ids)
+        part = _attend(queries, _Keys(k, v, pos, segment_ids), causal, block_size)
+        return finish(part, q.dtype)
     if t % 2:
         raise ValueError(
             f"ring_attention: {t} tokens on each of the {size} members of {axis!r} are not two "
@@ -177,8 +200,8 @@ def ring_attention(
         )
     pos = context_chunk(jnp.arange(t * size, dtype=jnp.int32), axis, 0)
     queries = _Queries(q, pos, segment_ids)
-    own = jax.checkpoint(functools.partial(_own, causal=causal))
-    visit = jax.checkpoint(functools.partial(_visit, causal=causal))
+    own = jax.checkpoint(functools.partial(_own, causal=causal, block=block_size))
+    visit = jax.checkpoint(functools.partial(_visit, causal=causal, block=block_size))
     c = jax.lax.axis_index(axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
 
@@ -202,6 +225,7 @@ def context_parallel_attention(
     causal: bool = True,
     axis: str = CONTEXT_AXIS,
     seq_axis: str = SEQ_AXIS,
+    block_size: int | None = None,
 ) -> jax.Array:
     """Attention of this device's tokens over the whole row under context parallelism, with
     Ulysses beside it: ring attention over ``axis``, inside Ulysses's all-to-alls over
@@ -222,6 +246,8 @@ def context_parallel_attention(
       causal: a token sees only the tokens at its place in the row or before.
       axis: the context-parallel (ring) mesh axis.
       seq_axis: the sequence-parallel (Ulysses) mesh axis.
+      block_size: each ring step's attention blockwise in blocks of this many tokens (see
+        :func:`ring_attention`); ``None``: one block a step.
 
     Returns:
       ``[B, T/(C*S), H, Dh]`` in q's dtype: this device's rows of the attention output.
@@ -239,5 +265,5 @@ def context_parallel_attention(
     if segment_ids is not None and (bound_axis_size(seq_axis) or 1) > 1:
         # The ring member's documents: Ulysses's attention sees the member's tokens.
         segment_ids = jax.lax.all_gather(segment_ids, seq_axis, axis=1, tiled=True)
-    ring = functools.partial(ring_attention, causal=causal, axis=axis)
+    ring = functools.partial(ring_attention, causal=causal, axis=axis, block_size=block_size)
     return sequence_parallel_attention(ring, seq_axis)(q, k, v, segment_ids)
