@@ -19,7 +19,8 @@ parameter, the batch's rows or tokens), and from the compiled step that each col
 on its axis: ZeRO's gathers and reduce-scatters within ZeRO's axes (never a weight gathered over
 ``model`` first), the pipeline's transfers between neighbouring stages only, the all-to-alls
 within their ``seq`` or ``expert`` groups. A checkpoint written in each layout (at stage 3,
-where its state is split the most) restores into plain data parallelism bit for bit.
+where its state is split the most) restores into plain data parallelism bit for bit. Context
+parallelism (``context``, ring attention) joins here beside experts and replicas, at stage 3.
 """
 
 import optax
@@ -50,6 +51,16 @@ def test_two_axes_train_like_the_single_device_loop_and_restore_anywhere(
     axes, stage, tmp_path_factory
 ):
     check_layout(axes, stage, tmp_path_factory)
+
+
+# Context parallelism (ring attention) beside the axes tests/distributed/test_context_parallel.py
+# does not pair it with (it trains the ring alone, under Ulysses and beside tensor parallelism;
+# a pipeline beside a ring is refused): experts and hybrid sharding, at stage 3 (the most split).
+@pytest.mark.parametrize("axes", [("expert", "context"), ("context", "replica")], ids="x".join)
+def test_the_ring_beside_experts_and_replicas_trains_like_the_single_device_loop(
+    axes, tmp_path_factory
+):
+    check_layout(axes, 3, tmp_path_factory)
 
 
 def test_experts_split_over_model_too_train_the_same_on_less_state(tmp_path_factory):

@@ -28,7 +28,8 @@ TRIPLES = list(itertools.combinations(AXES, 3))
 def model_config(axes):
     if "expert" not in axes:
         return gpt.GPTConfig(**TINY)
-    return gpt.GPTConfig(**TINY, **MOE, moe_aux_loss_coef=0.0 if "seq" in axes else 0.01)
+    split_rows = "seq" in axes or "context" in axes  # a device routes part of each row
+    return gpt.GPTConfig(**TINY, **MOE, moe_aux_loss_coef=0.0 if split_rows else 0.01)
 
 
 def config(axes, stage):
@@ -40,6 +41,7 @@ def config(axes, stage):
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "tensor_parallel": {"autotp_size": 2 if "model" in on else 1},
         "sequence_parallel_size": 2 if "seq" in on else 1,
+        "context_parallel_size": 2 if "context" in on else 1,
         "pipeline": {"stages": 2 if "pipe" in on else 1},
         "expert_parallel": {"autoep_size": 2 if "expert" in on else 1},
         **({"mesh": {"replica": 2}} if "replica" in on else {}),
@@ -119,6 +121,9 @@ def assert_every_axis_splits_something(engine, axes):
         elif axis == "seq":  # each device computes its own tokens of its rows
             assert plan.options.parallel.seq_axis == "seq", plan.options.parallel
             assert "seq" in plan.batch_axes, plan.batch_axes
+        elif axis == "context":  # each ring member its own zig-zag tokens of its rows
+            assert plan.options.parallel.context_axis == "context", plan.options.parallel
+            assert "context" in plan.batch_axes, plan.batch_axes
         else:  # replica: each device its own rows
             assert axis in batch, (axis, plan.batch.spec)
     if "expert" in axes:
@@ -158,8 +163,8 @@ def assert_collectives_stay_on_their_axes(engine, axes):
     for kind, spanned, zero in found:
         if zero and kind in ("all-gather", "reduce-scatter"):
             assert spanned <= state_axes, (kind, sorted(spanned), "ZeRO's axes", state_axes)
-        if kind == "collective-permute":
-            assert spanned == {"pipe"}, sorted(spanned)
+        if kind == "collective-permute":  # the pipeline's transfers, the ring's keys
+            assert spanned in ({"pipe"}, {"context"}), sorted(spanned)
         if kind == "all-to-all":
             assert spanned in ({"seq"}, {"expert"}), sorted(spanned)
     seen = {(kind, spanned) for kind, spanned, _ in found}
@@ -169,6 +174,7 @@ def assert_collectives_stay_on_their_axes(engine, axes):
         "pipe": ("collective-permute", {"pipe"}),
         "expert": ("all-to-all", {"expert"}),  # tokens to their experts and back
         "replica": ("all-reduce", {"replica"}),  # the gradient shards across replicas
+        "context": ("collective-permute", {"context"}),  # the ring's keys and values
     }
     for axis in axes:
         kind, spanned = expect[axis]
