@@ -192,6 +192,9 @@ class EstimateRow:
     context_axis_bytes: float = 0.0
     """Bytes a device sends a step on the ``context`` axis (ring attention's keys and values,
     :func:`jzero.costs.context_axis_bytes`); 0 without it or without the shape."""
+    deepspeed: tuple[int, int] | None = None
+    """DeepSpeed's own estimators' ``(device, host per node)`` bytes of this option
+    (:func:`jzero.costs.deepspeed_model_states`), or None where it has none (stage 0, nvme)."""
 
     @property
     def device_bytes(self) -> float:
@@ -250,6 +253,9 @@ class Estimate:
     """The vocabulary V whose logits are counted; ``None``: not counted."""
     techniques: Techniques = PAPER
     """How the layers keep their activations (:class:`jzero.costs.Techniques`)."""
+    deepspeed_layer_params: float = 0
+    """The largest layer DeepSpeed's figures use (its largest module's own parameters, the
+    model's ``largest_module_params``; else ``largest_layer_params``)."""
 
     @property
     def devices(self) -> int:
@@ -370,6 +376,7 @@ class Estimate:
         header += ["context GB/step"] if ringed else []
         piped = act and self.layout.pipe > 1
         header += ["pipe GB/step"] if piped else []
+        header += ["DeepSpeed GB", "DeepSpeed host GB"]
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
@@ -388,6 +395,8 @@ class Estimate:
                 cells.append(f"{r.context_axis_bytes / GB:.3g}")
             if piped:
                 cells.append(f"{r.pipe_axis_bytes / GB:.3g}")
+            ds = r.deepspeed
+            cells += [f"{ds[0] / GB:.2f}", f"{ds[1] / GB:.2f}"] if ds else ["-", "-"]
             if usable is not None:
                 if r.total_bytes(False) <= usable:
                     cells.append("yes")
@@ -459,6 +468,12 @@ class Estimate:
                 if disk
                 else []
             ),
+            "DeepSpeed GB: DeepSpeed's own estimators (estimate_zero2_model_states_mem_needs at "
+            "stages 1-2, estimate_zero3_... at stage 3, zero_init), all N devices, the whole "
+            f"Psi, its largest module's {self.deepspeed_layer_params:.4g} parameters:",
+            "  stages 1-2 2 Psi + 18 Psi/N (offloaded: 2 Psi), stage 3 4 LL + 18 Psi/N (4 LL + "
+            "2 Psi/N with the optimizer offloaded, 4 LL with the params too); host as above with "
+            "16 and 18; DeepSpeed prints them / 2^30 as GB; none at stage 0 or for nvme.",
             *(
                 ["No nvme rows: jzero's bf16 master weights do not compose with the NVMe tier yet."]
                 if self.master_dtype == "bf16" and any(r.offload != "none" for r in self.rows)
@@ -812,6 +827,9 @@ def estimate(
         device.update({_EXPERT + k: v for k, v in e_device.items()})
         return device, {k: host.get(k, 0.0) + e_host.get(k, 0.0) for k in {**host, **e_host}}
 
+    # DeepSpeed's estimators know neither experts nor model axes: all N devices, the whole
+    # Psi, its largest module's parameters.
+    ds_layer = ll * tp if model.largest_module_params is None else model.largest_module_params
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
         if offload == ("cpu" if option == "none" else "none"):  # the rows not asked for
@@ -845,6 +863,9 @@ def estimate(
             pipe_bytes,
             act_host,
             context_bytes,
+            costs.deepspeed_model_states(
+                spec.stage, o, psi_all, ds_layer, per_node, max(1, n // per_node), buf
+            ),
         )
         for spec, o, d, h, disk in rows
     )
@@ -855,7 +876,7 @@ def estimate(
     )  # fmt: skip
     return Estimate(
         psi_all, resolved, out, memory, check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques,
+        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques, ds_layer,
     )  # fmt: skip
 
 

@@ -123,7 +123,8 @@ def test_estimate_recommends_activation_checkpointing_only_when_no_stage_fits_wi
 def test_estimate_cli_shows_totals_with_and_without_checkpointing(capsys):
     argv = ["estimate", "--params", "7.5e9", "--devices", "64", "--device-memory", "80GB"]
     shape = ["--seq-len", "2048", "--micro-batch", "4", "--hidden", "4096", "--layers", "40"]
-    assert run_cli([*argv, *shape, "--heads", "32"]) == 0
+    paper = ["--attention", "plain", "--dropout", "on", "--largest-layer-params", "0"]
+    assert run_cli([*argv, *shape, "--heads", "32", *paper]) == 0
     out = capsys.readouterr().out
     assert memory.estimate(MODEL, ParallelDims(64, micro_batch=4), "80GB").table() in out
     header = out.splitlines()[1]

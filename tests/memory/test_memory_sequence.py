@@ -230,6 +230,7 @@ def test_estimate_cli_prints_the_long_sequence_table(capsys):
     argv = ["estimate", "--params", "7e9", "--devices", "64", "--device-memory", "80GB"]
     argv += ["--seq-len", "32768", "--micro-batch", "1", "--hidden", "4096", "--layers", "32"]
     argv += ["--heads", "32", "--vocab", "32000", "--dropout", "off", "--cp", "4", "--sp", "2"]
+    argv += ["--attention", "plain", "--largest-layer-params", "0"]  # SHAPE's
     assert run_cli([*argv, "--stage", "2"]) == 0
     out = capsys.readouterr().out
     e = memory.estimate(SHAPE, ParallelDims(64, micro_batch=1, seq=2, context=4), "80GB")
