@@ -39,10 +39,11 @@ host (LL = --largest-layer-params); without offload the host holds 4 Psi x devic
 Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
 all-gather), stage 3 3 Psi. GB = 10^9 bytes.
 A published shape, with --preset (llama-3-8b, llama-3-70b, qwen2.5-7b, mixtral-8x7b): its
-parameter count, largest layer (one block or the embedding, whichever is larger), hidden size,
-layers, heads, vocabulary and experts; flags given beside it win. Without --preset or
---largest-layer-params, the largest layer is a GPT block of --hidden (12 h^2 + 13 h) or the
---vocab x --hidden embedding.
+parameter count, largest layer, hidden size,
+layers, heads, vocabulary and experts; flags given beside it win. The largest layer is the
+largest matrix stage 3 gathers at once (jzero gathers each leaf apart, one layer's slice of a
+stacked leaf at a time): without --preset or --largest-layer-params, a GPT's of --hidden
+(the MLP's h x 4h) or the --vocab x --hidden embedding.
 DeepSpeed's own figures, its estimate_zero2_model_states_mem_needs (stages 1-2: 2 Psi +
 18 Psi/N; 2 Psi with the optimizer offloaded) and estimate_zero3_model_states_mem_needs
 (stage 3: 4 LL + 18 Psi/N; 4 LL + 2 Psi/N; 4 LL, LL its largest module) are a column of their
@@ -125,12 +126,12 @@ def _estimate(args: argparse.Namespace) -> int:
             f"--preset, one of {', '.join(costs.PRESETS)}."
         )
     if arch is not None:  # the preset's shape, where a flag does not give it
-        for flag, value in [
-            ("params", arch.params()), ("hidden", arch.hidden), ("layers", arch.layers),
-            ("heads", arch.heads), ("vocab", arch.vocab),
-            ("experts", arch.experts or None),
-            ("expert_params", arch.expert_params() or None),
-        ]:  # fmt: skip
+        given = [("params", arch.params()), ("experts", arch.experts or None),
+                 ("expert_params", arch.expert_params() or None)]  # fmt: skip
+        if args.seq_len is not None:  # the shape, for the activations
+            given += [("hidden", arch.hidden), ("layers", arch.layers), ("heads", arch.heads),
+                      ("vocab", arch.vocab)]  # fmt: skip
+        for flag, value in given:
             if getattr(args, flag) is None:
                 setattr(args, flag, value)
     largest_layer, largest_module = _largest_layer(args, arch)
@@ -184,7 +185,7 @@ def _estimate(args: argparse.Namespace) -> int:
 def _largest_layer(args: argparse.Namespace, arch: Any) -> tuple[Any, Any]:
     """The largest layer stage 3 gathers, and DeepSpeed's (its largest module): as given by
     --largest-layer-params, else from the preset's shape, else from --hidden (and --vocab) as
-    a GPT block's (GELU MLP of 4h, LayerNorm, biases) or the embedding, else 0."""
+    a GPT's largest matrix (the MLP's ``h x 4h``, or the ``V x h`` embedding), else 0."""
     if args.largest_layer_params is not None:
         return args.largest_layer_params, None
     if arch is None and args.hidden is not None:
@@ -265,8 +266,8 @@ def add_commands(subparsers: Any) -> None:
     est.add_argument(
         "--preset",
         choices=list(costs.PRESETS),
-        help="a published shape: its parameter count, largest layer, hidden size, layers, "
-        "heads, vocabulary and experts (a flag given beside it wins)",
+        help="a published shape: its parameter count, largest layer and experts, and with "
+        "--seq-len its hidden size, layers, heads and vocabulary (a flag given beside it wins)",
     )
     est.add_argument("--devices", required=True, help="data-parallel devices N, e.g. 64")
     est.add_argument(
@@ -379,7 +380,8 @@ def add_commands(subparsers: Any) -> None:
         "--largest-layer-params",
         metavar="COUNT",
         help="parameters of the largest layer, gathered whole at stage 3 (default: from "
-        "--preset, else a GPT block of --hidden or the --vocab x --hidden embedding, else 0)",
+        "--preset, else a GPT's largest matrix: h x 4h, or the --vocab x --hidden embedding; "
+        "else 0)",
     )
     shape = [
         ("--seq-len", "sequence length s"),

@@ -10,10 +10,12 @@ Decisions:
   :meth:`Architecture.model_shape` turns it into the :class:`~jzero.costs.ModelShape` the
   cost formulas read, so ``jzero estimate --preset`` and a hand-written shape meet there.
 * Two largest layers, because the two estimators mean different things by it: jzero's
-  stage 3 gathers a whole block (the scanned layer: attention, MLP and norms) or the
-  embedding at once (:meth:`Architecture.largest_layer_params`); DeepSpeed's estimator takes
-  the largest ``torch.nn.Module``'s own parameters, one linear or embedding matrix
-  (:meth:`Architecture.largest_module_params`).
+  stage 3 gathers each leaf apart, one layer's slice of a stacked leaf at a time, so its
+  largest layer is the largest matrix a step gathers whole: the embedding, the head, one
+  layer's MLP matrix (all its experts', which are one leaf)
+  (:meth:`Architecture.largest_layer_params`, what ``jzero plan`` measures as "gathered");
+  DeepSpeed's estimator takes the largest ``torch.nn.Module``'s own parameters, one expert's
+  matrix at most (:meth:`Architecture.largest_module_params`).
 * :data:`PRESETS` holds a few published shapes; their parameter counts are checked against
   the published figures in the tests (within 1%).
 """
@@ -107,13 +109,15 @@ class Architecture:
         return self.layers * self.experts * self.mlp_params()
 
     def largest_layer_params(self) -> int:
-        """What jzero's stage 3 gathers at once: one block (the scanned layer) or the token
-        embedding, whichever is larger."""
-        return max(self.block_params(), self.vocab * self.hidden)
+        """What jzero's stage 3 gathers at once: the largest leaf (a stacked leaf's one-layer
+        slice): the embedding or head ``V x h``, or one layer's MLP matrix ``h x ffn`` (``E h
+        ffn`` with experts, one leaf), or the attention's ``h x h``."""
+        h = self.hidden
+        return max(self.vocab * h, h * self.ffn * max(self.experts, 1), h * h)
 
     def largest_module_params(self) -> int:
         """DeepSpeed's ``largest_layer_params``: the largest module's own parameters, one
-        linear layer (the MLP's ``h x ffn``, the attention's ``h x h``) or the embedding."""
+        linear layer (one expert's ``h x ffn``, the attention's ``h x h``) or the embedding."""
         h = self.hidden
         return max(self.vocab * h, h * self.ffn, h * h)
 
@@ -124,7 +128,8 @@ class Architecture:
         jzero's largest layer, the shape and the experts.
 
         Args:
-          seq_len: the sequence length s, for the activation terms (``None``: not counted).
+          seq_len: the sequence length s, for the activation terms (``None``: not counted,
+            and the shape left out with them).
           techniques: how the layers keep their activations (``None``: what jzero runs,
             blockwise attention without dropout).
         """
@@ -133,10 +138,10 @@ class Architecture:
             largest_layer_params=float(self.largest_layer_params()),
             largest_module_params=float(self.largest_module_params()),
             seq_len=seq_len,
-            hidden=self.hidden,
-            layers=self.layers,
-            heads=self.heads,
-            vocab=self.vocab,
+            hidden=self.hidden if seq_len else None,
+            layers=self.layers if seq_len else None,
+            heads=self.heads if seq_len else None,
+            vocab=self.vocab if seq_len else None,
             techniques=techniques or Techniques("blockwise"),
             experts=self.experts,
             expert_params=float(self.expert_params()),

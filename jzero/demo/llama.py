@@ -1,0 +1,221 @@
+"""A Llama-shaped decoder as pure functions, for ``jzero plan`` to measure abstractly.
+
+:func:`init_params` and :func:`loss_fn` describe the model of a
+:class:`jzero.costs.Architecture`: RMSNorm, rotary positions, grouped-query attention, a SwiGLU
+(or GELU) MLP and an untied (or tied) output head. ``jzero plan --preset`` builds it as an
+abstract engine (shapes only) and compiles its step, so the planner measures the shape
+``jzero estimate --preset`` counts.
+
+Decisions:
+
+* The blocks are stacked (every leaf ``[L, ...]``) and run by one ``jax.lax.scan``; the only op
+  between the stored stacks and the scan is the cast to the compute dtype, where stage 3
+  gathers one layer at a time (as in :mod:`jzero.demo.gpt`).
+* Attention is blockwise: the keys and values are visited in blocks with a running maximum and
+  sum (the online softmax), each block's body rematerialised, so neither the forward nor the
+  backward pass keeps a ``[s, s]`` score matrix. There is no dropout.
+* The parameter count equals :meth:`jzero.costs.Architecture.params` (tested), biases
+  included; experts are not built (``experts`` > 0 is refused).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero.costs import Architecture
+
+__all__ = ["check", "init_params", "loss_fn"]
+
+_EPS = 1e-5
+_STD = 0.02
+_ATTENTION_BLOCK = 512
+
+
+def check(arch: Architecture) -> None:
+    """Refuses what this model does not build.
+
+    Raises:
+      ValueError: for experts or learned positions.
+    """
+    if arch.experts:
+        raise ValueError(
+            f"experts: {arch.experts} is not supported by the Llama-shaped planner (it builds "
+            "dense MLPs only); plan a dense architecture, or use jzero estimate for a mixture "
+            "of experts."
+        )
+    if arch.positions != "rotary":
+        raise ValueError(
+            f"positions: {arch.positions!r} is not supported by the Llama-shaped planner; it "
+            "uses rotary positions (positions='rotary')."
+        )
+
+
+def _norm_params(arch: Architecture, layers: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+    out = {"scale": jnp.ones((*layers, arch.hidden), jnp.float32)}
+    if arch.norm == "layernorm":
+        out["bias"] = jnp.zeros((*layers, arch.hidden), jnp.float32)
+    return out
+
+
+def _block_params(key: jax.Array, arch: Architecture) -> dict[str, Any]:
+    """One block's parameters (no layer dim)."""
+    h, f = arch.hidden, arch.ffn
+    kv = (arch.kv_heads or arch.heads) * arch.head_dim
+    keys = jax.random.split(key, 7)
+
+    def w(k: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        return _STD * jax.random.normal(k, shape, jnp.float32)
+
+    attn = {"wq": w(keys[0], (h, h)), "wk": w(keys[1], (h, kv)), "wv": w(keys[2], (h, kv))}
+    attn["wo"] = w(keys[3], (h, h))
+    if arch.bias != "none":
+        attn.update(bq=jnp.zeros((h,)), bk=jnp.zeros((kv,)), bv=jnp.zeros((kv,)))
+    if arch.bias == "all":
+        attn["bo"] = jnp.zeros((h,))
+    mlp = {"w_up": w(keys[4], (h, f)), "w_down": w(keys[5], (f, h))}
+    if arch.mlp == "swiglu":
+        mlp["w_gate"] = w(keys[6], (h, f))
+    if arch.bias == "all":
+        mlp.update(b_up=jnp.zeros((f,)), b_down=jnp.zeros((h,)))
+        if arch.mlp == "swiglu":
+            mlp["b_gate"] = jnp.zeros((f,))
+    return {"attn_norm": _norm_params(arch), "attn": attn, "mlp_norm": _norm_params(arch), **mlp}
+
+
+def init_params(key: jax.Array, arch: Architecture) -> dict:
+    """The model's parameters (float32); jittable.
+
+    Args:
+      key: a PRNG key.
+      arch: the shape (dense, rotary positions).
+
+    Returns:
+      ``{"embed": [V, h], "blocks": {name: [L, ...]}, "norm": {...}, "head": [h, V]}`` (no
+      ``head`` when ``arch.tied``).
+
+    Raises:
+      ValueError: for experts or learned positions.
+    """
+    check(arch)
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+    params = {
+        "embed": _STD * jax.random.normal(k_embed, (arch.vocab, arch.hidden), jnp.float32),
+        "blocks": jax.vmap(lambda k: _block_params(k, arch))(
+            jax.random.split(k_blocks, arch.layers)
+        ),
+        "norm": _norm_params(arch),
+    }
+    if not arch.tied:
+        params["head"] = _STD * jax.random.normal(k_head, (arch.hidden, arch.vocab), jnp.float32)
+    return params
+
+
+def _normalise(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    if "bias" in p:  # LayerNorm
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + _EPS)
+    y = y * p["scale"].astype(jnp.float32) + p.get("bias", 0.0)
+    return y.astype(x.dtype)
+
+
+def _rotary(x: jax.Array) -> jax.Array:
+    """Rotary positions on ``[B, T, H, D]`` (half-split pairs, base 10000)."""
+    t, d = x.shape[1], x.shape[-1]
+    freq = 10000.0 ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
+    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of ``q`` ``[B, T, H, D]`` over ``k``, ``v`` ``[B, T, H, D]``, the keys
+    in blocks with the online softmax; each block's body is rematerialised."""
+    b, t, heads, d = q.shape
+    block = min(_ATTENTION_BLOCK, t)
+    while t % block:
+        block -= 1
+    kb = k.reshape(b, t // block, block, heads, d).swapaxes(0, 1)
+    vb = v.reshape(b, t // block, block, heads, d).swapaxes(0, 1)
+    rows = jnp.arange(t)
+
+    @jax.checkpoint
+    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
+        out, top, total = carry
+        k_blk, v_blk, start = xs
+        s = jnp.einsum("bthd,bshd->bhts", q, k_blk).astype(jnp.float32) / math.sqrt(d)
+        cols = start + jnp.arange(block)
+        s = jnp.where(rows[:, None] >= cols[None, :], s, -jnp.inf)
+        new_top = jnp.maximum(top, s.max(-1))
+        p = jnp.exp(s - new_top[..., None])
+        scale = jnp.exp(top - new_top)
+        total = total * scale + p.sum(-1)
+        pv = jnp.einsum("bhts,bshd->bhtd", p.astype(v_blk.dtype), v_blk).astype(jnp.float32)
+        return (out * scale[..., None] + pv, new_top, total), None
+
+    init = (
+        jnp.zeros((b, heads, t, d), jnp.float32),
+        jnp.full((b, heads, t), -jnp.inf, jnp.float32),
+        jnp.zeros((b, heads, t), jnp.float32),
+    )
+    starts = jnp.arange(t // block) * block
+    (out, _, total), _ = jax.lax.scan(body, init, (kb, vb, starts))
+    return (out / total[..., None]).swapaxes(1, 2).astype(q.dtype)
+
+
+def _block(p: Mapping[str, Any], x: jax.Array, arch: Architecture) -> jax.Array:
+    b, t, h = x.shape
+    heads, kv_heads, d = arch.heads, arch.kv_heads or arch.heads, arch.head_dim
+    a = p["attn"]
+    y = _normalise(x, p["attn_norm"])
+    q = (y @ a["wq"] + a.get("bq", 0)).reshape(b, t, heads, d)
+    k = (y @ a["wk"] + a.get("bk", 0)).reshape(b, t, kv_heads, d)
+    v = (y @ a["wv"] + a.get("bv", 0)).reshape(b, t, kv_heads, d)
+    q, k = _rotary(q), _rotary(k)
+    k, v = jnp.repeat(k, heads // kv_heads, axis=2), jnp.repeat(v, heads // kv_heads, axis=2)
+    x = x + _blockwise_attention(q, k, v).reshape(b, t, h) @ a["wo"] + a.get("bo", 0)
+    y = _normalise(x, p["mlp_norm"])
+    up = y @ p["w_up"] + p.get("b_up", 0)
+    if "w_gate" in p:
+        up = jax.nn.silu(y @ p["w_gate"] + p.get("b_gate", 0)) * up
+    else:
+        up = jax.nn.gelu(up)
+    return x + up @ p["w_down"] + p.get("b_down", 0)
+
+
+def loss_fn(
+    params: dict, batch: Mapping[str, jax.Array], arch: Architecture, dtype: Any = jnp.float32
+) -> jax.Array:
+    """Next-token cross-entropy, in nats per token.
+
+    Args:
+      params: from :func:`init_params`.
+      batch: ``{"tokens": int [B, T + 1]}``; position t predicts token t + 1.
+      arch: the shape.
+      dtype: the compute dtype (the parameters are cast to it).
+
+    Returns:
+      The scalar mean loss (float32).
+    """
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x = params["embed"].astype(dtype)[inputs]
+    # The only op between the stored stacked weights and the scan: the cast (ZeRO-3 gathers there).
+    blocks = jax.tree.map(lambda w: w.astype(dtype), params["blocks"])
+
+    def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
+        return _block(layer, carry, arch), None
+
+    x, _ = jax.lax.scan(body, x, blocks)
+    x = _normalise(x, params["norm"])
+    head = params["embed"].T if arch.tied else params["head"]
+    logits = (x @ head.astype(dtype)).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
