@@ -191,9 +191,7 @@ def _largest_layer(args: argparse.Namespace, arch: Any) -> tuple[Any, Any]:
     if arch is None and args.hidden is not None:
         h = int(float(args.hidden))
         vocab = int(float(args.vocab)) if args.vocab is not None else 0
-        arch = costs.Architecture(
-            h, 1, 1, 4 * h, vocab, mlp="gelu", norm="layernorm", bias="all"
-        )
+        arch = costs.Architecture(h, 1, 1, 4 * h, vocab, mlp="gelu", norm="layernorm", bias="all")
     if arch is None:
         return 0, None
     return arch.largest_layer_params(), arch.largest_module_params()
@@ -209,6 +207,20 @@ def _plan(args: argparse.Namespace) -> int:
     extra = {}  # "auto" is the library's default, and is not passed
     if args.compare_ac != "auto":
         extra["compare_checkpointing"] = args.compare_ac == "always"
+    if args.preset:  # the Llama-shaped model of a published shape, not the config's GPT
+        from jzero import memory
+
+        compare = extra.get("compare_checkpointing")
+        result = plan.architecture_report(
+            args.config,
+            costs.PRESETS[args.preset],
+            args.devices,
+            args.device_memory,
+            overrides=args.set or (),
+            margin=args.margin,
+            rows=memory.StageRows(compare_checkpointing=compare),
+        )
+        return _print_report(result, args.plot)
     result = plan.plan_report(
         args.config,
         devices=args.devices,
@@ -470,6 +482,14 @@ def add_commands(subparsers: Any) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set model.num_layers=24 (repeatable)",
+    )
+    plan.add_argument(
+        "--preset",
+        choices=[name for name, arch in costs.PRESETS.items() if not arch.experts],
+        help="plan a Llama-shaped model of this published shape (RMSNorm, rotary, grouped-query "
+        "attention, SwiGLU, untied head) instead of the config's GPT; the config gives "
+        "model.seq_len, the batch and the precision (e.g. with --devices 64: the model state "
+        "on an abstract mesh)",
     )
     devices.add_cpu_devices_flag(plan)
     plan.add_argument(
