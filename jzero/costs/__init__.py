@@ -35,6 +35,8 @@ from jzero.costs.activations import ActivationBytes as ActivationBytes
 from jzero.costs.activations import activation_bytes as activation_bytes
 from jzero.costs.activations import longest_sequence as longest_sequence
 from jzero.costs.activations import sequence_step as sequence_step
+from jzero.costs.architectures import PRESETS as PRESETS
+from jzero.costs.architectures import Architecture as Architecture
 from jzero.costs.memory import BUFFER_FACTOR as BUFFER_FACTOR
 from jzero.costs.memory import DTYPE_BYTES as DTYPE_BYTES
 from jzero.costs.memory import OPTIMIZER_DTYPES as OPTIMIZER_DTYPES
@@ -43,8 +45,6 @@ from jzero.costs.memory import deepspeed_model_states as deepspeed_model_states
 from jzero.costs.memory import model_states as model_states
 from jzero.costs.memory import optimizer_bytes as optimizer_bytes
 from jzero.costs.memory import transformer_activations as transformer_activations
-from jzero.costs.architectures import PRESETS as PRESETS
-from jzero.costs.architectures import Architecture as Architecture
 from jzero.costs.shapes import AXES as AXES
 from jzero.costs.shapes import PAPER as PAPER
 from jzero.costs.shapes import Dtypes as Dtypes
