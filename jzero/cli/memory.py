@@ -51,7 +51,8 @@ own beside jzero's.
 Activations, with --seq-len, --micro-batch, --hidden, --layers and --heads (s, b, h, L, a), by
 default those jzero runs: blockwise attention (no [s, s] scores) without dropout masks;
 --attention plain --dropout on gives the paper's accounting: Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), section 4, no tensor or sequence parallelism: per layer and device
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
+section 4, no tensor or sequence parallelism: per layer and device
 s*b*h*(34 + 5*a*s/h) bytes without recomputation. That formula assumes 16-bit activations
 (2 bytes) and 1-byte dropout masks (2*s*b*h + a*s^2*b of the total); with
 --activation-dtype fp32 jzero doubles the 16-bit part and keeps the masks at 1 byte:
