@@ -38,9 +38,9 @@ host (LL = --largest-layer-params); without offload the host holds 4 Psi x devic
 1.5 while the model loads (stage 3: the largest layer only).
 Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
 all-gather), stage 3 3 Psi. GB = 10^9 bytes.
-A published shape, with --preset (llama-3-8b, llama-3-70b, qwen2.5-7b, mixtral-8x7b): its
-parameter count, largest layer, hidden size,
-layers, heads, vocabulary and experts; flags given beside it win. The largest layer is the
+A published shape, with --preset (llama-2-7b, llama-3-8b, llama-3-70b, qwen2.5-7b,
+mixtral-8x7b): its parameter count, largest layer, hidden size, layers, heads, vocabulary and
+experts; flags given beside it win. The largest layer is the
 largest matrix stage 3 gathers at once (jzero gathers each leaf apart, one layer's slice of a
 stacked leaf at a time): without --preset or --largest-layer-params, a GPT's of --hidden
 (the MLP's h x 4h) or the --vocab x --hidden embedding.

@@ -150,10 +150,11 @@ class Architecture:
 
 
 PRESETS: dict[str, Architecture] = {
+    "llama-2-7b": Architecture(4096, 32, 32, 11008, 32000),
     "llama-3-8b": Architecture(4096, 32, 32, 14336, 128256, kv_heads=8),
     "llama-3-70b": Architecture(8192, 80, 64, 28672, 128256, kv_heads=8),
     "qwen2.5-7b": Architecture(3584, 28, 28, 18944, 152064, kv_heads=4, bias="qkv"),
     "mixtral-8x7b": Architecture(4096, 32, 32, 14336, 32000, kv_heads=8, experts=8),
 }
-"""Published shapes by name (``jzero estimate --preset``): Llama-3-8B and -70B, Qwen2.5-7B
-and Mixtral-8x7B (8 experts, 2 a token)."""
+"""Published shapes by name (``jzero estimate --preset``): Llama-2-7B, Llama-3-8B and -70B,
+Qwen2.5-7B and Mixtral-8x7B (8 experts, 2 a token)."""

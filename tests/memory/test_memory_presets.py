@@ -10,6 +10,9 @@ from jzero.costs import Architecture, ModelShape, ParallelDims, Techniques
 
 # The published totals, each from its model card or paper, and the shape that gives it.
 PUBLISHED = {
+    # Touvron et al. 2023, "Llama 2" (arXiv:2307.09288): the 7B model (6,738,415,616 in the
+    # released index).
+    "llama-2-7b": 6.74e9,
     # Meta, "Llama 3" model card (Meta-Llama-3-8B): 8.03B parameters
     # (8,030,261,248 in the released safetensors' index).
     "llama-3-8b": 8.03e9,
