@@ -11,15 +11,18 @@ Decisions:
 * The blocks are stacked (every leaf ``[L, ...]``) and run by one ``jax.lax.scan``; the only op
   between the stored stacks and the scan is the cast to the compute dtype, where stage 3
   gathers one layer at a time (as in :mod:`jzero.demo.gpt`).
-* Attention is blockwise: the keys and values are visited in blocks with a running maximum and
-  sum (the online softmax), each block's body rematerialised, so neither the forward nor the
-  backward pass keeps a ``[s, s]`` score matrix. There is no dropout.
+* Attention is blockwise (flash-style): the keys and values are visited in blocks with a
+  running maximum and sum (the online softmax); the backward pass (a ``jax.custom_vjp``) keeps
+  only the output and a float32 log-sum-exp a head and token and rebuilds each block's
+  probabilities, so neither pass keeps a ``[s, s]`` score matrix, as
+  :class:`jzero.costs.Techniques`'s ``"blockwise"`` counts it. There is no dropout.
 * The parameter count equals :meth:`jzero.costs.Architecture.params` (tested), biases
   included; experts are not built (``experts`` > 0 is refused).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -116,58 +119,118 @@ def init_params(key: jax.Array, arch: Architecture) -> dict:
 
 
 def _normalise(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(_wide(x))
     if "bias" in p:  # LayerNorm
         x32 = x32 - x32.mean(-1, keepdims=True)
     y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + _EPS)
-    y = y * p["scale"].astype(jnp.float32) + p.get("bias", 0.0)
+    y = y * p["scale"].astype(x32.dtype) + p.get("bias", 0.0)
     return y.astype(x.dtype)
 
 
 def _rotary(x: jax.Array) -> jax.Array:
     """Rotary positions on ``[B, T, H, D]`` (half-split pairs, base 10000)."""
     t, d = x.shape[1], x.shape[-1]
-    freq = 10000.0 ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2 / d)
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq[None, :]
+    wide = _wide(x)
+    freq = 10000.0 ** (-jnp.arange(0, d // 2, dtype=wide) * 2 / d)
+    angle = jnp.arange(t, dtype=wide)[:, None] * freq[None, :]
     cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x.astype(wide), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
     return out.astype(x.dtype)
 
 
-def _blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of ``q`` ``[B, T, H, D]`` over ``k``, ``v`` ``[B, T, H, D]``, the keys
-    in blocks with the online softmax; each block's body is rematerialised."""
-    b, t, heads, d = q.shape
-    block = min(_ATTENTION_BLOCK, t)
-    while t % block:
-        block -= 1
-    kb = k.reshape(b, t // block, block, heads, d).swapaxes(0, 1)
-    vb = v.reshape(b, t // block, block, heads, d).swapaxes(0, 1)
-    rows = jnp.arange(t)
+def _key_blocks(x: jax.Array, block: int) -> jax.Array:
+    """``[B, H, T, D]`` as ``[T / block, B, H, block, D]``, the scan's blocks of keys."""
+    b, h, t, d = x.shape
+    return x.reshape(b, h, t // block, block, d).transpose(2, 0, 1, 3, 4)
 
-    @jax.checkpoint
+
+def _wide(x: jax.Array) -> Any:
+    """The dtype of the softmax's statistics: float32, or float64 for a float64 model."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _scores(q: jax.Array, k_blk: jax.Array, start: jax.Array) -> jax.Array:
+    """The causally masked float32 (or wider) scores of all queries against one block of keys."""
+    t, block, d = q.shape[2], k_blk.shape[2], q.shape[-1]
+    s = jnp.einsum("bhtd,bhsd->bhts", q, k_blk).astype(_wide(q)) / math.sqrt(d)
+    cols = start + jnp.arange(block)
+    return jnp.where(jnp.arange(t)[:, None] >= cols[None, :], s, -jnp.inf)
+
+
+def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple:
+    """The output and the log-sum-exp of each query, the keys visited block by block."""
+    b, h, t, d = q.shape
+
     def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
         out, top, total = carry
         k_blk, v_blk, start = xs
-        s = jnp.einsum("bthd,bshd->bhts", q, k_blk).astype(jnp.float32) / math.sqrt(d)
-        cols = start + jnp.arange(block)
-        s = jnp.where(rows[:, None] >= cols[None, :], s, -jnp.inf)
+        s = _scores(q, k_blk, start)
         new_top = jnp.maximum(top, s.max(-1))
         p = jnp.exp(s - new_top[..., None])
         scale = jnp.exp(top - new_top)
-        total = total * scale + p.sum(-1)
-        pv = jnp.einsum("bhts,bshd->bhtd", p.astype(v_blk.dtype), v_blk).astype(jnp.float32)
-        return (out * scale[..., None] + pv, new_top, total), None
+        pv = jnp.einsum("bhts,bhsd->bhtd", p.astype(v_blk.dtype), v_blk).astype(_wide(q))
+        return (out * scale[..., None] + pv, new_top, total * scale + p.sum(-1)), None
 
     init = (
-        jnp.zeros((b, heads, t, d), jnp.float32),
-        jnp.full((b, heads, t), -jnp.inf, jnp.float32),
-        jnp.zeros((b, heads, t), jnp.float32),
+        jnp.zeros((b, h, t, d), _wide(q)),
+        jnp.full((b, h, t), -jnp.inf, _wide(q)),
+        jnp.zeros((b, h, t), _wide(q)),
     )
     starts = jnp.arange(t // block) * block
-    (out, _, total), _ = jax.lax.scan(body, init, (kb, vb, starts))
-    return (out / total[..., None]).swapaxes(1, 2).astype(q.dtype)
+    xs = (_key_blocks(k, block), _key_blocks(v, block), starts)
+    (out, top, total), _ = jax.lax.scan(body, init, xs)
+    return (out / total[..., None]).astype(q.dtype), top + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    return _flash_forward(q, k, v, block)[0]
+
+
+def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple:
+    out, lse = _flash_forward(q, k, v, block)
+    return out, (q, k, v, out, lse)  # kept for the backward pass: no [T, T] scores
+
+
+def _flash_bwd(block: int, res: tuple, d_out: jax.Array) -> tuple:
+    q, k, v, out, lse = res
+    t, d = q.shape[2], q.shape[-1]
+    delta = jnp.sum(d_out.astype(_wide(q)) * out.astype(_wide(q)), -1)
+
+    def body(dq: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
+        k_blk, v_blk, start = xs
+        p = jnp.exp(_scores(q, k_blk, start) - lse[..., None])  # rebuilt, one block
+        dv = jnp.einsum("bhts,bhtd->bhsd", p, d_out.astype(_wide(q)))
+        dp = jnp.einsum("bhtd,bhsd->bhts", d_out, v_blk).astype(_wide(q))
+        ds = p * (dp - delta[..., None]) / math.sqrt(d)
+        dq = dq + jnp.einsum("bhts,bhsd->bhtd", ds, k_blk.astype(_wide(q)))
+        dk = jnp.einsum("bhts,bhtd->bhsd", ds, q.astype(_wide(q)))
+        return dq, (dk, dv)
+
+    starts = jnp.arange(t // block) * block
+    xs = (_key_blocks(k, block), _key_blocks(v, block), starts)
+    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, _wide(q)), xs)
+
+    def whole(blocks: jax.Array) -> jax.Array:  # [T / block, B, H, block, D] -> [B, H, T, D]
+        return blocks.transpose(1, 2, 0, 3, 4).reshape(k.shape)
+
+    return dq.astype(q.dtype), whole(dk).astype(k.dtype), whole(dv).astype(v.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of ``q``, ``k``, ``v`` ``[B, T, H, D]``: the keys in blocks of
+    ``_ATTENTION_BLOCK`` (a divisor of T) with the online softmax; the backward pass rebuilds
+    each block's probabilities from the kept log-sum-exp (flash-style)."""
+    t = q.shape[1]
+    block = min(_ATTENTION_BLOCK, t)
+    while t % block:
+        block -= 1
+    heads_first = [x.swapaxes(1, 2) for x in (q, k, v)]
+    return _flash(*heads_first, block).swapaxes(1, 2)
 
 
 def _block(p: Mapping[str, Any], x: jax.Array, arch: Architecture) -> jax.Array:
@@ -202,7 +265,7 @@ def loss_fn(
       dtype: the compute dtype (the parameters are cast to it).
 
     Returns:
-      The scalar mean loss (float32).
+      The scalar mean loss (float32; float64 for a float64 ``dtype``).
     """
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -216,6 +279,6 @@ def loss_fn(
     x, _ = jax.lax.scan(body, x, blocks)
     x = _normalise(x, params["norm"])
     head = params["embed"].T if arch.tied else params["head"]
-    logits = (x @ head.astype(dtype)).astype(jnp.float32)
+    logits = (x @ head.astype(dtype)).astype(_wide(x))
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()

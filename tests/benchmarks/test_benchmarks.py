@@ -326,3 +326,17 @@ def test_watchdog_benchmark_prints_its_share_of_a_step():
     (row,) = [line for line in out if line.startswith("watchdog a step")]
     assert row.endswith("%") and float(row.split()[-2]) >= 0
     assert any(line.startswith("agreement, once") for line in out)
+
+
+def test_estimate_vs_plan_benchmark_prints_the_three_figures_side_by_side():
+    # One stage of the tiny Llama-shaped model on 8 devices: the agreement itself (model state
+    # within 10%, the same stage recommended) is tests/memory/test_memory_agreement.py's, the
+    # DeepSpeed column's formulas tests/memory/test_memory_presets.py's.
+    args = ["--tiny", "--devices", "8", "--seq-len", "16", "--stages", "1"]
+    out = _run("estimate_vs_plan", *args, "--device-memory", "40MB").stdout
+    header = out.splitlines()[1]
+    for column in ("estimate state", "plan state", "plan peak", "DeepSpeed GB"):
+        assert column in header
+    row = out.splitlines()[3].split()
+    assert row[0] == "1" and row[-1] != "-"  # DeepSpeed has a figure for stage 1
+    assert "recommended for 40MB: estimate stage 1, plan stage 1" in out

@@ -8,6 +8,7 @@ state outweighs its activations, as a real model's does; its leaves are all shar
 """
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jzero import memory
@@ -53,11 +54,21 @@ def test_the_blockwise_attention_is_the_softmax_attention(x64, monkeypatch):
     params = jax.tree.map(lambda w: w.astype("float64"), llama.init_params(jax.random.key(1), arch))
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 64)
 
-    def loss(block, toks):
+    def loss_of(p, block):
         monkeypatch.setattr(llama, "_ATTENTION_BLOCK", block)
-        return llama.loss_fn(params, {"tokens": toks}, arch, dtype="float64")
+        return llama.loss_fn(p, {"tokens": tokens}, arch, dtype="float64")
+
+    def loss(block, toks):
+        return loss_of(params, block)
 
     assert abs(loss(4, tokens) - loss(16, tokens)) < 1e-12
+    # The backward pass (its own, rebuilding each block's probabilities) gives the gradient
+    # that differentiating the forward scan gives.
+    ours = jax.grad(lambda p: loss_of(p, 4))(params)
+    monkeypatch.setattr(llama, "_flash", lambda q, k, v, b: llama._flash_forward(q, k, v, b)[0])
+    autodiff = jax.grad(lambda p: loss_of(p, 4))(params)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(autodiff), strict=True):
+        assert jnp.max(jnp.abs(a - b)) < 1e-12
 
 
 def test_estimate_and_plan_agree_on_the_model_state_at_every_stage(planned):
