@@ -25,9 +25,9 @@ Decisions:
 * Names are the dotted pytree paths (``blocks.w``, ``layers.0.w``), as export writes them.
   ``name_map`` maps a parameter's path to the tensor's name in the file: a dict (paths not in
   it keep their name) or a callable; :func:`save_weights`'s ``names`` is the same map, out
-  (Hugging Face's names in the files, the nesting kept in their metadata). Before anything is read, every parameter is matched: the
-  missing tensors, the tensors no parameter takes, and the shape mismatches are listed in one
-  ``ValueError``.
+  (Hugging Face's names in the files, the nesting kept in their metadata). Before anything is
+  read, every parameter is matched: the missing tensors, the tensors no parameter takes, and
+  the shape mismatches are listed in one ``ValueError``.
 """
 
 from __future__ import annotations
