@@ -37,7 +37,8 @@ stage 3 with optimizer and parameter offload 4 LL on the device, 18 Psi / nodes 
 host (LL = --largest-layer-params); without offload the host holds 4 Psi x devices per node x
 1.5 while the model loads (stage 3: the largest layer only).
 Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
-all-gather), stage 3 3 Psi. GB = 10^9 bytes.
+all-gather), stage 3 3 Psi. Sizes are printed in GiB (2^30 bytes), DeepSpeed's figures in its
+own GB (bytes / 2^30); --device-memory 80GB is 80 x 10^9 bytes.
 A published shape, with --preset (llama-2-7b, llama-3-8b, llama-3-70b, qwen2.5-7b,
 mixtral-8x7b): its parameter count, largest layer, hidden size, layers, heads, vocabulary and
 experts; flags given beside it win. The largest layer is the

@@ -123,7 +123,7 @@ def test_the_deepspeed_column_is_deepspeeds_formulas_for_the_70b_example(devices
     # Beside jzero's: stage 3 without offload, DeepSpeed's 18 bytes against the paper's 16.
     assert e.row(3).deepspeed[0] - e.row(3).device_bytes == 2 * 70e9 / devices
     header = e.table().splitlines()[1]
-    assert "DeepSpeed GB" in header and "device GB" in header
+    assert "DeepSpeed GB" in header and "device GiB" in header
 
 
 def test_estimate_presets_and_defaults_follow_what_jzero_runs(capsys):

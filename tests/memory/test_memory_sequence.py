@@ -258,7 +258,7 @@ def test_the_ring_passes_keys_and_values_around_the_context_axis():
     x = s // c * h  # the device's tokens times h
     assert row.context_axis_bytes == 6 * (c - 1) * x * 2 * layers  # bf16 keys, values, grads
     assert memory.estimate(SHAPE, ParallelDims(64, micro_batch=1)).row(3).context_axis_bytes == 0
-    assert "context GB/step" in memory.estimate(SHAPE, layout).table().splitlines()[1]
+    assert "context GiB/step" in memory.estimate(SHAPE, layout).table().splitlines()[1]
     # The step time's prediction prices it (the auto layout's ranking).
     choice = argparse.Namespace(stage=3, offload=False, checkpointing=False)
     rates = costs.Rates(100.0, 10.0, 100.0, 5.0)
