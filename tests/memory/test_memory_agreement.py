@@ -10,6 +10,7 @@ state outweighs its activations, as a real model's does; its leaves are all shar
 import jax
 import jax.numpy as jnp
 import pytest
+from cli_runs import run_cli
 
 from jzero import memory
 from jzero.costs import PRESETS, Architecture, ParallelDims
@@ -99,3 +100,25 @@ def test_estimate_and_plan_recommend_the_same_stage(planned):
 def test_plan_refuses_what_the_llama_model_does_not_build():
     with pytest.raises(ValueError, match="experts: 8 is not supported by the Llama-shaped"):
         plan.architecture_report(CONFIG, PRESETS["mixtral-8x7b"])
+
+
+def test_plan_cli_preset_plans_that_architecture(monkeypatch, capsys):
+    seen = {}
+
+    class Report:
+        def table(self):
+            return "the table"
+
+    def report(config, arch, devices, device_memory, **options):
+        seen.update(config=config, arch=arch, devices=devices, memory=device_memory, **options)
+        return Report()
+
+    monkeypatch.setattr(plan, "architecture_report", report)
+    argv = ["plan", "run.yaml", "--preset", "llama-3-8b", "--devices", "64"]
+    assert run_cli([*argv, "--device-memory", "80GB", "--compare-ac", "never"]) == 0
+    assert capsys.readouterr().out == "the table\n"
+    assert seen["arch"] == PRESETS["llama-3-8b"] and seen["config"] == "run.yaml"
+    assert (seen["devices"], seen["memory"]) == ("64", "80GB")
+    assert seen["rows"].compare_checkpointing is False
+    with pytest.raises(SystemExit):  # a mixture of experts is not a Llama-shaped model
+        run_cli(["plan", "run.yaml", "--preset", "mixtral-8x7b"])
