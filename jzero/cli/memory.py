@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from jzero import costs
 from jzero.choices.pipeline import SCHEDULES
 from jzero.cli import devices, logs
-from jzero.costs import ATTENTIONS
 
 __all__ = ["add_commands"]
 
@@ -37,10 +37,23 @@ stage 3 with optimizer and parameter offload 4 LL on the device, 18 Psi / nodes 
 host (LL = --largest-layer-params); without offload the host holds 4 Psi x devices per node x
 1.5 while the model loads (stage 3: the largest layer only).
 Communication per step: stage 0 2 Psi (all-reduce), stages 1-2 2 Psi (reduce-scatter +
-all-gather), stage 3 3 Psi. GB = 10^9 bytes.
-Activations, with --seq-len, --micro-batch, --hidden, --layers and --heads (s, b, h, L, a):
-Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-(arXiv:2205.05198), section 4, no tensor or sequence parallelism: per layer and device
+all-gather), stage 3 3 Psi. Sizes are printed in GiB (2^30 bytes), DeepSpeed's figures in its
+own GB (bytes / 2^30); --device-memory 80GB is 80 x 10^9 bytes.
+A published shape, with --preset (llama-2-7b, llama-3-8b, llama-3-70b, qwen2.5-7b,
+mixtral-8x7b): its parameter count, largest layer, hidden size, layers, heads, vocabulary and
+experts; flags given beside it win. The largest layer is the
+largest matrix stage 3 gathers at once (jzero gathers each leaf apart, one layer's slice of a
+stacked leaf at a time): without --preset or --largest-layer-params, a GPT's of --hidden
+(the MLP's h x 4h) or the --vocab x --hidden embedding.
+DeepSpeed's own figures, its estimate_zero2_model_states_mem_needs (stages 1-2: 2 Psi +
+18 Psi/N; 2 Psi with the optimizer offloaded) and estimate_zero3_model_states_mem_needs
+(stage 3: 4 LL + 18 Psi/N; 4 LL + 2 Psi/N; 4 LL, LL its largest module) are a column of their
+own beside jzero's.
+Activations, with --seq-len, --micro-batch, --hidden, --layers and --heads (s, b, h, L, a), by
+default those jzero runs: blockwise attention (no [s, s] scores) without dropout masks;
+--attention plain --dropout on gives the paper's accounting: Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
+section 4, no tensor or sequence parallelism: per layer and device
 s*b*h*(34 + 5*a*s/h) bytes without recomputation. That formula assumes 16-bit activations
 (2 bytes) and 1-byte dropout masks (2*s*b*h + a*s^2*b of the total); with
 --activation-dtype fp32 jzero doubles the 16-bit part and keeps the masks at 1 byte:
@@ -100,7 +113,7 @@ and how much each option that does not fit is short."""
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from jzero import costs, memory
+    from jzero import memory
 
     if args.experts is not None and args.expert_params is None:
         raise ValueError(
@@ -108,6 +121,22 @@ def _estimate(args: argparse.Namespace) -> int:
             "together (part of --params), e.g. --expert-params 6e9: they are sharded apart from "
             "the dense parameters. Pass --expert-params, or leave out --experts."
         )
+    arch = costs.PRESETS[args.preset] if args.preset else None
+    if arch is None and args.params is None:
+        raise ValueError(
+            "jzero estimate needs the parameter count: pass --params (e.g. --params 7.5e9) or "
+            f"--preset, one of {', '.join(costs.PRESETS)}."
+        )
+    if arch is not None:  # the preset's shape, where a flag does not give it
+        given = [("params", arch.params()), ("experts", arch.experts or None),
+                 ("expert_params", arch.expert_params() or None)]  # fmt: skip
+        if args.seq_len is not None:  # the shape, for the activations
+            given += [("hidden", arch.hidden), ("layers", arch.layers), ("heads", arch.heads),
+                      ("vocab", arch.vocab)]  # fmt: skip
+        for flag, value in given:
+            if getattr(args, flag) is None:
+                setattr(args, flag, value)
+    largest_layer, largest_module = _largest_layer(args, arch)
     techniques = costs.Techniques(
         args.attention,
         dropout=args.dropout == "on",
@@ -117,7 +146,8 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     model = costs.ModelShape(
         args.params,
-        largest_layer_params=args.largest_layer_params or 0,
+        largest_layer_params=largest_layer,
+        largest_module_params=largest_module,
         seq_len=args.seq_len,
         hidden=args.hidden,
         layers=args.layers,
@@ -154,6 +184,21 @@ def _estimate(args: argparse.Namespace) -> int:
     return _print_report(result, args.plot, whole.sequence_report(args.stage).table())
 
 
+def _largest_layer(args: argparse.Namespace, arch: Any) -> tuple[Any, Any]:
+    """The largest layer stage 3 gathers, and DeepSpeed's (its largest module): as given by
+    --largest-layer-params, else from the preset's shape, else from --hidden (and --vocab) as
+    a GPT's largest matrix (the MLP's ``h x 4h``, or the ``V x h`` embedding), else 0."""
+    if args.largest_layer_params is not None:
+        return args.largest_layer_params, None
+    if arch is None and args.hidden is not None:
+        h = int(float(args.hidden))
+        vocab = int(float(args.vocab)) if args.vocab is not None else 0
+        arch = costs.Architecture(h, 1, 1, 4 * h, vocab, mlp="gelu", norm="layernorm", bias="all")
+    if arch is None:
+        return 0, None
+    return arch.largest_layer_params(), arch.largest_module_params()
+
+
 def _plan(args: argparse.Namespace) -> int:
     devices.use_cpu_devices(args.cpu_devices)
     from jzero.demo import plan
@@ -164,6 +209,20 @@ def _plan(args: argparse.Namespace) -> int:
     extra = {}  # "auto" is the library's default, and is not passed
     if args.compare_ac != "auto":
         extra["compare_checkpointing"] = args.compare_ac == "always"
+    if args.preset:  # the Llama-shaped model of a published shape, not the config's GPT
+        from jzero import memory
+
+        compare = extra.get("compare_checkpointing")
+        result = plan.architecture_report(
+            args.config,
+            costs.PRESETS[args.preset],
+            args.devices,
+            args.device_memory,
+            overrides=args.set or (),
+            margin=args.margin,
+            rows=memory.StageRows(compare_checkpointing=compare),
+        )
+        return _print_report(result, args.plot)
     result = plan.plan_report(
         args.config,
         devices=args.devices,
@@ -217,7 +276,13 @@ def add_commands(subparsers: Any) -> None:
         description=_ESTIMATE_HELP,
         formatter_class=fmt,
     )
-    est.add_argument("--params", required=True, help="parameter count Psi, e.g. 7.5e9")
+    est.add_argument("--params", help="parameter count Psi, e.g. 7.5e9 (or --preset)")
+    est.add_argument(
+        "--preset",
+        choices=list(costs.PRESETS),
+        help="a published shape: its parameter count, largest layer and experts, and with "
+        "--seq-len its hidden size, layers, heads and vocabulary (a flag given beside it wins)",
+    )
     est.add_argument("--devices", required=True, help="data-parallel devices N, e.g. 64")
     est.add_argument(
         "--devices-per-node",
@@ -328,7 +393,9 @@ def add_commands(subparsers: Any) -> None:
     est.add_argument(
         "--largest-layer-params",
         metavar="COUNT",
-        help="parameters of the largest layer, gathered whole at stage 3 (default 0)",
+        help="parameters of the largest layer, gathered whole at stage 3 (default: from "
+        "--preset, else a GPT's largest matrix: h x 4h, or the --vocab x --hidden embedding; "
+        "else 0)",
     )
     shape = [
         ("--seq-len", "sequence length s"),
@@ -349,17 +416,17 @@ def add_commands(subparsers: Any) -> None:
     )
     est.add_argument(
         "--attention",
-        choices=list(ATTENTIONS),
-        default="plain",
-        help="plain (default): the [s, s] scores a head are kept; blockwise (flash-style, the "
-        "built-in GPT's attention_block): none",
+        choices=list(costs.ATTENTIONS),
+        default="blockwise",
+        help="blockwise (default: flash-style, the attention jzero's built-in models run): no "
+        "[s, s] scores kept; plain: the [s, s] scores a head are kept (Korthikanti et al.)",
     )
     est.add_argument(
         "--dropout",
         choices=["on", "off"],
-        default="on",
-        help="on (default, Korthikanti et al.'s accounting): 1-byte dropout masks are kept; off: "
-        "none (the built-in GPT has no dropout)",
+        default="off",
+        help="off (default: the built-in models have no dropout): no masks; on (Korthikanti et "
+        "al.'s accounting): 1-byte dropout masks are kept",
     )
     est.add_argument(
         "--loss-chunk",
@@ -417,6 +484,14 @@ def add_commands(subparsers: Any) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set model.num_layers=24 (repeatable)",
+    )
+    plan.add_argument(
+        "--preset",
+        choices=[name for name, arch in costs.PRESETS.items() if not arch.experts],
+        help="plan a Llama-shaped model of this published shape (RMSNorm, rotary, grouped-query "
+        "attention, SwiGLU, untied head) instead of the config's GPT; the config gives "
+        "model.seq_len, the batch and the precision (e.g. with --devices 64: the model state "
+        "on an abstract mesh)",
     )
     devices.add_cpu_devices_flag(plan)
     plan.add_argument(

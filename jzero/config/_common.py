@@ -11,7 +11,7 @@ Decisions:
 * ``checked_field`` makes a dataclass field whose metadata carries the validation rules
   (``min``, ``max``, ``nonzero``, ``no_effect``, ``refuse``, ``auto``, the YAML ``key`` when it
   differs from the field name, ``rest`` for a mapping that takes every other key of its
-  section).
+  section, ``loose`` for a section read as DeepSpeed reads it: unknown keys ignored).
 """
 
 from __future__ import annotations
@@ -113,15 +113,31 @@ def show(value: Any) -> str:
 _BRITISH = re.compile(r"(?<=[a-z])is(ation|ations|e|ed|es|ing|er|ers)$|(?<=[a-z])ys(e|ed|es|ing)$")
 
 
-def _normalise(key: str) -> str:
-    """``key`` compared as a name: lower case, without separators (``_``, ``-``, ``.``,
-    blanks), each word in American spelling (``optimisation`` -> ``optimization``)."""
-    words = re.split(r"[\s_.\-]+", str(key).lower())
-    spelled = (
+def _words(key: str) -> list[str]:
+    """The words of ``key``: lower case, split at separators (``_``, ``-``, ``.``, blanks),
+    each in American spelling (``optimisation`` -> ``optimization``)."""
+    return [
         _BRITISH.sub(lambda m: ("iz" if m.group(1) else "yz") + (m.group(1) or m.group(2)), w)
-        for w in words
+        for w in re.split(r"[\s_.\-]+", str(key).lower())
+        if w
+    ]
+
+
+def _normalise(key: str) -> str:
+    """``key`` compared as a name: its :func:`_words` joined."""
+    return "".join(_words(key))
+
+
+def _abbreviates(key: str, known: str) -> bool:
+    """Whether ``key`` shortens ``known`` word by word: as many words, each the start of the
+    known one and at least half of it (``gradient_clip``, ``grad_clip`` for
+    ``gradient_clipping``; not ``auto`` for ``autotuning``)."""
+    short, full = _words(key), _words(known)
+    return (
+        len(short) == len(full)
+        and short != full
+        and all(f.startswith(s) and 2 * len(s) >= len(f) for s, f in zip(short, full, strict=True))
     )
-    return "".join(spelled)
 
 
 def _edit_distance(a: str, b: str) -> int:
@@ -143,8 +159,10 @@ def close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | Non
     """The known key that ``key`` is a near miss of, or None.
 
     A near miss is equal after :func:`_normalise`, or within one edit of it (two for names of
-    more than five letters): ``zero_optimisation``, ``Zero-Optimization``, ``gradient_cliping``
-    are near misses; ``_comment`` is not one of ``comet``, nor ``train_iters`` of ``train``.
+    more than five letters), or an abbreviation of it (:func:`_abbreviates`):
+    ``zero_optimisation``, ``Zero-Optimization``, ``gradient_cliping``, ``gradient_clip`` are
+    near misses; ``_comment`` is not one of ``comet``, nor ``train_iters`` of ``train``, nor
+    ``auto`` of ``autotuning``.
     """
     name = _normalise(key)
     best, best_distance = None, None
@@ -154,6 +172,8 @@ def close_match(key: str, known: Sequence[str] | Mapping[str, Any]) -> str | Non
         distance = _edit_distance(name, target)
         if distance <= allowed and (best_distance is None or distance < best_distance):
             best, best_distance = candidate, distance
+    if best is None:
+        best = next((candidate for candidate in known if _abbreviates(key, candidate)), None)
     return best
 
 

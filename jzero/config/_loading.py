@@ -10,8 +10,9 @@ Decisions:
   syntax error with its line).
 * Overrides are ``dotted.key=value`` strings whose value is read as a YAML scalar or flow
   mapping (``--set mesh.model=2``, ``--set 'model={d_model: 64}'``); they create the sections
-  they go into. An unknown top-level key set by an override is an error (a file's is ignored
-  with a warning, as DeepSpeed ignores it).
+  they go into. An unknown key set by an override is an error (a file's is ignored with a
+  warning at the top level and in the sections DeepSpeed reads key by key, as DeepSpeed
+  ignores it).
 * **A key written twice is an error**, in YAML and JSON files alike, at any depth (DeepSpeed
   refuses them too); the message names the dotted path, the file and both lines. YAML merge
   keys (``<<: *base``) may still be overridden by a key of the mapping itself.
@@ -21,8 +22,8 @@ Decisions:
   absolute path.
 * The no-effect keys found by validation are listed in one ``JzeroConfigWarning``, the other
   spellings read as jzero's keys in one ``JzeroConfigDeprecationWarning``, and the unknown
-  top-level keys that were ignored (see ``jzero.config._validate``) in one more
-  ``JzeroConfigWarning`` of one line.
+  keys that were ignored (see ``jzero.config._validate``) in one more ``JzeroConfigWarning``
+  of one line.
 """
 
 from __future__ import annotations
@@ -277,7 +278,8 @@ def load_config(
 
     Warns:
       JzeroConfigWarning: once, listing every DeepSpeed key present that has no effect in jzero;
-        once more, naming the unknown top-level keys that were ignored.
+        once more, naming the unknown keys that were ignored (top-level ones, and those of the
+        sections DeepSpeed reads key by key: ``fp16.opt_level``).
 
     Example:
       >>> cfg = load_config({"train_micro_batch_size_per_gpu": 4}, ["zero_optimization.stage=2"])
@@ -312,17 +314,16 @@ def load_config(
         _apply_override(raw, override)
     cfg, noted, renamed, ignored = build_config(raw)
     for override in overrides:  # a key set on purpose: unknown is an error, not ignored
-        key = override.partition("=")[0].strip().split(".")[0]
-        if key in ignored:
+        key = override.partition("=")[0].strip()
+        if key in ignored or key.split(".")[0] in ignored:
             raise ConfigError(
                 f"{key} is not a known key; fix its name in the override {override!r}, or "
                 "remove it."
             )
     if ignored:
         warnings.warn(
-            f"jzero does not know these top-level keys and ignores them, as DeepSpeed ignores "
-            f"the keys it does not read: {', '.join(ignored)}. Remove them to silence this "
-            "warning.",
+            f"jzero does not know these keys and ignores them, as DeepSpeed ignores the keys it "
+            f"does not read: {', '.join(ignored)}. Remove them to silence this warning.",
             JzeroConfigWarning,
             stacklevel=2,
         )

@@ -19,7 +19,8 @@ Decisions:
   technique, ``quantize_training`` (MoQ) or ``progressive_layer_drop``,
   ``gradient_allreduce_op: sum`` and ``managed_gradient_accumulation: false`` are errors
   (``jzero.config._validate``). A top-level key that is none of these fields is ignored with
-  a warning, as DeepSpeed ignores it, unless it is a near miss of one (an error).
+  a warning, as DeepSpeed ignores it, unless it is a near miss of one (an error); so is an
+  unknown key of a section with ``loose`` metadata (the sections DeepSpeed reads key by key).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ from jzero.config._sections import (
     WandbConfig,
     ZeroConfig,
 )
+
+# fp16's keys: a bf16 section copied from an fp16 one carries them (ignored there, and a
+# near miss of one is refused).
+_FP16_KEYS = tuple(f.name for f in dataclasses.fields(FP16Config))
 
 __all__ = [
     "CheckpointConfig",
@@ -213,10 +218,12 @@ class Config:
     """The optimizer; None: the engine needs one passed in code."""
     scheduler: SchedulerConfig | None = None
     """The learning-rate schedule; None: constant ``optimizer.params.lr``."""
-    bf16: BF16Config = checked_field(factory=BF16Config)
-    """bfloat16 mixed precision."""
-    fp16: FP16Config = checked_field(factory=FP16Config)
-    """float16 mixed precision."""
+    bf16: BF16Config = checked_field(factory=BF16Config, loose=_FP16_KEYS)
+    """bfloat16 mixed precision. An unknown key is ignored with a warning (fp16's loss-scaling
+    keys copied into it among them), a near miss of one of its keys or of fp16's is refused."""
+    fp16: FP16Config = checked_field(factory=FP16Config, loose=())
+    """float16 mixed precision. An unknown key (Apex's ``opt_level``) is ignored with a
+    warning, a near miss of one of its keys is refused."""
     skip_nonfinite: bool | None = None
     """jzero's own: skip the optimizer update of a step whose gradients are inf/NaN, at any
     precision. None: the precision's default (fp16 always skips, with loss scaling; bf16
@@ -224,10 +231,10 @@ class Config:
     false is refused with fp16, whose loss scaling must skip an overflowing step."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype of gradient reductions; None: the gradient dtype."""
-    data_types: DataTypesConfig = checked_field(factory=DataTypesConfig)
+    data_types: DataTypesConfig = checked_field(factory=DataTypesConfig, loose=())
     """Accumulation dtypes."""
     activation_checkpointing: ActivationCheckpointingConfig = checked_field(
-        factory=ActivationCheckpointingConfig
+        factory=ActivationCheckpointingConfig, loose=()
     )
     """Activation checkpointing of each stacked layer (every scan body), at any stage."""
     mesh: MeshConfig = checked_field(factory=MeshConfig)
@@ -289,7 +296,7 @@ class Config:
     """DeepSpeed: elastic training. No effect."""
     aio: Mapping[str, Any] | None = checked_field(None, no_effect=NVME_ONLY)
     """DeepSpeed: asynchronous NVMe I/O. No effect."""
-    flops_profiler: FlopsProfilerConfig = checked_field(factory=FlopsProfilerConfig)
+    flops_profiler: FlopsProfilerConfig = checked_field(factory=FlopsProfilerConfig, loose=())
     """DeepSpeed's FLOPs profiler: the compiled step's FLOPs, bytes, time and MFU at one step,
     and the model's FLOPs per module (:mod:`jzero.profiler`)."""
     comms_logger: Mapping[str, Any] | None = checked_field(

@@ -6,12 +6,19 @@ Decisions:
   the extra rules. Every error names the dotted path, the value as written, what is allowed,
   and the fix; an unknown key is refused, with the known key it is a near miss of ("did you
   mean", ``_common.close_match``: equal but for case, separators or British spelling, or
-  an edit or two away), if any.
+  an edit or two away, or an abbreviation word by word), if any.
 * **The top level is read as DeepSpeed reads it**: an unknown key there is ignored and named
   in one warning line (``_comment``, ``comms_config``), unless it is a near miss of a known
-  key (``zero_optimisation`` must not train at stage 0): that is refused. A GPT-NeoX
-  arguments file (``pipe_parallel_size``, ``train_iters`` ...) is refused with one message
-  saying so, not a line per key.
+  key (``zero_optimisation`` must not train at stage 0; ``gradient_clip``, an abbreviation of
+  ``gradient_clipping``, must not train unclipped): that is refused. So are the sections
+  DeepSpeed reads key by key with defaults (Config fields with ``loose`` metadata: ``fp16``
+  and ``bf16``, as DeepSpeed read them up to 0.17.0, before they became pydantic models
+  that refuse unknown keys, and ``activation_checkpointing``, ``flops_profiler``,
+  ``data_types``, as it reads them today): ``fp16.opt_level`` (Apex's) or a ``bf16`` section
+  copied from an ``fp16`` one (``bf16.loss_scale``) load with the same warning line, while
+  ``bf16.loss_scael`` is refused with the suggestion. Every other section refuses an
+  unknown key. A GPT-NeoX arguments file (``pipe_parallel_size``, ``train_iters`` ...) is
+  refused with one message saying so, not a line per key.
 * Three kinds of key: *used*; *no effect* under XLA (accepted, collected here and listed by
   ``load_config`` in one ``JzeroConfigWarning``); *refused* (DeepSpeed features whose absence
   would train something else, settings that contradict each other) with an error naming what
@@ -82,9 +89,10 @@ def _check_number_range(value: int | float, meta: Mapping[str, Any], path: str) 
 
 
 def _coerce(
-    value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list, autos: list
+    value: Any, tp: Any, path: str, meta: Mapping[str, Any], noted: list, autos: list, ignored: list
 ) -> Any:
-    """Checks ``value`` against the type hint ``tp``; returns the normalised value."""
+    """Checks ``value`` against the type hint ``tp``; returns the normalised value. A section
+    with ``loose`` metadata is read as DeepSpeed reads it (``_unknown_keys``)."""
     if meta.get("size") and value is not None:  # bytes, or a string with a unit: 12GB
         size = None if isinstance(value, bool) else read_size(value)
         if size is None or not math.isfinite(size) or size < 1:
@@ -98,7 +106,7 @@ def _coerce(
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], path, meta, noted, autos)
+        return _coerce(value, args[0], path, meta, noted, autos, ignored)
     if origin is Literal:
         allowed = typing.get_args(tp)
         norm = value.lower() if isinstance(value, str) else value
@@ -115,7 +123,7 @@ def _coerce(
             )
         return norm
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, noted, autos)
+        return _build(tp, value, path, (noted, autos, ignored), meta.get("loose"))
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path}: {show(value)} is not allowed; it must be true or false.")
@@ -213,8 +221,38 @@ def _apply_aliases(raw: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[tupl
     return {**raw, "zero_optimization": zero}, renamed
 
 
-def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
-    """Builds dataclass ``cls`` from the mapping ``raw``; no-effect keys go to ``noted``."""
+def _unknown_keys(
+    raw: Mapping[str, Any], known: Mapping[str, Any], path: str, loose: tuple[str, ...] | None
+) -> tuple[list[str], list[str]]:
+    """The unknown keys of a section: the ones refused (a message each) and the ones ignored.
+
+    A strict section (``loose`` None) refuses every unknown key. A loose one is read as
+    DeepSpeed reads it, key by key with defaults: an unknown key is ignored, unless it is a near
+    miss of a known key or of one of ``loose`` (keys that are ignored but whose typo shows what
+    was meant, such as fp16's loss-scaling keys written in a ``bf16`` section).
+    """
+    refused, ignored = [], []
+    for key in raw:
+        if key in known:
+            continue
+        sub = join(path, key)
+        close = close_match(str(key), [*known, *loose]) if loose is not None else None
+        if loose is not None and (key in loose or close is None):
+            ignored.append(sub)
+        else:
+            refused.append(
+                f"{sub} is not a known key{suggest(str(key), [*known, *(loose or ())])}; "
+                "remove it or fix its name."
+            )
+    return refused, ignored
+
+
+def _build(
+    cls: type, raw: Any, path: str, out: tuple[list, list, list], loose: tuple[str, ...] | None
+) -> Any:
+    """Builds dataclass ``cls`` from the mapping ``raw``; ``out`` collects the no-effect keys,
+    the ``"auto"`` ones and the ignored ones (of a ``loose`` section: ``_unknown_keys``)."""
+    noted, autos, ignored = out
     if not isinstance(raw, Mapping):
         where = path or "The config"
         raise ConfigError(f"{where}: {show(raw)} is not allowed; it must be a mapping of keys.")
@@ -231,15 +269,10 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
         raw = {k: v for k, v in raw.items() if k in by_key}
         raw[rest.name] = _mesh_axes(others, by_key, path)
         by_key[rest.name] = rest
-    errors = []
-    for key in raw:
-        sub = join(path, key)
-        if key not in by_key:
-            errors.append(
-                f"{sub} is not a known key{suggest(str(key), by_key)}; remove it or fix its name."
-            )
+    errors, dropped = _unknown_keys(raw, by_key, path, loose)
     if errors:
         raise ConfigError("\n".join(errors))
+    ignored += dropped
     kwargs = {}
     deferred = []  # keys whose effect depends on the rest of their section
     for key, f in by_key.items():
@@ -252,7 +285,7 @@ def _build(cls: type, raw: Any, path: str, noted: list, autos: list) -> Any:
         if "auto" in f.metadata and value == "auto":
             value = f.metadata["auto"]
             autos.append(sub)
-        kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted, autos)
+        kwargs[f.name] = _coerce(value, hints[f.name], sub, f.metadata, noted, autos, ignored)
         reason = f.metadata.get("no_effect")
         disabled = isinstance(value, Mapping) and value.get("enabled") is False
         if "no_effect_when" in f.metadata:
@@ -845,17 +878,18 @@ def build_config(
     Returns:
       The ``Config``, the ``(dotted path, reason)`` of every no-effect key present, the
       ``(dotted path, new spelling)`` of every other spelling rewritten to jzero's key, and
-      the unknown top-level keys that were ignored.
+      the unknown keys that were ignored (top-level ones, and dotted ones of the sections
+      DeepSpeed reads key by key).
 
     Raises:
-      ConfigError: for an unknown key (a near miss of a known one at the top level), a wrong
-        value or an impossible combination.
+      ConfigError: for an unknown key (a near miss of a known one at the top level and in the
+        sections DeepSpeed reads key by key), a wrong value or an impossible combination.
     """
     noted: list[tuple[str, str]] = []
     autos: list[str] = []
     raw, ignored = _drop_unknown_keys(raw)
     raw, renamed = _apply_aliases(raw)
-    cfg = _build(Config, raw, "", noted, autos)
+    cfg = _build(Config, raw, "", (noted, autos, ignored), None)
     autos += _section_autos(cfg)
     cfg = dataclasses.replace(cfg, auto=tuple(autos))
     data_path = cfg.data.get("path")

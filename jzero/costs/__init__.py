@@ -11,12 +11,18 @@ memory planner, the config or the CLI (``tests/project/test_house.py`` checks it
 * :mod:`~jzero.costs.shapes`: the values: :class:`ModelShape` (with its
   :class:`Techniques`, how its layers keep activations), :class:`ParallelDims` (the mesh's
   axes and sizes, with the degrees derived from them) and :class:`Dtypes`.
+* :mod:`~jzero.costs.architectures`: today's transformer shapes (:class:`Architecture`:
+  SwiGLU or GELU, RMSNorm or LayerNorm, rotary or learned positions, grouped-query attention,
+  tied or untied embeddings, experts), their parameter counts and largest layers, and
+  :data:`PRESETS` of published ones.
 * :mod:`~jzero.costs.activations`: a transformer's activations per device with each
   long-context technique (blockwise attention, tiled loss and MLP, activation offload, the
   ``seq`` and ``context`` splits; :func:`activation_bytes`) and the longest sequence that fits
   (:func:`longest_sequence`).
 * :mod:`~jzero.costs.memory`: bytes held: ZeRO's model states per stage and offload
-  (:func:`model_states`), a transformer's activations (:func:`transformer_activations`).
+  (:func:`model_states`), DeepSpeed's own estimators' figures beside them
+  (:func:`deepspeed_model_states`), a transformer's activations
+  (:func:`transformer_activations`).
 * :mod:`~jzero.costs.traffic`: bytes a step on each axis (ZeRO's group, ``model``, ``seq``,
   ``context``, ``expert``, ``pipe``, the host) and which cross hosts.
 * :mod:`~jzero.costs.step_time`: the step's predicted time at :class:`Rates`
@@ -29,10 +35,13 @@ from jzero.costs.activations import ActivationBytes as ActivationBytes
 from jzero.costs.activations import activation_bytes as activation_bytes
 from jzero.costs.activations import longest_sequence as longest_sequence
 from jzero.costs.activations import sequence_step as sequence_step
+from jzero.costs.architectures import PRESETS as PRESETS
+from jzero.costs.architectures import Architecture as Architecture
 from jzero.costs.memory import BUFFER_FACTOR as BUFFER_FACTOR
 from jzero.costs.memory import DTYPE_BYTES as DTYPE_BYTES
 from jzero.costs.memory import OPTIMIZER_DTYPES as OPTIMIZER_DTYPES
 from jzero.costs.memory import Hosts as Hosts
+from jzero.costs.memory import deepspeed_model_states as deepspeed_model_states
 from jzero.costs.memory import model_states as model_states
 from jzero.costs.memory import optimizer_bytes as optimizer_bytes
 from jzero.costs.memory import transformer_activations as transformer_activations
@@ -69,7 +78,9 @@ __all__ = [
     "OPTIMIZER_DTYPES",
     "PAPER",
     "PLATFORM_RATES",
+    "PRESETS",
     "ActivationBytes",
+    "Architecture",
     "Dtypes",
     "Hosts",
     "LayerFlow",
@@ -83,6 +94,7 @@ __all__ = [
     "bubble",
     "context_axis_bytes",
     "cross_host_elements",
+    "deepspeed_model_states",
     "crosses_hosts",
     "expert_axis_bytes",
     "longest_sequence",

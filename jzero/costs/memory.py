@@ -31,6 +31,7 @@ __all__ = [
     "DTYPE_BYTES",
     "OPTIMIZER_DTYPES",
     "Hosts",
+    "deepspeed_model_states",
     "model_states",
     "optimizer_bytes",
     "transformer_activations",
@@ -96,6 +97,62 @@ def model_states(
             return {**params, **gathered}, {"grads and optimizer state": host}
         return params, {"grads and optimizer state": psi * max(4 * n, 4 + k) * buf}
     return gathered, {"params, grads and optimizer state": (6 + k) * psi / nodes * buf}
+
+
+def deepspeed_model_states(
+    stage: int,
+    option: str,
+    psi: float,
+    largest_layer: float,
+    devices_per_node: int,
+    nodes: int,
+    buffer_factor: float = BUFFER_FACTOR,
+) -> tuple[int, int] | None:
+    """DeepSpeed's own figures, ``(device, host per node)`` bytes, as its estimators compute
+    them with ``zero_init`` (parameters created in their shards); ``None`` where it has none
+    (stage 0, the NVMe tier).
+
+    Stages 1 and 2: ``estimate_zero2_model_states_mem_needs``: without offload ``2 Psi +
+    int(18 Psi / N)`` on the device (16-bit params 2, and 16-bit and fp32 grads, fp32 params
+    and moments 2 + 4 + 4 + 8 sharded) and ``4 Psi x devices per node x 1.5`` on the host;
+    with the optimizer offloaded ``2 Psi`` and ``Psi x max(4 N, 16) x 1.5``. Stage 3:
+    ``estimate_zero3_model_states_mem_needs``: ``4 LL`` on the device always (``LL`` its
+    largest module's parameters), ``+ int(18 Psi / N)`` without offload (host ``4 LL x devices
+    per node x 1.5``), ``+ int(2 Psi / N)`` with the optimizer offloaded (host ``16 Psi /
+    nodes x 1.5``), nothing more with the parameters offloaded too (host ``18 Psi / nodes x
+    1.5``). Each figure is truncated to whole bytes, as DeepSpeed's are.
+
+    Args:
+      stage: the ZeRO stage.
+      option: ``"none"``, ``"optimizer"`` or ``"optimizer+params"`` (``"nvme"``: None).
+      psi: the parameter count.
+      largest_layer: the largest module's own parameters (DeepSpeed's meaning).
+      devices_per_node: devices per node.
+      nodes: nodes; N = nodes x devices per node.
+      buffer_factor: DeepSpeed's ``additional_buffer_factor``.
+
+    Example:
+      >>> [round(x / 1e9, 2) for x in deepspeed_model_states(3, "none", 70e9, 1e9, 8, 1)]
+      [161.5, 48.0]
+    """
+    n = nodes * devices_per_node
+    if stage == 0 or option == "nvme":
+        return None
+    if stage < 3:
+        if option == "none":
+            device, host = 2 * psi + int(18 * psi / n), psi * 4 * devices_per_node * buffer_factor
+        else:
+            device, host = 2 * psi, psi * max(4 * n, 16) * buffer_factor
+        return int(device), int(host)
+    gathered = 4 * largest_layer
+    if option == "none":
+        device = gathered + int(18 * psi / n)
+        host = largest_layer * 4 * devices_per_node * buffer_factor
+    elif option == "optimizer":
+        device, host = gathered + int(2 * psi / n), psi * 16 / nodes * buffer_factor
+    else:
+        device, host = gathered, psi * 18 / nodes * buffer_factor
+    return int(device), int(host)
 
 
 def transformer_activations(

@@ -65,6 +65,9 @@ class ModelShape:
     """The parameter count Psi, e.g. ``7.5e9`` (the estimate also reads ``"7.5B"``)."""
     largest_layer_params: float = 0
     """Parameters of the largest layer, gathered whole at stage 3."""
+    largest_module_params: float | None = None
+    """DeepSpeed's ``largest_layer_params``, its largest module's own parameters (one matrix),
+    for its estimators' figures; ``None``: ``largest_layer_params``."""
     seq_len: int | None = None
     """Sequence length s."""
     hidden: int | None = None

@@ -12,6 +12,7 @@ import :func:`plan_report` from this module).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,10 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jzero import memory
-from jzero.demo import gpt
+from jzero.costs import Architecture
+from jzero.demo import gpt, llama
 from jzero.engine import InitOptions, initialize
 
-__all__ = ["auto_layout_table", "plan_report"]
+__all__ = ["architecture_report", "auto_layout_table", "plan_report"]
 
 
 def _gpt(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
@@ -43,6 +45,76 @@ def _gpt(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
         return engine, {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
 
     return f"GPT {model_cfg.num_layers} layers, d_model {model_cfg.d_model}", build
+
+
+def _llama(arch: Architecture) -> Callable[[Any], tuple[str, Callable[[Any, Any], Any]]]:
+    """The Llama-shaped model of ``arch`` (:mod:`jzero.demo.llama`) as
+    :func:`jzero.memory.measure_stages` takes a model; the config gives the sequence length
+    (``model.seq_len``), the batch and the precision."""
+
+    def model(cfg: Any) -> tuple[str, Callable[[Any, Any], tuple[Any, Any]]]:
+        seq_len = cfg.model.get("seq_len")
+        if not seq_len:
+            raise ValueError(
+                "Planning an architecture needs the sequence length: set model.seq_len in the "
+                "config (e.g. --set model.seq_len=2048)."
+            )
+        dtype = jnp.bfloat16 if cfg.bf16.enabled else jnp.float16 if cfg.fp16.enabled else None
+        dtype = dtype or jnp.float32
+        llama.check(arch)
+
+        def build(row: Any, mesh: Any) -> tuple[Any, Any]:
+            engine = initialize(
+                params=lambda key: llama.init_params(key, arch),
+                loss_fn=functools.partial(llama.loss_fn, arch=arch, dtype=dtype),
+                config=row,
+                abstract=True,
+                options=InitOptions(mesh=mesh),
+            )
+            shape = (engine.train_batch_size, int(seq_len) + 1)
+            return engine, {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32)}
+
+        name = (
+            f"Llama-shaped {arch.layers} layers, hidden {arch.hidden}, {arch.heads} heads "
+            f"({arch.kv_heads or arch.heads} kv), vocab {arch.vocab}"
+        )
+        return name, build
+
+    return model
+
+
+def architecture_report(
+    config: Any,
+    arch: Architecture,
+    devices: int | None = None,
+    device_memory: int | str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    margin: float = 0.1,
+    rows: memory.StageRows | None = None,
+) -> memory.PlanReport:
+    """Every ZeRO stage of the Llama-shaped model of ``arch`` (:mod:`jzero.demo.llama`),
+    measured as :func:`plan_report` measures the built-in GPT; ``jzero plan --preset``.
+
+    Args:
+      config: a config (path, mapping or :class:`jzero.Config`) with ``model.seq_len``; its
+        other ``model`` keys are not read.
+      arch: the shape (:class:`jzero.costs.Architecture`, e.g. ``jzero.costs.PRESETS[name]``;
+        dense, rotary positions).
+      devices, device_memory, overrides, margin: as :func:`plan_report`.
+      rows: the rows to compile (:class:`jzero.memory.StageRows`); ``None``: its defaults.
+
+    Returns:
+      A :class:`jzero.memory.PlanReport`.
+
+    Raises:
+      ValueError: for an architecture with experts or learned positions, or no
+        ``model.seq_len``.
+    """
+    return memory.measure_stages(
+        config, _llama(arch), devices, device_memory, overrides=overrides, margin=margin,
+        rows=rows,
+    )  # fmt: skip
 
 
 def plan_report(

@@ -595,7 +595,12 @@ class Engine:
         return str(Path(ckpt.directory) / str(loaded)), meta.get("client_state")
 
     def save_16bit_model(
-        self, directory: str | Any, *, max_shard_size: int | str = "5GB", dtype: Any = None
+        self,
+        directory: str | Any,
+        *,
+        max_shard_size: int | str = "5GB",
+        dtype: Any = None,
+        names: Any = None,
     ) -> Any:
         """Writes the parameters as Hugging Face's sharded safetensors (DeepSpeed's name).
 
@@ -609,6 +614,9 @@ class Engine:
           max_shard_size: the most bytes per file (``5GB``, ``500MiB`` or an int).
           dtype: the dtype of floating tensors; ``None``: the compute dtype (bf16/fp16 under
             mixed precision, else the params' own).
+          names: a leaf's dotted path -> the tensor's name in the files (a callable, or a
+            dict whose missing paths keep their name), for Hugging Face's names; read them
+            back with ``InitOptions(init_from=directory, name_map=names)``.
 
         Returns:
           The index file's path.
@@ -616,7 +624,7 @@ class Engine:
         from jzero import weights
 
         return weights.save_weights(
-            directory, self.params, dtype=dtype, max_shard_size=max_shard_size
+            directory, self.params, dtype=dtype, max_shard_size=max_shard_size, names=names
         )
 
     def restore(self, step: int | None = None) -> dict[str, Any]:

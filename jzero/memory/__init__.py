@@ -36,9 +36,10 @@ Every public name lives in one of the private modules below and is re-exported h
 * ``_measure``: :func:`measure_stages` and :func:`memory_report`, which compile.
 * ``_plot``: :func:`plot_bars` (matplotlib, imported only when a plot is drawn).
 
-Decisions common to all of them: GB means 10^9 bytes; "fits" keeps a margin of the device
-memory (10% by default) free. Callers reach the entry points through this package's attributes
-(``memory.estimate``), so replacing one here replaces it for them.
+Decisions common to all of them: sizes are printed in GiB (2^30 bytes), sizes written
+``80GB`` are 10^9 bytes; "fits" keeps a margin of the device memory (10% by default) free.
+Callers reach the entry points through this package's attributes (``memory.estimate``), so
+replacing one here replaces it for them.
 """
 
 from jzero.memory._estimate import Estimate as Estimate
@@ -46,6 +47,7 @@ from jzero.memory._estimate import EstimateRow as EstimateRow
 from jzero.memory._estimate import Offload as Offload
 from jzero.memory._estimate import estimate as estimate
 from jzero.memory._format import GB as GB
+from jzero.memory._format import GIB as GIB
 from jzero.memory._format import Recommendation as Recommendation
 from jzero.memory._format import parse_size as parse_size
 from jzero.memory._measure import StageRows as StageRows

@@ -114,7 +114,7 @@ from jzero.costs import (
     Techniques,
 )
 from jzero.memory._format import (
-    GB,
+    GIB,
     Recommendation,
     check_margin,
     check_positive,
@@ -192,6 +192,9 @@ class EstimateRow:
     context_axis_bytes: float = 0.0
     """Bytes a device sends a step on the ``context`` axis (ring attention's keys and values,
     :func:`jzero.costs.context_axis_bytes`); 0 without it or without the shape."""
+    deepspeed: tuple[int, int] | None = None
+    """DeepSpeed's own estimators' ``(device, host per node)`` bytes of this option
+    (:func:`jzero.costs.deepspeed_model_states`), or None where it has none (stage 0, nvme)."""
 
     @property
     def device_bytes(self) -> float:
@@ -250,6 +253,9 @@ class Estimate:
     """The vocabulary V whose logits are counted; ``None``: not counted."""
     techniques: Techniques = PAPER
     """How the layers keep their activations (:class:`jzero.costs.Techniques`)."""
+    deepspeed_layer_params: float = 0
+    """The largest layer DeepSpeed's figures use (its largest module's own parameters, the
+    model's ``largest_module_params``; else ``largest_layer_params``)."""
 
     @property
     def devices(self) -> int:
@@ -305,7 +311,7 @@ class Estimate:
                 continue
             options.append((r.stage, r.offload, "none", r.total_bytes(False)))
             options.append((r.stage, r.offload, "full", r.total_bytes(True)))
-        return recommend(options, self.device_memory, self.margin, ("GB", GB))
+        return recommend(options, self.device_memory, self.margin, ("GiB", GIB))
 
     def row(self, stage: int, offload: str = "none") -> EstimateRow:
         """The row of one option."""
@@ -359,35 +365,38 @@ class Estimate:
         moe = self.experts > 0
         k = self.optimizer_bytes
         moments = "bf16 moments 2 + 2" if self.optimizer_dtype == "bf16" else "fp32 moments 4 + 4"
-        header = ["stage", "offload", "device GB"] + (["expert GB", "dense GB"] if moe else [])
-        header += ["act GB", "act AC GB", "total GB", "total AC GB"] if act else []
+        header = ["stage", "offload", "device GiB"] + (["expert GiB", "dense GiB"] if moe else [])
+        header += ["act GiB", "act AC GiB", "total GiB", "total AC GiB"] if act else []
         disk = any(r.disk for r in self.rows)
-        header += ["host GB/node"] + (["disk GB/node"] if disk else []) + ["comm/step"]
+        header += ["host GiB/node"] + (["disk GiB/node"] if disk else []) + ["comm/step"]
         header += ["cross-host/step"]
         split = act and (self.layout.model > 1 or self.layout.seq > 1)
-        header += ["model GB/step", "seq GB/step"] if split else []
+        header += ["model GiB/step", "seq GiB/step"] if split else []
         ringed = act and self.layout.context > 1
-        header += ["context GB/step"] if ringed else []
+        header += ["context GiB/step"] if ringed else []
         piped = act and self.layout.pipe > 1
-        header += ["pipe GB/step"] if piped else []
+        header += ["pipe GiB/step"] if piped else []
+        header += ["DeepSpeed GB", "DeepSpeed host GB"]
         header += (["fits"] if usable is not None else []) + ["collectives"]
         rows = []
         for r in self.rows:
-            cells = [str(r.stage), r.offload, f"{r.device_bytes / GB:.2f}"]
+            cells = [str(r.stage), r.offload, f"{r.device_bytes / GIB:.2f}"]
             if moe:
-                cells += [f"{r.expert_bytes / GB:.2f}", f"{r.dense_bytes / GB:.2f}"]
+                cells += [f"{r.expert_bytes / GIB:.2f}", f"{r.dense_bytes / GIB:.2f}"]
             if act:
-                cells += [f"{r.activations / GB:.2f}", f"{r.activations_checkpointed / GB:.2f}"]
-                cells += [f"{r.total_bytes(False) / GB:.2f}", f"{r.total_bytes(True) / GB:.2f}"]
-            cells += [f"{r.host_bytes / GB:.2f}"] + ([f"{r.disk / GB:.2f}"] if disk else [])
+                cells += [f"{r.activations / GIB:.2f}", f"{r.activations_checkpointed / GIB:.2f}"]
+                cells += [f"{r.total_bytes(False) / GIB:.2f}", f"{r.total_bytes(True) / GIB:.2f}"]
+            cells += [f"{r.host_bytes / GIB:.2f}"] + ([f"{r.disk / GIB:.2f}"] if disk else [])
             cells += [f"{r.comm_psi:g} Psi"]
             cells.append(f"{r.cross_host_psi:.3g} Psi" if r.cross_host_psi else "0")
             if split:
-                cells += [f"{r.model_axis_bytes / GB:.3g}", f"{r.seq_axis_bytes / GB:.3g}"]
+                cells += [f"{r.model_axis_bytes / GIB:.3g}", f"{r.seq_axis_bytes / GIB:.3g}"]
             if ringed:
-                cells.append(f"{r.context_axis_bytes / GB:.3g}")
+                cells.append(f"{r.context_axis_bytes / GIB:.3g}")
             if piped:
-                cells.append(f"{r.pipe_axis_bytes / GB:.3g}")
+                cells.append(f"{r.pipe_axis_bytes / GIB:.3g}")
+            ds = r.deepspeed
+            cells += [f"{ds[0] / GIB:.2f}", f"{ds[1] / GIB:.2f}"] if ds else ["-", "-"]
             if usable is not None:
                 if r.total_bytes(False) <= usable:
                     cells.append("yes")
@@ -429,7 +438,7 @@ class Estimate:
         lines = [
             f"ZeRO model states per device: Psi = {self.params:.4g} parameters, "
             f"N = {self.devices} devices ({nodes} node(s) x {self.devices_per_node}){hybrid}; "
-            "GB = 10^9 bytes",
+            "GiB = 2^30 bytes",
             *render_columns(header, rows, (1, len(header) - 1)),
             (
                 f"device: ZeRO paper, mixed-precision Adam (K = 12): {formula_text()}"
@@ -459,6 +468,13 @@ class Estimate:
                 if disk
                 else []
             ),
+            "DeepSpeed GB: DeepSpeed's own estimators, in its unit (bytes / 2^30, which it "
+            "labels GB): estimate_zero2_model_states_mem_needs at stages 1-2, "
+            "estimate_zero3_... at stage 3 (zero_init), all N devices, the whole "
+            f"Psi, its largest module's {self.deepspeed_layer_params:.4g} parameters:",
+            "  stages 1-2 2 Psi + 18 Psi/N (offloaded: 2 Psi), stage 3 4 LL + 18 Psi/N (4 LL + "
+            "2 Psi/N with the optimizer offloaded, 4 LL with the params too); host as above with "
+            "16 and 18; none at stage 0 or for nvme.",
             *(
                 ["No nvme rows: jzero's bf16 master weights do not compose with the NVMe tier yet."]
                 if self.master_dtype == "bf16" and any(r.offload != "none" for r in self.rows)
@@ -469,12 +485,12 @@ class Estimate:
             ep, n_e = self.layout.expert, self.expert_shards
             nvme_note = "\n  No nvme rows: jzero's expert parallelism does not compose with it yet."
             lines += [
-                "experts (DeepSpeed's expert data-parallel groups): expert GB is the experts' "
+                "experts (DeepSpeed's expert data-parallel groups): expert GiB is the experts' "
                 f"model states, Psi_e/E_p = {self.expert_params / ep:.4g} parameters a device "
                 f"ZeRO-sharded over its expert data-parallel group of N/E_p = {n_e} device(s):",
                 "  each formula above with Psi_e/E_p for Psi and N/E_p for N (stage 3: "
                 f"{4 + k} Psi_e/N, "
-                "as E_p x N/E_p = N); dense GB is Psi_d's over N, and the gathered layer.",
+                "as E_p x N/E_p = N); dense GiB is Psi_d's over N, and the gathered layer.",
                 "  comm/step counts Psi as the device's Psi_d + Psi_e/E_p (the experts' "
                 "collectives within their group); the tokens' all-to-alls are not counted."
                 + (nvme_note if ep > 1 and any(r.offload != "none" for r in self.rows) else ""),
@@ -507,7 +523,7 @@ class Estimate:
             lines.append("  fits: yes (without AC), AC (only with activation checkpointing), no.")
             if ringed:
                 lines.append(
-                    f"  context GB/step: ring attention over C = {self.layout.context} passes a "
+                    f"  context GiB/step: ring attention over C = {self.layout.context} passes a "
                     "device's keys and values (2 s b h / (S C T)) C-1 steps forward, and again "
                     "with their gradients backward: 6 (C-1) s b h / (S C T) a layer."
                 )
@@ -520,8 +536,8 @@ class Estimate:
                         "tensor-parallel split; Ulysses divides every term by S)."
                     )
                 lines.append(
-                    "  model GB/step: Megatron's 4 all-reduces of s b h / S a layer, 2 (T-1)/T "
-                    "each; seq GB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
+                    "  model GiB/step: Megatron's 4 all-reduces of s b h / S a layer, 2 (T-1)/T "
+                    "each; seq GiB/step: Ulysses's 8 all-to-alls of s b h / (S T) a layer, "
                     "(S-1)/S each; comm/step counts Psi as the device's Psi/T."
                 )
             if piped:
@@ -529,7 +545,7 @@ class Estimate:
                 lines += [
                     f"  pipeline: a stage runs L/P layers and keeps {held:g} micro-batches of "
                     f"their activations ({self.layout.schedule}: the most passes in flight "
-                    "in its table); pipe GB/step: each of the M micro-batches sends its s b h "
+                    "in its table); pipe GiB/step: each of the M micro-batches sends its s b h "
                     "activations to the next stage and their gradient back (V times under "
                     "interleaving: each chunk boundary).",
                 ]
@@ -552,7 +568,7 @@ class Estimate:
         if t.offload:
             host = self.rows[0].activations_host if self.rows else 0.0
             parts.append(
-                f"activation offload (AC's layer inputs in host memory, {host / GB:.2f} GB a "
+                f"activation offload (AC's layer inputs in host memory, {host / GIB:.2f} GiB a "
                 "device)"
             )
         return ", ".join(parts)
@@ -583,7 +599,7 @@ class Estimate:
             title,
             self.bars(),
             limit=limit,
-            unit=("GB", GB),
+            unit=("GiB", GIB),
             recommended=pick,
             host_label="host per node",
         )
@@ -812,6 +828,9 @@ def estimate(
         device.update({_EXPERT + k: v for k, v in e_device.items()})
         return device, {k: host.get(k, 0.0) + e_host.get(k, 0.0) for k in {**host, **e_host}}
 
+    # DeepSpeed's estimators know neither experts nor model axes: all N devices, the whole
+    # Psi, its largest module's parameters.
+    ds_layer = ll * tp if model.largest_module_params is None else model.largest_module_params
     rows = []
     for option in OFFLOADS:  # the table's rows, without offload first (the printed order)
         if offload == ("cpu" if option == "none" else "none"):  # the rows not asked for
@@ -845,6 +864,9 @@ def estimate(
             pipe_bytes,
             act_host,
             context_bytes,
+            costs.deepspeed_model_states(
+                spec.stage, o, psi_all, ds_layer, per_node, max(1, n // per_node), buf
+            ),
         )
         for spec, o, d, h, disk in rows
     )
@@ -855,7 +877,7 @@ def estimate(
     )  # fmt: skip
     return Estimate(
         psi_all, resolved, out, memory, check_margin(margin), ll * tp, buf, shape,
-        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques,
+        activation_dtype, n_experts, psi_e, opt_dtype, master, vocab, techniques, ds_layer,
     )  # fmt: skip
 
 

@@ -2,8 +2,11 @@
 
 Decisions:
 
-* GB means 10^9 bytes (the paper's 120 GB for 7.5e9 parameters); sizes are written ``80GB``,
-  ``80GiB`` or ``8e10``. :func:`parse_size` reads them, and its error lists every unit.
+* Sizes are printed in GiB (2^30 bytes; the plan picks the binary unit of its sizes), the
+  one unit of ``jzero estimate`` and ``jzero plan``; GB (10^9) only where DeepSpeed's own
+  figures are quoted (DeepSpeed prints bytes / 2^30 and labels them GB). Sizes are written
+  ``80GB`` (10^9), ``80GiB`` or ``8e10``: :func:`parse_size` reads them, and its error lists
+  every unit.
 * Counts (parameters, devices) must be positive; a bad one is named with an example of a good
   one. The margin is a fraction in [0, 1).
 * "Fits" keeps a margin (10% by default) of the device memory for what no formula counts
@@ -33,9 +36,12 @@ from typing import Any
 
 from jzero._util import byte_unit, format_bytes, read_size
 
-__all__ = ["GB", "Recommendation", "parse_size"]
+__all__ = ["GB", "GIB", "Recommendation", "parse_size"]
 
 GB = 10**9
+"""A GB as sizes are written (``80GB``), 10^9 bytes."""
+GIB = 2**30
+"""The unit the estimate prints its sizes in, 2^30 bytes."""
 _OFFLOAD_ORDER = ("none", "optimizer", "params", "optimizer+params", "nvme")
 
 

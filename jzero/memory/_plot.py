@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jzero._util import format_bytes
-from jzero.memory._format import GB
+from jzero.memory._format import GIB
 
 __all__ = ["plot_bars"]
 
@@ -41,7 +41,7 @@ def plot_bars(
     bars: Sequence[tuple[str, Mapping[str, float], Mapping[str, float]]],
     *,
     limit: float | None = None,
-    unit: tuple[str, float] = ("GB", GB),
+    unit: tuple[str, float] = ("GiB", GIB),
     recommended: int | None = None,
     host_label: str = "host per device",
 ) -> Any:

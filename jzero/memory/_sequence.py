@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from jzero import costs
 from jzero.costs import ModelShape, ParallelDims, Techniques
-from jzero.memory._format import GB, render_columns
+from jzero.memory._format import GIB, render_columns
 
 __all__ = ["SequenceReport", "SequenceRow", "sequence_report"]
 
@@ -89,12 +89,12 @@ class SequenceReport:
         fits = self.usable is not None
 
         def gb(value: float | None, add: float = 0.0) -> str:
-            return _DASH if value is None else f"{(value + add) / GB:.2f}"
+            return _DASH if value is None else f"{(value + add) / GIB:.2f}"
 
         def length(value: int | None) -> str:
             return _DASH if value is None else (f"{value:,}" if value else "none")
 
-        header = ["technique", "act GB", "act AC GB", "host AC GB", "total GB", "total AC GB"]
+        header = ["technique", "act GiB", "act AC GiB", "host AC GiB", "total GiB", "total AC GiB"]
         header += ["longest s", "longest s AC"] if fits else []
         rows = []
         for r in self.rows:
@@ -109,10 +109,10 @@ class SequenceReport:
             f"Long sequences, activations per device by technique: s = {m.seq_len:,}, "
             f"b = {lay.micro_batch}, h = {m.hidden}, L = {m.layers}, a = {m.heads}, {vocab}, "
             f"{self.dtype}, {split}, dropout {'on' if m.techniques.dropout else 'off'}; "
-            "GB = 10^9 bytes",
+            "GiB = 2^30 bytes",
             *render_columns(header, rows, (0,)),
             f"total: + the model states of ZeRO stage {self.stage} without offload, "
-            f"{self.states / GB:.2f} GB a device; AC: full activation checkpointing (each "
+            f"{self.states / GIB:.2f} GiB a device; AC: full activation checkpointing (each "
             "layer's input kept, one layer rebuilt in the backward pass).",
             "plain: the softmax's [s, s] scores a head kept (Korthikanti et al. 2022); "
             "blockwise: none, a float32 log-sum-exp a head and token;",
@@ -125,7 +125,7 @@ class SequenceReport:
             step = costs.sequence_step(self.rows[-1].layout)
             lines.append(
                 f"longest s: the largest multiple of the layout's step (S, x 2C with the ring: "
-                f"{step} for the last row) whose total fits in {self.usable / GB:.2f} GB "
+                f"{step} for the last row) whose total fits in {self.usable / GIB:.2f} GiB "
                 "usable; the next step does not (the host's memory is not bounded)."
             )
         return "\n".join(lines)

@@ -6,8 +6,10 @@ Decisions:
 
 * The safetensors format is written here directly (an 8-byte little-endian header length, a
   JSON header with ``dtype``, ``shape`` and ``data_offsets`` per tensor, then the raw
-  little-endian bytes), so exporting needs no extra dependency. The header is padded with
-  spaces to a multiple of 8 bytes, as other writers do.
+  little-endian bytes), because the ``safetensors`` package's writers (``save_file``,
+  ``serialize_file``) take every tensor of a file at once and this writer takes one leaf at a
+  time; files are read back through the package (:mod:`jzero.weights.format`). The header is
+  padded with spaces to a multiple of 8 bytes, as other writers do.
 * Every offset is computed from shapes and dtypes before any data is read; the data is then
   fetched and written one leaf at a time, so host memory stays near the largest leaf.
 * Keys are the dotted leaf paths (``blocks.w``). The exact path of every key (which parts are

@@ -20,8 +20,11 @@ Decisions:
   through ``..``, or through a symlink leading out of the folder, is refused before any file
   is opened; otherwise an index could make jzero read any file the user can read into the
   weights (and from there into an export).
-* Each tensor is read with its own ``seek`` and ``read`` and copied out of the buffer, one at a
-  time; on a big-endian host the little-endian bytes are swapped.
+* A whole file is read through the ``safetensors`` package (``safe_open``, its numpy
+  framework; this is the one module that imports it), tensor by tensor, after the checks
+  above: a file they let through that the package refuses (tensors not packed end to end) is
+  one more ``ValueError`` naming the file. The package swaps the little-endian bytes on a
+  big-endian host.
 * The nesting comes from the exact paths jzero stores (``jzero.paths`` in the header's
   ``__metadata__``, or in a sharded index's ``metadata``); a key without one (another writer's
   file) is split on its dots. A level whose keys are exactly ``0 .. n-1`` becomes a list.
@@ -39,7 +42,6 @@ import json
 import math
 import os
 import struct
-import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +49,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 __all__ = [
     "tensor_layout",
@@ -296,13 +299,13 @@ def _read_safetensors(p: Path, known: dict[str, Any] | None = None) -> dict:
             raise _invalid(p, str(e)) from None
     paths = _paths(list(header), known)
     flat = {}
-    with open(p, "rb") as f:
-        for key, (dtype, shape, begin, end) in layouts.items():
-            f.seek(start + begin)
-            arr = np.frombuffer(f.read(end - begin), dtype=dtype).reshape(shape).copy()
-            if sys.byteorder == "big" and dtype.itemsize > 1:
-                arr = arr.byteswap()
-            flat[paths[key]] = arr
+    try:
+        with safe_open(p, framework="np") as f:
+            for key, (dtype, shape, _, _) in layouts.items():
+                arr = np.array(f.get_tensor(key), copy=True)  # writable, little-endian read
+                flat[paths[key]] = arr.reshape(shape).view(dtype)
+    except SafetensorError as e:  # what this module's checks let through and the format does not
+        raise _invalid(p, f"the safetensors reader refuses it ({e})") from None
     return flat
 
 

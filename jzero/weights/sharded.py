@@ -24,13 +24,15 @@ Decisions:
   the float32 master layout; the 16-bit params are then made from them as init makes them.
 * Names are the dotted pytree paths (``blocks.w``, ``layers.0.w``), as export writes them.
   ``name_map`` maps a parameter's path to the tensor's name in the file: a dict (paths not in
-  it keep their name) or a callable. Before anything is read, every parameter is matched: the
-  missing tensors, the tensors no parameter takes, and the shape mismatches are listed in one
-  ``ValueError``.
+  it keep their name) or a callable; :func:`save_weights`'s ``names`` is the same map, out
+  (Hugging Face's names in the files, the nesting kept in their metadata). Before anything is
+  read, every parameter is matched: the missing tensors, the tensors no parameter takes, and
+  the shape mismatches are listed in one ``ValueError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -313,6 +315,7 @@ def save_weights(
     *,
     dtype: Any = None,
     max_shard_size: int | str = "5GB",
+    names: NameMap = None,
 ) -> Path:
     """Writes sharded arrays as Hugging Face's sharded safetensors, one leaf at a time.
 
@@ -322,12 +325,23 @@ def save_weights(
       params: the arrays (any shardings, host-offloaded ones too).
       dtype: the dtype floating leaves are written as; ``None`` keeps each leaf's own.
       max_shard_size: the most bytes per file.
+      names: a leaf's dotted path -> its tensor's name in the files (e.g. Hugging Face's
+        ``model.layers.0.self_attn.q_proj.weight``): a dict (paths not in it keep their own
+        name) or a callable; ``None``: the dotted paths. The nesting is kept in the files'
+        metadata, so :func:`jzero.weights.load_exported` still gives back the parameters'
+        tree; ``init_from`` reads them back with the same map as ``name_map``.
 
     Returns:
       The index file's path.
+
+    Raises:
+      ValueError: when ``names`` gives a leaf a name that is not a non-empty string, or two
+        leaves the same name.
     """
     leaves = jax.tree.leaves(params)
     entries = export_lib.leaf_entries(params, dtype)
+    if names is not None:
+        entries = [dataclasses.replace(e, key=_export_name(e.key, names)) for e in entries]
 
     def fetch(i: int) -> np.ndarray:
         return _host_leaf(leaves[i])
@@ -337,6 +351,17 @@ def save_weights(
             _host_leaf(leaves[i])  # a collective: every process takes part
 
     return export_lib.write_sharded(directory, entries, fetch, max_shard_size, skip=skip)
+
+
+def _export_name(path: str, names: NameMap) -> str:
+    """The name ``names`` gives the leaf at ``path``, checked."""
+    name = names(path) if callable(names) else names.get(path, path)
+    if not isinstance(name, str) or not name:
+        raise ValueError(
+            f"names gave the leaf {path!r} the name {name!r}; it must give every leaf a "
+            "non-empty string (the tensor's name in the files)."
+        )
+    return name
 
 
 def _ours(p: Path) -> bool:

@@ -360,3 +360,17 @@ def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_
     moved = {r[0].strip(): float(r[3]) for r in
              (line.strip("|").split("|") for line in ring.splitlines()[4:6])}  # fmt: skip
     assert set(moved) == {"ring attention", "Ulysses (seq 2)"} and min(moved.values()) > 0, out
+
+
+def test_estimate_vs_plan_benchmark_prints_the_three_figures_side_by_side():
+    # One stage of the tiny Llama-shaped model on 8 devices: the agreement itself (model state
+    # within 10%, the same stage recommended) is tests/memory/test_memory_agreement.py's, the
+    # DeepSpeed column's formulas tests/memory/test_memory_presets.py's.
+    args = ["--tiny", "--devices", "8", "--seq-len", "16", "--stages", "1"]
+    out = _run("estimate_vs_plan", *args, "--device-memory", "40MB").stdout
+    header = out.splitlines()[1]
+    for column in ("estimate state", "plan state", "plan peak", "DeepSpeed GB"):
+        assert column in header
+    row = out.splitlines()[3].split()
+    assert row[0] == "1" and row[-1] != "-"  # DeepSpeed has a figure for stage 1
+    assert "recommended for 40MB: estimate stage 1, plan stage 1" in out

@@ -44,7 +44,7 @@ def test_unknown_top_level_keys_are_ignored_with_one_warning_line():
     }
     cfg, messages = load_quietly(raw)
     assert messages == [
-        "jzero does not know these top-level keys and ignores them, as DeepSpeed ignores the "
+        "jzero does not know these keys and ignores them, as DeepSpeed ignores the "
         "keys it does not read: _comment, comms_config, monitor_config, cuda_visible_devices. "
         "Remove them to silence this warning."
     ]
@@ -77,7 +77,7 @@ def test_suggestions_point_only_to_close_matches():
         {**DS_BASE, "warmup": 0.01, "train_iters": 320, "auto": ["seed"]}
     )
     assert message.startswith(
-        "jzero does not know these top-level keys and ignores them, as DeepSpeed ignores the "
+        "jzero does not know these keys and ignores them, as DeepSpeed ignores the "
         "keys it does not read: warmup, train_iters, auto."
     )
     assert cfg.auto == ()  # jzero's record of "auto" keys is not a key
@@ -94,6 +94,63 @@ def test_an_unknown_top_level_key_set_by_an_override_is_refused():
     assert error_of(DS_BASE, ["steps=5"]) == (
         "steps is not a known key; fix its name in the override 'steps=5', or remove it."
     )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "fp16.opt_level",  # Apex AMP's, in fp16 sections written for it
+        "fp16.fp16_scale_tolerance",
+        # A bf16 section copied from an fp16 one: bfloat16 trains without loss scaling.
+        "bf16.loss_scale",
+        "bf16.loss_scale_window",
+        "bf16.hysteresis",
+        "bf16.min_loss_scale",
+        "bf16.initial_scale_power",
+    ],
+)
+def test_an_unknown_key_of_a_section_deepspeed_reads_key_by_key_is_ignored(key):
+    section, sub = key.split(".")
+    raw = {**DS_BASE, section: {"enabled": True, sub: 0}}
+    cfg, messages = load_quietly(raw)
+    assert messages == [
+        f"jzero does not know these keys and ignores them, as DeepSpeed ignores the keys it "
+        f"does not read: {key}. Remove them to silence this warning."
+    ]
+    assert cfg == load_quietly({**DS_BASE, section: {"enabled": True}})[0]
+    # Set on purpose, by an override, the same key is refused.
+    assert error_of(DS_BASE, [f"{key}=0"]) == (
+        f"{key} is not a known key; fix its name in the override '{key}=0', or remove it."
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (  # a typo of a key DeepSpeed reads in fp16 sections, copied with the rest
+            {"bf16": {"enabled": True, "loss_scael": 0}},
+            "bf16.loss_scael is not a known key (did you mean 'loss_scale'?); remove it or fix "
+            "its name.",
+        ),
+        (
+            {"fp16": {"enabled": True, "initial_scale_powr": 12}},
+            "fp16.initial_scale_powr is not a known key (did you mean 'initial_scale_power'?); "
+            "remove it or fix its name.",
+        ),
+        (  # an abbreviation: ignored, the run would train without clipping
+            {"gradient_clip": 1.0},
+            "gradient_clip is not a known key (did you mean 'gradient_clipping'?); remove it or "
+            "fix its name.",
+        ),
+        (
+            {"activation_checkpointing": {"partition_activation": True}},
+            "activation_checkpointing.partition_activation is not a known key (did you mean "
+            "'partition_activations'?); remove it or fix its name.",
+        ),
+    ],
+)
+def test_a_near_miss_in_a_section_deepspeed_reads_key_by_key_is_refused(raw, message):
+    assert error_of({**DS_BASE, **raw}) == message
 
 
 def test_a_gpt_neox_arguments_file_is_one_message(tmp_path):

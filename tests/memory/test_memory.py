@@ -55,7 +55,8 @@ def test_estimate_gives_the_papers_7_5b_on_64_devices_figures():
     e = memory.estimate(ModelShape(7.5e9), ParallelDims(64))
     assert [round(e.row(s).device_bytes / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
     table = e.table()
-    for cells in ("0  none", "120.00", "31.41", "16.64", "1.88", "2 Psi all-reduce"):
+    # The table in GiB: 120 GB = 111.76 GiB, 31.41 GB = 29.25 GiB, 16.64 GB = 15.50 GiB ...
+    for cells in ("0  none", "111.76", "29.25", "15.50", "1.75", "2 Psi all-reduce"):
         assert cells in table
     assert e.recommendation is None  # no device memory given
 
@@ -120,8 +121,9 @@ def test_estimate_recommends_the_lowest_stage_that_fits_and_offload_only_if_need
     assert not rec.fits and (rec.stage, rec.offload) == (3, "optimizer+params")
     assert str(rec) == (
         "No stage fits: the smallest option, ZeRO stage 3 with optimizer+params offload to host "
-        "memory, needs 0.40 GB per device, 0.04 GB more than the 0.36 GB usable (90% of "
-        "0.40 GB). Use more devices, devices with more memory, or a smaller model or micro batch."
+        "memory, needs 0.37 GiB per device, 0.04 GiB more than the 0.34 GiB usable (90% of "
+        "0.37 GiB). Use more devices, devices with more memory, or a smaller model or micro "
+        "batch."
     )
 
 
@@ -179,7 +181,7 @@ def test_estimate_cli_prints_the_table_and_writes_a_png(tmp_path, capsys):
         memory.estimate(ModelShape(7.5e9), ParallelDims(64, devices_per_node=8), "80GB").table()
         in out
     )
-    assert "Recommendation: ZeRO stage 1; it needs 31.41 GB per device of 72.00 GB usable" in out
+    assert "Recommendation: ZeRO stage 1; it needs 29.25 GiB per device of 67.06 GiB usable" in out
     read_png(plot)
     with pytest.raises(ValueError, match=r"^device memory: '80 gigs' is not a memory size"):
         run_cli([*argv, "--device-memory", "80 gigs"])

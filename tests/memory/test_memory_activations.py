@@ -87,18 +87,20 @@ def test_estimate_recommends_activation_checkpointing_only_when_no_stage_fits_wi
         return rec.fits, rec.stage, rec.offload, rec.activation_checkpointing, rec.lever, e
 
     # 80 GB, micro batch 4: 153 GB of activations leave every stage short without checkpointing;
-    # with it stage 1 needs 31.41 + 6.51 = 37.92 GB of the 72 usable.
+    # with it stage 1 needs 31.41 + 6.51 = 37.92 GB (35.31 GiB) of the 72 usable (67.06 GiB).
     fits, stage, offload, ac, lever, e = advice("80GB", 4)
     assert (fits, stage, offload, ac, lever) == (True, 1, "none", True, "activation checkpointing")
     text = str(e.recommendation)
     assert text.startswith(
         "Recommendation: ZeRO stage 1 with activation checkpointing (policy full); it needs "
-        "37.92 GB per device of 72.00 GB usable (90% of 80.00 GB)."
+        "35.31 GiB per device of 67.06 GiB usable (90% of 74.51 GiB)."
     )
     short3 = e.row(3).total_bytes(False) - 72e9
-    assert "without activation checkpointing: stage 0 by 201.01 GB, stage 1 by 112.41 GB, " in text
     assert (
-        f"stage 3 by {short3 / 1e9:.2f} GB; with activation checkpointing: stage 0 by 54.51 GB"
+        "without activation checkpointing: stage 0 by 187.20 GiB, stage 1 by 104.69 GiB, " in text
+    )
+    assert (
+        f"stage 3 by {short3 / 2**30:.2f} GiB; with activation checkpointing: stage 0 by 50.77 GiB"
         in text
     )
     assert e.table().endswith(text)
@@ -114,7 +116,7 @@ def test_estimate_recommends_activation_checkpointing_only_when_no_stage_fits_wi
         <= 72e9
         < e.row(0).total_bytes(False)
     )
-    assert "Recommendation: ZeRO stage 1; it needs 69.66 GB per device" in str(e.recommendation)
+    assert "Recommendation: ZeRO stage 1; it needs 64.87 GiB per device" in str(e.recommendation)
     # Too small for any stage even with checkpointing: offload is the last lever.
     fits, stage, offload, ac, lever, _ = advice("8GB", 4)
     assert (fits, stage, offload, ac, lever) == (True, 3, "optimizer", True, "offload")
@@ -123,11 +125,12 @@ def test_estimate_recommends_activation_checkpointing_only_when_no_stage_fits_wi
 def test_estimate_cli_shows_totals_with_and_without_checkpointing(capsys):
     argv = ["estimate", "--params", "7.5e9", "--devices", "64", "--device-memory", "80GB"]
     shape = ["--seq-len", "2048", "--micro-batch", "4", "--hidden", "4096", "--layers", "40"]
-    assert run_cli([*argv, *shape, "--heads", "32"]) == 0
+    paper = ["--attention", "plain", "--dropout", "on", "--largest-layer-params", "0"]
+    assert run_cli([*argv, *shape, "--heads", "32", *paper]) == 0
     out = capsys.readouterr().out
     assert memory.estimate(MODEL, ParallelDims(64, micro_batch=4), "80GB").table() in out
     header = out.splitlines()[1]
-    for column in ("act GB", "act AC GB", "total GB", "total AC GB"):
+    for column in ("act GiB", "act AC GiB", "total GiB", "total AC GiB"):
         assert column in header
     assert "Korthikanti et al. 2022" in out
     assert "Recommendation: ZeRO stage 1 with activation checkpointing (policy full)" in out

@@ -143,14 +143,14 @@ def test_counts_read_suffixes():
 
 def test_the_table_shows_expert_and_dense_columns_only_with_experts():
     plain = memory.estimate(MODEL, LAYOUT).table()
-    assert "expert GB" not in plain and "Psi_e" not in plain
+    assert "expert GiB" not in plain and "Psi_e" not in plain
     table = moe(4).table()
     header = table.splitlines()[1].split()
-    assert header[:7] == ["stage", "offload", "device", "GB", "expert", "GB", "dense"]
+    assert header[:7] == ["stage", "offload", "device", "GiB", "expert", "GiB", "dense"]
     lines = table.splitlines()
-    # stage 1: 3.25 GB = 1.88 (1.875) expert + 1.38 (1.375) dense
-    assert lines[4].split()[:5] == ["1", "none", "3.25", "1.88", "1.38"]
-    assert lines[6].split()[:5] == ["3", "none", "2.00", "1.50", "0.50"]
+    # stage 1: 3.25 GB = 1.875 expert + 1.375 dense, in GiB 3.03 = 1.75 + 1.28
+    assert lines[4].split()[:5] == ["1", "none", "3.03", "1.75", "1.28"]
+    assert lines[6].split()[:5] == ["3", "none", "1.86", "1.40", "0.47"]  # 2 = 1.5 + 0.5 GB
     assert "E = 8 per MoE layer, E_p = 4 (each device holds 2 of them)" in lines[0]
     assert "Psi_e = 7.5e+08 expert and Psi_d = 2.5e+08 dense parameters" in lines[0]
     assert "expert data-parallel group of N/E_p = 2 device(s)" in table
@@ -164,7 +164,7 @@ def test_estimate_cli_prints_the_expert_and_dense_columns(capsys):
     out = capsys.readouterr().out
     assert out == moe(4).table() + "\n"
     header = out.splitlines()[1]
-    assert "expert GB" in header and "dense GB" in header
+    assert "expert GiB" in header and "dense GiB" in header
     assert run_cli([*argv, "--ep", "8", "--expert-params", "0.75B"]) == 0
     assert capsys.readouterr().out == moe(8).table() + "\n"
     # without the expert flags, nothing changes

@@ -71,7 +71,7 @@ def test_table_and_cli_master_dtype(capsys):
     out = capsys.readouterr().out
     assert out == table + "\n"
     stage0 = next(line for line in out.splitlines() if line.split()[:2] == ["0", "none"])
-    assert stage0.split()[2] == "8.00"
+    assert stage0.split()[2] == "7.45"  # 8 GB in GiB
     assert run_cli([*argv, "--master-dtype", "fp32"]) == 0
     assert capsys.readouterr().out == memory.estimate(MODEL, LAYOUT).table() + "\n"
     with pytest.raises(SystemExit):

@@ -230,6 +230,7 @@ def test_estimate_cli_prints_the_long_sequence_table(capsys):
     argv = ["estimate", "--params", "7e9", "--devices", "64", "--device-memory", "80GB"]
     argv += ["--seq-len", "32768", "--micro-batch", "1", "--hidden", "4096", "--layers", "32"]
     argv += ["--heads", "32", "--vocab", "32000", "--dropout", "off", "--cp", "4", "--sp", "2"]
+    argv += ["--attention", "plain", "--largest-layer-params", "0"]  # SHAPE's
     assert run_cli([*argv, "--stage", "2"]) == 0
     out = capsys.readouterr().out
     e = memory.estimate(SHAPE, ParallelDims(64, micro_batch=1, seq=2, context=4), "80GB")
@@ -257,7 +258,7 @@ def test_the_ring_passes_keys_and_values_around_the_context_axis():
     x = s // c * h  # the device's tokens times h
     assert row.context_axis_bytes == 6 * (c - 1) * x * 2 * layers  # bf16 keys, values, grads
     assert memory.estimate(SHAPE, ParallelDims(64, micro_batch=1)).row(3).context_axis_bytes == 0
-    assert "context GB/step" in memory.estimate(SHAPE, layout).table().splitlines()[1]
+    assert "context GiB/step" in memory.estimate(SHAPE, layout).table().splitlines()[1]
     # The step time's prediction prices it (the auto layout's ranking).
     choice = argparse.Namespace(stage=3, offload=False, checkpointing=False)
     rates = costs.Rates(100.0, 10.0, 100.0, 5.0)

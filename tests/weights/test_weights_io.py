@@ -35,10 +35,10 @@ BF16 = {"bf16": {"enabled": True}}
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
-def make_engine(stage=3, extra=None, params=None, init_from=None):
+def make_engine(stage=3, extra=None, params=None, init_from=None, name_map=None):
     cfg = {"train_batch_size": 32, "zero_optimization": {**STAGE3, "stage": stage}, **(extra or {})}
     params = toy.make_params() if params is None else params
-    options = jzero.InitOptions(init_from=init_from)
+    options = jzero.InitOptions(init_from=init_from, name_map=name_map)
     return jzero.initialize(params, toy.loss_fn, optax.sgd(0.1), cfg, options=options)
 
 
@@ -93,6 +93,32 @@ def test_save_16bit_model_writes_sharded_bf16(tmp_path):
         np.testing.assert_array_equal(x, want[k].astype(np.float32))
     for k, x in flat(again.params).items():
         np.testing.assert_array_equal(x, want[k])
+
+
+def test_save_16bit_model_with_a_name_map_round_trips(tmp_path):
+    # Hugging Face's names in the files (its "model.layers.N...weight" style), jzero's tree
+    # back from them: through load_exported (the nesting kept in the metadata) and through
+    # init_from with the same map.
+    def hf(path):
+        return "model." + path.replace("blocks.", "layers.").replace(".w", ".weight")
+
+    engine = make_engine(extra=BF16)
+    index = engine.save_16bit_model(tmp_path / "hf", max_shard_size="20KB", names=hf)
+    root, weight_map, _ = read_index(index)
+    want = bf16_params()
+    assert sorted(weight_map) == sorted(hf(k) for k in want)
+    assert "model.layers.weight" in weight_map and "blocks.w" not in weight_map
+    got = flat(load_exported(root))  # jzero's own tree, whatever the files call it
+    assert sorted(got) == sorted(want)
+    for k, x in want.items():
+        np.testing.assert_array_equal(got[k], x)
+    again = make_engine(extra=BF16, init_from=root, name_map=hf)
+    for k, x in flat(again.params).items():
+        np.testing.assert_array_equal(x, want[k])
+    with pytest.raises(ValueError, match=r"names gave the leaf 'embed' the name ''; it must"):
+        engine.save_16bit_model(tmp_path / "bad", names={"embed": ""})
+    with pytest.raises(ValueError, match="Two leaves export under the same key 'same'"):
+        engine.save_16bit_model(tmp_path / "bad", names=lambda path: "same")
 
 
 def test_gather_16bit_on_save_writes_beside_the_checkpoints(tmp_path):
