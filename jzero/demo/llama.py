@@ -11,19 +11,17 @@ Decisions:
 * The blocks are stacked (every leaf ``[L, ...]``) and run by one ``jax.lax.scan``; the only op
   between the stored stacks and the scan is the cast to the compute dtype, where stage 3
   gathers one layer at a time (as in :mod:`jzero.demo.gpt`).
-* Attention is blockwise (flash-style): the keys and values are visited in blocks with a
-  running maximum and sum (the online softmax); the backward pass (a ``jax.custom_vjp``) keeps
-  only the output and a float32 log-sum-exp a head and token and rebuilds each block's
-  probabilities, so neither pass keeps a ``[s, s]`` score matrix, as
-  :class:`jzero.costs.Techniques`'s ``"blockwise"`` counts it. There is no dropout.
+* It runs what the built-in GPT runs past its defaults (``attention_block`` 512, ``loss_chunk``
+  1024): :func:`jzero.ops.blockwise_attention` (grouped-query heads as they are, no ``[s, s]``
+  score matrix in either pass, as :class:`jzero.costs.Techniques`'s ``"blockwise"`` counts
+  it) and :func:`jzero.ops.tiled_cross_entropy` (no whole ``[s, V]`` logits). There is no
+  dropout.
 * The parameter count equals :meth:`jzero.costs.Architecture.params` (tested), biases
   included; experts are not built (``experts`` > 0 is refused).
 """
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,12 +29,14 @@ import jax
 import jax.numpy as jnp
 
 from jzero.costs import Architecture
+from jzero.ops import blockwise_attention, tiled_cross_entropy
 
 __all__ = ["check", "init_params", "loss_fn"]
 
 _EPS = 1e-5
 _STD = 0.02
-_ATTENTION_BLOCK = 512
+_ATTENTION_BLOCK = 512  # the built-in GPT's attention_block and loss_chunk defaults
+_LOSS_CHUNK = 1024
 
 
 def check(arch: Architecture) -> None:
@@ -139,98 +139,9 @@ def _rotary(x: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _key_blocks(x: jax.Array, block: int) -> jax.Array:
-    """``[B, H, T, D]`` as ``[T / block, B, H, block, D]``, the scan's blocks of keys."""
-    b, h, t, d = x.shape
-    return x.reshape(b, h, t // block, block, d).transpose(2, 0, 1, 3, 4)
-
-
 def _wide(x: jax.Array) -> Any:
     """The dtype of the softmax's statistics: float32, or float64 for a float64 model."""
     return jnp.promote_types(x.dtype, jnp.float32)
-
-
-def _scores(q: jax.Array, k_blk: jax.Array, start: jax.Array) -> jax.Array:
-    """The causally masked float32 (or wider) scores of all queries against one block of keys."""
-    t, block, d = q.shape[2], k_blk.shape[2], q.shape[-1]
-    s = jnp.einsum("bhtd,bhsd->bhts", q, k_blk).astype(_wide(q)) / math.sqrt(d)
-    cols = start + jnp.arange(block)
-    return jnp.where(jnp.arange(t)[:, None] >= cols[None, :], s, -jnp.inf)
-
-
-def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple:
-    """The output and the log-sum-exp of each query, the keys visited block by block."""
-    b, h, t, d = q.shape
-
-    def body(carry: tuple, xs: tuple) -> tuple[tuple, None]:
-        out, top, total = carry
-        k_blk, v_blk, start = xs
-        s = _scores(q, k_blk, start)
-        new_top = jnp.maximum(top, s.max(-1))
-        p = jnp.exp(s - new_top[..., None])
-        scale = jnp.exp(top - new_top)
-        pv = jnp.einsum("bhts,bhsd->bhtd", p.astype(v_blk.dtype), v_blk).astype(_wide(q))
-        return (out * scale[..., None] + pv, new_top, total * scale + p.sum(-1)), None
-
-    init = (
-        jnp.zeros((b, h, t, d), _wide(q)),
-        jnp.full((b, h, t), -jnp.inf, _wide(q)),
-        jnp.zeros((b, h, t), _wide(q)),
-    )
-    starts = jnp.arange(t // block) * block
-    xs = (_key_blocks(k, block), _key_blocks(v, block), starts)
-    (out, top, total), _ = jax.lax.scan(body, init, xs)
-    return (out / total[..., None]).astype(q.dtype), top + jnp.log(total)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-    return _flash_forward(q, k, v, block)[0]
-
-
-def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple:
-    out, lse = _flash_forward(q, k, v, block)
-    return out, (q, k, v, out, lse)  # kept for the backward pass: no [T, T] scores
-
-
-def _flash_bwd(block: int, res: tuple, d_out: jax.Array) -> tuple:
-    q, k, v, out, lse = res
-    t, d = q.shape[2], q.shape[-1]
-    delta = jnp.sum(d_out.astype(_wide(q)) * out.astype(_wide(q)), -1)
-
-    def body(dq: jax.Array, xs: tuple) -> tuple[jax.Array, tuple]:
-        k_blk, v_blk, start = xs
-        p = jnp.exp(_scores(q, k_blk, start) - lse[..., None])  # rebuilt, one block
-        dv = jnp.einsum("bhts,bhtd->bhsd", p, d_out.astype(_wide(q)))
-        dp = jnp.einsum("bhtd,bhsd->bhts", d_out, v_blk).astype(_wide(q))
-        ds = p * (dp - delta[..., None]) / math.sqrt(d)
-        dq = dq + jnp.einsum("bhts,bhsd->bhtd", ds, k_blk.astype(_wide(q)))
-        dk = jnp.einsum("bhts,bhtd->bhsd", ds, q.astype(_wide(q)))
-        return dq, (dk, dv)
-
-    starts = jnp.arange(t // block) * block
-    xs = (_key_blocks(k, block), _key_blocks(v, block), starts)
-    dq, (dk, dv) = jax.lax.scan(body, jnp.zeros(q.shape, _wide(q)), xs)
-
-    def whole(blocks: jax.Array) -> jax.Array:  # [T / block, B, H, block, D] -> [B, H, T, D]
-        return blocks.transpose(1, 2, 0, 3, 4).reshape(k.shape)
-
-    return dq.astype(q.dtype), whole(dk).astype(k.dtype), whole(dv).astype(v.dtype)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of ``q``, ``k``, ``v`` ``[B, T, H, D]``: the keys in blocks of
-    ``_ATTENTION_BLOCK`` (a divisor of T) with the online softmax; the backward pass rebuilds
-    each block's probabilities from the kept log-sum-exp (flash-style)."""
-    t = q.shape[1]
-    block = min(_ATTENTION_BLOCK, t)
-    while t % block:
-        block -= 1
-    heads_first = [x.swapaxes(1, 2) for x in (q, k, v)]
-    return _flash(*heads_first, block).swapaxes(1, 2)
 
 
 def _block(p: Mapping[str, Any], x: jax.Array, arch: Architecture) -> jax.Array:
@@ -242,8 +153,8 @@ def _block(p: Mapping[str, Any], x: jax.Array, arch: Architecture) -> jax.Array:
     k = (y @ a["wk"] + a.get("bk", 0)).reshape(b, t, kv_heads, d)
     v = (y @ a["wv"] + a.get("bv", 0)).reshape(b, t, kv_heads, d)
     q, k = _rotary(q), _rotary(k)
-    k, v = jnp.repeat(k, heads // kv_heads, axis=2), jnp.repeat(v, heads // kv_heads, axis=2)
-    x = x + _blockwise_attention(q, k, v).reshape(b, t, h) @ a["wo"] + a.get("bo", 0)
+    attended = blockwise_attention(q, k, v, block_size=_ATTENTION_BLOCK)  # GQA: kv heads as given
+    x = x + attended.reshape(b, t, h) @ a["wo"] + a.get("bo", 0)
     y = _normalise(x, p["mlp_norm"])
     up = y @ p["w_up"] + p.get("b_up", 0)
     if "w_gate" in p:
@@ -278,7 +189,6 @@ def loss_fn(
 
     x, _ = jax.lax.scan(body, x, blocks)
     x = _normalise(x, params["norm"])
-    head = params["embed"].T if arch.tied else params["head"]
-    logits = (x @ head.astype(dtype)).astype(_wide(x))
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+    head = params["embed"] if arch.tied else params["head"].T  # [V, D]
+    total = tiled_cross_entropy(x, head.astype(dtype), targets, chunk=_LOSS_CHUNK)
+    return total / targets.size
