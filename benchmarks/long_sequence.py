@@ -312,6 +312,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--most", type=int, default=1 << 20, help="the longest length probed")
     ap.add_argument("--first", type=int, default=0, help="the first length probed")
     ap.add_argument("--steps", type=int, default=3, help="timed steps of the ring/Ulysses table")
+    ap.add_argument("--compare-seq", type=int, default=8192, help="the ring/Ulysses length")
+    ap.add_argument(
+        "--compare-only", action="store_true", help="with --budget: the ring/Ulysses table alone"
+    )
     ap.add_argument("--gpu", action="store_true", help="the GPU tables (gpu_check.sh)")
     ap.add_argument("--gpu-seq", type=int, default=131072, help="the GPT's length under --gpu")
     # gpu_check.sh passes its shared flags to every section: --layers, --d-model and --heads
@@ -345,12 +349,12 @@ def main(argv: list[str] | None = None) -> None:
             base = gpt.GPTConfig(vocab_size=32000, num_layers=4, num_heads=2, d_model=256,
                                  d_ff=1024)  # fmt: skip
             block, chunk = 512, 1024
-        found = budget_table(
-            base, memory.parse_size(args.budget), block, chunk, args.most, args.first
-        )
-        print()
-        ring = found[ROWS[-1].name]
-        t = min(ring, 16 * 2 * 8 * block) if ring else 2 * 8 * block
+        t = args.compare_seq
+        if not args.compare_only:
+            budget = memory.parse_size(args.budget)
+            found = budget_table(base, budget, block, chunk, args.most, args.first)
+            print()
+            t = min(t, found[ROWS[-1].name]) or 2 * 8 * block
         ring_vs_ulysses(base, t, block, chunk, args.steps)
         return
     if args.smoke:

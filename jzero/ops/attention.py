@@ -340,9 +340,8 @@ def blockwise_attention(
         except (RuntimeError, ValueError, NotImplementedError):
             pass  # refused when traced (no cuDNN, or a shape it does not take): blockwise below
     pos = jnp.arange(t)[None] if positions is None else jnp.atleast_2d(positions)
-    part = blockwise_partial(
-        q, k, v, pos, pos, segment_ids, segment_ids, causal=causal, block_size=block_size
-    )
+    segments = None if segment_ids is None else (segment_ids, segment_ids)
+    part = blockwise_partial(q, k, v, pos, pos, segments, causal=causal, block_size=block_size)
     return finish(part, q.dtype)
 
 
@@ -352,8 +351,7 @@ def blockwise_partial(
     v: jax.Array,
     q_pos: jax.Array,
     k_pos: jax.Array,
-    q_seg: jax.Array | None = None,
-    k_seg: jax.Array | None = None,
+    segments: tuple[jax.Array, jax.Array] | None = None,
     *,
     causal: bool = True,
     block_size: int = 512,
@@ -373,8 +371,8 @@ def blockwise_partial(
         v: values, shaped as ``k``.
         q_pos: int ``[B or 1, Tq]``: the queries' positions in the row.
         k_pos: int ``[B or 1, Tk]``: the keys'.
-        q_seg: int ``[B, Tq]`` document ids of packed rows, or ``None``.
-        k_seg: the keys' document ids; given exactly when ``q_seg`` is.
+        segments: packed rows' document ids, int ``([B, Tq], [B, Tk])`` for the queries and
+            the keys, or ``None``.
         causal: a query sees only keys at its position or before.
         block_size: tokens per query and key block.
 
@@ -386,6 +384,7 @@ def blockwise_partial(
     b, tq, h, dh = q.shape
     tk = k.shape[1]
     q_pos, k_pos = jnp.atleast_2d(q_pos), jnp.atleast_2d(k_pos)
+    q_seg, k_seg = (None, None) if segments is None else segments
     if tq <= block_size and tk <= block_size:
         return attend_block(q, k, v, block_mask(q_pos, k_pos, q_seg, k_seg, causal=causal))
     nq, nk = -(-tq // block_size), -(-tk // block_size)

@@ -90,8 +90,9 @@ def _attend(q: _Queries, keys: _Keys, causal: bool, block: int | None) -> Partia
     """The partial of ``q`` over ``keys`` under their mask: one :func:`attend_block`, or
     blockwise (:func:`blockwise_partial`) in blocks of ``block`` tokens."""
     if block is not None:
+        segments = None if q.seg is None else (q.seg, keys.seg)
         return blockwise_partial(
-            q.q, keys.k, keys.v, q.pos, keys.pos, q.seg, keys.seg, causal=causal, block_size=block
+            q.q, keys.k, keys.v, q.pos, keys.pos, segments, causal=causal, block_size=block
         )
     mask = block_mask(q.pos, keys.pos, q.seg, keys.seg, causal=causal)
     return attend_block(q.q, keys.k, keys.v, mask)
