@@ -100,7 +100,7 @@ def model_states(
 
 
 def deepspeed_model_states(
-    stage: int,
+    spec: StageSpec,
     option: str,
     psi: float,
     largest_layer: float,
@@ -123,7 +123,8 @@ def deepspeed_model_states(
     1.5``). Each figure is truncated to whole bytes, as DeepSpeed's are.
 
     Args:
-      stage: the ZeRO stage.
+      spec: the ZeRO stage's table row: DeepSpeed's stage-3 estimator where it shards the
+        parameters, its stage-1/2 one where it shards the optimizer state only.
       option: ``"none"``, ``"optimizer"`` or ``"optimizer+params"`` (``"nvme"``: None).
       psi: the parameter count.
       largest_layer: the largest module's own parameters (DeepSpeed's meaning).
@@ -132,13 +133,15 @@ def deepspeed_model_states(
       buffer_factor: DeepSpeed's ``additional_buffer_factor``.
 
     Example:
-      >>> [round(x / 1e9, 2) for x in deepspeed_model_states(3, "none", 70e9, 1e9, 8, 1)]
+      >>> from jzero.choices.stages import stage_spec
+      >>> three = deepspeed_model_states(stage_spec(3), "none", 70e9, 1e9, 8, 1)
+      >>> [round(x / 1e9, 2) for x in three]
       [161.5, 48.0]
     """
     n = nodes * devices_per_node
-    if stage == 0 or option == "nvme":
+    if not spec.shard_opt_state or option == "nvme":  # stage 0: no estimator of DeepSpeed's
         return None
-    if stage < 3:
+    if not spec.shard_params:
         if option == "none":
             device, host = 2 * psi + int(18 * psi / n), psi * 4 * devices_per_node * buffer_factor
         else:

@@ -865,7 +865,7 @@ def estimate(
             act_host,
             context_bytes,
             costs.deepspeed_model_states(
-                spec.stage, o, psi_all, ds_layer, per_node, max(1, n // per_node), buf
+                spec, o, psi_all, ds_layer, per_node, max(1, n // per_node), buf
             ),
         )
         for spec, o, d, h, disk in rows
