@@ -15,7 +15,13 @@ Decisions:
 * **The limit**: ``distributed.hang_timeout`` seconds, or ``auto``: the larger of 300 s and 10
   times the median step time so far. Until the first step has finished (its compilation, a
   restore) the limit is 4 times that. A process whose own progress is older than the limit
-  reports; so does one that sees a process gone from the runtime (its connection closed).
+  reports; so does one that sees a process gone: its heartbeat (a counter its publisher
+  thread sets every ``poll`` seconds, even while the process waits in a collective or in Python)
+  has not moved for ``gone_after`` (30) seconds by this process's clock, and it did not stop
+  its watchdog (a process ending normally says so). Liveness is read from the store, never
+  with the runtime's ``get_live_nodes``: that call is a barrier among the processes it names,
+  so a watchdog thread blocked in it at exit returned into a finalizing interpreter and
+  aborted the process (signal 6) after a run that had succeeded.
 * **Who is behind**: the processes that published the fewest phase changes; each is named with
   its host, its last finished step, its phase and for how long it has been in it. Every live
   process prints the report (stderr and the ``jzero`` logger), the lowest live process writes
@@ -131,6 +137,9 @@ class Watchdog:
         straggler_share, straggler_steps = stragglers
         self.timeout, self.on_hang, self.poll = timeout, on_hang, poll
         self.active = jax.process_count() > 1
+        self.gone_after = max(30.0, 10 * poll)
+        self._beat = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # process -> (beat, when it last moved)
         self.prefix = f"jzero/progress/{next(_RUNS)}"
         self._seq = 0
         self._last_step: int | None = None
@@ -206,15 +215,20 @@ class Watchdog:
 
     def _publisher(self) -> None:
         """Sends this process's latest progress whenever it changed (a phase change sets
-        ``_dirty``); several changes between two sends go as one, the latest, with its count."""
+        ``_dirty``), and at least every ``poll`` seconds as the heartbeat; several changes
+        between two sends go as one, the latest, with its count. Stopping sends a last record
+        saying so, so that the others do not take this process for gone."""
         while not self._stop.is_set():
             self._dirty.wait(self.poll)
-            if self._dirty.is_set():
-                self._dirty.clear()
-                self._publish()
+            self._dirty.clear()
+            self._publish()
+        self._publish(stopped=True)
 
-    def _publish(self) -> None:
+    def _publish(self, stopped: bool = False) -> None:
+        self._beat += 1
         record = {
+            "beat": self._beat,
+            "stopped": stopped,
             "times": self._times,
             "seq": self._seq,
             "step": self._last_step,
@@ -271,7 +285,7 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             try:
-                gone = self._gone()
+                gone = self._gone(self._records())
                 stale = time.time() - self._since > self.limit()
             except Exception as e:  # the runtime itself failed: say so, then end
                 if self._stop.is_set():  # stopping (the process exits): nothing to report
@@ -283,7 +297,7 @@ class Watchdog:
             if gone or stale:
                 why = (
                     f"process{'es' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
-                    "left the run (the runtime lost its connection)"
+                    f"left the run (no heartbeat for {self.gone_after:.0f} s)"
                     if gone
                     else f"no progress for {self.limit():.0f} s (distributed.hang_timeout)"
                 )
@@ -296,8 +310,17 @@ class Watchdog:
         process."""
         if not self.active:
             return
-        try:
-            gone = self._gone()
+        try:  # a killed peer's heartbeat has stopped; a live one moves within a poll or two
+            before = self._records()
+            time.sleep(2 * self.poll + 0.5)
+            after = self._records()
+            gone = [
+                p
+                for p, r in after.items()
+                if p != jax.process_index()
+                and not r.get("stopped")
+                and r.get("beat") == before.get(p, {}).get("beat")
+            ]
         except Exception:  # the runtime is failing too
             gone = []
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -305,18 +328,20 @@ class Watchdog:
         self._stop.set()
         self._end(self._report(gone, why))
 
-    def _gone(self, wait: float = 2.0) -> list[int]:
-        """The processes the runtime no longer counts live; ``[]`` when it does not answer
-        within ``wait`` seconds (with a peer just lost it may wait for its heartbeat)."""
-        client = agreement.store()
-        ids = list(range(jax.process_count()))
-        found: list[dict[int, int]] = []
-        asked = threading.Thread(
-            target=lambda: found.append(client.get_live_nodes(ids)), daemon=True
-        )
-        asked.start()
-        asked.join(wait)
-        return [p for p in ids if p not in found[0]] if found else []
+    def _gone(self, records: dict[int, dict[str, Any]]) -> list[int]:
+        """The processes whose heartbeat in ``records`` has not moved for ``gone_after``
+        seconds by this process's clock (a process not yet publishing, or one that stopped its
+        watchdog, is not gone)."""
+        now, gone = time.monotonic(), []
+        for p, r in records.items():
+            if p == jax.process_index() or r.get("stopped") or "beat" not in r:
+                continue
+            beat, moved = self._seen.get(p, (None, now))
+            if beat != r["beat"]:
+                self._seen[p] = (r["beat"], now)
+            elif now - moved > self.gone_after:
+                gone.append(p)
+        return gone
 
     def _report(self, gone: list[int], why: str) -> dict[str, Any]:
         now = time.time()

@@ -71,11 +71,14 @@ def test_a_killed_process_is_named(tmp_path):
     text = out[0]
     assert "jzero: the run is stuck: process 0's collective failed (JaxRuntimeError" in text
     assert "behind: process 1" in text
-    # Its last phase may not have left it before the kill: its last finished step has.
-    assert "process 1 (" in text and "last finished step 2, in '" in text
+    # Its heartbeat stopped with it: gone, with its last finished step and phase.
+    assert "process 1 (" in text and "last finished step 2, gone (last seen '" in text
+    assert "process 0 (" in text and "gone" not in text.split("process 0 (")[1].split("\n")[0]
     assert "Check failure stack trace" not in text  # ended by jzero, not by the runtime
     summary = json.loads((tmp_path / "log" / "summary.json").read_text())
     assert summary["hang"]["behind"] == [1] and summary["steps"] == 2
+    assert summary["hang"]["processes"]["1"]["gone"] is True
+    assert summary["hang"]["processes"]["0"]["gone"] is False
     assert seconds < HANG_TIMEOUT + 60
 
 
@@ -100,3 +103,22 @@ def test_processes_with_different_configs_stop_before_the_first_step(tmp_path):
         not (tmp_path / "log" / "metrics.jsonl").exists()
         or not (tmp_path / "log" / "metrics.jsonl").read_text()
     )
+
+
+def test_a_process_is_gone_when_its_heartbeat_stops_moving():
+    """Liveness comes from the heartbeats in the store (the runtime's get_live_nodes is a
+    barrier: a watchdog thread blocked in it at exit aborted finished runs): a heartbeat that
+    has not moved for gone_after seconds is gone; one that moves, one that stopped its
+    watchdog, or one not yet publishing never is."""
+    from jzero.distributed import Watchdog
+
+    dog = Watchdog(poll=0.01)
+    dog.gone_after = 0.2
+    records = {1: {"beat": 5}, 2: {"beat": 3, "stopped": True}, 3: {"phase": "setup"}}
+    assert dog._gone(records) == []  # first seen now
+    time.sleep(0.3)
+    assert dog._gone({**records, 1: {"beat": 6}}) == []  # it moved
+    assert dog._gone({**records, 1: {"beat": 6}}) == []  # not for long enough yet
+    time.sleep(0.3)
+    assert dog._gone({**records, 1: {"beat": 6}}) == [1]
+    assert dog._gone({**records, 1: {"beat": 6, "stopped": True}}) == []
