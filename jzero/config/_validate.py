@@ -390,6 +390,27 @@ def _check_config(cfg: Config, noted: list) -> None:
             f"model.d_model: {width} is not divisible by model.num_heads ({heads}); choose a "
             "d_model that is a multiple of num_heads."
         )
+    _check_model_positions(cfg.model)
+
+
+_MODEL_POSITIONS = ("learned", "rotary")
+
+
+def _check_model_positions(model: Mapping[str, Any]) -> None:
+    """``model.positions`` and ``model.rope_theta``."""
+    positions = model.get("positions")
+    if positions is not None and positions not in _MODEL_POSITIONS:
+        raise ConfigError(
+            f"model.positions: {show(positions)} is not allowed; it must be one of "
+            f"{list(_MODEL_POSITIONS)}: 'learned' (a position table, the default) or 'rotary' "
+            "(rotary position embeddings of queries and keys, no table). Set one of them."
+        )
+    theta = model.get("rope_theta")
+    if theta is not None and not (is_number(theta) and theta > 0):
+        raise ConfigError(
+            f"model.rope_theta: {show(theta)} is not allowed; it must be a number > 0 (the "
+            "base of the rotary frequencies; 10000 is the usual)."
+        )
 
 
 def _size(section: Mapping[str, Any] | None, *keys: str) -> Any:

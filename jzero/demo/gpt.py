@@ -15,6 +15,14 @@ Decisions:
   self-attention written with ``einsum``, then a GELU MLP), a final LayerNorm and a **tied**
   output head (logits are the final activations times the token embedding transposed). Dense
   layers carry biases.
+* Positions (``positions``): a learned ``[seq_len, d_model]`` table by default; ``"rotary"``
+  drops the table and rotates every attention layer's queries and keys by their tokens'
+  positions instead (:func:`jzero.ops.rotary`, base ``rope_theta``). The positions are the
+  ones the table would be read at (each token's place in the row, this device's places under
+  sequence or context parallelism, packed documents' restarting positions), computed once
+  before the layer scan and read by every layer; the rotation runs on this device's tokens
+  before attention exchanges anything. With no table nothing per token is a parameter, so
+  context parallelism divides every per-token byte (ZeRO-3 would gather the table whole).
 * The fused q/k/v projection has a dimension of its own for q, k and v (``attn_qkv`` is
   ``[D, 3, D]``, its bias ``[3, D]``), so tensor parallelism (:mod:`jzero.parallel.tensor`)
   splits it per head group: each device of the ``model`` axis holds the q, k and v columns of
@@ -97,7 +105,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jzero.ops import blockwise_attention, tiled_cross_entropy, tiled_mlp
+from jzero.ops import blockwise_attention, rotary, tiled_cross_entropy, tiled_mlp
 from jzero.parallel.expert import MoEStats, moe_layer
 from jzero.parallel.sequence import (
     CONTEXT_AXIS,
@@ -113,6 +121,7 @@ __all__ = ["EXPERT_TP_PLAN", "GPT", "GPTConfig", "apply", "init_params", "loss_f
 
 PyTree = Any
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
+_POSITIONS = ("learned", "rotary")
 _INIT_STD = 0.02
 _LN_EPS = 1e-5
 _MIN_CAPACITY = 4  # the fewest slots an expert has on a device, however few its tokens
@@ -188,6 +197,14 @@ class GPTConfig:
     """Tokens per chunk of the dense blocks' MLP (:func:`jzero.ops.tiled_mlp`: no whole
     ``[B, T, d_ff]`` hidden layer, one more MLP forward in the backward pass) when a device's
     sequence is longer; 0 (the default) computes it whole. MoE blocks are not tiled."""
+    positions: Literal["learned", "rotary"] = "learned"
+    """How a token's place enters the model: ``"learned"``, a ``[seq_len, d_model]`` table
+    (``embed.positions``) added to the token embeddings; ``"rotary"``, rotary position
+    embeddings of every attention layer's queries and keys (:func:`jzero.ops.rotary`) and no
+    table, so no per-token parameter that ZeRO-3 gathers whole under sequence or context
+    parallelism. Rotary needs an even head dimension (``d_model / num_heads``)."""
+    rope_theta: float = 10000.0
+    """The base of the rotary frequencies (read under ``positions: rotary``)."""
 
     def __post_init__(self) -> None:
         for name in _POSITIVE:
@@ -207,9 +224,34 @@ class GPTConfig:
                 f"GPTConfig.d_model={self.d_model} is not divisible by num_heads="
                 f"{self.num_heads}. Choose num_heads among the divisors of d_model."
             )
+        self._check_positions()
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"GPTConfig.dtype={self.dtype!r} is not supported. It must be one of {_DTYPES}."
+            )
+
+    def _check_positions(self) -> None:
+        """``positions`` and ``rope_theta``: each error names the value, what is allowed and the
+        fix."""
+        if self.positions not in _POSITIONS:
+            raise ValueError(
+                f"GPTConfig.positions={self.positions!r} is not supported. It must be one of "
+                f"{_POSITIONS}: 'learned' for a position table, 'rotary' for rotary position "
+                "embeddings of queries and keys."
+            )
+        theta = self.rope_theta
+        if not isinstance(theta, int | float) or isinstance(theta, bool) or not theta > 0:
+            raise ValueError(
+                f"GPTConfig.rope_theta={theta!r} must be a number > 0 (the base of the rotary "
+                "frequencies; 10000 is the usual)."
+            )
+        object.__setattr__(self, "rope_theta", float(theta))  # YAML may give 10000 for 1e4
+        head_dim = self.d_model // self.num_heads
+        if self.rotary and head_dim % 2:
+            raise ValueError(
+                f"GPTConfig.positions='rotary' needs an even head dimension, but d_model="
+                f"{self.d_model} / num_heads={self.num_heads} is {head_dim}. Choose d_model and "
+                "num_heads with an even quotient, or positions='learned'."
             )
 
     def _check_moe(self) -> None:
@@ -258,6 +300,11 @@ class GPTConfig:
                 f"moe_every - 1 dense blocks and one MoE block. Use moe_every among {fits}, or "
                 f"num_layers a multiple of {self.moe_every}."
             )
+
+    @property
+    def rotary(self) -> bool:
+        """Whether positions are rotary (no position table)."""
+        return self.positions == "rotary"
 
     @property
     def moe(self) -> bool:
@@ -434,26 +481,38 @@ def _parallel_attention(
 
 
 def _attention(
-    p: Mapping[str, jax.Array], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+    p: Mapping[str, jax.Array],
+    x: jax.Array,
+    cfg: GPTConfig,
+    segments: jax.Array | None = None,
+    rope: jax.Array | None = None,
 ) -> jax.Array:
     """Causal multi-head self-attention; ``x`` is [B, T, D] (this device's tokens),
-    ``segments`` the whole rows' document ids (or ``None``)."""
+    ``segments`` the whole rows' document ids (or ``None``), ``rope`` this device's tokens'
+    positions ([T] or [B, T]) for rotary positions (``None`` with a learned table)."""
     b, t, d = x.shape
     num_heads = cfg.num_heads
     head_dim = d // num_heads
     qkv = jnp.einsum("btd,dcn->btcn", x, p["attn_qkv"]) + p["attn_qkv_bias"].reshape(3, d)
     qkv = qkv.reshape(b, t, 3, num_heads, head_dim)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if rope is not None:  # per token, so before any exchange of keys (Ulysses, the ring)
+        q, k = rotary(q, rope, theta=cfg.rope_theta), rotary(k, rope, theta=cfg.rope_theta)
     out = _parallel_attention(q, k, v, segments, cfg.attention_block).reshape(b, t, d)
     return out @ p["attn_out"] + p["attn_out_bias"]
 
 
 def _block(
-    p: Mapping[str, jax.Array], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+    p: Mapping[str, jax.Array],
+    x: jax.Array,
+    cfg: GPTConfig,
+    segments: jax.Array | None = None,
+    rope: jax.Array | None = None,
 ) -> jax.Array:
-    """One pre-LayerNorm transformer block; ``p`` is already in the compute dtype. The MLP runs
-    over chunks of ``cfg.mlp_chunk`` tokens when the sequence is longer."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments)
+    """One pre-LayerNorm transformer block; ``p`` is already in the compute dtype (``segments``
+    and ``rope`` as :func:`_attention` reads them). The MLP runs over chunks of
+    ``cfg.mlp_chunk`` tokens when the sequence is longer."""
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments, rope)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     if cfg.mlp_chunk and x.shape[1] > cfg.mlp_chunk:
 
@@ -475,13 +534,17 @@ def _experts_mlp(p: Mapping[str, jax.Array], slots: jax.Array) -> jax.Array:
 
 
 def _moe_block(
-    p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+    p: Mapping[str, Any],
+    x: jax.Array,
+    cfg: GPTConfig,
+    segments: jax.Array | None = None,
+    rope: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """A pre-LayerNorm block whose MLP is the routed experts; ``p`` in the compute dtype.
 
     The router's logits are accumulated in float32 (or wider): the top-k choice and the
     load-balancing loss read probabilities that low-precision logits would round together."""
-    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments)
+    x = x + _attention(p, _layer_norm(x, p["ln1_scale"], p["ln1_bias"]), cfg, segments, rope)
     h = _layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     logits = jnp.einsum("btd,de->bte", h, p["router"], preferred_element_type=_wide(h.dtype))
     y, stats = moe_layer(
@@ -497,7 +560,11 @@ def _moe_block(
 
 
 def _unit(
-    p: Mapping[str, Any], x: jax.Array, cfg: GPTConfig, segments: jax.Array | None = None
+    p: Mapping[str, Any],
+    x: jax.Array,
+    cfg: GPTConfig,
+    segments: jax.Array | None = None,
+    rope: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEStats]:
     """One scan unit of an MoE model: its ``moe_every - 1`` dense blocks, then its MoE block.
 
@@ -505,8 +572,8 @@ def _unit(
     inner scan): ``k`` is small, and the outer scan stays the only one over stored weights."""
     dense = p.get("dense")
     for j in range(cfg.moe_every - 1):
-        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg, segments)
-    return _moe_block(p, x, cfg, segments)
+        x = _block(jax.tree.map(lambda w, j=j: w[j], dense), x, cfg, segments, rope)
+    return _moe_block(p, x, cfg, segments, rope)
 
 
 def _moe_aux(stats: MoEStats) -> dict[str, jax.Array]:
@@ -520,19 +587,22 @@ def _moe_aux(stats: MoEStats) -> dict[str, jax.Array]:
 
 def _embed(
     tokens_table: jax.Array,
-    positions: jax.Array,
+    positions: jax.Array | None,
     tokens: jax.Array,
     cfg: GPTConfig,
     at: jax.Array | None = None,
 ) -> jax.Array:
     """Token plus position embeddings; ``at``: each token's position (packed rows restart it
-    at each document), else its place in the row."""
+    at each document), else its place in the row. ``positions`` is ``None`` under rotary
+    positions: the token embeddings alone (attention places the tokens)."""
     t = tokens.shape[-1]
     if t > cfg.seq_len:
         raise ValueError(
             f"The input has {t} tokens per sequence but GPTConfig.seq_len={cfg.seq_len}. "
             "Shorten the input or raise seq_len."
         )
+    if positions is None:
+        return jnp.take(tokens_table, tokens, axis=0).astype(cfg.compute_dtype)
     if at is not None:
         return (jnp.take(tokens_table, tokens, axis=0) + positions[at]).astype(cfg.compute_dtype)
     if (bound_axis_size(CONTEXT_AXIS) or 1) > 1:  # zig-zag chunks: each token's own place
@@ -546,6 +616,16 @@ def _embed(
         )
     x = jnp.take(tokens_table, tokens, axis=0) + table
     return x.astype(cfg.compute_dtype)
+
+
+def _rotary_positions(t: int, cfg: GPTConfig, at: jax.Array | None = None) -> jax.Array | None:
+    """The positions rotary attention reads for this device's ``t`` tokens (``None`` with a
+    learned table): ``at`` for packed rows (restarting at each document), else each token's
+    place in the row (:func:`jzero.parallel.sequence.sequence_positions`: ``arange(t)``, the
+    zig-zag chunks' places under context parallelism, this device's share under Ulysses)."""
+    if not cfg.rotary:
+        return None
+    return at if at is not None else sequence_positions(t)
 
 
 class _Head(NamedTuple):
@@ -648,17 +728,18 @@ def init_params(key: jax.Array, cfg: GPTConfig) -> dict:
 
     Returns:
         ``{"embed": {"tokens": [V, D], "positions": [T, D]}, "blocks": {name: [L, ...]},
-        "ln_f": {"scale": [D], "bias": [D]}}``; with MoE, ``blocks`` holds ``L / moe_every``
-        units (see the module's docstring for their leaves).
+        "ln_f": {"scale": [D], "bias": [D]}}`` (no ``embed.positions`` under rotary
+        positions); with MoE, ``blocks`` holds ``L / moe_every`` units (see the module's
+        docstring for their leaves).
     """
     k_tok, k_pos, k_blocks = jax.random.split(key, 3)
     layer_keys = jax.random.split(k_blocks, cfg.num_units)  # layers, or MoE units
     init_layer = _init_unit if cfg.moe else _init_block
+    embed = {"tokens": _normal(k_tok, (cfg.vocab_size, cfg.d_model), _INIT_STD)}
+    if not cfg.rotary:
+        embed["positions"] = _normal(k_pos, (cfg.seq_len, cfg.d_model), _INIT_STD)
     return {
-        "embed": {
-            "tokens": _normal(k_tok, (cfg.vocab_size, cfg.d_model), _INIT_STD),
-            "positions": _normal(k_pos, (cfg.seq_len, cfg.d_model), _INIT_STD),
-        },
+        "embed": embed,
         "blocks": jax.vmap(lambda k: init_layer(k, cfg))(layer_keys),
         "ln_f": {
             "scale": jnp.ones((cfg.d_model,), jnp.float32),
@@ -692,19 +773,20 @@ def _forward(params: dict, tokens: jax.Array, cfg: GPTConfig) -> tuple[jax.Array
 def _trunk(params: dict, tokens: jax.Array, cfg: GPTConfig) -> tuple[jax.Array, dict]:
     """The embeddings and the blocks: the final activations [B, T, D] (before the final
     LayerNorm) and the MoE aux."""
-    x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
+    x = _embed(params["embed"]["tokens"], params["embed"].get("positions"), tokens, cfg)
+    rope = _rotary_positions(tokens.shape[-1], cfg)
     # The only op between the stored stacked weights and the scan: the cast (ZeRO-3 gathers there).
     blocks = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params["blocks"])
     if cfg.moe:
 
         def moe_body(carry: jax.Array, unit: dict) -> tuple[jax.Array, MoEStats]:
-            return _unit(unit, carry, cfg)
+            return _unit(unit, carry, cfg, None, rope)
 
         x, stats = jax.lax.scan(moe_body, x, blocks)
         return x, _moe_aux(stats)
 
     def body(carry: jax.Array, layer: dict) -> tuple[jax.Array, None]:
-        return _block(layer, carry, cfg), None
+        return _block(layer, carry, cfg, None, rope), None
 
     x, _ = jax.lax.scan(body, x, blocks)
     return x, {}
@@ -750,16 +832,18 @@ def unrolled_loss_fn(params: dict, batch: Mapping[str, jax.Array], cfg: GPTConfi
         return jax.tree.map(lambda w: w.astype(cfg.compute_dtype), tree)
 
     def trunk(tokens: jax.Array) -> jax.Array:
-        x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
+        x = _embed(params["embed"]["tokens"], params["embed"].get("positions"), tokens, cfg)
+        rope = _rotary_positions(tokens.shape[-1], cfg)
         for layer in params["blocks"]:
-            x = _block(cast(layer), x, cfg)
+            x = _block(cast(layer), x, cfg, None, rope)
         return x
 
     def forward(tokens: jax.Array) -> tuple[jax.Array, dict]:
-        x = _embed(params["embed"]["tokens"], params["embed"]["positions"], tokens, cfg)
+        x = _embed(params["embed"]["tokens"], params["embed"].get("positions"), tokens, cfg)
+        rope = _rotary_positions(tokens.shape[-1], cfg)
         stats = []
         for unit in params["blocks"]:
-            x, unit_stats = _unit(cast(unit), x, cfg)
+            x, unit_stats = _unit(cast(unit), x, cfg, None, rope)
             stats.append(unit_stats)
         stacked = MoEStats(*(jnp.stack(s) for s in zip(*stats, strict=True)))
         return x, _moe_aux(stacked)
@@ -800,8 +884,10 @@ class _Block(_Params):
         super().__init__(_init_block(rngs.params(), cfg))
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
-        return _block(self.arrays(), x, self.cfg, segments)
+    def __call__(
+        self, x: jax.Array, segments: jax.Array | None = None, rope: jax.Array | None = None
+    ) -> jax.Array:
+        return _block(self.arrays(), x, self.cfg, segments, rope)
 
 
 class _Unit(_Params):
@@ -812,9 +898,9 @@ class _Unit(_Params):
         self.cfg = cfg
 
     def __call__(
-        self, x: jax.Array, segments: jax.Array | None = None
+        self, x: jax.Array, segments: jax.Array | None = None, rope: jax.Array | None = None
     ) -> tuple[jax.Array, MoEStats]:
-        return _unit(self.arrays(), x, self.cfg, segments)
+        return _unit(self.arrays(), x, self.cfg, segments, rope)
 
 
 class GPT(nnx.Module):
@@ -833,12 +919,10 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = _Params(
-            {
-                "tokens": _normal(rngs.params(), (cfg.vocab_size, cfg.d_model), _INIT_STD),
-                "positions": _normal(rngs.params(), (cfg.seq_len, cfg.d_model), _INIT_STD),
-            }
-        )
+        embed = {"tokens": _normal(rngs.params(), (cfg.vocab_size, cfg.d_model), _INIT_STD)}
+        if not cfg.rotary:
+            embed["positions"] = _normal(rngs.params(), (cfg.seq_len, cfg.d_model), _INIT_STD)
+        self.embed = _Params(embed)
 
         layer = _Unit if cfg.moe else _Block
 
@@ -891,7 +975,9 @@ class GPT(nnx.Module):
         """The embeddings and the blocks: the final activations [B, T, D] (before the final
         LayerNorm) and the MoE aux."""
         cfg = self.cfg
-        x = _embed(self.embed.tokens[...], self.embed.positions[...], tokens, cfg, positions)
+        table = None if cfg.rotary else self.embed.positions[...]
+        x = _embed(self.embed.tokens[...], table, tokens, cfg, positions)
+        rope = _rotary_positions(tokens.shape[-1], cfg, positions)
         # A cast copy of the stacked blocks, so the cast sits before the scan as in `apply`.
         graphdef, state = nnx.split(self.blocks)
         blocks = nnx.merge(graphdef, jax.tree.map(lambda w: w.astype(cfg.compute_dtype), state))
@@ -899,14 +985,14 @@ class GPT(nnx.Module):
 
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             def run_units(carry: jax.Array, unit: _Unit) -> tuple[jax.Array, MoEStats]:
-                return unit(carry, segment_ids)
+                return unit(carry, segment_ids, rope)
 
             x, stats = run_units(x, blocks)
             return x, _moe_aux(stats)
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run(carry: jax.Array, block: _Block) -> jax.Array:
-            return block(carry, segment_ids)
+            return block(carry, segment_ids, rope)
 
         return run(x, blocks), {}
 

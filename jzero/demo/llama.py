@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jzero.costs import Architecture
-from jzero.ops import blockwise_attention, tiled_cross_entropy
+from jzero.ops import blockwise_attention, rotary, tiled_cross_entropy
 
 __all__ = ["check", "init_params", "loss_fn"]
 
@@ -127,18 +127,6 @@ def _normalise(x: jax.Array, p: Mapping[str, jax.Array]) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def _rotary(x: jax.Array) -> jax.Array:
-    """Rotary positions on ``[B, T, H, D]`` (half-split pairs, base 10000)."""
-    t, d = x.shape[1], x.shape[-1]
-    wide = _wide(x)
-    freq = 10000.0 ** (-jnp.arange(0, d // 2, dtype=wide) * 2 / d)
-    angle = jnp.arange(t, dtype=wide)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(wide), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x.dtype)
-
-
 def _wide(x: jax.Array) -> Any:
     """The dtype of the softmax's statistics: float32, or float64 for a float64 model."""
     return jnp.promote_types(x.dtype, jnp.float32)
@@ -152,7 +140,8 @@ def _block(p: Mapping[str, Any], x: jax.Array, arch: Architecture) -> jax.Array:
     q = (y @ a["wq"] + a.get("bq", 0)).reshape(b, t, heads, d)
     k = (y @ a["wk"] + a.get("bk", 0)).reshape(b, t, kv_heads, d)
     v = (y @ a["wv"] + a.get("bv", 0)).reshape(b, t, kv_heads, d)
-    q, k = _rotary(q), _rotary(k)
+    where = jnp.arange(t)
+    q, k = rotary(q, where), rotary(k, where)
     attended = blockwise_attention(q, k, v, block_size=_ATTENTION_BLOCK)  # GQA: kv heads as given
     x = x + attended.reshape(b, t, h) @ a["wo"] + a.get("bo", 0)
     y = _normalise(x, p["mlp_norm"])

@@ -1,7 +1,7 @@
 """Memory-lean building blocks for long sequences, for the built-in GPT and any model.
 
-Attention that never holds a ``[T, T]`` score matrix, and the output head's loss and the MLP
-computed over sequence chunks.
+Attention that never holds a ``[T, T]`` score matrix, the output head's loss and the MLP
+computed over sequence chunks, and rotary positions (no per-token parameters).
 
 Import direction: imports JAX only (nothing of jzero's), so any package, the built-in GPT
 (:mod:`jzero.demo.gpt`) and a user's model may import it.
@@ -14,6 +14,8 @@ Import direction: imports JAX only (nothing of jzero's), so any package, the bui
   :func:`finish`, :func:`block_mask`).
 * :mod:`~jzero.ops.tiled`: :func:`tiled_cross_entropy` (the output head and the loss without
   ``[B, T, V]`` logits) and :func:`tiled_mlp` (a position-wise function over sequence chunks).
+* :mod:`~jzero.ops.rotary`: :func:`rotary` (rotary position embeddings of queries and keys at
+  given positions: no position table).
 """
 
 from jzero.ops.attention import Partial as Partial
@@ -24,6 +26,7 @@ from jzero.ops.attention import blockwise_partial as blockwise_partial
 from jzero.ops.attention import empty_partial as empty_partial
 from jzero.ops.attention import finish as finish
 from jzero.ops.attention import merge as merge
+from jzero.ops.rotary import rotary as rotary
 from jzero.ops.tiled import tiled_cross_entropy as tiled_cross_entropy
 from jzero.ops.tiled import tiled_mlp as tiled_mlp
 
@@ -36,6 +39,7 @@ __all__ = [
     "empty_partial",
     "finish",
     "merge",
+    "rotary",
     "tiled_cross_entropy",
     "tiled_mlp",
 ]

@@ -11,7 +11,8 @@ wrong place or a gradient not returned around the ring is far above it).
 
 Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional
 (``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
-parallelism. The public functions alone (``jzero.context_parallel_attention``, grouped-query
+parallelism; the ring and the two-dimensional layout again with rotary positions (each device
+rotates its zig-zag tokens' queries and keys by their places in the row). The public functions alone (``jzero.context_parallel_attention``, grouped-query
 heads, packed documents) against one device's attention, values and gradients. From the
 compiled step: the ring's transfers are collective-permutes within the ``context`` groups
 only, no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
@@ -19,6 +20,7 @@ ring. Beside a pipeline context parallelism is refused (a config error), and siz
 cannot take are errors naming the numbers.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -41,6 +43,7 @@ T, BATCH, STEPS, LR, CLIP = 32, 8, 2, 1e-2, 0.5
 CFG = gpt.GPTConfig(
     vocab_size=40, seq_len=T, num_layers=2, num_heads=2, d_model=16, d_ff=48, dtype="float64"
 )
+CONFIGS = {"learned": CFG, "rotary": dataclasses.replace(CFG, positions="rotary")}
 
 
 def _packed_rows(rng):
@@ -70,42 +73,44 @@ def batches(packed):
 
 
 @functools.cache
-def _params():
-    """The GPT's initial parameters in float64, made once (eagerly), as a pure dict."""
+def _params(positions="learned"):
+    """The GPT's initial parameters in float64, made once (eagerly), as a pure dict; with
+    ``positions`` "rotary" the GPT of rotary positions (no position table)."""
     with jax.ensure_compile_time_eval():  # numbers, even when first asked inside a trace
-        state = nnx.state(gpt.GPT(CFG, rngs=nnx.Rngs(0)), nnx.Param).to_pure_dict()
+        model = gpt.GPT(CONFIGS[positions], rngs=nnx.Rngs(0))
+        state = nnx.state(model, nnx.Param).to_pure_dict()
         return jax.device_get(jax.tree.map(lambda x: x.astype(jnp.float64), state))
 
 
-def _model(params=None):
+def _model(params=None, positions="learned"):
     """The NNX GPT holding ``params`` (default :func:`_params`): the engine's model and the
     reference's, the same numbers wherever it is built."""
-    graphdef, state = nnx.split(gpt.GPT(CFG, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(gpt.GPT(CONFIGS[positions], rngs=nnx.Rngs(0)))
     state = jax.tree.map(lambda x: x.astype(jnp.float64), state)
-    nnx.replace_by_pure_dict(state, _params() if params is None else params)
+    nnx.replace_by_pure_dict(state, _params(positions) if params is None else params)
     return nnx.merge(graphdef, state)
 
 
-def _loss(params, batch):
+def _loss(params, batch, positions="learned"):
     """The NNX GPT's loss (packed rows read their segment ids) of pure-dict ``params``."""
-    return gpt.nnx_loss_fn(_model(params), batch)
+    return gpt.nnx_loss_fn(_model(params, positions), batch)
 
 
 @functools.cache
-def reference(packed):
+def reference(packed, positions="learned"):
     """The single-device optax loop with DeepSpeed's clipping: losses, gradient norms, and
     the parameters after :data:`STEPS` steps."""
     tx = optax.adamw(LR)
 
     @jax.jit
     def step(p, state, batch):
-        value, grads = jax.value_and_grad(_loss)(p, batch)
+        value, grads = jax.value_and_grad(_loss)(p, batch, positions)
         norm = optax.global_norm(grads)
         grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, CLIP / (norm + 1e-6)), grads)
         updates, state = tx.update(grads, state, p)
         return optax.apply_updates(p, updates), state, value, norm
 
-    p = _params()
+    p = _params(positions)
     state, out = tx.init(p), []
     for b in batches(packed):
         p, state, value, norm = step(p, state, b)
@@ -113,7 +118,7 @@ def reference(packed):
     return out, jax.device_get(p)
 
 
-def config(stage, context, seq=1, tp=1, pipe=1):
+def config(stage, context, seq=1, tp=1, pipe=1, positions="learned"):
     return {
         "train_batch_size": BATCH,
         "gradient_clipping": CLIP,
@@ -122,24 +127,24 @@ def config(stage, context, seq=1, tp=1, pipe=1):
         "sequence_parallel_size": seq,
         "tensor_parallel": {"autotp_size": tp},
         "pipeline": {"stages": pipe},
-        "model": {"num_heads": CFG.num_heads, "seq_len": T},
+        "model": {"num_heads": CFG.num_heads, "seq_len": T, "positions": positions},
     }
 
 
 @functools.cache
-def run(stage, context, seq=1, tp=1, packed=True):
+def run(stage, context, seq=1, tp=1, packed=True, positions="learned"):
     engine = jzero.initialize(
-        model=_model,
+        model=functools.partial(_model, positions=positions),
         loss_fn=gpt.nnx_loss_fn,
         optimizer=optax.adamw(LR),
-        config=config(stage, context, seq, tp),
+        config=config(stage, context, seq, tp, positions=positions),
     )
     metrics = [engine.train_step(b) for b in batches(packed)]
     return engine, [(float(m["loss"]), float(m["grad_norm"])) for m in metrics]
 
 
-def assert_trains_like_the_single_device_loop(engine, metrics, packed):
-    want, want_params = reference(packed)
+def assert_trains_like_the_single_device_loop(engine, metrics, packed, positions="learned"):
+    want, want_params = reference(packed, positions)
     for (loss, norm), (ref_loss, ref_norm) in zip(metrics, want, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-10, abs=0)
         assert norm == pytest.approx(ref_norm, rel=1e-10, abs=0)
@@ -152,6 +157,9 @@ LAYOUTS = {
     "seq2xcontext4-zero3": dict(stage=3, context=4, seq=2),
     "seq2xcontext4-zero1": dict(stage=1, context=4, seq=2, packed=False),
     "context4xmodel2-zero3": dict(stage=3, context=4, tp=2),
+    # Rotary positions (no table): each device rotates its zig-zag tokens by their own places.
+    "context8-zero3-rotary": dict(stage=3, context=8, positions="rotary"),
+    "seq2xcontext4-zero3-rotary": dict(stage=3, context=4, seq=2, positions="rotary"),
 }
 
 
@@ -159,7 +167,8 @@ LAYOUTS = {
 def test_ring_attention_trains_like_the_single_device_loop(name):
     layout = LAYOUTS[name]
     engine, metrics = run(**layout)
-    assert_trains_like_the_single_device_loop(engine, metrics, layout.get("packed", True))
+    packed, positions = layout.get("packed", True), layout.get("positions", "learned")
+    assert_trains_like_the_single_device_loop(engine, metrics, packed, positions)
     plan, context = engine.plan, layout["context"]
     assert engine.mesh.shape["context"] == context and plan.context_size == context
     assert plan.options.parallel.context_axis == "context"
@@ -167,8 +176,8 @@ def test_ring_attention_trains_like_the_single_device_loop(name):
     assert "context" in plan.zero_axes and "context" not in jax.tree.leaves(tuple(plan.batch.spec))
     assert plan.data_parallel_size == 8 // (context * layout.get("seq", 1) * layout.get("tp", 1))
     assert "tokens: each row's split over 'context'" in engine.describe()
-    assert float(engine.evaluate(batches(layout.get("packed", True))[0])) == pytest.approx(
-        float(_loss(jax.device_get(engine.params), batches(layout.get("packed", True))[0])),
+    assert float(engine.evaluate(batches(packed)[0])) == pytest.approx(
+        float(_loss(jax.device_get(engine.params), batches(packed)[0], positions)),
         rel=1e-10,
         abs=0,
     )
