@@ -158,7 +158,7 @@ LAYOUTS = {
     "seq2xcontext4-zero1": dict(stage=1, context=4, seq=2, packed=False),
     "context4xmodel2-zero3": dict(stage=3, context=4, tp=2),
     # Rotary positions (no table): each device rotates its zig-zag tokens by their own places.
-    "context8-zero3-rotary": dict(stage=3, context=8, positions="rotary"),
+    "context8-zero3-rotary-plain": dict(stage=3, context=8, packed=False, positions="rotary"),
     "seq2xcontext4-zero3-rotary": dict(stage=3, context=4, seq=2, positions="rotary"),
 }
 
