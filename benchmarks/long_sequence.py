@@ -32,6 +32,10 @@ it on a device. A third table compares the ring with Ulysses at the same length 
 devices: the bytes each moves a step (collective-permutes over ``context``, all-to-alls over
 ``seq``, from the compiled step) and tokens per second.
 
+``--positions rotary`` builds every table's GPT with rotary positions (``model.positions``: no
+``[T, d_model]`` position table, which ZeRO-3 gathers whole on every device and which the ring
+therefore does not divide); ``learned`` (the default) is the table.
+
 ``--gpu`` (``benchmarks/gpu_check.sh``'s ``long_context`` section) measures on the devices
 JAX has: attention alone in bf16 (``[1, T, 8, 128]``, forward and backward) through cuDNN's
 fused attention (:func:`jzero.blockwise_attention` picks it on a GPU) and through the
@@ -179,7 +183,8 @@ def budget_table(
     print(
         f"### Longest sequence within {budget / MIB:.0f} MiB per device (GPT {base.num_layers} "
         f"layers, d_model {base.d_model}, {base.num_heads} heads, vocab {base.vocab_size}, "
-        f"float32, AdamW, ZeRO-3; attention_block {block}, chunks {chunk})"
+        f"{base.positions} positions, float32, AdamW, ZeRO-3; attention_block {block}, chunks "
+        f"{chunk})"
     )
     print()
     print("| technique | devices | longest sequence | x plain | peak MiB at it | probes |")
@@ -316,6 +321,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--compare-only", action="store_true", help="with --budget: the ring/Ulysses table alone"
     )
+    ap.add_argument(
+        "--positions", choices=("learned", "rotary"), default="learned",
+        help="the GPT's positions: a learned table (default) or rotary (no table)",
+    )  # fmt: skip
     ap.add_argument("--gpu", action="store_true", help="the GPU tables (gpu_check.sh)")
     ap.add_argument("--gpu-seq", type=int, default=131072, help="the GPT's length under --gpu")
     # gpu_check.sh passes its shared flags to every section: --layers, --d-model and --heads
@@ -331,12 +340,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.smoke:
             base = gpt.GPTConfig(vocab_size=256, num_layers=1, num_heads=2, d_model=16, d_ff=32,
                                  attention_block=8, loss_chunk=8, mlp_chunk=8)  # fmt: skip
-            gpu_tables(base, 64, 64, repeats=1)
+            gpu_tables(dataclasses.replace(base, positions=args.positions), 64, 64, repeats=1)
         else:
             base = gpt.GPTConfig(
                 vocab_size=32000, num_layers=args.layers, num_heads=args.heads,
                 d_model=args.d_model, d_ff=4 * args.d_model, loss_chunk=1024, mlp_chunk=1024,
             )  # fmt: skip
+            base = dataclasses.replace(base, positions=args.positions)
             gpu_tables(base, args.seq_len or args.gpu_seq, 32768, repeats=args.steps)
         if not args.budget:
             return
@@ -349,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
             base = gpt.GPTConfig(vocab_size=32000, num_layers=4, num_heads=2, d_model=256,
                                  d_ff=1024)  # fmt: skip
             block, chunk = 512, 1024
+        base = dataclasses.replace(base, positions=args.positions)
         t = args.compare_seq
         if not args.compare_only:
             budget = memory.parse_size(args.budget)
@@ -363,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         base = gpt.GPTConfig(vocab_size=32000, num_layers=1, num_heads=8, d_model=256, d_ff=1024)
         block, chunk, default = 512, 1024, "1024,2048,4096,8192"
+    base = dataclasses.replace(base, positions=args.positions)
     names = [name for name, _ in variants(base, block, chunk)]
     print(
         f"### Temporaries of the loss and gradients, MiB (GPT 1 layer, d_model {base.d_model}, "

@@ -344,8 +344,9 @@ def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_
     # forms' smaller temporaries) are tests/ops/test_long_sequence_gpt.py's,
     # tests/distributed/test_context_parallel.py's and the smoke test above.
     # --gpu too (gpu_check.sh's long_context section), whose tables on CPU are the XLA path.
+    # Rotary positions, as the figures in docs/benchmarks.md.
     args = ["--smoke", "--budget", "2MiB", "--most", "32", "--first", "32"]
-    args += ["--steps", "1", "--gpu"]
+    args += ["--steps", "1", "--gpu", "--positions", "rotary"]
     out = _run("long_sequence", *args).stdout
     gpu, out = out.split("### Longest sequence")
     assert "| XLA (no GPU) |" in gpu and "| 64 | 8 |" in gpu, gpu

@@ -11,9 +11,11 @@ wrong place or a gradient not returned around the ring is far above it).
 
 Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional
 (``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
-parallelism; the ring and the two-dimensional layout again with rotary positions (each device
-rotates its zig-zag tokens' queries and keys by their places in the row). The public functions alone (``jzero.context_parallel_attention``, grouped-query
-heads, packed documents) against one device's attention, values and gradients. From the
+parallelism; the ring (plain rows) and the two-dimensional layout (packed rows) again with
+rotary positions (each device rotates its zig-zag tokens' queries and keys by their places in
+the row, or their documents' positions). The public functions alone
+(``jzero.context_parallel_attention``, grouped-query heads, packed documents) against one
+device's attention, values and gradients. From the
 compiled step: the ring's transfers are collective-permutes within the ``context`` groups
 only, no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
 ring. Beside a pipeline context parallelism is refused (a config error), and sizes the layout
