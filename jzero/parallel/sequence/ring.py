@@ -22,14 +22,19 @@ Decisions:
 * **What travels**: k, v (grouped-query attention: only the ``Hkv`` key/value heads), the
   keys' positions in the row and, for packed rows, their document ids; the queries and the
   running :class:`Partial` stay. ``C - 1`` ``ppermute`` s forward, each ``1/C`` of the
-  row's keys and values per device; autodiff transposes each into one the other way, the
-  backward ring that returns the keys' gradients to their owners.
-* **Memory**: each step's block (scores, probabilities) is under ``jax.checkpoint``, so the
-  backward pass recomputes it: no ``[T/C, T/C]`` score buffer is saved, only the visited keys
-  and the partials, ``O(T * H * Dh)`` a device. With ``block_size`` (the built-in GPT passes
-  its ``attention_block``) each step is itself blockwise
-  (:func:`jzero.ops.blockwise_partial`), so not even one step's recomputation holds a
-  ``[T/2C, T/2C]`` tile: at long sequences that tile, not the keys, was the ring's peak.
+  row's keys and values per device. The backward pass is a ring of its own (a
+  ``jax.custom_vjp``): the keys go around again with their gradients beside them, and one
+  last ``ppermute`` returns each member's key and value gradients to it.
+* **Memory: nothing of the visited keys is kept.** The forward pass keeps only this member's
+  q, k, v, the output and its log-sum-exp, ``O(T/C)`` a device; the backward pass takes each
+  step's gradients from flash attention's identity (the scores' gradient is
+  ``p * (dO . v - rowsum(dO * O))``, with ``p`` from the final log-sum-exp), written as the
+  gradient of a scalar through the step's :class:`Partial`, so the same forward code (and its
+  blockwise form) serves both. Autodiff through the forward ring would keep every step's
+  arrived keys and partials, ``O(T)`` a device: bytes per token the ring would not divide.
+  With ``block_size`` (the built-in GPT passes its ``attention_block``) each step is itself
+  blockwise (:func:`jzero.ops.blockwise_partial`), so no step, forward or backward, holds a
+  ``[T/2C, T/2C]`` tile.
 * **Where ``context`` is unbound or of size 1** the function is attention over the sequence it
   is given, positions ``0 ... T-1``: one model code inside and outside the step.
 * **Masks from positions**: causality compares the tokens' places in the row (not their
@@ -44,6 +49,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jzero.distributed.mesh import CONTEXT_AXIS, SEQ_AXIS
 from jzero.ops.attention import (
@@ -200,21 +206,120 @@ def ring_attention(
             f"of {2 * size}), cut by jzero.sequence_chunk."
         )
     pos = context_chunk(jnp.arange(t * size, dtype=jnp.int32), axis, 0)
-    queries = _Queries(q, pos, segment_ids)
-    own = jax.checkpoint(functools.partial(_own, causal=causal, block=block_size))
-    visit = jax.checkpoint(functools.partial(_visit, causal=causal, block=block_size))
-    c = jax.lax.axis_index(axis)
-    ring = [(i, (i + 1) % size) for i in range(size)]
+    ring = _Ring(axis, size, causal, block_size)
+    return _ring_attention(ring, q, k, v, pos, segment_ids)
+
+
+class _Ring(NamedTuple):
+    """The static settings of one ring attention: its axis and size, the mask, the blocks."""
+
+    axis: str
+    size: int
+    causal: bool
+    block: int | None
+
+    def neighbours(self) -> list[tuple[int, int]]:
+        return [(i, (i + 1) % self.size) for i in range(self.size)]
+
+    def pass_on(self, tree: object) -> object:
+        """Every array of ``tree`` handed to the next member of the ring."""
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, self.axis, self.neighbours()), tree)
+
+    def partial(self, q: _Queries, keys: _Keys, s: jax.Array | int) -> Partial:
+        """The partial of ``q`` over the keys that arrived at step ``s`` (0: this member's)."""
+        if isinstance(s, int) and s == 0:
+            return _own(q, keys, self.causal, self.block)
+        source = (jax.lax.axis_index(self.axis) - s) % self.size  # c - s around the ring
+        return _visit(q, keys, source < jax.lax.axis_index(self.axis), self.causal, self.block)
+
+
+def _ring_forward(ring: _Ring, queries: _Queries, keys: _Keys) -> Partial:
+    """The partial of ``queries`` over every member's keys, the keys passed around."""
 
     def step(carry: tuple[Partial, _Keys], s: jax.Array) -> tuple[tuple[Partial, _Keys], None]:
         acc, keys = carry
-        keys = jax.tree.map(lambda x: jax.lax.ppermute(x, axis, ring), keys)
-        source = (c - s) % size  # the member whose keys arrived: c - s around the ring
-        return (merge(acc, visit(queries, keys, source < c)), keys), None
+        keys = ring.pass_on(keys)
+        return (merge(acc, ring.partial(queries, keys, s)), keys), None
 
-    keys = _Keys(k, v, pos, segment_ids)
-    (acc, _), _ = jax.lax.scan(step, (own(queries, keys), keys), jnp.arange(1, size))
+    (acc, _), _ = jax.lax.scan(
+        step, (ring.partial(queries, keys, 0), keys), jnp.arange(1, ring.size)
+    )
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(
+    ring: _Ring,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    seg: jax.Array | None,
+) -> jax.Array:
+    """:func:`ring_attention` on a bound axis of more than one member (``pos``: this member's
+    tokens' places in the row, ``seg``: their documents or ``None``), with its own backward
+    ring."""
+    acc = _ring_forward(ring, _Queries(q, pos, seg), _Keys(k, v, pos, seg))
     return finish(acc, q.dtype)
+
+
+def _ring_attention_fwd(
+    ring: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, seg: jax.Array | None
+) -> tuple[jax.Array, tuple]:
+    """The forward ring, keeping this member's inputs, the output and its log-sum-exp."""
+    acc = _ring_forward(ring, _Queries(q, pos, seg), _Keys(k, v, pos, seg))
+    out = finish(acc, q.dtype)
+    lse = acc.max + jnp.log(jnp.where(acc.sum > 0, acc.sum, 1))  # [B, H, Tq]
+    return out, (q, k, v, pos, seg, out, lse)
+
+
+def _ring_attention_bwd(ring: _Ring, res: tuple, d_out: jax.Array) -> tuple:
+    """The backward ring: the keys go around again with their gradients beside them, each
+    step's gradients taken through the surrogate of :func:`_surrogate` (flash attention's
+    backward: only the output and its log-sum-exp are kept, never the visited keys)."""
+    q, k, v, pos, seg, out, lse = res
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    d_out = d_out.astype(wide)
+    delta = jnp.swapaxes(jnp.sum(d_out * out.astype(wide), axis=-1), 1, 2)  # [B, H, Tq]
+    queries_at = functools.partial(_Queries, pos=pos, seg=seg)
+
+    def grads(keys: _Keys, s: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def surrogate(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            part = ring.partial(queries_at(q), keys._replace(k=k, v=v), s)
+            return _surrogate(part, d_out, delta, lse)
+
+        found = jax.grad(surrogate, argnums=(0, 1, 2))(q, keys.k, keys.v)
+        return tuple(g.astype(wide) for g in found)
+
+    keys = _Keys(k, v, pos, seg)
+    dq, dk, dv = grads(keys, 0)
+
+    def step(carry: tuple, s: jax.Array) -> tuple[tuple, None]:
+        dq, keys, dkv = carry
+        keys, dkv = ring.pass_on((keys, dkv))
+        gq, gk, gv = grads(keys, s)
+        return (dq + gq, keys, (dkv[0] + gk, dkv[1] + gv)), None
+
+    (dq, _, (dk, dv)), _ = jax.lax.scan(step, (dq, keys, (dk, dv)), jnp.arange(1, ring.size))
+    dk, dv = ring.pass_on((dk, dv))  # the last keys' gradients home to their member
+    no_grad = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), (pos, seg))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _surrogate(part: Partial, d_out: jax.Array, delta: jax.Array, lse: jax.Array) -> jax.Array:
+    """A scalar whose gradient through ``part`` (the partial of some queries over some keys)
+    is those keys' share of the attention's gradient, given the whole attention's output
+    gradient ``d_out`` [B, Tq, H, Dh], ``delta`` = rowsum(d_out * out) and log-sum-exp
+    ``lse`` [B, H, Tq] (all constants): ``sum_ts p_ts (d_out_t . v_s - delta_t)`` with
+    ``p_ts = exp(score_ts - lse_t)``, written through the partial's
+    ``out = sum_s exp(score_ts - max_t) v_s`` and ``sum``. Its derivative in the scores is
+    ``p (d_out . v - delta)`` and in the values ``p^T d_out``: flash attention's backward."""
+    scale = jnp.exp(part.max - lse)  # [B, H, Tq]; 0 where nothing was attended
+    dot = jnp.swapaxes(jnp.sum(part.out * d_out, axis=-1), 1, 2)  # [B, H, Tq]
+    return jnp.sum(scale * (dot - delta * part.sum))
 
 
 def context_parallel_attention(
