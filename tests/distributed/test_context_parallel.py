@@ -229,6 +229,24 @@ def test_no_buffer_is_the_whole_sequence_squared():
     assert _square_buffers(whole.as_text(), T), "the check finds the one-device step's scores"
 
 
+def test_the_backward_ring_keeps_no_visited_keys():
+    """The ring's gradient runs a backward ring of its own: no buffer of the compiled gradient
+    stacks the ``C - 1`` visited members' keys or partials (``[7, B, T/C, H, Dh]`` at ``C``
+    8, what autodiff through the forward ring keeps: ``O(T)`` bytes a device)."""
+    mesh = jzero.make_mesh({"data": 1, "context": 8})
+    tokens = P(None, "context")
+
+    def loss(q, k, v):
+        ring = jax.shard_map(
+            jzero.context_parallel_attention, mesh=mesh, in_specs=tokens, out_specs=tokens
+        )
+        return jnp.sum(jnp.sin(ring(q, k, v)))
+
+    shape = jax.ShapeDtypeStruct((1, 8 * T, 2, 8), jnp.float64)  # 32 tokens a member
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    assert re.findall(r"f64\[7,[\d,]*\]", compiled.as_text()) == []
+
+
 @pytest.mark.parametrize(
     ("sizes", "block"),
     [({"data": 1, "context": 8}, None), ({"data": 1, "context": 4, "seq": 2}, None),
