@@ -40,12 +40,13 @@ Decisions:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jzero.distributed.mesh import CONTEXT_AXIS, SEQ_AXIS
+from jzero.distributed.mesh import CONTEXT_AXIS, PIPE_AXIS, SEQ_AXIS
 from jzero.ops.attention import (
     Partial,
     attend_block,
@@ -203,6 +204,24 @@ def ring_attention(
     queries = _Queries(q, pos, segment_ids)
     own = jax.checkpoint(functools.partial(_own, causal=causal, block=block_size))
     visit = jax.checkpoint(functools.partial(_visit, causal=causal, block=block_size))
+    keys = _Keys(k, v, pos, segment_ids)
+    steps = _gathered if _in_pipeline_stage() else _passed
+    acc = steps(queries, keys, own(queries, keys), visit, axis, size)
+    return finish(acc, q.dtype)
+
+
+def _in_pipeline_stage() -> bool:
+    """Whether this trace runs inside a pipeline stage (``pipe`` bound, of size > 1), where
+    the stages run different passes in one slot."""
+    return (bound_axis_size(PIPE_AXIS) or 1) > 1
+
+
+def _passed(
+    queries: _Queries, keys: _Keys, acc: Partial, visit: Callable[..., Partial], axis: str,
+    size: int,
+) -> Partial:  # fmt: skip
+    """The ring's later steps, each member's keys handed on to the next by ``ppermute``:
+    ``size - 1`` steps, each after one transfer of ``1/C`` of the row's keys."""
     c = jax.lax.axis_index(axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
 
@@ -212,9 +231,27 @@ def ring_attention(
         source = (c - s) % size  # the member whose keys arrived: c - s around the ring
         return (merge(acc, visit(queries, keys, source < c)), keys), None
 
-    keys = _Keys(k, v, pos, segment_ids)
-    (acc, _), _ = jax.lax.scan(step, (own(queries, keys), keys), jnp.arange(1, size))
-    return finish(acc, q.dtype)
+    (acc, _), _ = jax.lax.scan(step, (acc, keys), jnp.arange(1, size))
+    return acc
+
+
+def _gathered(
+    queries: _Queries, keys: _Keys, acc: Partial, visit: Callable[..., Partial], axis: str,
+    size: int,
+) -> Partial:  # fmt: skip
+    """The ring's later steps in the same order over the row's keys gathered once
+    (``all_gather`` within the ``axis`` group; its transpose, a reduce-scatter, returns the
+    keys' gradients), for inside a pipeline stage: see the module's decisions."""
+    c = jax.lax.axis_index(axis)
+    every = jax.tree.map(lambda x: jax.lax.all_gather(x, axis), keys)
+
+    def step(acc: Partial, s: jax.Array) -> tuple[Partial, None]:
+        source = (c - s) % size
+        visited = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, source, 0, False), every)
+        return merge(acc, visit(queries, visited, source < c)), None
+
+    acc, _ = jax.lax.scan(step, acc, jnp.arange(1, size))
+    return acc
 
 
 def context_parallel_attention(
