@@ -113,26 +113,27 @@ def reference(packed):
     return out, jax.device_get(p)
 
 
-def config(stage, context, seq=1, tp=1, pipe=1):
+def config(stage, context, seq=1, tp=1, pipe=1, schedule="1f1b"):
     return {
         "train_batch_size": BATCH,
+        "gradient_accumulation_steps": 2 if pipe > 1 else 1,  # two micro-batches a step
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "context_parallel_size": context,
         "sequence_parallel_size": seq,
         "tensor_parallel": {"autotp_size": tp},
-        "pipeline": {"stages": pipe},
+        "pipeline": {"stages": pipe, "schedule": schedule},
         "model": {"num_heads": CFG.num_heads, "seq_len": T},
     }
 
 
 @functools.cache
-def run(stage, context, seq=1, tp=1, packed=True):
+def run(stage, context, seq=1, tp=1, packed=True, pipe=1, schedule="1f1b"):
     engine = jzero.initialize(
         model=_model,
         loss_fn=gpt.nnx_loss_fn,
         optimizer=optax.adamw(LR),
-        config=config(stage, context, seq, tp),
+        config=config(stage, context, seq, tp, pipe, schedule),
     )
     metrics = [engine.train_step(b) for b in batches(packed)]
     return engine, [(float(m["loss"]), float(m["grad_norm"])) for m in metrics]
@@ -152,6 +153,10 @@ LAYOUTS = {
     "seq2xcontext4-zero3": dict(stage=3, context=4, seq=2),
     "seq2xcontext4-zero1": dict(stage=1, context=4, seq=2, packed=False),
     "context4xmodel2-zero3": dict(stage=3, context=4, tp=2),
+    # Beside a pipeline (each stage's ring gathers its keys): 1F1B at ZeRO 3, and zero-bubble
+    # (the backward split in two, each stage's passes different in most slots) at ZeRO 1.
+    "pipe2xcontext2-zero3": dict(stage=3, context=2, pipe=2),
+    "pipe2xcontext2-zero1-zero_bubble": dict(stage=1, context=2, pipe=2, schedule="zero_bubble"),
 }
 
 
@@ -165,7 +170,8 @@ def test_ring_attention_trains_like_the_single_device_loop(name):
     assert plan.options.parallel.context_axis == "context"
     # Each ring member shares its rows: they are split over data only; ZeRO over context too.
     assert "context" in plan.zero_axes and "context" not in jax.tree.leaves(tuple(plan.batch.spec))
-    assert plan.data_parallel_size == 8 // (context * layout.get("seq", 1) * layout.get("tp", 1))
+    split = context * layout.get("seq", 1) * layout.get("tp", 1) * layout.get("pipe", 1)
+    assert plan.data_parallel_size == 8 // split
     assert "tokens: each row's split over 'context'" in engine.describe()
     assert float(engine.evaluate(batches(layout.get("packed", True))[0])) == pytest.approx(
         float(_loss(jax.device_get(engine.params), batches(layout.get("packed", True))[0])),
@@ -201,6 +207,20 @@ def test_the_ring_passes_keys_within_the_context_groups_only(name, permuted, exc
     # The ring's loop body forward and its transpose backward (instructions, each run C - 1
     # times a layer in its loop): at least one permute each way.
     assert len(permutes) >= 2, len(permutes)
+
+
+def test_beside_a_pipeline_the_keys_are_gathered_within_the_context_groups():
+    """Inside a pipeline stage the ring gathers its keys (all-gathers within the ``context``
+    groups, beside ZeRO's over ``data`` x ``context``) and passes none: every
+    collective-permute of the step is a pipeline transfer over ``pipe``. A permute over
+    ``context`` there would be met by the devices of every stage (on the CPU all of a
+    program's permutes share one rendezvous key) while the stages run different passes."""
+    engine, _ = run(**LAYOUTS["pipe2xcontext2-zero3"])
+    _, found = _collectives(engine)
+    permutes = {spanned for kind, spanned, _ in found if kind == "collective-permute"}
+    assert permutes == {frozenset({"pipe"})}, permutes
+    gathers = {spanned for kind, spanned, _ in found if kind == "all-gather"}
+    assert frozenset({"context"}) in gathers, gathers
 
 
 def _square_buffers(text, n):
@@ -295,8 +315,6 @@ def test_zig_zag_layout_and_positions():
          r"context_parallel_size: 4 cuts each sequence into 8 zig-zag chunks.*multiple of 8.*12"),
         ({"context_parallel_size": 4, "sequence_parallel_size": 4, "model": {"seq_len": 24}},
          r"multiple of 16, but they are 24"),
-        ({"context_parallel_size": 2, "pipeline": {"stages": 2}},
-         r"context_parallel_size: 2 does not compose with pipeline.stages: 2"),
         ({"context_parallel_size": 0}, r"context_parallel_size"),
     ],
 )  # fmt: skip

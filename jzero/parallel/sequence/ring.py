@@ -30,6 +30,21 @@ Decisions:
   its ``attention_block``) each step is itself blockwise
   (:func:`jzero.ops.blockwise_partial`), so not even one step's recomputation holds a
   ``[T/2C, T/2C]`` tile: at long sequences that tile, not the keys, was the ring's peak.
+* **Inside a pipeline stage the keys are gathered, not passed** (``pipe`` bound, of size >
+  1): the stages run different passes in one slot (a forward beside a backward or an idle
+  slot, :func:`jzero.parallel.pipeline.run`), so one stage's ring would run its permutes
+  where another stage runs none or others. A collective-permute has no replica groups: XLA
+  meets it with every device of the program, and on the CPU every collective-permute of a
+  program shares one rendezvous key (its channel id, 1), so a stage's ring permute met the
+  pipeline's transfer or another stage's permute (wrong losses, or a hang where the counts
+  differ). An ``all_gather`` over ``context`` is met within the ``context`` group only, one
+  stage's devices, which all run the same pass. So there each member gathers the row's keys
+  once (``C - 1`` blocks in, as the ring's permutes bring) and visits them in the ring's
+  order, the same steps and sums; autodiff returns the keys' gradients by one reduce-scatter.
+  The cost: the row's keys and values are held at once in the forward pass (the ring holds
+  two blocks; in training it keeps every visited block for the backward pass anyway), the
+  backward pass sums the keys' gradients in a ``C``-block buffer, and the transfer is not
+  overlapped with the steps.
 * **Where ``context`` is unbound or of size 1** the function is attention over the sequence it
   is given, positions ``0 ... T-1``: one model code inside and outside the step.
 * **Masks from positions**: causality compares the tokens' places in the row (not their
