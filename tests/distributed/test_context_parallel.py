@@ -9,14 +9,15 @@ gradient norms at 1e-10 relative, parameters at 1e-9 of each leaf's scale
 online softmax rescales them, far below the bound, while a lost key block, a chunk in the
 wrong place or a gradient not returned around the ring is far above it).
 
-Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional
-(``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
-parallelism. The public functions alone (``jzero.context_parallel_attention``, grouped-query
-heads, packed documents) against one device's attention, values and gradients. From the
-compiled step: the ring's transfers are collective-permutes within the ``context`` groups
-only, no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
-ring. Beside a pipeline context parallelism is refused (a config error), and sizes the layout
-cannot take are errors naming the numbers.
+Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional (``seq:
+2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
+parallelism; beside a pipeline (``pipe: 2`` x ``context: 2`` x ``data: 2``, 1F1B at ZeRO 3 and
+zero-bubble at ZeRO 1). The public functions alone (``jzero.context_parallel_attention``,
+grouped-query heads, packed documents) against one device's attention, values and gradients.
+From the compiled step: the ring's transfers are collective-permutes within the ``context``
+groups only (all-gathers within them inside a pipeline stage, where every permute is the
+pipeline's), no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
+ring. Sizes the layout cannot take are errors naming the numbers.
 """
 
 import functools
