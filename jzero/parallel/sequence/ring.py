@@ -177,7 +177,9 @@ def ring_attention(
     passed around the ``axis`` ring.
 
     Call it inside ``shard_map`` with ``axis`` manual, on each member's tokens in
-    :func:`~jzero.parallel.sequence.layout.context_chunk`'s zig-zag order.
+    :func:`~jzero.parallel.sequence.layout.context_chunk`'s zig-zag order. Inside a pipeline
+    stage (``pipe`` bound) the members gather the row's keys once instead of passing them (see
+    the module's decisions): the same steps and result.
 
     Args:
       q: this member's queries ``[B, T/C, H, Dh]``.
