@@ -198,7 +198,8 @@ def _local_grads(
         if scattered is None:
             g, (loss, aux, extra) = grad_fn(params, extra, scale, mb)
         else:
-            wholes = [x if s else None for x, s in zip(jax.tree.leaves(params), scattered)]
+            leaves = zip(jax.tree.leaves(params), scattered, strict=True)
+            wholes = [x if s else None for x, s in leaves]
             stand = zero.stand_ins(plan, params, scattered)
             g, (loss, aux, extra) = grad_fn(stand, extra, scale, mb, wholes)
             g = zero.to_state_layout(plan, g, scattered)

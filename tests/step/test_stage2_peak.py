@@ -80,8 +80,11 @@ def test_the_stacked_gradient_is_born_sharded():
     assert m2.temp_size_in_bytes <= bound, (m1.temp_size_in_bytes, m2.temp_size_in_bytes)
 
     def peak(m):
-        return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + (
-            m.temp_size_in_bytes
+        return (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            + (m.temp_size_in_bytes)
         )
 
     assert peak(m2) <= peak(m1) - (N - 1) * grads // N + extra
