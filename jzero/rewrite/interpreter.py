@@ -14,6 +14,11 @@ Decisions:
   The
   backward pass therefore gathers each layer again and reduce-scatters its gradient (the
   transpose of an all-gather): ZeRO-3's 3x volume, with one layer's full weights live at a time.
+* Stage 2's whole parameters with a sharded gradient (:class:`jzero.rewrite.pending.Scattered`)
+  go the same way without a gather: a scan scans the whole stack beside the gradient's
+  stand-in and reads each layer through :func:`jzero.rewrite.pending.scatter_grad`, whose
+  transpose reduce-scatters that layer's gradient in the backward loop; the body is
+  checkpointed only where the policy says so. Any other use reads the whole value there.
 * Any other use (a model written as a Python loop over layers, embeddings, a final norm, a tied
   embedding used twice) gathers the whole leaf right at that use, inside a custom VJP whose
   backward pass gathers it again instead of keeping the gathered weight alive from the

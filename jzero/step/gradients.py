@@ -14,7 +14,10 @@ Decisions:
   local loss, and jzero chooses every reduction explicitly.
 * Stage 0 and 1 accumulate the full local gradient over micro-batches (``lax.scan``) and reduce
   once at the boundary (stage 0 all-reduce, stage 1 reduce-scatter). Stages 2 and 3
-  reduce-scatter every micro-batch and accumulate only the shard.
+  reduce-scatter every micro-batch and accumulate only the shard; stage 2 reduce-scatters the
+  leaves of the loss's layer scan inside its backward, one layer at a time (it differentiates
+  their stand-ins, :func:`jzero.parallel.zero.stand_ins`), found by tracing the loss on the
+  micro-batch's shapes.
 * The eval step never rematerialises (it has no backward pass).
 * The gradient is the mean over the global batch: local sums are divided by
   ``accumulation_steps x data-parallel size`` once, on the reduced shards.
