@@ -25,8 +25,9 @@ RUNS: dict[str, tuple[str, list[str]]] = {}  # test name -> its script and argum
 
 
 def smoke(script, *args):
-    """Registers the test's run of ``benchmarks/<script>.py ARGS`` in the shared child process;
-    the test reads what it printed from the ``ran`` fixture."""
+    """Registers the test's run of ``benchmarks/<script>.py ARGS`` in the shared child process
+    (``{out}`` in an argument: the runs' folder, ``smoke_runs``); the test reads what it printed
+    from the ``ran`` fixture."""
 
     def register(test):
         RUNS[test.__name__] = (script, list(args))
