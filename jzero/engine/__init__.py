@@ -29,11 +29,16 @@ measured report takes an engine from its caller).
   Equinox import, made only when an Equinox model is given).
 """
 
-from jzero.engine.build import InitOptions as InitOptions
-from jzero.engine.build import initialize as initialize
-from jzero.engine.engine import Engine as Engine
-from jzero.engine.flax_adapter import Adapted as Adapted
-from jzero.engine.flax_adapter import adapt as adapt
+from typing import TYPE_CHECKING
+
+from jzero._util import lazy_exports
+
+if TYPE_CHECKING:
+    from jzero.engine.build import InitOptions as InitOptions
+    from jzero.engine.build import initialize as initialize
+    from jzero.engine.engine import Engine as Engine
+    from jzero.engine.flax_adapter import Adapted as Adapted
+    from jzero.engine.flax_adapter import adapt as adapt
 
 __all__ = [
     "adapt",
@@ -42,3 +47,14 @@ __all__ = [
     "InitOptions",
     "initialize",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "InitOptions": "jzero.engine.build.InitOptions",
+        "initialize": "jzero.engine.build.initialize",
+        "Engine": "jzero.engine.engine.Engine",
+        "Adapted": "jzero.engine.flax_adapter.Adapted",
+        "adapt": "jzero.engine.flax_adapter.adapt",
+    },
+)
