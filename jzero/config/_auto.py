@@ -153,7 +153,7 @@ def resolve_auto(
         elif path in _BATCH:
             value = sizes[path] if isinstance(sizes[path], str) else show(sizes[path])
         elif path in _PRECISION:
-            shown = ", ".join(sorted(d.name for d in dtypes)) or "none"
+            shown = ", ".join(sorted(dtypes)) or "none"
             value = f"{show(_get(cfg, path))} (floating-point params: {shown})"
         else:
             value = _get(cfg, path)
