@@ -17,6 +17,9 @@ The public surface fits on one screen:
   attention, with Ulysses beside it).
 * :mod:`moe` (:mod:`jzero.parallel.expert`): a mixture-of-experts layer for a user's model,
   its experts split over the ``expert`` axis (``expert_parallel.autoep_size``).
+
+The names load on first use (:func:`jzero._util.lazy_exports`): ``import jzero`` imports no
+JAX, Flax, Optax or Orbax; reading a name imports what it needs.
 """
 
 from typing import TYPE_CHECKING

@@ -16,6 +16,8 @@ Only Orbax checkpoints live here: exporting a checkpoint's weights is
 
 The names below are the package's public surface; the modules' other names serve the package.
 What a step holds on disk is its ``format``: "layout" elsewhere is where leaves rest on devices.
+The names load on first use (:func:`jzero._util.lazy_exports`): importing the package (or
+``jzero``) loads no Orbax until a name that needs it is read.
 """
 
 from typing import TYPE_CHECKING

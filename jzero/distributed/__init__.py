@@ -18,6 +18,9 @@ axes have their rooms in :mod:`jzero.parallel`.
 * :mod:`~jzero.distributed.watchdog`: a run of several processes never hangs in silence.
 * :mod:`~jzero.distributed.launch`: ``jzero launch``, several local processes started and
   stopped together (``python -m jzero.distributed.launch``).
+
+The names load on first use (:func:`jzero._util.lazy_exports`), so the launcher's process and
+the ``processes`` settings import no JAX; the mesh and the runtime import it when first read.
 """
 
 from typing import TYPE_CHECKING

@@ -27,6 +27,9 @@ measured report takes an engine from its caller).
 * :mod:`~jzero.engine.flax_adapter`: Flax models in, plain pytrees inside (the one Flax import).
 * :mod:`~jzero.engine.equinox_adapter`: Equinox models in, plain pytrees inside (the one
   Equinox import, made only when an Equinox model is given).
+
+The names load on first use (:func:`jzero._util.lazy_exports`): ``initialize`` and
+``Engine`` import no Flax; :func:`adapt` (and ``initialize`` given a Flax model) does.
 """
 
 from typing import TYPE_CHECKING
