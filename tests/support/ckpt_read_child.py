@@ -1,14 +1,15 @@
 """Child process of tests/checkpoint/test_checkpoint.py: the reads that must run apart from the
 test process, in one process (each would otherwise pay for its own start of JAX and jzero).
 
-Usage: ckpt_read_child.py BIG_DIR OUT_DIR DAMAGED_DIR, with XLA_FLAGS giving 8 devices. Prints
+Usage: ckpt_read_child.py BIG_DIR OUT_DIR DAMAGED_DIR, with XLA_FLAGS giving 1 device. Prints
 one JSON line: ``{"peaks": {dtype: KiB}, "error": message}``.
 
 1. Exports step 1 of BIG_DIR to OUT_DIR as ``big_<dtype>.safetensors`` and records the peak
    resident memory each export added: apart from the tests, so that memory freed or allocated
    by other tests cannot move the mark; first, so that nothing this process does later can.
-2. Restores step 5 of DAMAGED_DIR (the stage-3 toy run, a shard cut short and no jzero file
-   record), so the read itself fails inside Orbax, and records the CheckpointError's message.
+2. Restores step 5 of DAMAGED_DIR (the stage-3 toy run saved on 8 devices, a shard cut short
+   and no jzero file record) into a stage-3 plan on this process's device, so the read itself
+   fails inside Orbax, and records the CheckpointError's message.
    When one shard read fails, TensorStore may finish the restore's other reads in its own
    threads after Orbax's event loop has closed, and reports each of those late ("Event loop is
    closed") whenever it happens; here that lands on this short-lived process only.
