@@ -202,6 +202,7 @@ def test_ctrl_c_ends_after_the_step_with_a_summary_and_a_checkpoint(tmp_path, ca
     out, err = capsys.readouterr()
     assert signal.getsignal(signal.SIGINT) is handler  # the run's handler is gone again
     assert out.startswith("interrupted: SIGINT after step 2")
+    assert "jzero: stage 3, " in err  # jzero's log lines are read here
     assert "Traceback" not in err and "received again" not in err
     assert "received after the run ended" not in err
     summary = json.loads((log_dir / "summary.json").read_text())
