@@ -6,8 +6,12 @@ present; ``--smoke`` for tiny sizes). The model is ``--layers`` layers of a ``--
 and as a ``jax.lax.scan`` over stacked layers, trained with Adam on a batch of ``--batch`` rows.
 
 Each cell runs in a fresh process (no in-memory compilation cache): from the parameters as
-host arrays to the first step's loss on the host. "plain jit" is the single-device optax step
-under ``jax.jit`` (the state put on the device, ``jit(optimizer.init)``, the jitted step);
+host arrays to the first step's loss on the host. ``--smoke`` runs its cells in this process
+instead, JAX's in-memory caches cleared before each: it checks that the cells run (the
+programs compiled are the same), without a JAX import per cell.
+
+"plain jit" is the single-device optax step under ``jax.jit`` (the state put on the device,
+``jit(optimizer.init)``, the jitted step);
 "plain DP" the hand-written data-parallel step on every device (``benchmarks/plain_dp.py``:
 replicated params, the batch sharded, gradient clipping 1.0 as jzero's default), the baseline
 a user would otherwise write;
@@ -104,7 +108,12 @@ def _child(kind: str, form: str, layers: int, width: int, batch: int) -> dict:
     return {"seconds": seconds, "compiles": counts.compiles, "loss": loss}
 
 
-def _cell(kind: str, form: str, layers: int, width: int, batch: int) -> dict:
+def _cell(kind: str, form: str, layers: int, width: int, batch: int, fresh: bool = True) -> dict:
+    if not fresh:
+        import jax
+
+        jax.clear_caches()
+        return _child(kind, form, layers, width, batch)
     env = dict(os.environ)
     if "--xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -147,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     kinds = ("plain", "dp", "0", "3")
     for form in args.forms.split(","):
         for layers in layer_counts:
-            cells = {k: _cell(k, form, layers, args.width, args.batch) for k in kinds}
+            cells = {
+                k: _cell(k, form, layers, args.width, args.batch, fresh=not args.smoke)
+                for k in kinds
+            }
             one, dp = cells["plain"]["seconds"], cells["dp"]["seconds"]
             shown = [f"{cells[k]['seconds']:6.2f} ({cells[k]['compiles']})" for k in kinds[:2]]
             for k in ("0", "3"):

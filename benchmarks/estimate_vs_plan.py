@@ -92,9 +92,9 @@ def _block(name: str, arch: costs.Architecture, n: int, args: argparse.Namespace
         if (e_rec.stage, e_rec.fits) != (p_rec.stage, p_rec.fits):
             lines.append(
                 "  they differ: the plan's peak adds the compiled step's temporaries, which the "
-                "closed form does not count (at stages 0-2 the whole gradient, in 16 bits and "
-                "in float32 before its reduction; the update's; the SwiGLU MLP's and the "
-                "float32 logits' activations beyond the formula's)"
+                "closed form does not count (at stages 0-1 the whole gradient, in 16 bits and "
+                "in float32 before its reduction, at stage 2 one layer's; the update's; the "
+                "SwiGLU MLP's and the float32 logits' activations beyond the formula's)"
             )
     return "\n".join(lines)
 

@@ -36,17 +36,26 @@ Decisions:
   ``os.replace``-d onto the target; a failed write removes only its own file. The NVMe store
   keeps its own writer (its files are fsync'ed, kept out of the page cache and recognised
   by name when a run is cleaned up: :mod:`jzero.nvme.file_format`).
+* **Packages load their names on first use** (:func:`lazy_exports`, PEP 562): ``import jzero``
+  and the ``jzero`` command import no JAX, Flax, Optax or Orbax until a name that needs them
+  is read. A package's ``__init__`` keeps its ``__all__`` and a table of where each public name
+  lives; the same imports stand under ``if TYPE_CHECKING:`` for type checkers and for the
+  house rules that read imports from the source (tests/project/test_house.py checks that the
+  two agree). A submodule not in the table is imported when read as an attribute
+  (``jzero.checkpoint`` after ``import jzero``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import shutil
+import sys
 import tempfile
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -58,10 +67,66 @@ __all__ = [
     "free_bytes",
     "divisors",
     "is_creator",
+    "lazy_exports",
     "path_parts",
     "read_size",
     "write_atomic",
 ]
+
+# -- packages --------------------------------------------------------------------------------------
+
+
+def lazy_exports(
+    package: str, names: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's module-level ``__getattr__`` and ``__dir__`` (PEP 562) that import each
+    public name the first time it is read, then keep it in the package's namespace.
+
+    Args:
+      package: the package's ``__name__``.
+      names: each public name and where it lives, as the import it stands for:
+        ``"jzero.engine.Engine"`` is ``from jzero.engine import Engine``; a module's own path
+        (``"jzero.parallel.expert"``) gives the module.
+
+    Returns:
+      ``(__getattr__, __dir__)``: ``__getattr__`` raises ``AttributeError`` for a name that
+      is neither in ``names`` nor a submodule of the package; ``__dir__`` lists the package's
+      names with the ones not read yet.
+    """
+
+    def load(name: str) -> Any:
+        target = names.get(name)
+        if target is None:
+            if name.startswith("__"):
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            return _submodule(package, name)
+        module, _, attribute = target.rpartition(".")
+        if module == package:  # the package's own submodule: no lookup on the package itself
+            value = importlib.import_module(target)
+        else:
+            parent = importlib.import_module(module)
+            try:
+                value = getattr(parent, attribute)
+            except AttributeError:  # a submodule its package has not imported
+                value = importlib.import_module(target)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def listing() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(names))
+
+    return load, listing
+
+
+def _submodule(package: str, name: str) -> types.ModuleType:
+    """``package.name`` imported, or ``AttributeError`` when there is no such module."""
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{package}.{name}":
+            raise  # the submodule exists and failed to import one of its own imports
+        raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+
 
 # -- leaf paths ----------------------------------------------------------------------------------
 

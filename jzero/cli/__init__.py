@@ -28,7 +28,9 @@ Decisions:
   memory and where the logs and the checkpoint are; the full summary is ``summary.json``.
 * The modules behind the commands (the training loop, the model, the planner) are imported
   when a command runs, after the device count is set; nothing imported before touches a JAX
-  backend.
+  backend, or imports JAX at all: ``jzero --help``, ``jzero estimate`` and ``jzero launch``'s
+  own process load no JAX, Flax, Optax or Orbax (``import jzero`` loads its names on first
+  use; tests/cli/test_imports.py checks it).
 """
 
 from __future__ import annotations
@@ -221,16 +223,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     verbose = bool(getattr(args, "verbose", False))
     logs.configure_logging(verbose)
-    from jzero.checkpoint.dirs import CheckpointWriteError
-
     try:
         return int(args.func(args))
-    except CheckpointWriteError as e:  # the disk, not the config: not a usage error
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        status = _exit_status(e)
+        if status is None:
+            raise
         _error(e, verbose)
+        return status
+
+
+def _exit_status(e: BaseException) -> int | None:
+    """The exit status of an error that ends a command: 1 for a checkpoint that could not be
+    written (the disk, not the config: no usage error), 2 for a user's mistake (a bad value,
+    ``ConfigError`` is a ``ValueError``; a missing file), None for anything else (raised on).
+    The checkpoint package is looked up where a command loaded it: a command that never
+    imported it (``estimate``, ``--help``) raised none of its errors, and need not load JAX
+    and Orbax to say so."""
+    dirs = sys.modules.get("jzero.checkpoint.dirs")
+    if dirs is not None and isinstance(e, dirs.CheckpointWriteError):
         return 1
-    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
-        _error(e, verbose)
-        return 2
+    return 2 if isinstance(e, (ValueError, FileNotFoundError)) else None
 
 
 def _error(e: BaseException, verbose: bool) -> None:

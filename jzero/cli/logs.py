@@ -52,7 +52,11 @@ def configure_logging(verbose: bool) -> logging.Handler | None:
       The handler added to the root logger, or ``None`` when the caller's logging was kept.
     """
     own = logging.getLogger(OWN)
-    # Orbax reports its progress through absl: kept from a caller's handlers too.
+    # Orbax reports its progress through absl: kept from a caller's handlers too. absl is
+    # imported first, so that its logger is absl's own (which names the caller, Orbax, as the
+    # record's source: jzero.checkpoint.orbax_io's filters read it), not a plain one made here.
+    import absl.logging  # noqa: F401
+
     logging.getLogger("absl").setLevel(logging.NOTSET if verbose else logging.WARNING)
     root = logging.getLogger()
     if root.handlers:  # the caller set up logging: keep it

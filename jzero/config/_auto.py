@@ -30,6 +30,8 @@ Decisions:
 * With an optax optimizer passed, the config's ``optimizer`` and ``scheduler`` sections are
   not used (their ``auto`` values come from that optimizer): they are dropped, with one log
   line. Without one, an ``auto`` there is one ``ConfigError`` naming every such key.
+* JAX is imported where the parameters' dtypes are read, not with the module: loading a
+  config (``jzero.load_config``) needs no JAX.
 * One ``INFO`` line on the ``jzero`` logger lists what each ``auto`` resolved to; the returned
   config has ``auto`` empty, so it (and a checkpoint's copy) holds only concrete values.
 """
@@ -39,9 +41,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 from jzero.config._batch import batch_from_first_batch, resolve_batch_sizes
 from jzero.config._common import ConfigError, show
@@ -63,14 +62,18 @@ LAYOUT_KEYS = (
 )
 """The parallel sizes ``"auto"`` leaves to the compiled step (:mod:`jzero.engine.auto_layout`)."""
 _PRECISION = {
-    "bf16.enabled": ("bf16", "fp16", jnp.bfloat16),
-    "fp16.enabled": ("fp16", "bf16", jnp.float16),
+    "bf16.enabled": ("bf16", "fp16", "bfloat16"),
+    "fp16.enabled": ("fp16", "bf16", "float16"),
 }
 
 
-def _float_dtypes(params: Any) -> set:
+def _float_dtypes(params: Any) -> set[str]:
+    """The names of the parameters' floating-point dtypes (``{"bfloat16"}``)."""
+    import jax  # the parameters are JAX's: their caller has it loaded
+    import jax.numpy as jnp
+
     leaves = jax.tree.leaves(params)
-    return {jnp.dtype(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
+    return {jnp.dtype(x.dtype).name for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
 
 
 def _get(cfg: Config, path: str) -> Any:
@@ -134,7 +137,7 @@ def resolve_auto(
         if path in _PRECISION:
             own, other, dtype = _PRECISION[path]
             other_on = getattr(cfg, other).enabled and f"{other}.enabled" not in cfg.auto
-            cfg = _replace(cfg, path, dtypes == {jnp.dtype(dtype)} and not other_on)
+            cfg = _replace(cfg, path, dtypes == {dtype} and not other_on)
     check_bf16(cfg, auto_resolved=True)  # what waited for bf16.enabled
     resolved = []
     layout = any(key in cfg.auto for key in LAYOUT_KEYS)
@@ -150,7 +153,7 @@ def resolve_auto(
         elif path in _BATCH:
             value = sizes[path] if isinstance(sizes[path], str) else show(sizes[path])
         elif path in _PRECISION:
-            shown = ", ".join(sorted(d.name for d in dtypes)) or "none"
+            shown = ", ".join(sorted(dtypes)) or "none"
             value = f"{show(_get(cfg, path))} (floating-point params: {shown})"
         else:
             value = _get(cfg, path)

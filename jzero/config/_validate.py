@@ -722,18 +722,11 @@ def _expert_errors(cfg: Config) -> list[str]:
 
 
 def _context_errors(cfg: Config) -> list[str]:
-    """``context_parallel_size`` C: not beside a pipeline yet; each ring member holds two
-    equal zig-zag chunks of a sequence, which Ulysses (``sequence_parallel_size`` S) splits
-    again, so 2C and C x S must divide ``model.seq_len``."""
+    """``context_parallel_size`` C: each ring member holds two equal zig-zag chunks of a
+    sequence, which Ulysses (``sequence_parallel_size`` S) splits again, so 2C and C x S must
+    divide ``model.seq_len``."""
     cp, sp = cfg.context_parallel_size, cfg.sequence_parallel_size
     seq_len = cfg.model.get("seq_len")
-    if cp > 1 and cfg.pipeline_stages() > 1:
-        return [
-            f"context_parallel_size: {cp} does not compose with pipeline.stages: "
-            f"{cfg.pipeline_stages()} yet (ring attention inside a pipeline stage is not "
-            "supported); set context_parallel_size: 1 (sequence_parallel_size splits the "
-            "sequence beside a pipeline), or pipeline.stages: 1."
-        ]
     if cp <= 1 or not is_number(seq_len):
         return []
     need = math.lcm(2 * cp, cp * sp)

@@ -12,6 +12,8 @@ Decisions:
   for 1F1B); nothing is assumed to overlap.
 * Rates: the config's ``auto_layout`` section over the platform's defaults
   (:data:`PLATFORM_RATES`).
+* The schedule's table is imported only when there is a pipeline (its module is the pipeline
+  engine's, which imports JAX): the cost model loads without JAX (``jzero estimate``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Any, Protocol
 from jzero.choices.stages import stage_spec
 from jzero.costs import traffic
 from jzero.costs.shapes import ModelShape, ParallelDims
-from jzero.parallel.pipeline.schedule import make_schedule
 
 __all__ = ["PLATFORM_RATES", "Prediction", "Rates", "StageChoice", "Work", "bubble", "predict"]
 
@@ -142,4 +143,6 @@ def bubble(dims: ParallelDims) -> float:
     GPipe), or 0 without a pipeline."""
     if dims.pipe <= 1:
         return 0.0
+    from jzero.parallel.pipeline.schedule import make_schedule  # JAX's, only with a pipeline
+
     return make_schedule(dims.schedule, dims.pipe, dims.micro_batches, dims.virtual).bubble

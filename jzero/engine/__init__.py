@@ -27,13 +27,21 @@ measured report takes an engine from its caller).
 * :mod:`~jzero.engine.flax_adapter`: Flax models in, plain pytrees inside (the one Flax import).
 * :mod:`~jzero.engine.equinox_adapter`: Equinox models in, plain pytrees inside (the one
   Equinox import, made only when an Equinox model is given).
+
+The names load on first use (:func:`jzero._util.lazy_exports`): ``initialize`` and
+``Engine`` import no Flax; :func:`adapt` (and ``initialize`` given a Flax model) does.
 """
 
-from jzero.engine.build import InitOptions as InitOptions
-from jzero.engine.build import initialize as initialize
-from jzero.engine.engine import Engine as Engine
-from jzero.engine.flax_adapter import Adapted as Adapted
-from jzero.engine.flax_adapter import adapt as adapt
+from typing import TYPE_CHECKING
+
+from jzero._util import lazy_exports
+
+if TYPE_CHECKING:
+    from jzero.engine.build import InitOptions as InitOptions
+    from jzero.engine.build import initialize as initialize
+    from jzero.engine.engine import Engine as Engine
+    from jzero.engine.flax_adapter import Adapted as Adapted
+    from jzero.engine.flax_adapter import adapt as adapt
 
 __all__ = [
     "adapt",
@@ -42,3 +50,14 @@ __all__ = [
     "InitOptions",
     "initialize",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "InitOptions": "jzero.engine.build.InitOptions",
+        "initialize": "jzero.engine.build.initialize",
+        "Engine": "jzero.engine.engine.Engine",
+        "Adapted": "jzero.engine.flax_adapter.Adapted",
+        "adapt": "jzero.engine.flax_adapter.adapt",
+    },
+)

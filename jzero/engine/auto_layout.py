@@ -10,16 +10,19 @@ allocated) and keeps the first whose compiled peak fits the budget, as
 
 Decisions:
 
-* **Candidates** are every layout the model and batch allow: the sizes of the ``"auto"`` axes
-  are powers of two dividing the device count (the others stay as written), their product with
-  ``data`` is the device count; the heads divide by ``model`` x ``seq``, the sequence length by
-  ``seq`` and by ``2 context`` and ``context`` x ``seq`` (the ring's zig-zag chunks, split again
-  by Ulysses), the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches; no
-  ``context`` beside ``pipe``), the experts by ``expert``; the global batch's rows divide by the
-  data-like axes (``replica`` x ``data`` x ``expert``) times the micro-batches. A batch of fewer
-  rows than devices therefore needs a ``seq``, ``context``, ``model`` or ``pipe`` axis. An axis
-  whose divisor is unknown (no ``num_heads`` in the ``model`` or ``tensor_parallel`` section, no
-  layers traced, no experts, no sequence length) stays 1.
+* **Candidates** are every layout the model and batch allow: the sizes of the ``"auto"`` axes are
+  powers of two dividing the device count (the others stay as written), their product with ``data``
+  is the device count; the heads divide by ``model`` x ``seq``, the sequence length by ``seq`` and
+  by ``2 context`` and ``context`` x ``seq`` (the ring's zig-zag chunks, split again by Ulysses),
+  the stacked layers by ``pipe`` (with at least ``pipe`` micro-batches), the experts by ``expert``;
+  the global batch's rows divide by the data-like axes (``replica`` x ``data`` x ``expert``) times
+  the micro-batches. A batch of fewer rows than devices therefore needs a ``seq``, ``context``,
+  ``model`` or ``pipe`` axis. An axis whose divisor is unknown (no ``num_heads`` in the ``model`` or
+  ``tensor_parallel`` section, no layers traced, no experts, no sequence length) stays 1.
+* **No candidate puts a ring inside a pipeline stage** (``context`` beside ``pipe``), though
+  written by hand that layout trains: there the ring gathers each row's keys instead of
+  passing them (:mod:`jzero.parallel.sequence.ring`), which the cost model (each device ``1/C``
+  of the keys in flight) does not price.
 * **Placement**: the axes that talk every layer (``model``, ``seq``, ``context``, ``expert``)
   are the mesh's minor axes (:func:`jzero.make_mesh`'s order), and a candidate is kept only
   where their product divides one process's devices, so each of their groups stays within a
@@ -189,7 +192,7 @@ def layouts(
         if devices.devices_per_node % inner or not _divides(shape.heads, model * seq):
             continue  # Ulysses splits the heads of a model axis' share again
         if context > 1 and (pipe > 1 or not _divides(shape.seq_len, context * seq)):
-            continue  # no ring inside a pipeline stage; Ulysses splits a member's tokens
+            continue  # no ring inside a stage (see above); Ulysses splits a member's tokens
         rest, left = divmod(devices.devices, inner * pipe * replica)
         if left or rest < 1:
             continue

@@ -39,26 +39,33 @@ Every public name lives in one of the private modules below and is re-exported h
 Decisions common to all of them: sizes are printed in GiB (2^30 bytes), sizes written
 ``80GB`` are 10^9 bytes; "fits" keeps a margin of the device memory (10% by default) free.
 Callers reach the entry points through this package's attributes (``memory.estimate``), so
-replacing one here replaces it for them.
+replacing one here replaces it for them. The names load on first use
+(:func:`jzero._util.lazy_exports`): :func:`estimate` is arithmetic and imports no JAX (only a
+pipeline's schedule table does), the measured entry points import it when first read.
 """
 
-from jzero.memory._estimate import Estimate as Estimate
-from jzero.memory._estimate import EstimateRow as EstimateRow
-from jzero.memory._estimate import Offload as Offload
-from jzero.memory._estimate import estimate as estimate
-from jzero.memory._format import GB as GB
-from jzero.memory._format import GIB as GIB
-from jzero.memory._format import Recommendation as Recommendation
-from jzero.memory._format import parse_size as parse_size
-from jzero.memory._measure import StageRows as StageRows
-from jzero.memory._measure import measure_stages as measure_stages
-from jzero.memory._measure import memory_report as memory_report
-from jzero.memory._plot import plot_bars as plot_bars
-from jzero.memory._report import PlanReport as PlanReport
-from jzero.memory._report import StageMemory as StageMemory
-from jzero.memory._sequence import SequenceReport as SequenceReport
-from jzero.memory._sequence import SequenceRow as SequenceRow
-from jzero.memory._sequence import sequence_report as sequence_report
+from typing import TYPE_CHECKING
+
+from jzero._util import lazy_exports
+
+if TYPE_CHECKING:
+    from jzero.memory._estimate import Estimate as Estimate
+    from jzero.memory._estimate import EstimateRow as EstimateRow
+    from jzero.memory._estimate import Offload as Offload
+    from jzero.memory._estimate import estimate as estimate
+    from jzero.memory._format import GB as GB
+    from jzero.memory._format import GIB as GIB
+    from jzero.memory._format import Recommendation as Recommendation
+    from jzero.memory._format import parse_size as parse_size
+    from jzero.memory._measure import StageRows as StageRows
+    from jzero.memory._measure import measure_stages as measure_stages
+    from jzero.memory._measure import memory_report as memory_report
+    from jzero.memory._plot import plot_bars as plot_bars
+    from jzero.memory._report import PlanReport as PlanReport
+    from jzero.memory._report import StageMemory as StageMemory
+    from jzero.memory._sequence import SequenceReport as SequenceReport
+    from jzero.memory._sequence import SequenceRow as SequenceRow
+    from jzero.memory._sequence import sequence_report as sequence_report
 
 __all__ = [
     "Estimate",
@@ -76,3 +83,26 @@ __all__ = [
     "plot_bars",
     "sequence_report",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Estimate": "jzero.memory._estimate.Estimate",
+        "EstimateRow": "jzero.memory._estimate.EstimateRow",
+        "Offload": "jzero.memory._estimate.Offload",
+        "estimate": "jzero.memory._estimate.estimate",
+        "GB": "jzero.memory._format.GB",
+        "GIB": "jzero.memory._format.GIB",
+        "Recommendation": "jzero.memory._format.Recommendation",
+        "parse_size": "jzero.memory._format.parse_size",
+        "StageRows": "jzero.memory._measure.StageRows",
+        "measure_stages": "jzero.memory._measure.measure_stages",
+        "memory_report": "jzero.memory._measure.memory_report",
+        "plot_bars": "jzero.memory._plot.plot_bars",
+        "PlanReport": "jzero.memory._report.PlanReport",
+        "StageMemory": "jzero.memory._report.StageMemory",
+        "SequenceReport": "jzero.memory._sequence.SequenceReport",
+        "SequenceRow": "jzero.memory._sequence.SequenceRow",
+        "sequence_report": "jzero.memory._sequence.sequence_report",
+    },
+)

@@ -97,12 +97,14 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from jzero import costs
 from jzero._util import divisors
+from jzero.choices import stages
 from jzero.choices.pipeline import SCHEDULES
 from jzero.choices.pipeline import virtual_stages as virtual_stages_of
+from jzero.choices.stages import OFFLOADS, StageSpec, formula_text
 from jzero.costs import (
     ATTENTIONS,
     DTYPE_BYTES,
@@ -126,8 +128,9 @@ from jzero.memory._format import (
 )
 from jzero.memory._plot import plot_bars
 from jzero.memory._sequence import SequenceReport, sequence_report
-from jzero.parallel.pipeline.schedule import Schedule, make_schedule
-from jzero.plan import OFFLOADS, StageSpec, formula_text, stages
+
+if TYPE_CHECKING:
+    from jzero.parallel.pipeline.schedule import Schedule
 
 __all__ = ["Estimate", "EstimateRow", "Offload", "estimate"]
 
@@ -273,6 +276,8 @@ class Estimate:
         without a pipeline."""
         if self.layout.pipe <= 1:
             return None
+        from jzero.parallel.pipeline.schedule import make_schedule  # JAX's: only with a pipeline
+
         return make_schedule(
             self.layout.schedule, self.layout.pipe, self.layout.micro_batches, self.layout.virtual
         )
@@ -726,7 +731,11 @@ def estimate(
     virtual_stages = virtual_stages_of(pipeline_schedule, virtual_stages)
     # The schedule's table (it checks the micro-batches' groups and the chunks): what a stage
     # keeps in flight.
-    table = make_schedule(pipeline_schedule, pp, mb, virtual_stages) if pp > 1 else None
+    table = None
+    if pp > 1:
+        from jzero.parallel.pipeline.schedule import make_schedule  # JAX's: only with a pipeline
+
+        table = make_schedule(pipeline_schedule, pp, mb, virtual_stages)
     if n % (r * tp * sp * cp * pp):
         ring = f"context_parallel={cp} x " if cp > 1 else ""
         raise ValueError(

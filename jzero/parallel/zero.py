@@ -17,6 +17,16 @@ Decisions:
   written.
 * Stage 0 and 1 reduce once at the accumulation boundary (stage 0 all-reduce, stage 1
   reduce-scatter); stages 2 and 3 reduce-scatter every micro-batch (:func:`reduce_grads`).
+* At stage 2 the gradient of a leaf the loss's layer scan consumes is reduce-scattered one
+  layer at a time inside the scan's backward (:func:`scattered_leaves`), as stage 3's
+  gathers' transposes do, so no device holds the whole stacked gradient: the step
+  differentiates a stand-in of each layer's shard (:func:`stand_ins`, its trailing dimensions
+  flattened and split evenly, :class:`jzero.rewrite.pending.Scattered`) while the loss reads
+  the whole parameter. The layers' pieces then move to the plan's resting layout, contiguous
+  blocks of the leading dimension, by one all-to-all of the shard's size
+  (:func:`to_state_layout`). Only leaves resting so unpadded qualify (a stack whose layer
+  count the shard count divides, or divides it); any other leaf is reduced after the
+  backward as before.
 * ZeRO++ qgZ (``plan.options.comm.quantized_gradients``) replaces every gradient reduce-scatter
   over ``data`` by the quantized all-to-all of
   :func:`jzero.comm.quantization.quantized_psum_scatter`: here for the leaves the step reduces
@@ -38,17 +48,25 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
 from jzero.plan import Plan, largest_gathered, pad_to
 from jzero.rewrite import GatherOptions, Partition, RematPolicy, gather_at_use
 
-__all__ = ["local_loss", "reduce_grads", "sharded_grads"]
+__all__ = [
+    "local_loss",
+    "reduce_grads",
+    "scattered_leaves",
+    "sharded_grads",
+    "stand_ins",
+    "to_state_layout",
+]
 
 PyTree = Any
 
@@ -58,14 +76,21 @@ def local_loss(
     loss_fn: Callable[..., Any],
     policy: RematPolicy | None = None,
     stage_shapes: PyTree = None,
+    *,
+    scatter: bool = False,
 ) -> Callable[..., Any]:
     """The loss of the local parameters inside ``shard_map``: gathers stage-3 shards lazily,
     and checkpoints each scan body by ``policy`` (:mod:`jzero.rewrite.remat`).
 
+    ``scatter``: the loss takes ``wholes=`` (per leaf, the whole parameter of a leaf whose
+    argument is its gradient's stand-in, :func:`stand_ins`; else ``None``) and reduce-scatters
+    those leaves' gradients at their uses (stage 2, :func:`scattered_leaves`).
+
     ``stage_shapes``: one pipeline stage's compute params (its ``L / P`` layers, its experts),
     for the stage unit run with ``pipe`` manual: the compiler's axes (``model``) split a leaf as
     :meth:`Plan.entries_beside` says, and activations are not partitioned over them."""
-    if any(d is not None for d in plan.param_dims) or (policy is not None and policy.active):
+    active = policy is not None and policy.active
+    if scatter or any(d is not None for d in plan.param_dims) or active:
         staged = stage_shapes is not None
         zero, comm = plan.options.zero, plan.options.comm
         options = GatherOptions(
@@ -114,6 +139,80 @@ def _partition(plan: Plan, policy: RematPolicy | None) -> Partition | None:
     return Partition(plan.mesh, plan.auto_axes) if plan.auto_axes else None
 
 
+def scattered_leaves(plan: Plan, layer_dims: Sequence[int | None]) -> list[bool]:
+    """Per leaf, whether the step reduce-scatters its gradient at its uses in the loss (in a
+    layer scan's backward, one layer at a time) instead of after the backward: at a stage
+    that shards gradients but not parameters (stage 2), without a pipeline, for a leaf a scan
+    consumes over its leading dimension (``layer_dims``, :func:`jzero.rewrite.layer_dims`)
+    whose gradient rests on that dimension unpadded, over ZeRO's one axis and no other mesh
+    axis, and whose layers split evenly (their element count a multiple of the shard count,
+    and the layer count a multiple or a divisor of it). Else every entry is False."""
+    par = plan.options.parallel
+    if not plan.stage.shard_grads or plan.stage.shard_params or par.pipe_axis:
+        return [False] * len(plan.leaves)
+    if len(plan.zero_axes) != 1:
+        return [False] * len(plan.leaves)
+    n = plan.num_shards
+    out = []
+    for i, (leaf, layer_dim) in enumerate(zip(plan.leaves, layer_dims, strict=True)):
+        layers = leaf.shape[0] if leaf.shape else 0
+        out.append(
+            layer_dim == 0
+            and leaf.param_dim is None
+            and leaf.state_dim == 0
+            and not leaf.padding
+            and plan.leaf_axes(i) == plan.zero_axes
+            and not tuple(plan.other_spec(i))
+            and math.prod(leaf.shape[1:]) % n == 0
+            and (layers % n == 0 or n % layers == 0)
+        )
+    return out
+
+
+def stand_ins(plan: Plan, params: PyTree, scattered: Sequence[bool]) -> PyTree:
+    """``params`` with each leaf ``scattered`` marks (:func:`scattered_leaves`) replaced by
+    zeros of its gradient's local piece per layer: ``(layers, layer elements / shards)`` in
+    the parameter's dtype. The step differentiates this tree; the loss reads the whole
+    parameters beside it (:func:`local_loss`'s ``scatter``)."""
+    n = plan.num_shards
+    leaves = [
+        jnp.zeros((x.shape[0], math.prod(x.shape[1:]) // n), x.dtype) if s else x
+        for x, s in zip(jax.tree.leaves(params), scattered, strict=True)
+    ]
+    return jax.tree.structure(params).unflatten(leaves)
+
+
+def to_state_layout(plan: Plan, grads: PyTree, scattered: Sequence[bool]) -> PyTree:
+    """The gradients of :func:`stand_ins`' leaves (each device: its piece of every layer,
+    reduced) moved to the plan's resting layout (each device: one contiguous block of the
+    leaf), by one all-to-all over ZeRO's axis each; other leaves pass through.
+
+    With at least as many layers as shards a device takes whole layers; with fewer, the
+    shards of one layer's block (``shards / layers`` blocks a layer), each sent only to the
+    device whose block holds it (the other entries of the all-to-all zeros)."""
+    (axis,) = plan.zero_axes
+    n = plan.num_shards
+    out = []
+    for i, (g, s) in enumerate(zip(jax.tree.leaves(grads), scattered, strict=True)):
+        if not s:
+            out.append(g)
+            continue
+        layers, piece = g.shape
+        if layers % n == 0:  # device k takes layers [k L/n, (k+1) L/n), every piece of each
+            block = jax.lax.all_to_all(g, axis, 0, 1, tiled=True)
+        else:  # layer l's block c (of n / L) is pieces [c L, (c+1) L): device l n/L + c's
+            per_layer = n // layers
+            me = jax.lax.axis_index(axis)
+            hot = jax.nn.one_hot(me // layers, per_layer, dtype=g.dtype)
+            send = (g[:, None, :] * hot[None, :, None]).reshape(n, piece)
+            got = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)
+            block = jax.lax.dynamic_slice_in_dim(got, (me % per_layer) * layers, layers)
+        shape = list(plan.local_stored_shape(i))
+        shape[0] //= n
+        out.append(block.reshape(shape))
+    return jax.tree.structure(grads).unflatten(out)
+
+
 def reduce_grads(
     plan: Plan,
     grads: PyTree,
@@ -121,6 +220,7 @@ def reduce_grads(
     now_sharded: bool,
     in_stage: bool = False,
     scattered: bool | None = None,
+    reduced: Sequence[bool] = (),
 ) -> PyTree:
     """Sums local gradients over the data axis in the communication dtype: a reduce-scatter
     where the plan shards the gradient (and ``now_sharded``), else an all-reduce (over every
@@ -138,7 +238,9 @@ def reduce_grads(
     ``in_stage``: called in a pipeline stage's region (``pipe`` manual too), where a split
     leaf holds the stage's ``L / P`` layers and ``pipe`` is no longer the compiler's.
     ``scattered``: True reduces only the leaves scattered now (a pipeline's per-micro-batch
-    reduction), False only the others (summed once after the micro-batches); None all."""
+    reduction), False only the others (summed once after the micro-batches); None all.
+    ``reduced``: per leaf, True for one reduced in the backward already
+    (:func:`scattered_leaves`), which passes through."""
     bits = plan.options.comm.quantized_gradients
     pipe = plan.options.parallel.pipe_axis
     region_axes = (pipe,) if in_stage else ()  # manual in a stage's region
@@ -147,7 +249,7 @@ def reduce_grads(
     for i, (g, leaf, grad_dim) in enumerate(
         zip(leaves, plan.leaves, plan.grad_dims(), strict=True)
     ):
-        if leaf.param_dim is not None:
+        if leaf.param_dim is not None or (reduced and reduced[i]):
             continue
         scatter = grad_dim is not None and now_sharded
         if scattered is not None and scatter != scattered:

@@ -46,7 +46,7 @@ from jax.extend import core as jex_core
 
 from jzero._util import abstract_tree
 from jzero.rewrite.interpreter import GatherOptions, Interpreter
-from jzero.rewrite.pending import Pending
+from jzero.rewrite.pending import Pending, Scattered
 from jzero.rewrite.prefetch import kept_leaves, prefetch_anchors
 from jzero.rewrite.remat import RematPolicy, parse_policy
 from jzero.rewrite.trace import PASS_THROUGH, find_layers, inline_calls, layer_keys
@@ -118,7 +118,11 @@ def gather_at_use(
         expert leaf's: ZeRO's axes besides ``expert``); ``None``: ``axis_name`` for all.
 
     Returns:
-      A function with the same outputs as ``fn``, taking the local shards instead.
+      A function with the same outputs as ``fn``, taking the local shards instead. Its
+      keyword ``wholes`` (per leaf, ``None`` or a whole parameter; stage 2) makes that leaf's
+      argument the stand-in of its gradient's shard (:class:`~jzero.rewrite.pending.Scattered`):
+      ``fn`` reads the whole value, and each use's cotangent is reduce-scattered into the
+      stand-in, per layer in a scan's backward.
     """
     opts = options if options is not None else GatherOptions()
     sizes = [
@@ -127,7 +131,7 @@ def gather_at_use(
     ]
     sharded = any(d is not None for d in dims)
 
-    def g(local: Any, *args: Any) -> Any:
+    def g(local: Any, *args: Any, wholes: Sequence[Any] | None = None) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
             full_shapes, *abstract_tree(args, weak_type=True)
         )
@@ -147,7 +151,9 @@ def gather_at_use(
 
         def pending(leaves: list[Any]) -> list[Any]:
             return [
-                x
+                Scattered(wholes[i], x, axis_name, grad_bits=opts.grad_bits)
+                if wholes is not None and wholes[i] is not None
+                else x
                 if d is None
                 else Pending(
                     x,

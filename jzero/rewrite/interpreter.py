@@ -14,6 +14,11 @@ Decisions:
   The
   backward pass therefore gathers each layer again and reduce-scatters its gradient (the
   transpose of an all-gather): ZeRO-3's 3x volume, with one layer's full weights live at a time.
+* Stage 2's whole parameters with a sharded gradient (:class:`jzero.rewrite.pending.Scattered`)
+  go the same way without a gather: a scan scans the whole stack beside the gradient's
+  stand-in and reads each layer through :func:`jzero.rewrite.pending.scatter_grad`, whose
+  transpose reduce-scatters that layer's gradient in the backward loop; the body is
+  checkpointed only where the policy says so. Any other use reads the whole value there.
 * Any other use (a model written as a Python loop over layers, embeddings, a final norm, a tied
   embedding used twice) gathers the whole leaf right at that use, inside a custom VJP whose
   backward pass gathers it again instead of keeping the gathered weight alive from the
@@ -62,7 +67,7 @@ import jax.ad_checkpoint
 from jax.extend import core as jex_core
 
 from jzero.rewrite.overlap import can_overlap, overlapped_scan
-from jzero.rewrite.pending import Pending
+from jzero.rewrite.pending import Pending, Scattered
 from jzero.rewrite.prefetch import GatherEvent
 from jzero.rewrite.remat import LAYER_INPUT, RematPolicy
 from jzero.rewrite.trace import (
@@ -202,7 +207,7 @@ class Interpreter:
                 continue
             eqn = eqns[k]
             invals = [read(v) for v in eqn.invars]
-            if any(isinstance(x, Pending) for x in invals) or self._rewrites(eqn):
+            if any(isinstance(x, (Pending, Scattered)) for x in invals) or self._rewrites(eqn):
                 outs = self._eqn(eqn, invals)
             else:
                 outs = bind(eqn, invals)
@@ -219,6 +224,7 @@ class Interpreter:
         Its parameters come in as shards and are gathered at their uses inside, plainly: the
         backward pass recomputes the layer, gathers included, so no gathered weight is saved.
         """
+        vals = [self.materialize(x) if isinstance(x, Scattered) else x for x in vals]
         pend = [x if isinstance(x, Pending) else None for x in vals]
         if self.record:
             leaves = {p.index: p.numel(self.shards) for p in pend if p is not None}
@@ -278,7 +284,10 @@ class Interpreter:
         return inner is not None and has_scan(inner.jaxpr)
 
     def materialize(self, x: Any, anchor: Any = None) -> Any:
-        """``x`` gathered if pending (tied to ``anchor``, see :func:`tied`); else ``x``."""
+        """``x`` gathered if pending (tied to ``anchor``, see :func:`tied`), read with its
+        gradient scattered if :class:`Scattered`; else ``x``."""
+        if isinstance(x, Scattered):
+            return x.take(self.grad_dtype)
         if not isinstance(x, Pending):
             return x
         if self.record:  # the right shape, nothing gathered
@@ -291,6 +300,16 @@ class Interpreter:
 
     def _eqn(self, eqn: Any, invals: list[Any]) -> list[Any]:
         name = eqn.primitive.name
+        inner = inner_jaxpr(eqn)
+        if name == "convert_element_type" and isinstance(invals[0], Scattered):
+            # The cast's transpose brings the cotangent back; the scatter runs on it as cast.
+            p = invals[0]
+            return [dataclasses.replace(p, whole=p.whole.astype(eqn.params["new_dtype"]))]
+        if inner is None and name != "scan" and any(isinstance(x, Scattered) for x in invals):
+            # Any use but a scan's scanned operand reads the whole value there.
+            invals = [self.materialize(x) if isinstance(x, Scattered) else x for x in invals]
+            if not any(isinstance(x, Pending) for x in invals):
+                return bind(eqn, invals)
         if name == "convert_element_type" and isinstance(invals[0], Pending):
             p = invals[0]
             # Narrowing (or same-width) casts run on the shard, so the gather moves fewer
@@ -299,7 +318,6 @@ class Interpreter:
             if new.itemsize <= p.shard.dtype.itemsize:
                 return [dataclasses.replace(p, shard=p.shard.astype(new), dtype=None)]
             return [dataclasses.replace(p, dtype=new)]
-        inner = inner_jaxpr(eqn)
         if inner is not None:
             return self.run(inner.jaxpr, inner.consts, invals)
         if name == "scan":
@@ -470,12 +488,18 @@ class Interpreter:
         # A pending operand scanned over its sharded dim can't be gathered per slice.
         xs = [x if not isinstance(x, Pending) or x.dim != 0 else self.materialize(x) for x in xs]
         gathers = any(isinstance(x, Pending) for x in xs)
+        # Stage 2: a whole parameter scanned over its layers is read one layer at a time, and
+        # each layer's gradient reduce-scattered in the backward loop.
+        scatters = [x if isinstance(x, Scattered) else None for x in xs]
         policy = self._body_policy(gathers)
-        if policy is None:
+        if policy is None and not any(scatters):
             return bind(eqn, [*consts, *init, *xs])
         body_closed = p["jaxpr"]
         pending = [x if isinstance(x, Pending) else None for x in xs]
-        xs_vals = [x.shard if isinstance(x, Pending) else x for x in xs]
+        xs_vals = [
+            x.shard if isinstance(x, Pending) else (x.whole, x.stand_in) if s is not None else x
+            for x, s in zip(xs, scatters, strict=True)
+        ]
         axis_name, grad_dtype = self.axis_name, self.grad_dtype
         offload = self.policy is not None and self.policy.offload
         tag = gathers and self.policy is not None and not self.policy.active
@@ -494,6 +518,7 @@ class Interpreter:
             self.overlap
             and gathers
             and not (tag or keep or offload or part is not None or p["reverse"])
+            and not any(scatters)
             and can_overlap(init, body_closed.out_avals[num_carry:], p["length"])
         ):  # overlap_comm: each layer's weights gathered one iteration ahead
             return self._overlapped(eqn, consts, init, xs_vals, pending, policy)
@@ -508,6 +533,10 @@ class Interpreter:
                 xi if p is None else p.gather(axis_name, grad_dtype, shard=xi, dim=p.dim - 1)
                 for xi, p in zip(x, pending, strict=True)
             ]
+            x = [
+                xi if s is None else s.take(grad_dtype, *xi)
+                for xi, s in zip(x, scatters, strict=True)
+            ]
             if keep:
                 x = [
                     xi if p is None else named(xi, GATHERED)
@@ -521,7 +550,8 @@ class Interpreter:
                 outs = jax.core.eval_jaxpr(body_closed.jaxpr, body_closed.consts, *args)
             return list(outs[:num_carry]), list(outs[num_carry:])
 
-        body = jax.checkpoint(body, policy=policy)
+        if policy is not None:
+            body = jax.checkpoint(body, policy=policy)
         carry, ys = jax.lax.scan(
             body,
             init,

@@ -2,7 +2,10 @@
 
 The collective half of :mod:`jzero.rewrite.gather`: :func:`all_gather` moves a shard to the full
 value, and a :class:`Pending` is a parameter still in its shard that the replay
-(:mod:`jzero.rewrite.interpreter`) gathers where it is used.
+(:mod:`jzero.rewrite.interpreter`) gathers where it is used. At stage 2 the parameter is whole
+and only its gradient is sharded: a :class:`Scattered` parameter is read as it is, and
+:func:`scatter_grad` reduce-scatters each use's cotangent there (in a layer scan's backward,
+one layer at a time), into a stand-in of the gradient's shard.
 
 Decisions:
 
@@ -21,6 +24,9 @@ Decisions:
   only its model-axis piece, never the whole weight.
 * An expert leaf (expert parallelism) is sharded by ZeRO over the axes besides ``expert``: its
   pending gather carries those (``axis``) in place of the replay's.
+* Stage 2's reduce-scatter at the use splits the use's trailing dimensions flattened (a stacked
+  leaf's layers kept): every layer splits evenly wherever its element count does, whatever
+  its shape, and each device's piece is one contiguous block of the layer.
 * A pending gather passes through dtype casts that do not widen it (so a bf16 copy is gathered
   in bf16, at half the bytes); a widening cast is recorded (``dtype``) and applied after the
   gather, so a bf16 parameter the model upcasts is still gathered in bf16.
@@ -36,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.comm import over_axes, quantized_all_gather, quantized_psum_scatter, trailing_spec
 
-__all__ = ["all_gather"]
+__all__ = ["Scattered", "all_gather", "scatter_grad"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +130,66 @@ def all_gather(
 
     gather.defvjp(fwd, bwd)
     return gather(x)
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """A whole parameter whose gradient is reduce-scattered where it is used (ZeRO stage 2).
+
+    ``whole`` is the value the loss reads; ``stand_in`` is what the step differentiates in its
+    place: zeros of the gradient's local shard, ``whole``'s trailing dimensions flattened and
+    split over ``axis`` (leading dimensions kept: a stacked leaf's layers). The transpose of
+    each use (:func:`scatter_grad`) reduce-scatters the use's cotangent into the stand-in's
+    shape, so a layer scan's backward reduces one layer at a time.
+    """
+
+    whole: Any
+    stand_in: Any
+    axis: Any
+    grad_bits: int = 0  # ZeRO++ qgZ: the reduce-scatter sends this many bits a value (0: exact)
+
+    def take(self, grad_dtype: Any, whole: Any = None, stand_in: Any = None) -> Any:
+        """The whole value (or one layer's ``whole`` and ``stand_in``), its gradient scattered."""
+        whole = self.whole if whole is None else whole
+        stand_in = self.stand_in if stand_in is None else stand_in
+        return scatter_grad(whole, stand_in, self.axis, grad_dtype, grad_bits=self.grad_bits)
+
+
+def scatter_grad(
+    whole: jax.Array,
+    stand_in: jax.Array,
+    axis_name: Any,
+    grad_dtype: Any = None,
+    *,
+    grad_bits: int = 0,
+) -> jax.Array:
+    """``whole``, whose cotangent goes to ``stand_in`` reduce-scattered over ``axis_name``.
+
+    ``stand_in`` has ``whole``'s leading ``stand_in.ndim - 1`` dimensions and, last, the
+    shard of the rest flattened (their element count divided by the axis size): the
+    cotangent is flattened so, summed over the axis in ``grad_dtype`` (default: its own) and
+    split, each device keeping its contiguous piece; ``grad_bits`` (8 or 4) sends it
+    quantized (:func:`jzero.comm.quantization.quantized_psum_scatter`). ``whole`` gets no
+    cotangent: it is the resting parameter, not what the step differentiates.
+    """
+    lead = stand_in.ndim - 1
+
+    @jax.custom_vjp
+    def take(whole: jax.Array, stand_in: jax.Array) -> jax.Array:
+        return whole
+
+    def fwd(whole: jax.Array, stand_in: jax.Array) -> tuple[jax.Array, None]:
+        return whole, None
+
+    def bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
+        flat = ct.reshape(*ct.shape[:lead], -1)
+        if grad_bits and jax.numpy.issubdtype(flat.dtype, jax.numpy.floating):
+            reduced = quantized_psum_scatter(flat, axis_name, lead, grad_bits)
+        else:
+            reduced = jax.lax.psum_scatter(
+                flat.astype(grad_dtype or flat.dtype), axis_name, scatter_dimension=lead, tiled=True
+            )
+        return None, reduced.astype(stand_in.dtype)
+
+    take.defvjp(fwd, bwd)
+    return take(whole, stand_in)

@@ -14,7 +14,10 @@ Decisions:
   local loss, and jzero chooses every reduction explicitly.
 * Stage 0 and 1 accumulate the full local gradient over micro-batches (``lax.scan``) and reduce
   once at the boundary (stage 0 all-reduce, stage 1 reduce-scatter). Stages 2 and 3
-  reduce-scatter every micro-batch and accumulate only the shard.
+  reduce-scatter every micro-batch and accumulate only the shard; stage 2 reduce-scatters the
+  leaves of the loss's layer scan inside its backward, one layer at a time (it differentiates
+  their stand-ins, :func:`jzero.parallel.zero.stand_ins`), found by tracing the loss on the
+  micro-batch's shapes.
 * The eval step never rematerialises (it has no backward pass).
 * The gradient is the mean over the global batch: local sums are divided by
   ``accumulation_steps x data-parallel size`` once, on the reduced shards.
@@ -34,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero._util import dotted
+from jzero._util import abstract_tree, dotted
 from jzero.parallel import hybrid, pipeline, zero
 from jzero.plan import LossScaleState, Plan, on_device
-from jzero.rewrite import RematPolicy, parse_policy
+from jzero.rewrite import RematPolicy, layer_dims, parse_policy
 from jzero.step.options import StepOptions
 from jzero.step.state import TrainState, to_device
 
@@ -171,10 +174,19 @@ def _local_grads(
     # at the accumulation boundary.
     reduce_each = plan.stage.shard_grads
     local = zero.local_loss(plan, full_loss, policy)
+    # Stage 2: the layer scan's leaves reduce-scattered in its backward, layer by layer.
+    may_scatter = any(zero.scattered_leaves(plan, [0] * len(plan.leaves)))
+    scattering = zero.local_loss(plan, full_loss, policy, scatter=True) if may_scatter else None
 
-    def scaled(params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree) -> Any:
-        """The loss to differentiate (times the loss scale under fp16), and what to report."""
-        loss, (aux, extra) = local(params, extra, batch)
+    def scaled(
+        params: PyTree, extra: PyTree, scale: jax.Array, batch: PyTree, wholes: Any = None
+    ) -> Any:
+        """The loss to differentiate (times the loss scale under fp16), and what to report;
+        with ``wholes`` (stage 2) ``params`` holds the stand-ins of the scattered leaves."""
+        if wholes is None:
+            loss, (aux, extra) = local(params, extra, batch)
+        else:
+            loss, (aux, extra) = scattering(params, extra, batch, wholes=wholes)
         if not prec.sixteen_bit:
             return loss, (loss, aux, extra)
         loss = jnp.asarray(loss, jnp.float32)  # a 16-bit loss is reported in float32
@@ -185,9 +197,17 @@ def _local_grads(
     def micro(params: PyTree, extra: PyTree, scale: jax.Array, mb: PyTree) -> tuple[Any, Any]:
         """One micro-batch: its gradient, reduce-scattered now at stages 2-3, and widened to
         the accumulator's dtype when there is more than one micro-batch to add up."""
-        g, (loss, aux, extra) = grad_fn(params, extra, scale, mb)
+        scattered = _scattered(plan, full_loss, params, extra, mb) if may_scatter else None
+        if scattered is None:
+            g, (loss, aux, extra) = grad_fn(params, extra, scale, mb)
+        else:
+            leaves = zip(jax.tree.leaves(params), scattered, strict=True)
+            wholes = [x if s else None for x, s in leaves]
+            stand = zero.stand_ins(plan, params, scattered)
+            g, (loss, aux, extra) = grad_fn(stand, extra, scale, mb, wholes)
+            g = zero.to_state_layout(plan, g, scattered)
         if reduce_each:
-            g = zero.reduce_grads(plan, g, now_sharded=True)
+            g = zero.reduce_grads(plan, g, now_sharded=True, reduced=scattered or ())
         if accum > 1:
             leaves = zip(jax.tree.leaves(g), master_dtypes, strict=True)
             g = treedef.unflatten([x.astype(prec.accumulator(m)) for x, m in leaves])
@@ -222,6 +242,17 @@ def _local_grads(
         return loss, aux, g, _mean_extra(extra, axis)
 
     return local_grads
+
+
+def _scattered(
+    plan: Plan, full_loss: LossFn, params: PyTree, extra: PyTree, mb: PyTree
+) -> list[bool] | None:
+    """The leaves stage 2 reduce-scatters in the layer scan's backward
+    (:func:`jzero.parallel.zero.scattered_leaves`), from the loss traced on this micro-batch's
+    shapes; ``None`` where there is none."""
+    args = abstract_tree((params, extra, mb))
+    found = zero.scattered_leaves(plan, layer_dims(full_loss, *args))
+    return found if any(found) else None
 
 
 def _accumulate(

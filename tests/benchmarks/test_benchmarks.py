@@ -1,46 +1,103 @@
 """Every script under benchmarks/ that the documentation's figures come from runs and prints its
 tables, so that none can rot. A smoke run proves the script runs, not its figures: each runs
-once, on a tiny model, with the fewest cells its tables need, in a child process on 8 virtual
-CPU devices (the run's XLA flags and compilation cache, ``procs.device_env``) whose code
-generator runs at its cheapest level, as the GPU checks' ``--smoke`` children do: no figure a
-smoke run prints is compared to the bit. The claims behind
+once, on a tiny model, with the fewest cells its tables need, on 8 virtual CPU devices (the
+run's XLA flags and compilation cache, ``procs.device_env``) whose code generator runs at its
+cheapest level, as the GPU checks' ``--smoke`` children do: no figure a smoke run prints is
+compared to the bit. The runs a test names with ``@smoke`` share one child process
+(``tests/support/bench_smoke.py``: JAX and jzero imported once, each script run as its own
+``__main__``, what it changed put back); the others are a child process each. The claims behind
 the figures are the library's tests' (named beside what each smoke run leaves out); a claim no
 library test makes stays asserted here."""
 
+import json
 import math
 import subprocess
 import sys
 
+import pytest
 from procs import device_env
-from repo import ROOT
+from repo import ROOT, SUPPORT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
 
+RUNS: dict[str, tuple[str, list[str]]] = {}  # test name -> its script and arguments
+
+
+def smoke(script, *args):
+    """Registers the test's run of ``benchmarks/<script>.py ARGS`` in the shared child process
+    (``{out}`` in an argument: the runs' folder, ``smoke_runs``); the test reads what it printed
+    from the ``ran`` fixture."""
+
+    def register(test):
+        RUNS[test.__name__] = (script, list(args))
+        return test
+
+    return register
+
+
+def _env():
+    env = device_env(8)
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
+    return env
+
 
 def _run(script, *args, timeout=300):
     """``benchmarks/<script>.py ARGS`` on 8 virtual CPU devices; it must exit 0."""
-    env = device_env(8)
-    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
-def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
-    # Stage 3 alone (the script's loop is the same for every stage): the layout copies of
-    # stages 1-2 are tests/plan/test_layout.py's, hybrid sharding's bytes across hosts
-    # tests/distributed/test_hybrid.py's (test_only_gradient_shards_cross_the_replica_axis,
-    # test_hpz_gathers_within_groups_and_trains_like_stage3).
-    args = ["--no-bf16", "--layers", "2", "--d-model", "32", "--seq-len", "8", "--steps", "1"]
-    args += ["--repeats", "1", "--devices", "2", "--stages", "3", "--hosts-stages", "3"]
-    out = _run("stages", *args).stdout
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory):
+    """The ``@smoke`` runs of the tests selected in this module, in one child process: a folder
+    of ``<test>.out``, ``.err`` and ``.json`` (``bench_smoke.py``)."""
+    here = {item.name for item in request.session.items if item.module is request.module}
+    out = tmp_path_factory.mktemp("bench_smoke")
+    runs = [
+        [name, script, [a.replace("{out}", str(out)) for a in args]]
+        for name, (script, args) in RUNS.items()
+        if name in here
+    ]
+    (out / "runs.json").write_text(json.dumps(runs))
+    cmd = [sys.executable, str(SUPPORT / "bench_smoke.py"), str(out / "runs.json"), str(out)]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 * len(runs), env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def ran(request, smoke_runs):
+    """What the test's ``@smoke`` run printed (it must have exited 0)."""
+    name = request.node.name
+    status = json.loads((smoke_runs / f"{name}.json").read_text())
+    err = (smoke_runs / f"{name}.err").read_text()
+    assert status["rc"] == 0, err[-3000:]
+    return subprocess.CompletedProcess(
+        RUNS[name], status["rc"], (smoke_runs / f"{name}.out").read_text(), err
+    )
+
+
+# Stage 3 alone (the script's loop is the same for every stage): the layout copies of stages 1-2
+# are tests/plan/test_layout.py's, hybrid sharding's bytes across hosts
+# tests/distributed/test_hybrid.py's (test_only_gradient_shards_cross_the_replica_axis,
+# test_hpz_gathers_within_groups_and_trains_like_stage3).
+@smoke(
+    "stages",
+    *("--no-bf16", "--layers", "2", "--d-model", "32", "--seq-len", "8", "--steps", "1"),
+    *("--repeats", "1", "--devices", "2", "--stages", "3", "--hosts-stages", "3"),
+)
+def test_stages_benchmark_prints_memory_collectives_copies_and_step_times(ran):
+    out = ran.stdout
     for title in (
         "Per-device memory",
         "Collective bytes",
@@ -68,10 +125,13 @@ def test_stages_benchmark_prints_memory_collectives_copies_and_step_times():
     assert copies == [["3", "0", "0.00"]]
 
 
-def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
-    args = ["--layers", "2", "--width", "64", "--batch", "8", "--ac-batch", "512"]
-    proc = _run("stage3_layers", *args, "--ac-width", "32", "--smoke")
-    tables = proc.stdout.split("\n\n")
+@smoke(
+    "stage3_layers",
+    *("--layers", "2", "--width", "64", "--batch", "8", "--ac-batch", "512"),
+    *("--ac-width", "32", "--smoke"),
+)
+def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model(ran):
+    tables = ran.stdout.split("\n\n")
     rows = tables[0].splitlines()[3:]
     names = [row[:22].strip() for row in rows]
     assert names == [
@@ -99,24 +159,27 @@ def test_stage3_layers_benchmark_prints_each_way_of_writing_the_model():
     assert [g[0] for g in gathers] == ["(defaults)"] and float(gathers[0][-2]) > 0
 
 
-def test_offload_benchmark_prints_no_offload_against_the_nvme_tier():
-    # No offload (the base of the ratios) and the NVMe tier (the one whose files the script
-    # reads). The host tiers are config alone here: where their state rests and that they
-    # train the same are tests/plan/test_offload.py's
-    # test_optimizer_offload_rests_in_pinned_host_and_trains_bit_identically and
-    # tests/nvme/test_offload_tiers.py's
-    # test_subgroups_stream_the_update_in_order_with_the_same_bits and
-    # test_host_compute_updates_each_group_where_it_rests_with_the_same_bits; the smoke run of
-    # benchmarks/gpu_check.py (test_gpu_checks.py) runs them through a script.
-    args = ["--stages", "2", "--offload", "none,nvme", "--layers", "1", "--d-model", "32"]
-    proc = _run("offload", *args, "--seq-len", "8", "--steps", "1")
-    timed = proc.stdout.split("Step time")[1].splitlines()[3:5]
+# No offload (the base of the ratios) and the NVMe tier (the one whose files the script reads).
+# The host tiers are config alone here: where their state rests and that they train the same are
+# tests/plan/test_offload.py's
+# test_optimizer_offload_rests_in_pinned_host_and_trains_bit_identically and
+# tests/nvme/test_offload_tiers.py's
+# test_subgroups_stream_the_update_in_order_with_the_same_bits and
+# test_host_compute_updates_each_group_where_it_rests_with_the_same_bits; the smoke run of
+# benchmarks/gpu_check.py (test_gpu_checks.py) runs them through a script.
+@smoke(
+    "offload",
+    *("--stages", "2", "--offload", "none,nvme", "--layers", "1", "--d-model", "32"),
+    *("--seq-len", "8", "--steps", "1"),
+)
+def test_offload_benchmark_prints_no_offload_against_the_nvme_tier(ran):
+    timed = ran.stdout.split("Step time")[1].splitlines()[3:5]
     rows = {line.split()[1]: line.split() for line in timed}
     assert list(rows) == ["none", "nvme"]
     assert all(float(r[2]) > 0 for r in rows.values())  # ms/step
     assert float(rows["nvme"][-1]) > 0  # the NVMe tier's files hold the state
     assert float(rows["none"][-1]) == 0
-    assert "Per-device memory" in proc.stdout
+    assert "Per-device memory" in ran.stdout
 
 
 def _rows(out):
@@ -126,11 +189,10 @@ def _rows(out):
     return [dict(zip(cells[0], row, strict=True)) for row in cells[2:]]
 
 
-def test_compile_time_benchmark_prints_the_table_and_the_compilations():
-    # The loop form (the scan's is the same cell code, another model): a fresh process per
-    # cell, 4 cells.
-    proc = _run("compile_time", "--smoke", "--forms", "loop")
-    rows = [line.split() for line in proc.stdout.splitlines()[3:]]
+# The loop form (the scan's is the same cell code, another model), 4 cells.
+@smoke("compile_time", "--smoke", "--forms", "loop")
+def test_compile_time_benchmark_prints_the_table_and_the_compilations(ran):
+    rows = [line.split() for line in ran.stdout.splitlines()[3:]]
     assert [r[:2] for r in rows] == [["loop", "2"]]
     for r in rows:  # seconds (compiles) for plain jit, plain DP, stage 0 and stage 3, and
         # jzero's ratios to plain DP and plain jit
@@ -139,13 +201,14 @@ def test_compile_time_benchmark_prints_the_table_and_the_compilations():
         assert all(r[i].endswith("x") for i in (8, 9, 12, 13))
 
 
-def test_tensor_parallel_benchmark_prints_bytes_per_tp_size():
-    # T = 2 alone: what Megatron's split saves per device is
-    # tests/distributed/test_tensor_parallel.py's
-    # test_jzero_plan_reports_per_device_bytes_and_the_model_axis_traffic and
-    # test_model_axis_collectives_stay_within_model_groups_and_zero_within_data; Ulysses's
-    # all-to-alls and ZeRO over data x seq are tests/distributed/test_sequence_parallel_gpt.py's.
-    rows = _rows(_run("tensor_parallel", "--smoke", "--tp", "2", "--sp", "1").stdout)
+# T = 2 alone: what Megatron's split saves per device is
+# tests/distributed/test_tensor_parallel.py's
+# test_jzero_plan_reports_per_device_bytes_and_the_model_axis_traffic and
+# test_model_axis_collectives_stay_within_model_groups_and_zero_within_data; Ulysses's
+# all-to-alls and ZeRO over data x seq are tests/distributed/test_sequence_parallel_gpt.py's.
+@smoke("tensor_parallel", "--smoke", "--tp", "2", "--sp", "1")
+def test_tensor_parallel_benchmark_prints_bytes_per_tp_size(ran):
+    rows = _rows(ran.stdout)
     assert [(r["T"], r["S"], r["stage"], r["mesh"]) for r in rows] == [
         ("2", "1", "1", "{data: 4, model: 2}")
     ]
@@ -157,21 +220,21 @@ def test_tensor_parallel_benchmark_prints_bytes_per_tp_size():
     assert float(two["temp MiB"]) > 0 and float(two["ms/step"]) > 0
 
 
-def test_sequence_parallel_benchmark_prints_temporaries_falling_by_about_s():
-    proc = _run("sequence_parallel", "--smoke")
-    rows = [line.strip("|").split("|") for line in proc.stdout.splitlines() if line[:3] == "| 6"]
+@smoke("sequence_parallel", "--smoke")
+def test_sequence_parallel_benchmark_prints_temporaries_falling_by_about_s(ran):
+    rows = [line.strip("|").split("|") for line in ran.stdout.splitlines() if line[:3] == "| 6"]
     (row,) = rows  # sequence length 64, one sequence per data group
     one, four, ratio = (float(c) for c in row[1:])
     assert four < one and ratio < 0.5  # a quarter of the tokens and heads' scores a device
 
 
-def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
-    # P = 2 with 1F1B alone: 1F1B's temporaries against GPipe's are
-    # tests/distributed/test_pipeline.py's
-    # test_1f1b_keeps_p_micro_batches_of_activations_where_gpipe_keeps_m, the model state
-    # against P = 1 its test_jzero_train_runs_the_built_in_gpt_on_two_stages.
-    args = ["--smoke", "--pipeline", "2", "--schedules", "1f1b,interleaved_1f1b,zero_bubble"]
-    rows = _rows(_run("pipeline", *args).stdout)
+# P = 2 with 1F1B alone: 1F1B's temporaries against GPipe's are
+# tests/distributed/test_pipeline.py's
+# test_1f1b_keeps_p_micro_batches_of_activations_where_gpipe_keeps_m, the model state against
+# P = 1 its test_jzero_train_runs_the_built_in_gpt_on_two_stages.
+@smoke("pipeline", "--smoke", "--pipeline", "2", "--schedules", "1f1b,interleaved_1f1b,zero_bubble")
+def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages(ran):
+    rows = _rows(ran.stdout)
     assert [(r["P"], r["schedule"], r["mesh"]) for r in rows] == [
         ("2", kind, "{pipe: 2, data: 4}") for kind in ("1f1b", "interleaved_1f1b", "zero_bubble")
     ]
@@ -193,17 +256,17 @@ def test_pipeline_benchmark_prints_the_bubble_memory_and_bytes_between_stages():
         assert all(float(r[k]) > 0 for k in ("model state MiB", "temp MiB", "ms/step"))
 
 
-def test_moe_benchmark_prints_expert_bytes_the_all_to_alls_and_tokens_per_device():
-    # E_p = 2 alone, and the dense twin: the expert leaves split over the expert axis, the
-    # all-to-alls and E_p = 2 training as E_p = 1 are tests/distributed/test_moe.py's
-    # (test_expert_leaves_rest_split_over_expert_and_at_stage_3_over_data_too,
-    # test_the_compiled_step_holds_two_all_to_alls_per_layer_each_way,
-    # test_moe_toy_equals_the_dense_reference) and tests/models/test_gpt_moe.py's
-    # test_expert_parallel_stage3_step_equals_one_device; the temporaries' linear growth
-    # with the tokens tests/distributed/test_moe_dispatch.py's
-    # test_step_temporaries_grow_linearly_with_the_tokens.
-    proc = _run("moe", "--smoke", "--ep", "2")
-    by_ep, rest = proc.stdout.split("Tokens per device")
+# E_p = 2 alone, and the dense twin: the expert leaves split over the expert axis, the
+# all-to-alls and E_p = 2 training as E_p = 1 are tests/distributed/test_moe.py's
+# (test_expert_leaves_rest_split_over_expert_and_at_stage_3_over_data_too,
+# test_the_compiled_step_holds_two_all_to_alls_per_layer_each_way,
+# test_moe_toy_equals_the_dense_reference) and tests/models/test_gpt_moe.py's
+# test_expert_parallel_stage3_step_equals_one_device; the temporaries' linear growth with the
+# tokens tests/distributed/test_moe_dispatch.py's
+# test_step_temporaries_grow_linearly_with_the_tokens.
+@smoke("moe", "--smoke", "--ep", "2")
+def test_moe_benchmark_prints_expert_bytes_the_all_to_alls_and_tokens_per_device(ran):
+    by_ep, rest = ran.stdout.split("Tokens per device")
     scaled, grouped = rest.split("Experts' MLP")
     rows = _rows(by_ep)
     assert [(r["E_p"], r["stage"], r["mesh"]) for r in rows] == [("2", "1", "{data: 4, expert: 2}")]
@@ -229,13 +292,13 @@ def test_moe_benchmark_prints_expert_bytes_the_all_to_alls_and_tokens_per_device
     assert forms == [(t, f) for t in ("16", "64") for f in names]
 
 
-def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic():
-    # AdamW's fp32 state against Muon's; the bf16 and 8-bit AdamW rows are config alone here:
-    # their state bytes are tests/optim/test_optim_state16.py's
-    # test_bf16_state_halves_the_adam_moments_per_device and tests/optim/test_optim_state8.py's
-    # test_8bit_state_is_under_a_third_of_the_fp32_state_per_device.
-    proc = _run("optimizers", "--smoke", "--optimizers", "AdamW fp32 state,Muon + AdamW")
-    rows = {r["optimizer"]: r for r in _rows(proc.stdout)}
+# AdamW's fp32 state against Muon's; the bf16 and 8-bit AdamW rows are config alone here: their
+# state bytes are tests/optim/test_optim_state16.py's
+# test_bf16_state_halves_the_adam_moments_per_device and tests/optim/test_optim_state8.py's
+# test_8bit_state_is_under_a_third_of_the_fp32_state_per_device.
+@smoke("optimizers", "--smoke", "--optimizers", "AdamW fp32 state,Muon + AdamW")
+def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic(ran):
+    rows = {r["optimizer"]: r for r in _rows(ran.stdout)}
     assert list(rows) == ["AdamW fp32 state", "Muon + AdamW"]
     state = {k: float(r["opt-state MiB"]) for k, r in rows.items()}
     # Muon keeps one moment for its matrices (AdamW's two for the rest).
@@ -245,28 +308,29 @@ def test_optimizers_benchmark_prints_state_bytes_and_muons_traffic():
     assert float(rows["Muon + AdamW"]["collectives MiB"]) > float(
         rows["AdamW fp32 state"]["collectives MiB"]
     )
-    assert "Muon adds" in proc.stdout and "Psi beside ZeRO's 2 Psi" in proc.stdout
+    assert "Muon adds" in ran.stdout and "Psi beside ZeRO's 2 Psi" in ran.stdout
     assert all(float(r["ms/step"]) > 0 and float(r["eval loss"]) > 0 for r in rows.values())
 
 
-def test_training_curves_benchmark_draws_the_monitors_series(tmp_path):
-    plot = tmp_path / "curves.png"
-    proc = _run("training_curves", "--smoke", "--plot", str(plot))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+@smoke("training_curves", "--smoke", "--plot", "{out}/curves.png")
+def test_training_curves_benchmark_draws_the_monitors_series(ran, smoke_runs):
+    plot = smoke_runs / "curves.png"
+    lines = [line for line in ran.stdout.splitlines() if line.startswith("| ")]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
     # The table is the CSV monitor's series: every step's loss and MFU (6 steps of 16 samples),
     # the eval losses at 0 and every 3 steps.
     assert [r[0] for r in rows] == ["0", "16", "32", "48", "64", "80", "96"]
     assert [bool(r[2]) for r in rows] == [True, False, False, True, False, False, True]
     assert all(r[1] and float(r[3]) > 0 for r in rows[1:])
-    assert "measured f32 matmul rate" in proc.stdout
+    assert "measured f32 matmul rate" in ran.stdout
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_composition_benchmark_prints_state_temporaries_and_bytes_per_axis():
-    # Each layout's exactness, its axes' collectives and its checkpoint are
-    # tests/distributed/test_compose_two.py's and test_compose_three.py's.
-    out = _run("composition", "--smoke").stdout.splitlines()
+# Each layout's exactness, its axes' collectives and its checkpoint are
+# tests/distributed/test_compose_two.py's and test_compose_three.py's.
+@smoke("composition", "--smoke")
+def test_composition_benchmark_prints_state_temporaries_and_bytes_per_axis(ran):
+    out = ran.stdout.splitlines()
     head = next(i for i, ln in enumerate(out) if ln.startswith("layout"))
     names = [n.strip() for n in out[head].split("  ") if n.strip()]
     starts = [out[head].index(n) for n in names]
@@ -285,21 +349,23 @@ def test_composition_benchmark_prints_state_temporaries_and_bytes_per_axis():
         assert float(row["state MiB"]) > 0 and float(row["temp MiB"]) > 0
 
 
-def test_auto_layout_benchmark_keeps_a_layout_and_times_it_beside_the_next():
-    # Which layout the search keeps within a budget is tests/engine/test_auto_layout.py's; here
-    # the script (gpu_check.sh's auto_layout section) runs: 8 rows over 8 devices, a budget of
-    # the rank-first candidate's own need keeps it.
-    out = _run("auto_layout", "--smoke").stdout.splitlines()
+# Which layout the search keeps within a budget is tests/engine/test_auto_layout.py's; here the
+# script (gpu_check.sh's auto_layout section) runs: 8 rows over 8 devices, a budget of the
+# rank-first candidate's own need keeps it.
+@smoke("auto_layout", "--smoke")
+def test_auto_layout_benchmark_keeps_a_layout_and_times_it_beside_the_next(ran):
+    out = ran.stdout.splitlines()
     (line,) = [x for x in out if x.lstrip().startswith("8 x 16")]
     kept, nxt = line.split("|")[0], line.split("|")[1]
     assert "data 8, stage 0" in kept and float(kept.split()[-1]) > 0, line
     assert float(nxt.split()[-1]) > 0 and "stage" in nxt, line
 
 
-def test_data_wait_benchmark_prints_the_wait_share_and_resumes_on_8_and_4_devices():
-    # That a resumed run reads exactly the uninterrupted run's batches, on 8 and 4 devices, is
-    # tests/train/test_resume_anywhere.py's; here the script runs its three children.
-    out = _run("data_wait", "--smoke").stdout.splitlines()
+# That a resumed run reads exactly the uninterrupted run's batches, on 8 and 4 devices, is
+# tests/train/test_resume_anywhere.py's; here the script runs its three children.
+@smoke("data_wait", "--smoke")
+def test_data_wait_benchmark_prints_the_wait_share_and_resumes_on_8_and_4_devices(ran):
+    out = ran.stdout.splitlines()
     (wait,) = [line for line in out if line.startswith("steps after the first")]
     assert wait.endswith("%") and float(wait.split()[-2]) > 0  # the loop's seconds
     head = next(i for i, line in enumerate(out) if "start to first step" in line)
@@ -307,9 +373,10 @@ def test_data_wait_benchmark_prints_the_wait_share_and_resumes_on_8_and_4_device
     assert [r[0] for r in rows] == ["8", "4"] and all(float(r[1]) > 0 for r in rows), out
 
 
-def test_data_loader_benchmark_prints_packed_tokens_per_second():
-    # What the rows hold (packing, segment ids, positions) is tests/data/'s.
-    out = _run("data_loader", "--smoke").stdout.splitlines()
+# What the rows hold (packing, segment ids, positions) is tests/data/'s.
+@smoke("data_loader", "--smoke")
+def test_data_loader_benchmark_prints_packed_tokens_per_second(ran):
+    out = ran.stdout.splitlines()
     rows = [line.split() for line in out if line.startswith(("npy", "jsonl"))]
     assert [(r[0], r[1]) for r in rows] == [
         ("npy", "1"),
@@ -320,9 +387,10 @@ def test_data_loader_benchmark_prints_packed_tokens_per_second():
     assert all(float(r[-1].replace(",", "")) > 0 for r in rows)
 
 
-def test_watchdog_benchmark_prints_its_share_of_a_step():
-    # What the watchdog reports is tests/distributed/test_watchdog.py's; here the script runs.
-    out = _run("watchdog", "--smoke").stdout.splitlines()
+# What the watchdog reports is tests/distributed/test_watchdog.py's; here the script runs.
+@smoke("watchdog", "--smoke")
+def test_watchdog_benchmark_prints_its_share_of_a_step(ran):
+    out = ran.stdout.splitlines()
     (row,) = [line for line in out if line.startswith("watchdog a step")]
     assert row.endswith("%") and float(row.split()[-2]) >= 0
     assert any(line.startswith("agreement, once") for line in out)
@@ -363,12 +431,16 @@ def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_
     assert set(moved) == {"ring attention", "Ulysses (seq 2)"} and min(moved.values()) > 0, out
 
 
-def test_estimate_vs_plan_benchmark_prints_the_three_figures_side_by_side():
-    # One stage of the tiny Llama-shaped model on 8 devices: the agreement itself (model state
-    # within 10%, the same stage recommended) is tests/memory/test_memory_agreement.py's, the
-    # DeepSpeed column's formulas tests/memory/test_memory_presets.py's.
-    args = ["--tiny", "--devices", "8", "--seq-len", "16", "--stages", "1"]
-    out = _run("estimate_vs_plan", *args, "--device-memory", "40MB").stdout
+# One stage of the tiny Llama-shaped model on 8 devices: the agreement itself (model state
+# within 10%, the same stage recommended) is tests/memory/test_memory_agreement.py's, the
+# DeepSpeed column's formulas tests/memory/test_memory_presets.py's.
+@smoke(
+    "estimate_vs_plan",
+    *("--tiny", "--devices", "8", "--seq-len", "16", "--stages", "1"),
+    *("--device-memory", "40MB"),
+)
+def test_estimate_vs_plan_benchmark_prints_the_three_figures_side_by_side(ran):
+    out = ran.stdout
     header = out.splitlines()[1]
     for column in ("estimate state", "plan state", "plan peak", "DeepSpeed GB"):
         assert column in header

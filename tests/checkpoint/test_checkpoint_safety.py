@@ -1,5 +1,5 @@
-"""A checkpoint directory never loses data: foreign files, re-saves, two runs, two writers,
-a failed write, NaN parameters. Each case is what a user can do by accident."""
+"""A checkpoint directory never loses data: foreign files, saves cut by SIGKILL, re-saves, two
+runs, two writers, a failed write, NaN parameters. Each case is what a user can do by accident."""
 
 import errno
 import json
@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 import toy
+from procs import device_env
 from repo import ROOT, SUPPORT
 
 import jzero
@@ -84,18 +85,24 @@ def test_rotation_and_listing_touch_only_jzero_steps(tmp_path):
     assert len(list((tmp_path / "user").rglob("notes.txt"))) == 5
 
 
-# -- re-saving a step -----------------------------------------------------------------------
-def test_a_resave_killed_before_commit_keeps_the_step_restorable(tmp_path):
-    save_steps(tmp_path, [1, 2])
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    cmd = [sys.executable, str(SUPPORT / "ckpt_resave_child.py"), str(tmp_path)]
+# -- saves killed by SIGKILL ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Two saves cut by one SIGKILL of one child (tests/support/ckpt_kill_child.py): a large
+    step 2 mid-write into a folder holding step 1, and a re-save of step 2 over steps 1 and 2
+    after the old copy was set aside. Returns the two folders (midwrite, resave)."""
+    root = tmp_path_factory.mktemp("killed")
+    midwrite, resave = root / "midwrite", root / "resave"
+    save_steps(resave, [1, 2])
+    env = device_env(1, PYTHONPATH=os.pathsep.join([str(ROOT), str(SUPPORT)]))
+    cmd = [sys.executable, str(SUPPORT / "ckpt_kill_child.py"), str(midwrite), str(resave)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         line = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout=120)
-        assert line == ["saving\n"], "the child never started the re-save"
+        assert line == ["saving\n"], "the child never started the two saves"
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
@@ -103,6 +110,38 @@ def test_a_resave_killed_before_commit_keeps_the_step_restorable(tmp_path):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+    return midwrite, resave
+
+
+def test_a_save_killed_mid_write_is_ignored(killed):
+    directory = killed[0]
+    ckpt = Checkpointer(directory)
+    assert ckpt.all_steps() == [1] and ckpt.latest_step() == 1
+    assert ckpt.partial_steps() == [2]  # step 2 was really cut short
+    assert (directory / "2.orbax-checkpoint-tmp").is_dir() and not (directory / "2").exists()
+    target = {
+        "step": jax.ShapeDtypeStruct((), np.int32, sharding=SINGLE),
+        "params": jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SINGLE), toy.make_params()
+        ),
+    }
+    restored, meta = ckpt.restore(target)
+    assert meta == {"step": 1} and int(restored["step"]) == 1
+    expected = jax.tree.leaves(toy.make_params())
+    for a, b in zip(jax.tree.leaves(restored["params"]), expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(CheckpointError, match=r"Step 2 is not a complete checkpoint .* \[1\] "):
+        ckpt.restore(target, step=2)
+    assert "unfinished saves (ignored): [2]" in checkpoint.inspect(directory)
+    # A new writer clears the unfinished save and saves step 2 for real.
+    ckpt.save(2, {"step": np.int32(2), "params": toy.make_params()}, meta={"step": 2})
+    ckpt.close()
+    assert ckpt.all_steps() == [1, 2] and ckpt.partial_steps() == []
+
+
+# -- re-saving a step -----------------------------------------------------------------------
+def test_a_resave_killed_before_commit_keeps_the_step_restorable(killed):
+    tmp_path = killed[1]
     # The old copy was set aside, the new one never committed: step 2 is still there.
     assert (tmp_path / "2.jzero-replaced").is_dir() and not (tmp_path / "2").exists()
     assert list_steps(tmp_path) == [1, 2] and latest_step(tmp_path) == 2

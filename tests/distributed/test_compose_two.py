@@ -54,8 +54,8 @@ def test_two_axes_train_like_the_single_device_loop_and_restore_anywhere(
 
 
 # Context parallelism (ring attention) beside the axes tests/distributed/test_context_parallel.py
-# does not pair it with (it trains the ring alone, under Ulysses and beside tensor parallelism;
-# a pipeline beside a ring is refused): experts and hybrid sharding, at stage 3 (the most split).
+# does not pair it with (it trains the ring alone, under Ulysses, beside tensor parallelism and
+# beside a pipeline): experts and hybrid sharding, at stage 3 (the most split).
 @pytest.mark.parametrize("axes", [("expert", "context"), ("context", "replica")], ids="x".join)
 def test_the_ring_beside_experts_and_replicas_trains_like_the_single_device_loop(
     axes, tmp_path_factory

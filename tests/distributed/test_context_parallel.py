@@ -9,17 +9,18 @@ gradient norms at 1e-10 relative, parameters at 1e-9 of each leaf's scale
 online softmax rescales them, far below the bound, while a lost key block, a chunk in the
 wrong place or a gradient not returned around the ring is far above it).
 
-Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional
-(``seq: 2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
-parallelism; the ring (plain rows) and the two-dimensional layout (packed rows) again with
-rotary positions (each device rotates its zig-zag tokens' queries and keys by their places in
-the row, or their documents' positions). The public functions alone
+Layouts: the ring alone on 8 devices (``context: 8``) at ZeRO 1 and 3; two-dimensional (``seq:
+2`` x ``context: 4``, Ulysses within each ring member) at ZeRO 1 and 3; beside tensor
+parallelism; beside a pipeline (``pipe: 2`` x ``context: 2`` x ``data: 2``, 1F1B at ZeRO 3 and
+zero-bubble at ZeRO 1); the ring (plain rows) and the two-dimensional layout (packed rows) again
+with rotary positions (each device rotates its zig-zag tokens' queries and keys by their places
+in the row, or their documents' positions). The public functions alone
 (``jzero.context_parallel_attention``, grouped-query heads, packed documents) against one
-device's attention, values and gradients. From the
-compiled step: the ring's transfers are collective-permutes within the ``context`` groups
-only, no buffer is ``[T, T]``, and a long sequence's temporaries per device fall with the
-ring. Beside a pipeline context parallelism is refused (a config error), and sizes the layout
-cannot take are errors naming the numbers.
+device's attention, values and gradients. From the compiled step: the ring's transfers are
+collective-permutes within the ``context`` groups only (all-gathers within them inside a
+pipeline stage, where every permute is the pipeline's), no buffer is ``[T, T]``, the backward
+ring keeps none of the visited keys, and a long sequence's temporaries per device fall with the
+ring. Sizes the layout cannot take are errors naming the numbers.
 """
 
 import dataclasses
@@ -120,26 +121,27 @@ def reference(packed, positions="learned"):
     return out, jax.device_get(p)
 
 
-def config(stage, context, seq=1, tp=1, pipe=1, positions="learned"):
+def config(stage, context, seq=1, tp=1, pipe=1, schedule="1f1b", positions="learned"):
     return {
         "train_batch_size": BATCH,
+        "gradient_accumulation_steps": 2 if pipe > 1 else 1,  # two micro-batches a step
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "context_parallel_size": context,
         "sequence_parallel_size": seq,
         "tensor_parallel": {"autotp_size": tp},
-        "pipeline": {"stages": pipe},
+        "pipeline": {"stages": pipe, "schedule": schedule},
         "model": {"num_heads": CFG.num_heads, "seq_len": T, "positions": positions},
     }
 
 
 @functools.cache
-def run(stage, context, seq=1, tp=1, packed=True, positions="learned"):
+def run(stage, context, seq=1, tp=1, packed=True, pipe=1, schedule="1f1b", positions="learned"):
     engine = jzero.initialize(
         model=functools.partial(_model, positions=positions),
         loss_fn=gpt.nnx_loss_fn,
         optimizer=optax.adamw(LR),
-        config=config(stage, context, seq, tp, positions=positions),
+        config=config(stage, context, seq, tp, pipe, schedule, positions),
     )
     metrics = [engine.train_step(b) for b in batches(packed)]
     return engine, [(float(m["loss"]), float(m["grad_norm"])) for m in metrics]
@@ -162,6 +164,10 @@ LAYOUTS = {
     # Rotary positions (no table): each device rotates its zig-zag tokens by their own places.
     "context8-zero3-rotary-plain": dict(stage=3, context=8, packed=False, positions="rotary"),
     "seq2xcontext4-zero3-rotary": dict(stage=3, context=4, seq=2, positions="rotary"),
+    # Beside a pipeline (each stage's ring gathers its keys): 1F1B at ZeRO 3, and zero-bubble
+    # (the backward split in two, each stage's passes different in most slots) at ZeRO 1.
+    "pipe2xcontext2-zero3": dict(stage=3, context=2, pipe=2),
+    "pipe2xcontext2-zero1-zero_bubble": dict(stage=1, context=2, pipe=2, schedule="zero_bubble"),
 }
 
 
@@ -176,7 +182,8 @@ def test_ring_attention_trains_like_the_single_device_loop(name):
     assert plan.options.parallel.context_axis == "context"
     # Each ring member shares its rows: they are split over data only; ZeRO over context too.
     assert "context" in plan.zero_axes and "context" not in jax.tree.leaves(tuple(plan.batch.spec))
-    assert plan.data_parallel_size == 8 // (context * layout.get("seq", 1) * layout.get("tp", 1))
+    split = context * layout.get("seq", 1) * layout.get("tp", 1) * layout.get("pipe", 1)
+    assert plan.data_parallel_size == 8 // split
     assert "tokens: each row's split over 'context'" in engine.describe()
     assert float(engine.evaluate(batches(packed)[0])) == pytest.approx(
         float(_loss(jax.device_get(engine.params), batches(packed)[0], positions)),
@@ -212,6 +219,20 @@ def test_the_ring_passes_keys_within_the_context_groups_only(name, permuted, exc
     # The ring's loop body forward and its transpose backward (instructions, each run C - 1
     # times a layer in its loop): at least one permute each way.
     assert len(permutes) >= 2, len(permutes)
+
+
+def test_beside_a_pipeline_the_keys_are_gathered_within_the_context_groups():
+    """Inside a pipeline stage the ring gathers its keys (all-gathers within the ``context``
+    groups, beside ZeRO's over ``data`` x ``context``) and passes none: every
+    collective-permute of the step is a pipeline transfer over ``pipe``. A permute over
+    ``context`` there would be met by the devices of every stage (on the CPU all of a
+    program's permutes share one rendezvous key) while the stages run different passes."""
+    engine, _ = run(**LAYOUTS["pipe2xcontext2-zero3"])
+    _, found = _collectives(engine)
+    permutes = {spanned for kind, spanned, _ in found if kind == "collective-permute"}
+    assert permutes == {frozenset({"pipe"})}, permutes
+    gathers = {spanned for kind, spanned, _ in found if kind == "all-gather"}
+    assert frozenset({"context"}) in gathers, gathers
 
 
 def _square_buffers(text, n):
@@ -324,8 +345,6 @@ def test_zig_zag_layout_and_positions():
          r"context_parallel_size: 4 cuts each sequence into 8 zig-zag chunks.*multiple of 8.*12"),
         ({"context_parallel_size": 4, "sequence_parallel_size": 4, "model": {"seq_len": 24}},
          r"multiple of 16, but they are 24"),
-        ({"context_parallel_size": 2, "pipeline": {"stages": 2}},
-         r"context_parallel_size: 2 does not compose with pipeline.stages: 2"),
         ({"context_parallel_size": 0}, r"context_parallel_size"),
     ],
 )  # fmt: skip

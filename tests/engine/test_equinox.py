@@ -107,34 +107,68 @@ def reference():
     return out
 
 
+def model_engine(stage, key=0, **extra):
+    """A ``model=`` engine with AdamW: the constructor built directly in its shards."""
+    return jzero.initialize(
+        model=lambda: LM(jax.random.key(key)), loss_fn=model_loss, optimizer=optax.adamw(1e-2),
+        config=config(stage, **extra),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model3(tmp_path_factory):
+    """The stage-3 ``model=`` engine trained on ``batches()`` (in float64, as every test here),
+    saved after the first step and exported after the last; the training, checkpoint and export
+    tests read it: ``(losses and grad norms, leaf paths, describe(), its folder, the trained
+    parameters on the host)``."""
+    root = tmp_path_factory.mktemp("equinox")
+    with jax.enable_x64(True):
+        engine = model_engine(3, checkpoint={"directory": str(root / "ckpt")})
+        assert isinstance(engine.model, LM)
+        data, metrics = batches(), []
+        for i, b in enumerate(data):
+            m = engine.train_step(b)
+            metrics.append((float(m["loss"]), float(m["grad_norm"])))
+            if i == 0:
+                engine.save()
+                engine.wait_until_finished()
+        engine.save_16bit_model(root / "export")
+        paths = [leaf.path for leaf in engine.plan.leaves]
+        described = engine.describe()
+        trained = jax.device_get(engine.params)
+        engine.close()
+    return metrics, paths, described, root, trained
+
+
 # What is Equinox's own in these paths: the user's ``eqx.partition`` (``params=``; its static
 # half closed over by the loss), and a constructor built in its shards (``model=``: replicated
 # at stages 0-2, split at stage 3). ZeRO's stages themselves are the pytree path's, checked
 # stage by stage in tests/step/. Stage 3 is where the loss sees the tree re-gathered, so both
 # forms run there; ``model=`` also with its parameters replicated (stage 1: its optimizer state
-# split). The checkpoint and export tests below build the same engines, so their programs come
-# from the run's compilation cache.
+# split). The stage-3 ``model=`` run is the module's ``model3``, which the checkpoint and export
+# tests below read too; their fresh engines build the stage-1 run's programs, so those come from
+# the run's compilation cache.
 @pytest.mark.parametrize(("form", "stage"), [("params", 3), ("model", 1), ("model", 3)])
-def test_an_equinox_transformer_trains_like_the_single_device_optax_loop(form, stage):
+def test_an_equinox_transformer_trains_like_the_single_device_optax_loop(form, stage, request):
     if form == "params":
         params, static = eqx.partition(LM(jax.random.key(0)), eqx.is_array)
         engine = jzero.initialize(
             params, lambda p, b: model_loss(eqx.combine(p, static), b), optax.adamw(1e-2),
             config(stage),
         )  # fmt: skip
-    else:  # a constructor: built directly in its shards
-        engine = jzero.initialize(
-            model=lambda: LM(jax.random.key(0)), loss_fn=model_loss, optimizer=optax.adamw(1e-2),
-            config=config(stage),
-        )  # fmt: skip
+    elif stage == 1:  # a constructor: built directly in its shards
+        engine = model_engine(stage)
         assert isinstance(engine.model, LM)
-    got = [engine.train_step(b) for b in batches()]
-    np.testing.assert_allclose(
-        [(float(m["loss"]), float(m["grad_norm"])) for m in got], reference(), rtol=1e-10, atol=0
-    )
-    paths = [leaf.path for leaf in engine.plan.leaves]
+    if form == "model" and stage == 3:  # the module's run, read by the tests below too
+        got, paths, described = request.getfixturevalue("model3")[:3]
+    else:
+        got = [engine.train_step(b) for b in batches()]
+        got = [(float(m["loss"]), float(m["grad_norm"])) for m in got]
+        paths = [leaf.path for leaf in engine.plan.leaves]
+        described = engine.describe()
+    np.testing.assert_allclose(got, reference(), rtol=1e-10, atol=0)
     assert "blocks.0.attn.query_proj.weight" in paths  # readable, in describe() too
-    assert "blocks.0.attn.query_proj.weight" in engine.describe()
+    assert "blocks.0.attn.query_proj.weight" in described
 
 
 def _temp(stage, layers=4, width=64, length=T, **extra):
@@ -173,34 +207,27 @@ def test_activation_checkpointing_lowers_the_temporaries_with_the_same_losses():
         )
 
 
-def test_a_checkpoint_restores_into_a_fresh_model_engine(tmp_path):
-    cfg = config(3, checkpoint={"directory": str(tmp_path / "ckpt")})
-    first = jzero.initialize(model=lambda: LM(jax.random.key(0)), loss_fn=model_loss,
-                             optimizer=optax.adamw(1e-2), config=cfg)  # fmt: skip
-    b = batches()
-    first.train_step(b[0])
-    first.save()
-    first.wait_until_finished()
-    expected = float(first.train_step(b[1])["loss"])
-    fresh = jzero.initialize(model=lambda: LM(jax.random.key(5)), loss_fn=model_loss,
-                             optimizer=optax.adamw(1e-2), config={**cfg, **config(1)})  # fmt: skip
+def test_a_checkpoint_restores_into_a_fresh_model_engine(model3):
+    """Saved after ``model3``'s first step, restored into a stage-1 engine built from another
+    key: its next two steps are ``model3``'s (the second step's loss reads the restored
+    parameters, the third's their update from the restored moments)."""
+    metrics, root = model3[0], model3[3]
+    fresh = model_engine(1, key=5, checkpoint={"directory": str(root / "ckpt")})
     fresh.restore()
-    assert float(fresh.train_step(b[1])["loss"]) == pytest.approx(expected, rel=1e-10, abs=0)
+    got = [fresh.train_step(b) for b in batches()[1:]]
+    got = [(float(m["loss"]), float(m["grad_norm"])) for m in got]
+    np.testing.assert_allclose(got, metrics[1:], rtol=1e-10, atol=0)
 
 
-def test_an_export_loads_into_a_fresh_model_engine_by_name(tmp_path):
+def test_an_export_loads_into_a_fresh_model_engine_by_name(model3):
     """The export names tensors by the module's paths; init_from reads them back, and a
     name_map reads the same file under other names."""
-    first = jzero.initialize(model=lambda: LM(jax.random.key(0)), loss_fn=model_loss,
-                             optimizer=optax.adamw(1e-2), config=config(3))  # fmt: skip
-    first.train_step(batches(1)[0])
-    trained = jax.device_get(first.params)
-    first.save_16bit_model(tmp_path / "export")
+    root, trained = model3[3], model3[4]
     for name_map in (None, lambda path: path):
         fresh = jzero.initialize(
             model=lambda: LM(jax.random.key(5)), loss_fn=model_loss, optimizer=optax.sgd(1e-2),
             config=config(1),
-            options=jzero.InitOptions(init_from=str(tmp_path / "export"), name_map=name_map),
+            options=jzero.InitOptions(init_from=str(root / "export"), name_map=name_map),
         )  # fmt: skip
         for x, y in zip(jax.tree.leaves(jax.device_get(fresh.params)), jax.tree.leaves(trained),
                         strict=True):  # fmt: skip

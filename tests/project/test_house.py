@@ -521,3 +521,97 @@ def test_the_cost_model_check_finds_an_import_from_above(tmp_path):
         "jzero/costs/b.py:1 jzero.memory._estimate",
         "jzero/costs/b.py:2 jzero.config",
     ]
+
+
+def _lazy_table(tree: ast.Module) -> dict[str, str] | None:
+    """The ``{name: "module.attribute"}`` table of a ``lazy_exports(__name__, {...})`` call at
+    the module's top level, or None without one."""
+    for node in tree.body:
+        call = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(call, ast.Call) and _called(call.func) == "lazy_exports":
+            table = call.args[1]
+            return {k.value: v.value for k, v in zip(table.keys, table.values, strict=True)}
+    return None
+
+
+def _type_checking_imports(tree: ast.Module, here: str) -> dict[str, str]:
+    """``{name: "module.attribute"}`` of the ``from ... import ...`` under the module's
+    ``if TYPE_CHECKING:`` (``here``: the package a relative import starts from)."""
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and _called(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                if not isinstance(imp, ast.ImportFrom):
+                    continue
+                base = here.split(".")[: len(here.split(".")) - imp.level + 1] if imp.level else []
+                source = ".".join(base + ([imp.module] if imp.module else []))
+                found.update({a.asname or a.name: f"{source}.{a.name}" for a in imp.names})
+    return found
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names the module's top level binds: assignments, functions, classes, imports."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                elts = t.elts if isinstance(t, ast.Tuple) else [t]
+                names |= {e.id for e in elts if isinstance(e, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def _names_all(node: ast.Assign) -> bool:
+    return any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+
+
+def lazy_table_problems(root: Path) -> list[str]:
+    """``file name: problem`` for each package whose names load on first use
+    (:func:`jzero._util.lazy_exports`) where the table disagrees with the imports under its
+    ``if TYPE_CHECKING:`` (which type checkers and this file's other rules read), or a name of
+    its ``__all__`` is neither in the table nor bound by the module. (The table may hold a
+    name ``__all__`` leaves out: the module's own constants a sibling package reads.)"""
+    found = []
+    for path in sorted(root.rglob("__init__.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        table = _lazy_table(tree)
+        if table is None:
+            continue
+        where = path.relative_to(root.parent)
+        typed = _type_checking_imports(tree, _module_name(path, root))
+        for name in sorted(set(table) | set(typed)):
+            if table.get(name) != typed.get(name):
+                found.append(f"{where} {name}: table {table.get(name)}, import {typed.get(name)}")
+        lists = [n for n in tree.body if isinstance(n, ast.Assign) and _names_all(n)]
+        public = [e.value for n in lists for e in n.value.elts]
+        for name in sorted(set(public) - set(table) - _defined(tree)):
+            found.append(f"{where} {name}: in __all__, never bound")
+    return found
+
+
+def test_each_lazy_table_agrees_with_its_type_checking_imports_and_all():
+    assert lazy_table_problems(JZERO) == []
+
+
+def test_the_lazy_table_check_finds_a_name_out_of_step(tmp_path):
+    pkg = tmp_path / "jzero"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "a" / "__init__.py").write_text(
+        '"""A package."""\n\nfrom typing import TYPE_CHECKING\n\n'
+        "from jzero._util import lazy_exports\n\nif TYPE_CHECKING:\n"
+        "    from jzero.a.x import f as f\n    from .x import g as g\n    from .y import h as h\n"
+        "    from jzero.a.y import k as k\n\n"
+        '__all__ = ["f", "g", "h", "VERSION", "missing"]\n\nVERSION = 1\n\n'
+        "__getattr__, __dir__ = lazy_exports(\n    __name__,\n"
+        '    {"f": "jzero.a.x.f", "g": "jzero.a.x.g", "h": "jzero.a.x.h", "k": "jzero.a.y.k",\n'
+        '     "m": "jzero.a.y.m"},\n)\n'
+    )
+    assert lazy_table_problems(pkg) == [
+        "jzero/a/__init__.py h: table jzero.a.x.h, import jzero.a.y.h",
+        "jzero/a/__init__.py m: table jzero.a.y.m, import None",
+        "jzero/a/__init__.py missing: in __all__, never bound",
+    ]

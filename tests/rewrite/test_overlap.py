@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 import toy
-from gpt_runs import first_grad_norm, gpt_run
+from gpt_runs import batches, first_grad_norm, gpt_params, gpt_run, loss_fn
 from repo import ROOT
 
 import jzero
@@ -26,7 +26,9 @@ from jzero import hlo
 from jzero.comm import overlap
 from jzero.config import JzeroConfigWarning
 from jzero.engine import settings
+from jzero.parallel.zero import scattered_leaves
 from jzero.plan import PlanOptions, make_plan
+from jzero.rewrite import layer_dims
 
 F64 = "float64"
 
@@ -117,10 +119,20 @@ def test_stage2_buckets_reduce_in_about_four_collectives_with_the_same_bytes_and
     leaves = len(plain_engine.plan.leaves)
     sizes = [math.prod(leaf.shape) for leaf in engine.plan.leaves]
     expected = len(overlap.bucket_groups(sizes, [0] * leaves, quarter))
-    assert e["reduce-scatter"].count == leaves  # one per leaf without buckets
-    assert b["reduce-scatter"].count == expected and 4 <= expected <= 6
+    # The layer scan's leaves are reduce-scattered in its backward loop, once a layer (stage
+    # 2's scatter at the use); the buckets hold the others, reduced after the backward pass.
+    cfg, params = gpt_params(2)  # the same shapes, in float32: read, not run
+    dims = layer_dims(lambda p, x: loss_fn(p, x, cfg), params, batches(1)[0])
+    in_loop = scattered_leaves(engine.plan, dims)
+    assert sum(in_loop) >= 4
+    rest = [s for s, scattered in zip(sizes, in_loop, strict=True) if not scattered]
+    buckets = len(overlap.bucket_groups(rest, [0] * len(rest), quarter))
+    layers = 2 * sum(in_loop)
+    assert e["reduce-scatter"].count == len(rest) + layers  # one per leaf without buckets
+    assert b["reduce-scatter"].count == buckets + layers and buckets < len(rest)
     assert b["reduce-scatter"].bytes == e["reduce-scatter"].bytes  # the same totals
-    assert b["all-gather"].count == expected and b["all-gather"].bytes == e["all-gather"].bytes
+    assert b["all-gather"].count == expected and 4 <= expected <= 6
+    assert b["all-gather"].bytes == e["all-gather"].bytes
     assert_same_training(bucketed, exact, 2)
 
 

@@ -1,11 +1,13 @@
-"""Child process of tests/checkpoint/test_checkpoint.py: restores a checkpoint at another ZeRO
-stage on
-another device count and trains on.
+"""Child process of tests/checkpoint/test_checkpoint.py: restores a checkpoint at other ZeRO
+stages on other device counts and trains on.
 
-Usage: ckpt_restore_child.py DIR STAGE NUM_STEPS OUT.npz, with XLA_FLAGS giving the device
-count. Restores the latest step of DIR into the plan of STAGE on every device, trains up to
-NUM_STEPS on the toy batches and writes the losses, the grad norms, the restored step, the meta
-and the final params (gathered) to OUT.npz. In float64, as the checkpoint it restores.
+Usage: ckpt_restore_child.py DIR NUM_STEPS OUT_PREFIX STAGE:DEVICES [STAGE:DEVICES ...], with
+XLA_FLAGS giving the process's device count (the largest DEVICES). Per STAGE:DEVICES, restores
+the latest step of DIR into the plan of STAGE on the first DEVICES devices, trains up to
+NUM_STEPS on the toy batches and writes the losses, the grad norms, the restored step, the meta,
+the plan's device count and the final params (gathered) to OUT_PREFIX_stage{STAGE}_{DEVICES}.npz.
+In float64, as the checkpoint it restores. One process does every restore: each one starts a
+process's worth of JAX and jzero otherwise.
 """
 
 import json
@@ -25,13 +27,12 @@ GLOBAL_BATCH = 32
 CLIP = 0.5
 
 
-def main(directory: str, stage: int, num_steps: int, out: str) -> None:
-    jax.config.update("jax_enable_x64", True)
+def restore_and_train(directory: str, stage: int, devices: int, num_steps: int, out: str) -> None:
+    """One restore at ``stage`` on the first ``devices`` devices, trained up to ``num_steps``."""
     params = toy.make_params(dtype=np.float64)
     tx = optax.adamw(1e-2, weight_decay=1e-2)
-    plan = jzero.make_plan(
-        params, tx, jzero.make_mesh(-1), stage, PlanOptions().replace(persistence_threshold=0)
-    )
+    mesh = jzero.make_mesh(devices, devices=jax.devices()[:devices])
+    plan = jzero.make_plan(params, tx, mesh, stage, PlanOptions().replace(persistence_threshold=0))
     abstract = jax.eval_shape(lambda: init_train_state(plan, params, tx))
     target = restore_target(plan, abstract)  # logical shapes: checkpoints hold no padding
     with Checkpointer(directory) as ckpt:
@@ -54,11 +55,21 @@ def main(directory: str, stage: int, num_steps: int, out: str) -> None:
         losses=np.asarray(losses, np.float64),
         norms=np.asarray(norms, np.float64),
         start=start,
-        devices=jax.device_count(),
+        devices=mesh.size,
+        process_devices=jax.device_count(),
         meta=json.dumps(meta),
         **{"param:" + k: v for k, v in flat.items()},
     )
 
 
+def main(directory: str, num_steps: int, prefix: str, runs: list[str]) -> None:
+    jax.config.update("jax_enable_x64", True)
+    for run in runs:
+        stage, devices = map(int, run.split(":"))
+        restore_and_train(
+            directory, stage, devices, num_steps, f"{prefix}_stage{stage}_{devices}.npz"
+        )
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:])

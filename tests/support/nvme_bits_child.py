@@ -44,10 +44,12 @@ def run(stage: int, nvme_dir: str | None, params_too: bool = False) -> tuple[lis
     return losses, leaves
 
 
-def compare(nvme_dir: str) -> dict:
+def compare(nvme_dir: str, in_memory: dict | None = None) -> dict:
     """Per run, whether the losses agree and how many elements differ. The test calls it in its
-    own process where XLA_FLAGS already holds ``--xla_backend_optimization_level=0``."""
-    out, in_memory = {}, {}
+    own process where XLA_FLAGS already holds ``--xla_backend_optimization_level=0``, handing
+    it the runs in memory it trained already (``{stage: (losses, leaves)}``: this module's
+    ``run(stage, None)``, the same config, optimizer and batches); the others are trained here."""
+    out, in_memory = {}, dict(in_memory or {})
     for name, stage, params_too in ((1, 1, False), (2, 2, False), (3, 3, False), ("3p", 3, True)):
         if stage not in in_memory:
             in_memory[stage] = run(stage, None)

@@ -2,11 +2,16 @@
 optimizer state in memory or on NVMe, as JSON (bytes). Run alone so that no other test's memory
 moves the marks.
 
-Usage: nvme_memory_child.py {memory,nvme,nvme+params} NVME_DIR, with 1 device in XLA_FLAGS and
-MALLOC_MMAP_THRESHOLD_=65536 (freed buffers leave the resident set). One device: with 8 virtual
-devices the step's gathers and gradients run on 8 threads at once, and how many of them are
-alive together (hundreds of MiB) depended on the machine's load; on one the marks repeat to
-within a MiB. The files, groups and versions are the same at any device count.
+Usage: nvme_memory_child.py NVME_DIR MODE..., each MODE one of memory, nvme, nvme+params, with
+1 device in XLA_FLAGS and MALLOC_MMAP_THRESHOLD_=65536 (freed buffers leave the resident set).
+Each mode runs in a process of its own, one after the other, forked from this one once JAX,
+jzero and optax are imported and before JAX starts a backend or a thread: each starts as a
+fresh process would, without paying for the imports again, and prints one JSON line.
+
+One device: with 8 virtual devices the step's gathers and gradients run on 8 threads at once,
+and how many of them are alive together (hundreds of MiB) depended on the machine's load; on
+one the marks repeat to within a MiB. The files, groups and versions are the same at any
+device count.
 ``nvme+params`` puts the parameters on NVMe too.
 
 The model is 16 leaves of 2**20 float32 (64 MiB of parameters) trained with Adam (128 MiB of
@@ -25,7 +30,9 @@ state) at stage 3, two leaves to a group. Three marks:
 import ctypes
 import gc
 import json
+import os
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -87,9 +94,30 @@ def main(mode: str, nvme_dir: str) -> None:
         "state": 2 * LEAVES * SIZE * 4,  # Adam's two moments
         "params": LEAVES * SIZE * 4,
     }
-    print(json.dumps(record))
+    print(json.dumps(record), flush=True)
     engine.close()
 
 
+def run_apart(mode: str, nvme_dir: str) -> None:
+    """``main`` in a forked process of its own; raises if it fails."""
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of JAX's runtime exists yet, as in a fresh process
+        code = 1
+        try:
+            main(mode, nvme_dir)
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    status = os.waitpid(pid, 0)[1]
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"mode {mode} failed: wait status {status}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    # Forking is safe while this process runs one thread (JAX starts its own with a backend).
+    assert threading.active_count() == 1, threading.enumerate()
+    for name in sys.argv[2:]:
+        run_apart(name, sys.argv[1])

@@ -218,7 +218,8 @@ def split_backward(
         def step(acc: list[Any], z: Any) -> tuple[list[Any], list[Any]]:
             r, x, between = z
             d_cst, d_x = cut().weight_pass(r, cst, x, between)
-            acc = [a + d for a, d, f in zip(acc, d_cst, floating, strict=True) if f]
+            d_float = [d for d, f in zip(d_cst, floating, strict=True) if f]
+            acc = [a + d for a, d in zip(acc, d_float, strict=True)]
             return acc, list(d_x)
 
         acc0 = [jnp.zeros(c.shape, c.dtype) for c, f in zip(cst, floating, strict=True) if f]

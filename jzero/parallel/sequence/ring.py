@@ -35,6 +35,22 @@ Decisions:
   With ``block_size`` (the built-in GPT passes its ``attention_block``) each step is itself
   blockwise (:func:`jzero.ops.blockwise_partial`), so no step, forward or backward, holds a
   ``[T/2C, T/2C]`` tile.
+* **Inside a pipeline stage the keys are gathered, not passed** (``pipe`` bound, of size >
+  1): the stages run different passes in one slot (a forward beside a backward or an idle
+  slot, :func:`jzero.parallel.pipeline.run`), so one stage's ring would run its permutes
+  where another stage runs none or others. A collective-permute has no replica groups: XLA
+  meets it with every device of the program, and on the CPU every collective-permute of a
+  program shares one rendezvous key (its channel id, 1), so a stage's ring permute met the
+  pipeline's transfer or another stage's permute (wrong losses, or a hang where the counts
+  differ). An ``all_gather`` over ``context`` is met within the ``context`` group only, one
+  stage's devices, which all run the same pass. So there each member gathers the row's keys
+  once (``C - 1`` blocks in, as the ring's permutes bring) and visits them in the ring's
+  order, the same steps and sums; autodiff (not the backward ring) returns the keys'
+  gradients by one reduce-scatter. The cost: the row's keys and values are held at once in
+  the forward pass and kept for the backward pass, which autodiff takes through the gathered
+  steps (the passed ring holds two blocks and its own backward ring keeps none), the backward
+  pass sums the keys' gradients in a ``C``-block buffer, and the transfer is not overlapped
+  with the steps.
 * **Where ``context`` is unbound or of size 1** the function is attention over the sequence it
   is given, positions ``0 ... T-1``: one model code inside and outside the step.
 * **Masks from positions**: causality compares the tokens' places in the row (not their
@@ -45,13 +61,14 @@ Decisions:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzero.distributed.mesh import CONTEXT_AXIS, SEQ_AXIS
+from jzero.distributed.mesh import CONTEXT_AXIS, PIPE_AXIS, SEQ_AXIS
 from jzero.ops.attention import (
     Partial,
     attend_block,
@@ -167,7 +184,9 @@ def ring_attention(
     passed around the ``axis`` ring.
 
     Call it inside ``shard_map`` with ``axis`` manual, on each member's tokens in
-    :func:`~jzero.parallel.sequence.layout.context_chunk`'s zig-zag order.
+    :func:`~jzero.parallel.sequence.layout.context_chunk`'s zig-zag order. Inside a pipeline
+    stage (``pipe`` bound) the members gather the row's keys once instead of passing them (see
+    the module's decisions): the same steps and result.
 
     Args:
       q: this member's queries ``[B, T/C, H, Dh]``.
@@ -206,8 +225,39 @@ def ring_attention(
             f"of {2 * size}), cut by jzero.sequence_chunk."
         )
     pos = context_chunk(jnp.arange(t * size, dtype=jnp.int32), axis, 0)
+    if _in_pipeline_stage():
+        queries, keys = _Queries(q, pos, segment_ids), _Keys(k, v, pos, segment_ids)
+        own = jax.checkpoint(functools.partial(_own, causal=causal, block=block_size))
+        visit = jax.checkpoint(functools.partial(_visit, causal=causal, block=block_size))
+        acc = _gathered(queries, keys, own(queries, keys), visit, axis, size)
+        return finish(acc, q.dtype)
     ring = _Ring(axis, size, causal, block_size)
     return _ring_attention(ring, q, k, v, pos, segment_ids)
+
+
+def _in_pipeline_stage() -> bool:
+    """Whether this trace runs inside a pipeline stage (``pipe`` bound, of size > 1), where
+    the stages run different passes in one slot."""
+    return (bound_axis_size(PIPE_AXIS) or 1) > 1
+
+
+def _gathered(
+    queries: _Queries, keys: _Keys, acc: Partial, visit: Callable[..., Partial], axis: str,
+    size: int,
+) -> Partial:  # fmt: skip
+    """The ring's later steps in the same order over the row's keys gathered once
+    (``all_gather`` within the ``axis`` group; its transpose, a reduce-scatter, returns the
+    keys' gradients), for inside a pipeline stage: see the module's decisions."""
+    c = jax.lax.axis_index(axis)
+    every = jax.tree.map(lambda x: jax.lax.all_gather(x, axis), keys)
+
+    def step(acc: Partial, s: jax.Array) -> tuple[Partial, None]:
+        source = (c - s) % size
+        visited = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, source, 0, False), every)
+        return merge(acc, visit(queries, visited, source < c)), None
+
+    acc, _ = jax.lax.scan(step, acc, jnp.arange(1, size))
+    return acc
 
 
 class _Ring(NamedTuple):
