@@ -32,8 +32,15 @@ Decisions:
   others wait for it); the loop writes both per process into ``metrics.jsonl`` and names a
   process whose own time is more than ``distributed.straggler_share`` (0.5) above the others'
   median, and 50 ms, for ``distributed.straggler_steps`` (5) steps in a row.
+* **Every process reports**: the first to find the run stuck publishes its reason; every
+  other watchdog sees it at its next look (or when its own collective fails because that
+  process left) and reports the same reason. Process 0, where the runtime's service lives,
+  exits last: it waits (at most 10 s) until every live process has reported; the runtime
+  aborts a process whose service went away.
 * A collective that fails in this process (the runtime's error: a peer's connection lost) is
-  reported the same way by the loop (:meth:`Watchdog.failed`), before the runtime's shutdown
+  reported the same way by the loop (:meth:`Watchdog.failed`), or, in a user's own loop, when
+  the error reaches the interpreter uncaught (a ``sys.excepthook`` the watchdog installs),
+  before the runtime's shutdown
   would abort the process with its own stack trace.
 * One process has no peers to wait for: no watchdog runs.
 """
@@ -64,6 +71,19 @@ HANG_EXIT = 124
 _RUNS = itertools.count()
 _RUNNING: set[Any] = set()  # the watchdogs started and not stopped
 _AT_EXIT: list[bool] = []
+
+
+_HOOKED: list[Callable[..., Any]] = []  # the excepthook the watchdog's hook replaced
+
+
+def _report_uncaught(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+    """``sys.excepthook`` while a watchdog runs: the traceback as usual; then, for the
+    runtime's error (a collective failed: a peer left) reaching the interpreter uncaught in a
+    user's own loop, the watchdog's report and exit, before the runtime's shutdown aborts."""
+    (_HOOKED[0] if _HOOKED else sys.__excepthook__)(kind, error, tb)
+    running = [w for w in _RUNNING if w.active]
+    if running and isinstance(error, jax.errors.JaxRuntimeError):
+        running[0].failed(error)
 
 
 def _stop_running() -> None:
@@ -140,6 +160,7 @@ class Watchdog:
         self.gone_after = max(30.0, 10 * poll)
         self._beat = 0
         self._seen: dict[int, tuple[int, float]] = {}  # process -> (beat, when it last moved)
+        self._ending = threading.Event()  # this process is reporting and will exit
         self.prefix = f"jzero/progress/{next(_RUNS)}"
         self._seq = 0
         self._last_step: int | None = None
@@ -207,10 +228,23 @@ class Watchdog:
         return steps_s, own_s, warnings
 
     def _records(self) -> dict[int, dict[str, Any]]:
+        return self._progress(agreement.read_all(self.prefix))
+
+    def _progress(self, every: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Each process's progress record among the store's keys under the prefix."""
         return {
             int(k.rsplit("/", 1)[1]): v
-            for k, v in agreement.read_all(self.prefix).items()
+            for k, v in every.items()
             if k.rsplit("/", 1)[1].isdigit() and "/reported/" not in k
+        }
+
+    def _reported(self, every: dict[str, Any]) -> dict[int, str]:
+        """The other processes that reported the run stuck, with their reasons."""
+        me = jax.process_index()
+        return {
+            int(k.rsplit("/", 1)[1]): str(v)
+            for k, v in every.items()
+            if "/reported/" in k and int(k.rsplit("/", 1)[1]) != me
         }
 
     def _publisher(self) -> None:
@@ -262,6 +296,9 @@ class Watchdog:
             self._sender.start()
             self._thread.start()
             _RUNNING.add(self)
+            if sys.excepthook is not _report_uncaught:
+                _HOOKED.append(sys.excepthook)
+                sys.excepthook = _report_uncaught
             if not _AT_EXIT:  # the runtime is up: this hook runs before its shutdown
                 atexit.register(_stop_running)
                 _AT_EXIT.append(True)
@@ -285,14 +322,19 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.poll):
             try:
-                gone = self._gone(self._records())
+                every = agreement.read_all(self.prefix)
+                gone = self._gone(self._progress(every))
                 stale = time.time() - self._since > self.limit()
+                found = self._reported(every)
             except Exception as e:  # the runtime itself failed: say so, then end
                 if self._stop.is_set():  # stopping (the process exits): nothing to report
                     return
                 self._end(self._report(gone=[], why=f"the distributed runtime failed: {e}"))
                 return
             if self._stop.is_set():
+                return
+            if found and not (gone or stale):  # another process found the run stuck
+                self._end(self._report(gone, next(iter(found.values()))))
                 return
             if gone or stale:
                 why = (
@@ -310,7 +352,14 @@ class Watchdog:
         process."""
         if not self.active:
             return
+        if self._ending.is_set():  # the watchdog thread is reporting: it ends the process
+            time.sleep(60)
+            return
         try:  # a killed peer's heartbeat has stopped; a live one moves within a poll or two
+            found = self._reported(agreement.read_all(self.prefix))
+            if found:  # a peer reported the run stuck and exits: this is why the step failed
+                self._stop.set()
+                self._end(self._report([], next(iter(found.values()))))
             before = self._records()
             time.sleep(2 * self.poll + 0.5)
             after = self._records()
@@ -379,6 +428,10 @@ class Watchdog:
         }
 
     def _end(self, report: dict[str, Any]) -> None:
+        if self._ending.is_set():  # the other thread is reporting: it ends the process
+            time.sleep(60)
+            return
+        self._ending.set()
         lines = [f"jzero: the run is stuck: {report['why']}."]
         if report["behind"]:
             names = ", ".join(f"process {p}" for p in report["behind"])
@@ -405,8 +458,8 @@ class Watchdog:
             except Exception as e:  # the report is printed already
                 print(f"jzero: the hang report was not written: {e}", file=sys.stderr)
         try:
-            agreement.publish(f"{self.prefix}/reported/{me}", True)
-            if me == 0:  # the runtime's service lives here: the others report first
+            agreement.publish(f"{self.prefix}/reported/{me}", report["why"])
+            if me == 0:  # the runtime's service lives here: the others report and exit first
                 self._wait_reported([p for p in live if p != 0])
         except Exception:  # the runtime is gone already
             pass
