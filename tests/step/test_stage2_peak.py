@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from numerics import optax_loop
 
 import jzero
 from jzero import hlo
@@ -96,21 +97,7 @@ def test_the_stacked_gradient_is_born_sharded():
 
 def reference(layers, data):
     """The single-device optax loop: (losses, gradient global norms)."""
-    p, tx = params(layers), optax.adam(1e-2)
-    opt = tx.init(p)
-
-    @jax.jit
-    def step(p, opt, b):
-        value, grads = jax.value_and_grad(loss)(p, b)
-        updates, opt = tx.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, value, optax.global_norm(grads)
-
-    losses, norms = [], []
-    for b in data:
-        p, opt, value, norm = step(p, opt, b)
-        losses.append(float(value))
-        norms.append(float(norm))
-    return losses, norms
+    return optax_loop(loss, params(layers), optax.adam(1e-2), data)
 
 
 @pytest.mark.parametrize("layers", [4, 16])  # fewer layers than devices, and more

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen, nnx
+from numerics import optax_loop
 
 import jzero
 from jzero.config import JzeroConfigWarning
@@ -67,24 +68,6 @@ def scan_temp():
         return temp_bytes(engine)
 
 
-def reference(loss, params, tx, data):
-    """The single-device optax loop: (losses, gradient global norms)."""
-    opt = tx.init(params)
-
-    @jax.jit
-    def step(params, opt, b):
-        value, grads = jax.value_and_grad(loss)(params, b)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, value, optax.global_norm(grads)
-
-    losses, norms = [], []
-    for b in data:
-        params, opt, value, norm = step(params, opt, b)
-        losses.append(float(value))
-        norms.append(float(norm))
-    return losses, norms
-
-
 def train(engine, data):
     """(losses, grad norms) of the engine's steps on ``data``."""
     metrics = [engine.train_step(b) for b in data]
@@ -106,7 +89,7 @@ def loop_params():
 def loop_sgd_reference():
     """The optax loop of the Python-loop model, SGD(0.1), 2 steps; the scan computes the same."""
     with jax.enable_x64(True):
-        return reference(loop_loss, loop_params(), optax.sgd(0.1), batches(2, np.float64))
+        return optax_loop(loop_loss, loop_params(), optax.sgd(0.1), batches(2, np.float64))
 
 
 def test_a_python_loop_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
@@ -116,7 +99,7 @@ def test_a_python_loop_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
     # All 8 gathered layers at once would be L * D * D * ITEM / 2 more than the scan's.
     assert temp_bytes(engine) < scan_temp() + L * D * D * ITEM // 2
     data = batches(dtype=np.float64)
-    expected = reference(loop_loss, params, optax.adam(1e-3), data)
+    expected = optax_loop(loop_loss, params, optax.adam(1e-3), data)
     assert_matches(train(engine, data), expected)
 
 
@@ -152,7 +135,7 @@ def test_a_linen_loop_of_submodules_holds_one_layer_at_a_time_and_trains_exactly
     engine = jzero.initialize(variables["params"], loss, optax.adam(1e-3), CFG)
     assert temp_bytes(engine) <= 1.25 * scan_temp(), (temp_bytes(engine), scan_temp())
     data = batches(dtype=np.float64)
-    expected = reference(loss, variables["params"], optax.adam(1e-3), data)
+    expected = optax_loop(loss, variables["params"], optax.adam(1e-3), data)
     assert_matches(train(engine, data), expected)
 
 
@@ -172,7 +155,7 @@ def test_an_nnx_list_of_layers_holds_one_layer_at_a_time_and_trains_exactly():
 
     assert {x.dtype for x in jax.tree.leaves(start)} == {np.dtype(np.float64)}
     data = batches(dtype=np.float64)
-    expected = reference(ref_loss, start, optax.adam(1e-3), data)
+    expected = optax_loop(ref_loss, start, optax.adam(1e-3), data)
     assert_matches(train(engine, data), expected)
 
 
@@ -279,7 +262,7 @@ def test_max_reuse_distance_keeps_what_is_reused_within_it():
     assert out["default"][0] >= 8 * unit
     # Room for the largest leaf and one kept leaf: one leaf's backward gather is saved.
     assert out["everything"][0] < out["capped"][0] < out["default"][0]
-    expected = reference(tied_loss, tied_params(), optax.sgd(0.5), tied_data())
+    expected = optax_loop(tied_loss, tied_params(), optax.sgd(0.5), tied_data())
     for _, run in out.values():
         assert_matches(run, expected)
 

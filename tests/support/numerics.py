@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 # Unit roundoff (half the gap between 1 and the next number) of each floating dtype.
@@ -82,3 +83,22 @@ def rounding_scale(low, high) -> float:
         float(np.max(np.abs(np.asarray(h, np.float64)))) for h in jax.tree.leaves(high)
     )
     return max(max_abs_error(low, high), floor)
+
+
+def optax_loop(loss, params, tx, data):
+    """The single-device optax loop on ``data``: (losses, gradient global norms), the reference
+    jzero's steps are compared with."""
+    opt = tx.init(params)
+
+    @jax.jit
+    def step(params, opt, b):
+        value, grads = jax.value_and_grad(loss)(params, b)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value, optax.global_norm(grads)
+
+    losses, norms = [], []
+    for b in data:
+        params, opt, value, norm = step(params, opt, b)
+        losses.append(float(value))
+        norms.append(float(norm))
+    return losses, norms
