@@ -13,11 +13,11 @@ import time
 import numpy as np
 import pytest
 from cli_runs import TINY
+from procs import signal_at_step
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jzero import cli
 from jzero.checkpoint import latest_step, list_steps
-from jzero.engine import Engine
 
 
 def _monitored(job, name):
@@ -184,15 +184,7 @@ def test_ctrl_c_ends_after_the_step_with_a_summary_and_a_checkpoint(tmp_path, ca
     process of its own: the SIGTERM test below): the run ends after step 2 with its summary, a
     checkpoint of step 2 and exit status 130, and the one signal is never told as a second."""
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    step, calls = Engine.train_step, []
-
-    def train_step(self, batch):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGINT)  # caught by the run's handler
-        return step(self, batch)
-
-    monkeypatch.setattr(Engine, "train_step", train_step)
+    signal_at_step(monkeypatch, signal.SIGINT, 2)  # the run's handler catches it
     handler = signal.getsignal(signal.SIGINT)
     args = ["train", "configs/zero2.yaml", "--steps", "100000", *TINY]
     args += ["--set", f"train.log_dir={log_dir}", "--set", "train.eval_interval=1"]

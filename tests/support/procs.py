@@ -112,3 +112,19 @@ def gone(pid: int) -> bool:
 
 def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "jzero.distributed.launch", *args]
+
+
+def signal_at_step(monkeypatch, signum: int, step: int) -> None:
+    """This process raises ``signum`` as ``Engine.train_step`` begins its ``step``-th call (the
+    run's own handler catches it, as in a process of its own); ``monkeypatch`` undoes it."""
+    from jzero.engine import Engine
+
+    train_step, calls = Engine.train_step, []
+
+    def patched(self, batch):
+        calls.append(1)
+        if len(calls) == step:
+            signal.raise_signal(signum)
+        return train_step(self, batch)
+
+    monkeypatch.setattr(Engine, "train_step", patched)

@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 from data_runs import USER_MODEL
+from procs import signal_at_step
 from repo import FIXTURES
 
 from jzero import cli, train
-from jzero.engine import Engine
 from jzero.train import EntryPointError, elastic_split, load_entry
 
 HF = FIXTURES / "ds_configs" / "hf_zero3_no_batch.json"
@@ -73,15 +73,7 @@ def test_a_users_model_on_a_hugging_face_config_stops_and_resumes(tmp_path, monk
     assert "before its schedule" not in caplog.text  # total_num_steps was filled from --steps
     whole = _losses(tmp_path / "whole")
 
-    step, calls = Engine.train_step, []
-
-    def train_step(self, batch):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGTERM)  # caught by the run's handler
-        return step(self, batch)
-
-    monkeypatch.setattr(Engine, "train_step", train_step)
+    signal_at_step(monkeypatch, signal.SIGTERM, 2)  # the run's handler catches it
     assert _main(_args(tmp_path, "run", 4)) == 128 + signal.SIGTERM
     monkeypatch.undo()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

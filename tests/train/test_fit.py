@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from procs import signal_at_step
 
 import jzero
-from jzero.engine import Engine
 
 RECORDS = 48
 BATCH = 8  # one row per device
@@ -74,15 +74,7 @@ def test_fit_stops_on_sigterm_and_resumes_the_losses_and_the_data(tmp_path, monk
     assert summary["eval_loss"] is not None and summary["tokens_per_s"] is None
     uninterrupted = _losses(whole)
 
-    step, calls = Engine.train_step, []
-
-    def train_step(self, batch):
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGTERM)  # caught by fit's handler, not the process
-        return step(self, batch)
-
-    monkeypatch.setattr(Engine, "train_step", train_step)
+    signal_at_step(monkeypatch, signal.SIGTERM, 3)  # the run's handler catches it
     cut = jzero.fit(_engine(_config(tmp_path)), _pipeline(), eval_data=evals, progress=False)
     monkeypatch.undo()
     assert cut["interrupted"] and cut["signal"] == "SIGTERM" and cut["steps"] == 3

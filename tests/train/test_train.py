@@ -10,10 +10,10 @@ import threading
 
 import pytest
 from cli_runs import shared_compile_cache
+from procs import signal_at_step
 
 from jzero import train
 from jzero.checkpoint import list_steps
-from jzero.engine import Engine
 
 TINY = [
     "checkpoint.directory=null",  # no checkpoints unless a test names a folder
@@ -31,16 +31,7 @@ def test_run_returns_the_summary_it_writes_and_stops_on_sigterm(tmp_path, monkey
     and Ctrl-C, through the CLI's process: tests/cli/test_cli.py.)"""
     assert threading.current_thread() is threading.main_thread()  # run installs the handler
     log_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    step = Engine.train_step
-    calls = []
-
-    def train_step(self, batch):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGTERM)  # caught by run's handler, not the process
-        return step(self, batch)
-
-    monkeypatch.setattr(Engine, "train_step", train_step)
+    signal_at_step(monkeypatch, signal.SIGTERM, 2)  # the run's handler catches it
     handler = signal.getsignal(signal.SIGTERM)
     overrides = [*TINY, f"train.log_dir={log_dir}", f"checkpoint.directory={ckpt}"]
     # Stage 3 as tests/cli/test_cli.py trains it: the same compiled step.
