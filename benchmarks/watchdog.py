@@ -1,8 +1,9 @@
 """What the watchdog and the processes' agreement cost a run of several processes.
 
 Run: ``python benchmarks/watchdog.py`` (the demo model of ``configs/zero2.yaml``, 12 steps as 2
-processes x 4 virtual CPU devices under ``jzero launch``), or ``--smoke`` (a 1-layer GPT, 3
-steps: it checks that the script runs). Prints one table, process 0's figures:
+processes x 4 virtual CPU devices under ``jzero launch``), or ``--smoke`` (a 1-layer GPT, 2
+steps, the least with a step after the compiling one: it checks that the script runs). Prints
+one table, process 0's figures:
 
 * **watchdog a step**: the seconds a step spends publishing its phases and reading the others'
   times (:class:`jzero.distributed.Watchdog`'s ``phase`` and ``compare``, wrapped and timed),
@@ -31,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FULL = {"steps": 12, "model": None}
 SMOKE = {
-    "steps": 3,
+    "steps": 2,
     "model": "{vocab_size: 256, seq_len: 16, num_layers: 1, num_heads: 2, d_model: 32, d_ff: 64}",
 }
 
@@ -85,7 +86,7 @@ def child(out: str, steps: int, model: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="a 1-layer GPT, 3 steps")
+    ap.add_argument("--smoke", action="store_true", help="a 1-layer GPT, 2 steps")
     ap.add_argument("--child", nargs=3, metavar=("OUT", "STEPS", "MODEL"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -5,9 +5,9 @@ run's XLA flags and compilation cache, ``procs.device_env``) whose code generato
 cheapest level, as the GPU checks' ``--smoke`` children do: no figure a smoke run prints is
 compared to the bit. The runs a test names with ``@smoke`` share one child process
 (``tests/support/bench_smoke.py``: JAX and jzero imported once, each script run as its own
-``__main__``, what it changed put back); the others are a child process each. The claims behind
-the figures are the library's tests' (named beside what each smoke run leaves out); a claim no
-library test makes stays asserted here."""
+``__main__``, what it changed put back), every test of this module among them. The claims
+behind the figures are the library's tests' (named beside what each smoke run leaves out); a
+claim no library test makes stays asserted here."""
 
 import json
 import math
@@ -40,19 +40,6 @@ def _env():
     env = device_env(8)
     env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
     return env
-
-
-def _run(script, *args, timeout=300):
-    """``benchmarks/<script>.py ARGS`` on 8 virtual CPU devices; it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -396,26 +383,30 @@ def test_watchdog_benchmark_prints_its_share_of_a_step(ran):
     assert any(line.startswith("agreement, once") for line in out)
 
 
-def test_long_sequence_benchmark_prints_temporaries_per_form():
-    # Smoke: length 64 in blocks and chunks of 16. That the tiled forms hold no [T, T] scores,
-    # [B, T, V] logits or whole MLP layer is tests/ops/test_long_sequence_gpt.py's
-    # test_the_functional_gpt_with_blocks_and_chunks_equals_the_plain_one.
-    out = _run("long_sequence", "--smoke").stdout
+# Smoke: length 64 in blocks and chunks of 16. That the tiled forms hold no [T, T] scores,
+# [B, T, V] logits or whole MLP layer is tests/ops/test_long_sequence_gpt.py's
+# test_the_functional_gpt_with_blocks_and_chunks_equals_the_plain_one.
+@smoke("long_sequence", "--smoke")
+def test_long_sequence_benchmark_prints_temporaries_per_form(ran):
+    out = ran.stdout
     (row,) = [line.strip("|").split("|") for line in out.splitlines() if line[:4] == "| 64"]
     plain, attention, loss, mlp = (float(c) for c in row[1:])
     assert loss < plain and mlp <= loss  # the [64, 512] logits were the largest temporaries
 
 
-def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_rings_bytes():
-    # Smoke: a one-layer GPT, lengths from and up to 32 (one probe a row). The figures' claims
-    # (no [T, T] scores, logits or MLP layer; the ring's permutes over `context` only; the tiled
-    # forms' smaller temporaries) are tests/ops/test_long_sequence_gpt.py's,
-    # tests/distributed/test_context_parallel.py's and the smoke test above.
-    # --gpu too (gpu_check.sh's long_context section), whose tables on CPU are the XLA path.
-    # Rotary positions, as the figures in docs/benchmarks.md.
-    args = ["--smoke", "--budget", "2MiB", "--most", "32", "--first", "32"]
-    args += ["--steps", "1", "--gpu", "--positions", "rotary"]
-    out = _run("long_sequence", *args).stdout
+# Smoke: a one-layer GPT, lengths from and up to 32 (one probe a row). The figures' claims
+# (no [T, T] scores, logits or MLP layer; the ring's permutes over `context` only; the tiled
+# forms' smaller temporaries) are tests/ops/test_long_sequence_gpt.py's,
+# tests/distributed/test_context_parallel.py's and the smoke test above.
+# --gpu too (gpu_check.sh's long_context section), whose tables on CPU are the XLA path.
+# Rotary positions, as the figures in docs/benchmarks.md.
+@smoke(
+    "long_sequence",
+    *("--smoke", "--budget", "2MiB", "--most", "32", "--first", "32"),
+    *("--steps", "1", "--gpu", "--positions", "rotary"),
+)
+def test_long_sequence_benchmark_finds_each_techniques_longest_sequence_and_the_rings_bytes(ran):
+    out = ran.stdout
     gpu, out = out.split("### Longest sequence")
     assert "| XLA (no GPU) |" in gpu and "| 64 | 8 |" in gpu, gpu
     longest, ring = out.split("### Ring against Ulysses")

@@ -1,6 +1,8 @@
 """The GPU checks' scripts (benchmarks/gpu_check.py, gpu_comm.py) and the ZeRO++ comm
 benchmark run on CPU in their --smoke mode, so that the scripts a lent GPU runs cannot rot: each
-with the fewest variants its table and its claims need."""
+with the fewest variants its table and its claims need. gpu_comm.py and comm.py share one child
+process (``tests/support/bench_smoke.py``: JAX and jzero imported once); gpu_check.py starts a
+process per variant and runs in its own process group."""
 
 import json
 import os
@@ -10,7 +12,10 @@ import sys
 
 import pytest
 from procs import device_env
-from repo import ROOT
+from repo import ROOT, SUPPORT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
 
 # int8 rounds each weight to within half its block's scale (absmax / 254): see
 # tests/comm/test_zeropp.py, whose 50-step runs allow 2% of the loss.
@@ -63,18 +68,32 @@ def test_gpu_check_smoke_runs_on_cpu_and_prints_its_table(tmp_path):
     assert summary["variants"]["none"]["plan_host_bytes"] == 0
 
 
-def test_gpu_comm_smoke_runs_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """``gpu_comm.py --smoke`` and ``comm.py --smoke --stages 3`` in one child process: a folder
+    of their ``.json`` summaries (``$OUT``) and ``<name>.out``, ``.err``, ``.json``."""
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    runs = [["gpu_comm", "gpu_comm", ["--smoke"]], ["comm", "comm", ["--smoke", "--stages", "3"]]]
+    (out / "runs.json").write_text(json.dumps(runs))
+    env = device_env(8, OUT=str(out), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"  # what each sets in --smoke
+    cmd = [sys.executable, str(SUPPORT / "bench_smoke.py"), str(out / "runs.json"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _ran(folder, name):
+    """What the shared child's run ``name`` printed (it must have exited 0)."""
+    out, err = ((folder / f"{name}.{kind}").read_text() for kind in ("out", "err"))
+    assert json.loads((folder / f"{name}.json").read_text())["rc"] == 0, out[-3000:] + err[-3000:]
+    return out
+
+
+def test_gpu_comm_smoke_runs_on_cpu(shared):
     # exact and all: overlap, qwZ and qgZ together, which no library test runs at once.
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_comm.py"), "--smoke"],
-        capture_output=True,
-        text=True,
-        env=device_env(8, OUT=str(tmp_path), JAX_PLATFORMS="cpu"),
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "gpu_comm.json").read_text())
+    _ran(shared, "gpu_comm")
+    summary = json.loads((shared / "gpu_comm.json").read_text())
     rows = {r["variant"]: r for r in summary["variants"]}
     assert list(rows) == ["exact", "all"] and all(r["status"] == "ok" for r in rows.values())
     exact, every = rows["exact"], rows["all"]
@@ -91,23 +110,13 @@ def test_gpu_comm_smoke_runs_on_cpu(tmp_path):
     assert every["losses"][-1] == pytest.approx(exact["losses"][-1], rel=0.01)
 
 
-def test_comm_benchmark_smoke(tmp_path):
+def test_comm_benchmark_smoke(shared):
     # --smoke at stage 3: exact and qwZ, 3 steps, a tiny GPT. Stage 2's qgZ row is config
     # alone here: its int8 all-to-alls are tests/comm/test_zeropp.py's
     # test_qgz_reduces_int8_at_a_quarter_of_the_bytes_and_trains_the_same.
-    env = device_env(8, OUT=str(tmp_path), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "comm.py"), "--smoke", "--stages", "3"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = _ran(shared, "comm")
     assert "collective bytes per step" in out and "loss after" in out, out
-    summary = json.loads((tmp_path / "comm.json").read_text())
+    summary = json.loads((shared / "comm.json").read_text())
     rows = {(r["stage"], r["variant"]): r for r in summary["bytes"]}
     assert set(rows) == {(3, "exact"), (3, "qwZ")}
     base, qwz = rows[(3, "exact")], rows[(3, "qwZ")]

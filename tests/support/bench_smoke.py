@@ -10,9 +10,9 @@ the folder named second.
 
 Decisions:
 
-* A script leaves no state for the next: the environment, ``sys.argv``, the working folder and
-  every JAX config value (``jax_enable_x64`` among them) are put back after each; JAX's
-  in-memory caches are cleared (the persistent compilation cache, the run's, stays).
+* A script leaves no state for the next: the environment, ``sys.argv``, the working folder, the
+  warning filters and every JAX config value (``jax_enable_x64`` among them) are put back after
+  each; JAX's in-memory caches are cleared (the persistent compilation cache, the run's, stays).
 * A script's failure is its own: ``SystemExit`` is its exit status (a message to its ``.err``),
   any other exception its traceback and status 1; the next script runs.
 """
@@ -24,6 +24,7 @@ import resource
 import runpy
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import jax
@@ -68,7 +69,8 @@ def run(name: str, script: str, args: list[str], out: Path) -> None:
         os.dup2(stdout.fileno(), 1)
         os.dup2(stderr.fileno(), 2)
         try:
-            rc = _run_script(script, args)
+            with warnings.catch_warnings():
+                rc = _run_script(script, args)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
