@@ -71,11 +71,13 @@ def test_gpu_check_smoke_runs_on_cpu_and_prints_its_table(tmp_path):
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """``gpu_comm.py --smoke`` and ``comm.py --smoke --stages 3`` in one child process: a folder
-    of their ``.json`` summaries (``$OUT``) and ``<name>.out``, ``.err``, ``.json``."""
+    of each run's ``<name>.out``, ``.err`` and ``.json`` (``bench_smoke.py``), with the scripts'
+    own ``.json`` summaries in its ``summaries`` folder (``$OUT``)."""
     out = tmp_path_factory.mktemp("gpu_smoke")
+    (out / "summaries").mkdir()
     runs = [["gpu_comm", "gpu_comm", ["--smoke"]], ["comm", "comm", ["--smoke", "--stages", "3"]]]
     (out / "runs.json").write_text(json.dumps(runs))
-    env = device_env(8, OUT=str(out), JAX_PLATFORMS="cpu")
+    env = device_env(8, OUT=str(out / "summaries"), JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"  # what each sets in --smoke
     cmd = [sys.executable, str(SUPPORT / "bench_smoke.py"), str(out / "runs.json"), str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
@@ -93,7 +95,7 @@ def _ran(folder, name):
 def test_gpu_comm_smoke_runs_on_cpu(shared):
     # exact and all: overlap, qwZ and qgZ together, which no library test runs at once.
     _ran(shared, "gpu_comm")
-    summary = json.loads((shared / "gpu_comm.json").read_text())
+    summary = json.loads((shared / "summaries" / "gpu_comm.json").read_text())
     rows = {r["variant"]: r for r in summary["variants"]}
     assert list(rows) == ["exact", "all"] and all(r["status"] == "ok" for r in rows.values())
     exact, every = rows["exact"], rows["all"]
@@ -116,7 +118,7 @@ def test_comm_benchmark_smoke(shared):
     # test_qgz_reduces_int8_at_a_quarter_of_the_bytes_and_trains_the_same.
     out = _ran(shared, "comm")
     assert "collective bytes per step" in out and "loss after" in out, out
-    summary = json.loads((shared / "comm.json").read_text())
+    summary = json.loads((shared / "summaries" / "comm.json").read_text())
     rows = {(r["stage"], r["variant"]): r for r in summary["bytes"]}
     assert set(rows) == {(3, "exact"), (3, "qwZ")}
     base, qwz = rows[(3, "exact")], rows[(3, "qwZ")]
