@@ -2,10 +2,10 @@
 
 Decisions:
 
-* A plan is data: shardings per category (params at rest, gradients, the update layout,
-  optimizer state, masters, batch), the :class:`~jzero.plan.leaf_rule.LeafPlan` of every leaf and
-  the options it was made with (:class:`~jzero.plan.options.PlanOptions`, read through their
-  groups: ``plan.options.comm.overlap_comm``, never copied into fields of their own);
+* A plan is data: shardings per category (params at rest, gradients, the update layout, optimizer
+  state, masters, batch), the :class:`~jzero.parallel.zero.leaf_rule.LeafPlan` of every leaf and the
+  options it was made with (:class:`~jzero.plan.options.PlanOptions`, read through their groups:
+  ``plan.options.comm.overlap_comm``, never copied into fields of their own);
   :func:`jzero.plan.make_plan` builds it, and nothing here runs a step.
 * What follows from those fields and is read by every step (shard counts, the mesh axes each
   category uses, each leaf's spec on them) is derived here on demand. What is counted or
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.choices.stages import StageSpec
 from jzero.costs import ParallelDims
 from jzero.distributed import REPLICA_AXIS
-from jzero.plan.leaf_rule import LeafPlan, spec_axis_names, spec_with
+from jzero.parallel.zero.leaf_rule import LeafPlan, spec_axis_names, spec_with
 from jzero.plan.options import PlanOptions
 from jzero.plan.precision import cast_floating
 
