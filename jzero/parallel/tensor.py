@@ -2,10 +2,10 @@
 every parameter, from its name and shape, with no change to the model.
 
 :func:`autotp_specs` reads a params tree (arrays or ``jax.ShapeDtypeStruct``) and returns one
-``PartitionSpec`` per leaf over the ``model`` axis, plus the rule that chose it. jzero then
-places ZeRO's data axis on a dimension the spec leaves free (:mod:`jzero.plan.leaf_rule`), so
-tensor parallelism composes with every stage; the compiler inserts the model-axis
-collectives (Megatron's all-reduce after each row-parallel layer) from the shardings.
+``PartitionSpec`` per leaf over the ``model`` axis, plus the rule that chose it. jzero then places
+ZeRO's data axis on a dimension the spec leaves free (:mod:`jzero.parallel.zero.leaf_rule`), so
+tensor parallelism composes with every stage; the compiler inserts the model-axis collectives
+(Megatron's all-reduce after each row-parallel layer) from the shardings.
 
 Decisions:
 

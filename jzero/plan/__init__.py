@@ -1,14 +1,15 @@
-"""Where every leaf lives: the stage table, leaf rule, precision, memory kinds, Plan, make_plan.
+"""Where every leaf lives: the stage table, precision, memory kinds, Plan, make_plan.
 
-Import direction: imports :mod:`jzero.choices` (the stage table), :mod:`jzero.distributed`
-(the mesh axes) and :mod:`jzero.subgroups` (which leaves share an update group); imported by the
+Import direction: imports :mod:`jzero.choices` (the stage table), ZeRO's leaf rule
+(:mod:`jzero.parallel.zero.leaf_rule`, which the plan is made from), :mod:`jzero.costs` (the
+layout's value), :mod:`jzero.distributed` (the mesh axes) and :mod:`jzero.subgroups` (which
+leaves share an update group); imported by the
 step, the engine, the NVMe tier, memory, checkpoint and weights. It runs nothing: a plan is
 data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
 
 * ``stages``: the one table of what each ZeRO stage shards; no other module branches on the
   stage number. It is :mod:`jzero.choices.stages` (``jzero.plan.stages`` is that module), below
   the config too, so the config validates a stage against the rows the plan is made from.
-* :mod:`~jzero.plan.leaf_rule`: which dimension of a leaf is sharded, and why one stays whole.
 * :mod:`~jzero.plan.precision`: dtypes and DeepSpeed's loss scaling.
 * :mod:`~jzero.plan.memory_kinds`: host offload (``offload_optimizer``, ``offload_param``) as
   JAX memory kinds on shardings.
@@ -20,7 +21,8 @@ data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
   (:class:`PlanOptions`: :class:`ZeroOptions`, :class:`CommOptions`, :class:`ParallelOptions`
   and the :class:`Precision`); :mod:`jzero.engine.settings` makes them from a config.
 * :mod:`~jzero.plan.make`: :func:`make_plan`, the plan built from abstract params, an
-  optimizer, a mesh, a stage and its options.
+  optimizer, a mesh, a stage and its options, each leaf placed by ZeRO's leaf rule
+  (:mod:`jzero.parallel.zero.leaf_rule`: which dimension is sharded, and why one stays whole).
 * :mod:`~jzero.plan.report`: what a plan costs and how it reads: :func:`model_state_bytes`,
   :func:`host_state_bytes` (bytes per device), :func:`largest_gathered` (stage 3's largest
   gather) and :func:`describe` (the table ``engine.describe()`` prints).
@@ -35,12 +37,6 @@ from jzero.choices.stages import formula_text as formula_text
 from jzero.choices.stages import stage_spec as stage_spec
 from jzero.choices.stages import stages_allowing as stages_allowing
 from jzero.distributed import DATA_AXIS as DATA_AXIS
-from jzero.plan.leaf_rule import LeafPlan as LeafPlan
-from jzero.plan.leaf_rule import axis_entry as axis_entry
-from jzero.plan.leaf_rule import divisible_dim as divisible_dim
-from jzero.plan.leaf_rule import is_contiguous as is_contiguous
-from jzero.plan.leaf_rule import padded_size as padded_size
-from jzero.plan.leaf_rule import shard_dim as shard_dim
 from jzero.plan.make import make_plan as make_plan
 from jzero.plan.memory_kinds import HOST_MEMORY_KINDS as HOST_MEMORY_KINDS
 from jzero.plan.memory_kinds import PINNED_HOST as PINNED_HOST
@@ -73,7 +69,6 @@ from jzero.plan.report import model_state_bytes as model_state_bytes
 
 __all__ = [
     "available_memory_kinds",
-    "axis_entry",
     "cast_floating",
     "check_memory_kind",
     "check_offload",
@@ -81,17 +76,14 @@ __all__ = [
     "cut_leaf",
     "DATA_AXIS",
     "describe",
-    "divisible_dim",
     "even_sharding",
     "formula_text",
     "HOST_MEMORY_KINDS",
     "host_state_bytes",
     "PINNED_HOST",
     "UNPINNED_HOST",
-    "is_contiguous",
     "is_host",
     "largest_gathered",
-    "LeafPlan",
     "logical_copies",
     "LossScaleState",
     "make_plan",
@@ -100,12 +92,10 @@ __all__ = [
     "OFFLOADS",
     "on_device",
     "pad_to",
-    "padded_size",
     "ParallelOptions",
     "Plan",
     "PlanOptions",
     "Precision",
-    "shard_dim",
     "stage_spec",
     "STAGES",
     "stages_allowing",

@@ -1,9 +1,9 @@
 """The sharding plan: one ``NamedSharding`` per leaf of params, gradients, optimizer state, batch.
 
-:func:`make_plan` builds the :class:`Plan` (:mod:`jzero.plan.plan`) from the leaf rule
-(:mod:`jzero.plan.leaf_rule`: which dimension of each leaf is sharded) and the host-memory choice
-(:mod:`jzero.plan.memory_kinds`: which leaves rest in host memory); the public names of all of
-them are importable from :mod:`jzero.plan`.
+:func:`make_plan` builds the :class:`Plan` (:mod:`jzero.plan.plan`) from the leaf rule (ZeRO's,
+:mod:`jzero.parallel.zero.leaf_rule`: which dimension of each leaf is sharded) and the host-memory
+choice (:mod:`jzero.plan.memory_kinds`: which leaves rest in host memory); the leaf rule's public
+names are importable from :mod:`jzero.parallel.zero`, the others' from :mod:`jzero.plan`.
 
 Decisions:
 
@@ -17,7 +17,7 @@ Decisions:
 * Leaf rule: each leaf is sharded on its leading dimension, padded to a multiple of the shard
   count where that does not divide it (:mod:`jzero.plan.padding`), a stacked-layer dimension a
   ``scan`` consumes stays whole at stage 3, small parameters persist whole at stage 3, and a
-  user's own ``PartitionSpec`` is kept (see :mod:`jzero.plan.leaf_rule` for the reasons).
+  user's own ``PartitionSpec`` is kept (see :mod:`jzero.parallel.zero.leaf_rule` for the reasons).
 * Optimizer-state shardings come from ``optax.tree_map_params``, so any optax chain works,
   and every state leaf rests in the layout its update computes it in (no resharding of the
   state in the step): a parameter's mirror (Adam's moments) exactly as the parameter's
@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 from jzero._util import divisors, dotted, under_trace
 from jzero.choices.stages import StageSpec, check_offload, stage_spec
 from jzero.distributed import DATA_AXIS, REPLICA_AXIS
-from jzero.plan.leaf_rule import (
+from jzero.parallel.zero.leaf_rule import (
     axis_entry,
     divisible_dim,
     leaf_plan,

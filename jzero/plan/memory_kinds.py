@@ -37,7 +37,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from jzero.plan.leaf_rule import LeafPlan
+from jzero.parallel.zero.leaf_rule import LeafPlan
 
 __all__ = [
     "HOST_MEMORY_KINDS",

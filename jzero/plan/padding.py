@@ -1,8 +1,8 @@
 """Padded shards: where a leaf's sharded dimension rests longer than it is, and back.
 
-Every leaf ZeRO shards is split on one dimension (:mod:`jzero.plan.leaf_rule`). JAX requires an
-array's sharded dimensions to divide evenly wherever it crosses a ``jit`` boundary or enters
-``shard_map``, so a leaf whose dimension the shard count does not divide *rests* padded with
+Every leaf ZeRO shards is split on one dimension (:mod:`jzero.parallel.zero.leaf_rule`). JAX
+requires an array's sharded dimensions to divide evenly wherever it crosses a ``jit`` boundary or
+enters ``shard_map``, so a leaf whose dimension the shard count does not divide *rests* padded with
 zeros to the next multiple (the plan's ``stored_*`` trees) and is *used* at its logical shape.
 
 Decisions:
@@ -17,8 +17,8 @@ Decisions:
   clip or update ever reads a padded element. A padded element is a zero: the transpose of
   the gather's slice, and :func:`to_stored`, put zeros there.
 * A leaf whose gradient and state rest with merged leading dimensions
-  (:mod:`jzero.plan.leaf_rule`) is reshaped to its logical shape inside the step and left in
-  the layout the reshape gives (tiles of its leading dimensions), never constrained to one that
+  (:mod:`jzero.parallel.zero.leaf_rule`) is reshaped to its logical shape inside the step and left
+  in the layout the reshape gives (tiles of its leading dimensions), never constrained to one that
   would move data.
 * Slicing a padded array to its logical shape under the same sharding, and padding it back,
   is a local operation on each device: on 8 CPU devices an AdamW update on a 50,257-row leaf
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.plan.leaf_rule import divisible_dim
+from jzero.parallel.zero.leaf_rule import divisible_dim
 
 __all__ = [
     "cut_leaf",

@@ -2,10 +2,10 @@
 
 Decisions:
 
-* A plan is data: shardings per category (params at rest, gradients, the update layout,
-  optimizer state, masters, batch), the :class:`~jzero.plan.leaf_rule.LeafPlan` of every leaf and
-  the options it was made with (:class:`~jzero.plan.options.PlanOptions`, read through their
-  groups: ``plan.options.comm.overlap_comm``, never copied into fields of their own);
+* A plan is data: shardings per category (params at rest, gradients, the update layout, optimizer
+  state, masters, batch), the :class:`~jzero.parallel.zero.leaf_rule.LeafPlan` of every leaf and the
+  options it was made with (:class:`~jzero.plan.options.PlanOptions`, read through their groups:
+  ``plan.options.comm.overlap_comm``, never copied into fields of their own);
   :func:`jzero.plan.make_plan` builds it, and nothing here runs a step.
 * What follows from those fields and is read by every step (shard counts, the mesh axes each
   category uses, each leaf's spec on them) is derived here on demand. What is counted or
@@ -15,6 +15,7 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +25,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzero.choices.stages import StageSpec
+from jzero.costs import ParallelDims
 from jzero.distributed import REPLICA_AXIS
-from jzero.plan.leaf_rule import LeafPlan, spec_axis_names, spec_with
+from jzero.parallel.zero.leaf_rule import LeafPlan, spec_axis_names, spec_with
 from jzero.plan.options import PlanOptions
 from jzero.plan.precision import cast_floating
 
@@ -152,29 +154,52 @@ class Plan:
         it too)."""
         return REPLICA_AXIS if REPLICA_AXIS in self.mesh.shape else None
 
+    @functools.cached_property
+    def dims(self) -> ParallelDims:
+        """The mesh's layout as the cost model, the estimate and the auto layout take it
+        (:class:`jzero.costs.ParallelDims`): the devices and each parallelism's size, read from
+        the axes the options name. ``model`` is every axis the step leaves to the partitioner
+        but the pipeline's (AutoTP's ``model``, or the user's own specs' axes); the
+        micro-batches are the engine's, not the plan's (``None``)."""
+        shape = {a: int(n) for a, n in self.mesh.shape.items()}
+        par = self.options.parallel
+
+        def size(axis: str | None) -> int:
+            return shape[axis] if axis in shape else 1
+
+        return ParallelDims(
+            devices=math.prod(shape.values()),
+            replica=size(self.replica_axis),
+            model=math.prod(
+                n for a, n in shape.items() if a in self.auto_axes and a != par.pipe_axis
+            ),
+            seq=size(par.seq_axis),
+            context=size(par.context_axis),
+            pipe=size(par.pipe_axis),
+            expert=size(par.expert_axis),
+            schedule=par.pipe_schedule,
+            virtual=par.pipe_virtual if par.pipe_schedule == "interleaved_1f1b" else None,
+        )
+
     @property
     def num_replicas(self) -> int:
         """The size of the replica axis (1 without one)."""
-        axis = self.replica_axis
-        return int(self.mesh.shape[axis]) if axis else 1
+        return self.dims.replica
 
     @property
     def seq_size(self) -> int:
         """The size of the sequence-parallel axis (1 without one)."""
-        axis = self.options.parallel.seq_axis
-        return int(self.mesh.shape[axis]) if axis else 1
+        return self.dims.seq
 
     @property
     def context_size(self) -> int:
         """The size of the context-parallel (ring) axis (1 without one)."""
-        axis = self.options.parallel.context_axis
-        return int(self.mesh.shape[axis]) if axis else 1
+        return self.dims.context
 
     @property
     def pipe_size(self) -> int:
         """The pipeline stages (1 without pipeline parallelism)."""
-        axis = self.options.parallel.pipe_axis
-        return int(self.mesh.shape[axis]) if axis else 1
+        return self.dims.pipe
 
     @property
     def pipelined(self) -> tuple[bool, ...]:
@@ -185,8 +210,7 @@ class Plan:
     @property
     def expert_size(self) -> int:
         """The devices the experts are split over (1 without expert parallelism)."""
-        axis = self.options.parallel.expert_axis
-        return int(self.mesh.shape[axis]) if axis else 1
+        return self.dims.expert
 
     @property
     def experts(self) -> tuple[bool, ...]:

@@ -33,9 +33,9 @@ from jax.sharding import NamedSharding
 
 from jzero.comm import gather_buckets, spec_axes
 from jzero.optim.master16 import apply_rounded
+from jzero.parallel.zero import axis_entry
 from jzero.plan import (
     Plan,
-    axis_entry,
     cast_floating,
     on_device,
     to_logical,

@@ -54,6 +54,7 @@ def test_a_roomy_budget_and_a_batch_over_every_device_is_plain_data_parallelism(
     assert (cfg.autotp_size(), cfg.sequence_parallel_size, cfg.zero_optimization.stage) == (1, 1, 0)
     assert not cfg.auto and cfg.to_dict()["tensor_parallel"]["autotp_size"] == 1
     assert any("auto layout chose data 8, stage 0" in r.message for r in caplog.records)
+    assert e.plan.dims.name == "data 8"  # the plan's layout is the one the cost model ranked
 
 
 def test_fewer_rows_than_devices_splits_tokens_or_heads_and_trains_like_one_device():
@@ -105,6 +106,7 @@ def test_a_budget_only_tensor_parallelism_fits_keeps_it_compiled_once(needs, cap
     line = next(r.message for r in caplog.records if "auto layout chose" in r.message)
     tried = 1 + line.count("short by")
     assert e.mesh.shape.get("model", 1) > 1
+    assert f"auto layout chose {e.plan.dims.name}, stage" in line, line
     # One compilation per candidate tried, the kept one's reused by the step's first call.
     assert first.names.count("jit(step)") == tried, first.names
     with CompileCounter() as second:

@@ -21,7 +21,8 @@ from jzero import config as config_lib
 from jzero.checkpoint import Checkpointer, abstract_target
 from jzero.demo import gpt
 from jzero.hlo import layout_copies
-from jzero.plan import PlanOptions, describe, is_contiguous, make_plan, model_state_bytes, shard_dim
+from jzero.parallel.zero import is_contiguous, shard_dim
+from jzero.plan import PlanOptions, describe, make_plan, model_state_bytes
 from jzero.rewrite import layer_dims
 from jzero.step import (
     from_logical,

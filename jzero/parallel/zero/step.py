@@ -1,7 +1,8 @@
 """ZeRO's part of the step: the loss with stage 3's gathers at their use, and the reductions.
 
-Where each leaf is sharded is the plan's leaf rule (:mod:`jzero.plan.leaf_rule`, with the stage
-table :mod:`jzero.choices.stages`); this module is what the step does with it, inside the step's
+Where each leaf is sharded is ZeRO's leaf rule beside this module
+(:mod:`jzero.parallel.zero.leaf_rule`, with the stage table :mod:`jzero.choices.stages`), which
+the plan is made from; this module is what the step does with it, inside the step's
 ``shard_map`` over the data axis (:func:`sharded_grads`).
 
 Decisions:
