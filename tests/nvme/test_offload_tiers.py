@@ -7,6 +7,7 @@ differently (the CPU code generator contracts other multiply-adds), so its float
 compared in float64 instead (tests/support/numerics.py), and its bf16 run within bf16's rounding.
 """
 
+import functools
 import os
 import re
 
@@ -48,28 +49,48 @@ def main_body(text):
 
 
 # -- sub-group streaming -----------------------------------------------------------------------
+def streamed_groups(plan, sub):
+    """The leaf groups the update streams over with ``sub_group_size`` ``sub`` (one without)."""
+    sizes = [int(np.prod(leaf.shape)) for leaf in plan.leaves]
+    return subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, sub)) if sub else [0]
+
+
+@functools.cache
+def cpu_offload_run(stage, bf16, sub, compute="device"):
+    """(losses, params, optimizer state, None, grad norms), the step's lowered text and its
+    number of groups of the run with the optimizer state in host memory, ``sub_group_size``
+    ``sub`` (0: none): the run of the streaming test is the program without host compute of
+    the host-compute test, one engine for both."""
+    extra = {"sub_group_size": sub} if sub else {}
+    run = train(
+        config(stage, bf16, offload_optimizer={"device": "cpu", "compute": compute}, **extra)
+    )
+    e = run[3]
+    text = e.lower(toy.make_batches(1, BATCH)[0]).as_text()
+    groups = len(streamed_groups(e.plan, sub))
+    e.close()
+    return (*run[:3], None, run[4]), text, groups
+
+
 @pytest.mark.parametrize("stage, bf16", [(2, True), (3, False)])
 def test_subgroups_stream_the_update_in_order_with_the_same_bits(stage, bf16):
-    cpu = {"device": "cpu"}
-    run = train(config(stage, bf16, offload_optimizer=cpu, sub_group_size=PSI // 4))
+    run, full_text, groups = cpu_offload_run(stage, bf16, PSI // 4)
     assert_same_run(run, reference(stage, bf16))
-    e = run[3]
-    sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
-    groups = subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, PSI // 4))
-    assert len(groups) >= 2
+    assert groups >= 2
     batch = toy.make_batches(1, BATCH)[0]
-    text = main_body(e.lower(batch).as_text())
+    text = main_body(full_text)
     plain = jzero.initialize(
         toy.make_params(),
         toy.loss_fn,
         optax.adamw(1e-2),
-        config(stage, bf16, offload_optimizer=cpu),
+        config(stage, bf16, offload_optimizer={"device": "cpu"}),
     )
     plain_text = main_body(plain.lower(batch).as_text())
+    plain.close()
     barriers = text.count("stablehlo.optimization_barrier")
     # One barrier between consecutive groups: group g + 1's state is brought in only after
     # group g's results were sent back to host memory.
-    assert barriers - plain_text.count("stablehlo.optimization_barrier") == len(groups) - 1
+    assert barriers - plain_text.count("stablehlo.optimization_barrier") == groups - 1
     # In order: each barrier joins the previous group's results (values the step computed)
     # with the next group's state as it rests in host memory (the step's arguments), so the
     # next group is brought in only once the previous one is done.
@@ -83,8 +104,7 @@ def test_subgroups_stream_the_update_in_order_with_the_same_bits(stage, bf16):
         for line in text.splitlines()
         if "stablehlo.optimization_barrier" in line and "%arg" in line
     ]
-    assert len(streamed) == len(groups) - 1
-    e.close()
+    assert len(streamed) == groups - 1
 
 
 @pytest.mark.parametrize(
@@ -94,30 +114,27 @@ def test_host_compute_updates_each_group_where_it_rests_with_the_same_bits(stage
     """offload_optimizer.compute: host: one compute_on("device_host") call per group in the
     step (one for all leaves without sub_group_size), none with compute on the device, and
     every bit as in the run without offload."""
-    cpu = {"device": "cpu", "compute": "host"}
-    extra = {"sub_group_size": sub} if sub else {}
-    run = train(config(stage, bf16, offload_optimizer=cpu, **extra))
+    run, text, groups = cpu_offload_run(stage, bf16, sub, compute="host")
     assert_same_run(run, reference(stage, bf16))
-    e = run[3]
-    sizes = [int(np.prod(leaf.shape)) for leaf in e.plan.leaves]
-    groups = subgroups.merge_single_leaf_groups(subgroups.leaf_groups(sizes, sub)) if sub else [0]
-    batch = toy.make_batches(1, BATCH)[0]
     on_host = [
         line
-        for line in main_body(e.lower(batch).as_text()).splitlines()
+        for line in main_body(text).splitlines()
         if "call @" in line and '_xla_compute_type = "host"' in line
     ]
-    assert len(on_host) == len(groups), on_host
-    e.close()
-    device = dict(cpu, compute="device")
-    plain = jzero.initialize(
-        toy.make_params(),
-        toy.loss_fn,
-        optax.adamw(1e-2),
-        config(stage, bf16, offload_optimizer=device, **extra),
-    )
-    assert "_xla_compute_type" not in plain.lower(batch).as_text()
-    plain.close()
+    assert len(on_host) == groups, on_host
+    if sub:  # the streaming test's run (compute on the device), trained once for both
+        device_text = cpu_offload_run(stage, bf16, sub)[1]
+    else:
+        device = {"device": "cpu", "compute": "device"}
+        plain = jzero.initialize(
+            toy.make_params(),
+            toy.loss_fn,
+            optax.adamw(1e-2),
+            config(stage, bf16, offload_optimizer=device),
+        )
+        device_text = plain.lower(toy.make_batches(1, BATCH)[0]).as_text()
+        plain.close()
+    assert "_xla_compute_type" not in device_text
 
 
 def layers_params():

@@ -121,8 +121,9 @@ def test_stage2_buckets_reduce_in_about_four_collectives_with_the_same_bytes_and
     expected = len(overlap.bucket_groups(sizes, [0] * leaves, quarter))
     # The layer scan's leaves are reduce-scattered in its backward loop, once a layer (stage
     # 2's scatter at the use); the buckets hold the others, reduced after the backward pass.
-    cfg, params = gpt_params(2)  # the same shapes, in float32: read, not run
-    dims = layer_dims(lambda p, x: loss_fn(p, x, cfg), params, batches(1)[0])
+    cfg, params = gpt_params(2, F64)  # the runs' own parameters (made once): read, not run
+    with jax.enable_x64(True):
+        dims = layer_dims(lambda p, x: loss_fn(p, x, cfg), params, batches(1)[0])
     in_loop = scattered_leaves(engine.plan, dims)
     assert sum(in_loop) >= 4
     rest = [s for s, scattered in zip(sizes, in_loop, strict=True) if not scattered]
