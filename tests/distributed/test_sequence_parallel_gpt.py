@@ -19,6 +19,7 @@ import pytest
 import jzero
 from jzero.demo import gpt
 from jzero.hlo import collectives_by_axes
+from jzero.step import logical_view
 
 CFG = gpt.GPTConfig(
     vocab_size=64, seq_len=16, num_layers=2, num_heads=4, d_model=32, d_ff=64, dtype="float64"
@@ -122,17 +123,24 @@ def test_a_sequences_temporaries_per_device_fall_by_about_s():
 
 
 def test_checkpoints_move_between_split_and_whole_sequences(tmp_path):
-    """Saved at S = 2 x T = 2, stage 3; restored at S = 1, T = 1, stage 1."""
-    cfg = {**config(3, 2, tp=2), "checkpoint": {"directory": str(tmp_path / "ckpt")}}
-    split = jzero.initialize(params(), loss, optax.adamw(1e-2), cfg)
-    b = batches()
-    split.train_step(b[0])
-    split.save()
+    """Saved at S = 2 x T = 2, stage 3 (the trained engine :func:`run` shares); restored at
+    S = 1, T = 1, stage 1: every parameter and optimizer state bit for bit, and the next
+    step's loss is the split engine's loss on the same parameters."""
+    split, _ = run(3, 2, 2)
+    split.save_checkpoint(tmp_path / "ckpt")
     split.wait_until_finished()
-    expected = float(split.train_step(b[1])["loss"])
-    whole = jzero.initialize(params(), loss, optax.adamw(1e-2), {**cfg, **config(1, 1)})
+    cfg = {**config(1, 1), "checkpoint": {"directory": str(tmp_path / "ckpt")}}
+    whole = jzero.initialize(params(), loss, optax.adamw(1e-2), cfg)
     whole.restore()
-    assert float(whole.train_step(b[1])["loss"]) == pytest.approx(expected, rel=1e-10, abs=0)
+    written = jax.device_get(logical_view(split.plan, split.state))
+    restored = jax.device_get(logical_view(whole.plan, whole.state))
+    for field in ("params", "opt_state"):
+        got, want = getattr(restored, field), getattr(written, field)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(x, y)  # a checkpoint holds the logical values
+    b = batches(1)[0]
+    expected = float(split.evaluate(b))  # the loss the split engine's next step reports
+    assert float(whole.train_step(b)["loss"]) == pytest.approx(expected, rel=1e-10, abs=0)
 
 
 @pytest.mark.parametrize(
