@@ -84,7 +84,7 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
     values = None
     if isinstance(model, nnx.Module):
         graphdef, params, extra = nnx.split(model, nnx.Param, ...)
-        values = (params.to_pure_dict(), extra.to_pure_dict())
+        values = (nnx.to_pure_dict(params), nnx.to_pure_dict(extra))
 
         def init_fn(key: jax.Array) -> tuple[PyTree, PyTree]:
             del key  # the module already holds its values
@@ -99,12 +99,12 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
             del key  # the constructor seeds its own nnx.Rngs
             with nnx.use_eager_sharding(False):
                 _, p, e = nnx.split(constructor(), nnx.Param, ...)
-            return p.to_pure_dict(), e.to_pure_dict()
+            return nnx.to_pure_dict(p), nnx.to_pure_dict(e)
 
         with nnx.use_eager_sharding(False):
             abstract = nnx.eval_shape(constructor)
     graphdef, p_template, e_template = nnx.split(abstract, nnx.Param, ...)
-    param_specs = _specs_or_none(nnx.get_partition_spec(p_template).to_pure_dict())
+    param_specs = _specs_or_none(nnx.to_pure_dict(nnx.get_partition_spec(p_template)))
 
     def to_model(params: PyTree, extra: PyTree) -> Any:
         with nnx.use_eager_sharding(False):
@@ -118,11 +118,11 @@ def _adapt_nnx(model: Any, loss_fn: Callable[..., Any]) -> Adapted:
         module = to_model(params, extra)
         loss, aux = split_aux(loss_fn(module, batch))
         _, _, new_extra = nnx.split(module, nnx.Param, ...)
-        return loss, (aux, new_extra.to_pure_dict())
+        return loss, (aux, nnx.to_pure_dict(new_extra))
 
     return Adapted(
-        abstract_params=p_template.to_pure_dict(),
-        abstract_extra=e_template.to_pure_dict(),
+        abstract_params=nnx.to_pure_dict(p_template),
+        abstract_extra=nnx.to_pure_dict(e_template),
         init_fn=init_fn,
         loss_fn=loss_with_extra,
         to_model=to_model,
