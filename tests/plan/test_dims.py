@@ -6,9 +6,10 @@ the layout the auto layout chose is the plan's)."""
 import dataclasses
 
 import jax
+import numpy as np
 import optax
 import pytest
-from compositions import batches, config, model_config, params
+from compositions import batches, config, model_config
 
 import jzero
 from jzero import costs
@@ -24,8 +25,11 @@ LAYOUTS = [(), ("model",), ("seq",), ("context",), ("pipe",), ("expert",), ("rep
 def plan_of(axes):
     cfg = model_config(axes)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batches()[0])
+    # The float64 parameters' shapes, traced, never made (compositions.params caches arrays).
+    made = jax.eval_shape(lambda: gpt.init_params(jax.random.key(0), cfg))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, np.float64), made)
     engine = jzero.initialize(
-        jax.eval_shape(lambda: params(cfg)), lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3),
+        abstract, lambda p, b: gpt.loss_fn(p, b, cfg), optax.adamw(1e-3),
         config(axes, 3), batch=shapes, abstract=True,
     )  # fmt: skip
     return engine.plan
