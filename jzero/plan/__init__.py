@@ -3,9 +3,9 @@
 Import direction: imports :mod:`jzero.choices` (the stage table), ZeRO's leaf rule
 (:mod:`jzero.parallel.zero.leaf_rule`, which the plan is made from), :mod:`jzero.costs` (the
 layout's value), :mod:`jzero.distributed` (the mesh axes) and :mod:`jzero.subgroups` (which
-leaves share an update group); imported by the
-step, the engine, the NVMe tier, memory, checkpoint and weights. It runs nothing: a plan is
-data, and it reads no config (:mod:`jzero.engine.settings` makes its options).
+leaves share an update group); imported by the step, the engine, the NVMe tier, memory,
+checkpoint and weights. It runs nothing: a plan is data, and it reads no config
+(:mod:`jzero.engine.settings` makes its options).
 
 * ``stages``: the one table of what each ZeRO stage shards; no other module branches on the
   stage number. It is :mod:`jzero.choices.stages` (``jzero.plan.stages`` is that module), below
