@@ -9,17 +9,11 @@ compared to the bit. The runs a test names with ``@smoke`` share one child proce
 behind the figures are the library's tests' (named beside what each smoke run leaves out); a
 claim no library test makes stays asserted here."""
 
-import json
 import math
 import subprocess
-import sys
 
+import bench_smoke
 import pytest
-from procs import device_env
-from repo import ROOT, SUPPORT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
 
 RUNS: dict[str, tuple[str, list[str]]] = {}  # test name -> its script and arguments
 
@@ -36,12 +30,6 @@ def smoke(script, *args):
     return register
 
 
-def _env():
-    env = device_env(8)
-    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
-    return env
-
-
 @pytest.fixture(scope="module")
 def smoke_runs(request, tmp_path_factory):
     """The ``@smoke`` runs of the tests selected in this module, in one child process: a folder
@@ -53,12 +41,7 @@ def smoke_runs(request, tmp_path_factory):
         for name, (script, args) in RUNS.items()
         if name in here
     ]
-    (out / "runs.json").write_text(json.dumps(runs))
-    cmd = [sys.executable, str(SUPPORT / "bench_smoke.py"), str(out / "runs.json"), str(out)]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300 * len(runs), env=_env()
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench_smoke.launch(runs, out, bench_smoke.smoke_env(), timeout=300 * len(runs))
     return out
 
 
@@ -66,12 +49,8 @@ def smoke_runs(request, tmp_path_factory):
 def ran(request, smoke_runs):
     """What the test's ``@smoke`` run printed (it must have exited 0)."""
     name = request.node.name
-    status = json.loads((smoke_runs / f"{name}.json").read_text())
-    err = (smoke_runs / f"{name}.err").read_text()
-    assert status["rc"] == 0, err[-3000:]
-    return subprocess.CompletedProcess(
-        RUNS[name], status["rc"], (smoke_runs / f"{name}.out").read_text(), err
-    )
+    out, err = bench_smoke.result(smoke_runs, name)
+    return subprocess.CompletedProcess(RUNS[name], 0, out, err)
 
 
 # Stage 3 alone (the script's loop is the same for every stage): the layout copies of stages 1-2

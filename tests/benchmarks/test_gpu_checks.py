@@ -10,12 +10,10 @@ import signal
 import subprocess
 import sys
 
+import bench_smoke
 import pytest
 from procs import device_env
-from repo import ROOT, SUPPORT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_check import SMOKE_XLA_FLAGS  # noqa: E402
+from repo import ROOT
 
 # int8 rounds each weight to within half its block's scale (absmax / 254): see
 # tests/comm/test_zeropp.py, whose 50-step runs allow 2% of the loss.
@@ -76,20 +74,14 @@ def shared(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
     (out / "summaries").mkdir()
     runs = [["gpu_comm", "gpu_comm", ["--smoke"]], ["comm", "comm", ["--smoke", "--stages", "3"]]]
-    (out / "runs.json").write_text(json.dumps(runs))
-    env = device_env(8, OUT=str(out / "summaries"), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"  # what each sets in --smoke
-    cmd = [sys.executable, str(SUPPORT / "bench_smoke.py"), str(out / "runs.json"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = bench_smoke.smoke_env(OUT=str(out / "summaries"), JAX_PLATFORMS="cpu")
+    bench_smoke.launch(runs, out, env, timeout=240)
     return out
 
 
 def _ran(folder, name):
     """What the shared child's run ``name`` printed (it must have exited 0)."""
-    out, err = ((folder / f"{name}.{kind}").read_text() for kind in ("out", "err"))
-    assert json.loads((folder / f"{name}.json").read_text())["rc"] == 0, out[-3000:] + err[-3000:]
-    return out
+    return bench_smoke.result(folder, name)[0]
 
 
 def test_gpu_comm_smoke_runs_on_cpu(shared):

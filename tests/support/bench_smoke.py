@@ -15,6 +15,9 @@ Decisions:
   each; JAX's in-memory caches are cleared (the persistent compilation cache, the run's, stays).
 * A script's failure is its own: ``SystemExit`` is its exit status (a message to its ``.err``),
   any other exception its traceback and status 1; the next script runs.
+
+The tests' side is here too: :func:`smoke_env`, :func:`launch` (the child, run to its end) and
+:func:`result` (what one run printed).
 """
 
 import gc
@@ -22,12 +25,14 @@ import json
 import os
 import resource
 import runpy
+import subprocess
 import sys
 import traceback
 import warnings
 from pathlib import Path
 
 import jax
+from procs import device_env
 from repo import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
@@ -89,6 +94,35 @@ def run(name: str, script: str, args: list[str], out: Path) -> None:
     jax.clear_caches()
     gc.collect()
     (out / f"{name}.json").write_text(json.dumps({"rc": rc, "cpu_s": cpu_s}))
+
+
+def smoke_env(**extra: str) -> dict[str, str]:
+    """The child's environment: 8 virtual CPU devices and the run's caches
+    (``procs.device_env``), the code generator at the level the scripts' ``--smoke`` sets
+    (``gpu_check.SMOKE_XLA_FLAGS``), and ``extra``."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_check import SMOKE_XLA_FLAGS
+
+    env = device_env(8, **extra)
+    env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {SMOKE_XLA_FLAGS}"
+    return env
+
+
+def launch(runs: list, out: Path, env: dict[str, str], timeout: float) -> None:
+    """Runs ``runs`` (``[name, script, [args...]]`` each) in one child process of this script,
+    their output and status into ``out``; the child itself must exit 0."""
+    (out / "runs.json").write_text(json.dumps(runs))
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(out / "runs.json"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def result(out: Path, name: str) -> tuple[str, str]:
+    """What run ``name`` of :func:`launch` printed, ``(stdout, stderr)``; it must have exited 0."""
+    text, err = ((out / f"{name}.{kind}").read_text() for kind in ("out", "err"))
+    status = json.loads((out / f"{name}.json").read_text())
+    assert status["rc"] == 0, text[-3000:] + err[-3000:]
+    return text, err
 
 
 def main() -> None:
