@@ -8,7 +8,11 @@ Decisions:
 * A step is written by Orbax's ``CheckpointManager`` (:class:`StepWriter`) with every option
   that deletes or renames left to jzero (``max_to_keep=None``; see
   :mod:`jzero.checkpoint.dirs`), asynchronously, with a hook that runs after every process has
-  written and before Orbax's final rename (the checkpointer seals the step there).
+  written and before Orbax's final rename (the checkpointer seals the step there). The state is
+  written by Orbax's PyTree handler (what ``StandardSave`` runs) with jzero's own type-handler
+  registry, in which an array several devices hold whole is written whole by one of them when
+  splitting it among them would give slices under 1 MiB (:data:`MIN_REPLICA_SLICE_BYTES`): each
+  slice shape was a program compiled during the save. The files are Orbax's usual ones.
 * Every read goes through :func:`read_or_fail`: an Orbax or TensorStore failure becomes one
   :class:`~jzero.checkpoint.format.CheckpointError` naming the step, never a raw traceback.
 * A single leaf is read as a host numpy array (:func:`leaf_reader`), the others left as
@@ -44,6 +48,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint._src.metadata import array_metadata_store  # not exported; see _state_handler
 
 from jzero.checkpoint.format import JZERO, META, STATE, CheckpointError, PyTree
 
@@ -107,6 +112,30 @@ def _quiet_failed_writes() -> None:
     sys.unraisablehook = hook
 
 
+# Orbax splits an array that several devices hold whole among them to write it (replica-parallel
+# saving), each device a slice: every slice of a new shape is a small program compiled on the spot,
+# about 40 on a first stage-3 save of a tiny GPT on 8 devices (2.7 s against 0.8 s without). The
+# leaves ZeRO leaves whole are the small ones (biases, norms, counters), where a slice saves no
+# time: arrays whose slices would be under 1 MiB are written whole by one device.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _state_handler() -> Any:
+    """Orbax's PyTree handler (the one its ``StandardSave`` uses) with its default type
+    handlers, but jax.Array's writing whole the arrays whose replica slices would be under
+    :data:`MIN_REPLICA_SLICE_BYTES`; jzero's own registry, so a user's Orbax saves are unchanged."""
+    th = ocp.type_handlers
+    pairs = [(ty, th.get_type_handler(ty)) for ty in th.supported_types()]
+    array = th.ArrayHandler(
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+        array_metadata_store=array_metadata_store.Store(),  # as Orbax's default handler's
+    )
+    registry = th.create_type_handler_registry(
+        *[(ty, array if ty is jax.Array else h) for ty, h in pairs]
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class StepWriter:
     """Orbax's ``CheckpointManager`` on one directory, as the checkpointer writes steps.
 
@@ -126,7 +155,13 @@ class StepWriter:
             enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=on_written),
         )
-        self._manager = ocp.CheckpointManager(epath.Path(directory), options=options)
+        handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        handlers.add(STATE, ocp.args.PyTreeSave, _state_handler())
+        for item in (META, JZERO):
+            handlers.add(item, ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        self._manager = ocp.CheckpointManager(
+            epath.Path(directory), options=options, handler_registry=handlers
+        )
 
     def reload(self) -> None:
         """Re-reads the directory (jzero deletes and renames steps behind Orbax's back)."""
@@ -136,7 +171,7 @@ class StepWriter:
         """Starts writing ``state`` and the JSON items ``meta`` and ``jzero`` as ``step``."""
         args = ocp.args.Composite(
             **{
-                STATE: ocp.args.StandardSave(state),
+                STATE: ocp.args.PyTreeSave(state),
                 META: ocp.args.JsonSave(meta),
                 JZERO: ocp.args.JsonSave(info),
             }

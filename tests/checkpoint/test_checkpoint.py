@@ -465,3 +465,30 @@ def test_bad_arguments_are_explained(saved3, tmp_path):
             same_run.save(3, {"x": np.ones(2)})
     with pytest.raises(CheckpointError, match="is closed"):
         every3.save(6, {"x": np.ones(2)})
+
+
+def test_a_save_lowers_no_program(tmp_path):
+    """Stage 1's parameters are held whole by all 8 devices: each is written whole by one of
+    them. Orbax's replica-parallel writing split each among the 8 and lowered and compiled a
+    slicing program per slice shape during the save (jzero.checkpoint.orbax_io's
+    MIN_REPLICA_SLICE_BYTES keeps it for slices of 1 MiB or more)."""
+    plan = make_plan(1)
+    view = jax.block_until_ready(logical_view(plan, fresh_state(plan)))
+    assert any(len(x.sharding.device_set) == 8 and x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(view.params))  # fmt: skip
+    lowered = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.clear_caches()  # a slice lowered by an earlier test would not be lowered again
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with Checkpointer(str(tmp_path)) as ckpt:
+            assert ckpt.save(1, view, meta=META)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == []
+    with Checkpointer(str(tmp_path)) as ckpt:
+        assert ckpt.latest_step() == 1
