@@ -1,4 +1,4 @@
-"""The names of ``pipeline.schedule``: the schedules :func:`jzero.distributed.make_schedule`
+"""The names of ``pipeline.schedule``: the schedules :func:`jzero.choices.schedules.make_schedule`
 builds, which the config validates against."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 __all__ = ["SCHEDULES", "virtual_stages"]
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
-"""The schedules :func:`jzero.distributed.make_schedule` builds (``pipeline.schedule``)."""
+"""The schedules :func:`make_schedule` builds (``pipeline.schedule``)."""
 
 
 def virtual_stages(schedule: str, given: int | None = None) -> int:

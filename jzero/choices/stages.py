@@ -23,7 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "HOST_MEMORY_KINDS",
+    "OFFLOADS",
+    "PINNED_HOST",
     "STAGES",
+    "UNPINNED_HOST",
     "StageSpec",
     "check_offload",
     "formula_text",
@@ -34,6 +38,12 @@ __all__ = [
 # The offload options, cheapest first: the optimizer state (and the master weights) in host
 # memory, then the parameters too.
 OFFLOADS = ("none", "optimizer", "optimizer+params")
+# The JAX memory kinds offloaded state rests in (``pin_memory: true``, DeepSpeed's default, is
+# pinned_host: page-locked host memory the device copies from directly), and where activation
+# checkpointing's ``cpu_checkpointing`` keeps the saved activations.
+PINNED_HOST = "pinned_host"
+UNPINNED_HOST = "unpinned_host"
+HOST_MEMORY_KINDS = (PINNED_HOST, UNPINNED_HOST)
 
 
 @dataclass(frozen=True)

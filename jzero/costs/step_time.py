@@ -12,8 +12,9 @@ Decisions:
   for 1F1B); nothing is assumed to overlap.
 * Rates: the config's ``auto_layout`` section over the platform's defaults
   (:data:`PLATFORM_RATES`).
-* The schedule's table is imported only when there is a pipeline (its module is the pipeline
-  engine's, which imports JAX): the cost model loads without JAX (``jzero estimate``).
+* The bubble is read from the schedule's table (:mod:`jzero.choices.schedules`), the one the
+  pipeline's engine runs, imported only when there is a pipeline: the cost model loads without
+  JAX or NumPy (``jzero estimate``).
 """
 
 from __future__ import annotations
@@ -143,6 +144,6 @@ def bubble(dims: ParallelDims) -> float:
     GPipe), or 0 without a pipeline."""
     if dims.pipe <= 1:
         return 0.0
-    from jzero.parallel.pipeline.schedule import make_schedule  # JAX's, only with a pipeline
+    from jzero.choices.schedules import make_schedule  # NumPy: only with a pipeline
 
     return make_schedule(dims.schedule, dims.pipe, dims.micro_batches, dims.virtual).bubble

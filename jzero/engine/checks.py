@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzero import distributed
-from jzero.plan import Plan, largest_gathered
+from jzero.parallel.zero import largest_gathered
+from jzero.plan import Plan
 
 PyTree = Any
 

@@ -130,7 +130,7 @@ from jzero.memory._plot import plot_bars
 from jzero.memory._sequence import SequenceReport, sequence_report
 
 if TYPE_CHECKING:
-    from jzero.parallel.pipeline.schedule import Schedule
+    from jzero.choices.pipeline import Schedule
 
 __all__ = ["Estimate", "EstimateRow", "Offload", "estimate"]
 
@@ -276,7 +276,7 @@ class Estimate:
         without a pipeline."""
         if self.layout.pipe <= 1:
             return None
-        from jzero.parallel.pipeline.schedule import make_schedule  # JAX's: only with a pipeline
+        from jzero.choices.schedules import make_schedule  # NumPy: only with a pipeline
 
         return make_schedule(
             self.layout.schedule, self.layout.pipe, self.layout.micro_batches, self.layout.virtual
@@ -733,7 +733,7 @@ def estimate(
     # keeps in flight.
     table = None
     if pp > 1:
-        from jzero.parallel.pipeline.schedule import make_schedule  # JAX's: only with a pipeline
+        from jzero.choices.schedules import make_schedule  # NumPy: only with a pipeline
 
         table = make_schedule(pipeline_schedule, pp, mb, virtual_stages)
     if n % (r * tp * sp * cp * pp):

@@ -46,7 +46,8 @@ from typing import Any
 
 from jzero.memory._format import check_margin, check_positive, parse_size, recommend
 from jzero.memory._report import PlanReport, StageMemory
-from jzero.plan import HOST_MEMORY_KINDS, host_state_bytes, largest_gathered, model_state_bytes
+from jzero.parallel.zero import largest_gathered
+from jzero.plan import HOST_MEMORY_KINDS, host_state_bytes, model_state_bytes
 
 __all__ = ["StageRows", "measure_stages", "memory_report", "offload_variants"]
 

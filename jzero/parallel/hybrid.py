@@ -10,12 +10,14 @@ sharded over both axes). Stage 3's gathers stay within ``data``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jzero.comm import over_axes
-from jzero.plan import Plan
+
+if TYPE_CHECKING:
+    from jzero.plan import Plan
 
 __all__ = ["reduce_replicas"]
 

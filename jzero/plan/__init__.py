@@ -24,8 +24,8 @@ checkpoint and weights. It runs nothing: a plan is data, and it reads no config
   optimizer, a mesh, a stage and its options, each leaf placed by ZeRO's leaf rule
   (:mod:`jzero.parallel.zero.leaf_rule`: which dimension is sharded, and why one stays whole).
 * :mod:`~jzero.plan.report`: what a plan costs and how it reads: :func:`model_state_bytes`,
-  :func:`host_state_bytes` (bytes per device), :func:`largest_gathered` (stage 3's largest
-  gather) and :func:`describe` (the table ``engine.describe()`` prints).
+  :func:`host_state_bytes` (bytes per device) and :func:`describe` (the table
+  ``engine.describe()`` prints).
 """
 
 from jzero.choices import stages as stages
@@ -52,10 +52,8 @@ from jzero.plan.options import ZeroOptions as ZeroOptions
 from jzero.plan.padding import cut_leaf as cut_leaf
 from jzero.plan.padding import even_sharding as even_sharding
 from jzero.plan.padding import logical_copies as logical_copies
-from jzero.plan.padding import pad_to as pad_to
 from jzero.plan.padding import to_logical as to_logical
 from jzero.plan.padding import to_stored as to_stored
-from jzero.plan.padding import unpad_to as unpad_to
 from jzero.plan.padding import update_view as update_view
 from jzero.plan.plan import Plan as Plan
 from jzero.plan.precision import LossScaleState as LossScaleState
@@ -64,7 +62,6 @@ from jzero.plan.precision import cast_floating as cast_floating
 from jzero.plan.precision import next_loss_scale as next_loss_scale
 from jzero.plan.report import describe as describe
 from jzero.plan.report import host_state_bytes as host_state_bytes
-from jzero.plan.report import largest_gathered as largest_gathered
 from jzero.plan.report import model_state_bytes as model_state_bytes
 
 __all__ = [
@@ -83,7 +80,6 @@ __all__ = [
     "PINNED_HOST",
     "UNPINNED_HOST",
     "is_host",
-    "largest_gathered",
     "logical_copies",
     "LossScaleState",
     "make_plan",
@@ -91,7 +87,6 @@ __all__ = [
     "next_loss_scale",
     "OFFLOADS",
     "on_device",
-    "pad_to",
     "ParallelOptions",
     "Plan",
     "PlanOptions",
@@ -102,7 +97,6 @@ __all__ = [
     "StageSpec",
     "to_logical",
     "to_stored",
-    "unpad_to",
     "update_view",
     "ZeroOptions",
 ]

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
+from jzero.choices.stages import HOST_MEMORY_KINDS, PINNED_HOST, UNPINNED_HOST
 from jzero.parallel.zero.leaf_rule import LeafPlan
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
     "on_device",
 ]
 
-PINNED_HOST = "pinned_host"  # page-locked host memory the device copies from directly
-UNPINNED_HOST = "unpinned_host"
-HOST_MEMORY_KINDS = (PINNED_HOST, UNPINNED_HOST)
 PyTree = Any
 
 

@@ -32,51 +32,24 @@ Decisions:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzero.parallel.zero.leaf_rule import divisible_dim
+from jzero.parallel.zero.leaf_rule import divisible_dim, pad_to, unpad_to
 
 __all__ = [
     "cut_leaf",
     "even_sharding",
     "logical_copies",
-    "pad_to",
     "to_logical",
     "to_stored",
-    "unpad_to",
     "update_view",
 ]
 
 PyTree = Any
-
-
-def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``x`` as it rests at ``shape``: its leading dimensions merged into one where ``shape``
-    has fewer, then zeros appended along every dimension shorter than ``shape``'s."""
-    shape = tuple(shape)
-    if tuple(x.shape) == shape:
-        return x
-    merged = x.ndim - len(shape) + 1
-    if merged > 1:
-        x = x.reshape((-1, *x.shape[merged:]))
-    return jnp.pad(x, [(0, int(t) - int(n)) for n, t in zip(x.shape, shape, strict=True)])
-
-
-def unpad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """The logical array of shape ``shape`` that ``x`` rests as (:func:`pad_to` undone)."""
-    shape = tuple(shape)
-    if tuple(x.shape) == shape:
-        return x
-    merged = len(shape) - x.ndim + 1
-    block = (math.prod(shape[:merged]), *shape[merged:])
-    y = jax.lax.slice(x, (0,) * x.ndim, block) if tuple(x.shape) != block else x
-    return y.reshape(shape) if merged > 1 else y
 
 
 def to_stored(tree: PyTree, stored: PyTree) -> PyTree:

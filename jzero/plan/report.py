@@ -1,5 +1,6 @@
-"""What a :class:`~jzero.plan.Plan` costs and how it reads: bytes per device, stage 3's largest
-gather, and the table :func:`describe` prints.
+"""What a :class:`~jzero.plan.Plan` costs and how it reads: bytes per device and the table
+:func:`describe` prints (stage 3's largest gather is the leaf rule's:
+:func:`jzero.parallel.zero.largest_gathered`).
 
 Decisions:
 
@@ -15,7 +16,6 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,48 +26,9 @@ from jzero.plan.memory_kinds import is_host
 from jzero.plan.options import CommOptions
 from jzero.plan.plan import Plan
 
-__all__ = ["describe", "host_state_bytes", "largest_gathered", "model_state_bytes"]
+__all__ = ["describe", "host_state_bytes", "model_state_bytes"]
 
 PyTree = Any
-
-
-def largest_gathered(plan: Plan, in_bytes: bool = False) -> tuple[int, str]:
-    """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
-    time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
-    sharded at rest.
-
-    Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
-    its siblings: two or more leaves of one parent with the same leading dimension (> 1)
-    are taken for a layer stack, gathered one slice at a time.
-
-    Args:
-      plan: the plan.
-      in_bytes: count bytes of the compute dtype instead of elements.
-    """
-    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(plan.compute_params)]
-    parents: dict[str, set[int | None]] = {}
-    for leaf in plan.leaves:
-        lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
-        parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
-    siblings = Counter(leaf.path.rpartition(".")[0] for leaf in plan.leaves)
-    best, path = 0, ""
-    for leaf, dtype in zip(plan.leaves, dtypes, strict=True):
-        if leaf.param_dim is None:
-            continue
-        size = math.prod(leaf.shape)
-        if plan.layers_traced:  # from the traced loss: a scan gathers one slice at a time
-            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
-                size //= leaf.shape[leaf.layer_dim]
-        else:
-            parent = leaf.path.rpartition(".")[0]
-            leads = parents[parent]
-            if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
-                if leaf.shape[0] > 1:  # the trace moves it off the layer dimension
-                    size //= leaf.shape[0]
-        size *= dtype.itemsize if in_bytes else 1
-        if size > best:
-            best, path = size, leaf.path
-    return best, path
 
 
 def _per_device_bytes(tree: PyTree, shardings: PyTree) -> int:

@@ -85,7 +85,7 @@ import jax
 import jax.ad_checkpoint
 
 from jzero.choices.remat import ALLOWED, NAMES, POLICIES, parse_policy_text
-from jzero.plan.memory_kinds import PINNED_HOST
+from jzero.choices.stages import PINNED_HOST
 
 __all__ = [
     "LAYER_INPUT",

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import optax
 
 from jzero import subgroups
-from jzero.plan import Plan, cut_leaf, is_host, on_device, pad_to, unpad_to, update_view
+from jzero.parallel.zero import pad_to, unpad_to
+from jzero.plan import Plan, cut_leaf, is_host, on_device, update_view
 
 __all__ = ["streamed_groups", "streamed_update"]
 

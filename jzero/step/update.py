@@ -33,14 +33,13 @@ from jax.sharding import NamedSharding
 
 from jzero.comm import gather_buckets, spec_axes
 from jzero.optim.master16 import apply_rounded
-from jzero.parallel.zero import axis_entry
+from jzero.parallel.zero import axis_entry, unpad_to
 from jzero.plan import (
     Plan,
     cast_floating,
     on_device,
     to_logical,
     to_stored,
-    unpad_to,
     update_view,
 )
 from jzero.step.state import TrainState, to_device

@@ -20,6 +20,7 @@ import pytest
 from numerics import max_rel_error, needs_float16
 
 import jzero
+from jzero.choices.schedules import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.costs import ModelShape, ParallelDims
 from jzero.demo import gpt
 from jzero.demo.plan import plan_report
@@ -28,7 +29,6 @@ from jzero.hlo.parse import computations
 from jzero.parallel import bubble_fraction, make_schedule
 from jzero.parallel.pipeline import NoLayerScan
 from jzero.parallel.pipeline.layer_split import split_at_layers, stage_unit
-from jzero.parallel.pipeline.schedule import BACKWARD, FORWARD, IDLE, WEIGHT
 from jzero.plan import model_state_bytes
 
 V, D, F, L, T = 32, 16, 32, 4, 8

@@ -61,17 +61,22 @@ def private_imports(root: Path, *, siblings: bool = False) -> list[str]:
     return found
 
 
-def jzero_imports(root: Path, *, run: bool = False) -> list[tuple[str, str]]:
+def jzero_imports(root: Path, *, run: bool = False, typing: bool = True) -> list[tuple[str, str]]:
     """``(file:line, module)`` for each module of ``root``'s package that a module imports
     (``from a.b import c`` names ``a.b``; a relative import is resolved), anywhere in it.
     ``run``: the modules the import runs instead: ``from a.b import c`` names ``a.b.c`` where
     that is a module (and ``a.b`` for the names that are not), and a call
-    ``importlib.import_module("a.b")`` names ``a.b``."""
+    ``importlib.import_module("a.b")`` names ``a.b``. ``typing=False`` leaves out the imports
+    under a top-level ``if TYPE_CHECKING:``, which only type checkers read."""
     found = []
     for path in sorted(root.rglob("*.py")):
         name = _module_name(path, root)
         here = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        skip = set() if typing else _under_type_checking(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.Import):
                 sources = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -91,6 +96,17 @@ def jzero_imports(root: Path, *, run: bool = False) -> list[tuple[str, str]]:
             where = f"{path.relative_to(root.parent)}:{node.lineno}"
             found += [(where, s) for s in sources if s.split(".")[0] == root.name]
     return found
+
+
+def _under_type_checking(tree: ast.Module) -> set[int]:
+    """The ``id`` of every node under the module's top-level ``if TYPE_CHECKING:`` blocks."""
+    return {
+        id(node)
+        for block in tree.body
+        if isinstance(block, ast.If) and _called(block.test) == "TYPE_CHECKING"
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
 
 
 def _imports_by_name(node: ast.AST) -> bool:
@@ -383,9 +399,10 @@ def import_cycles(root: Path) -> list[str]:
     """``a <-> b <-> ...`` (sorted) for each set of ``root``'s modules that import each other
     round a circle: each runs, at import or inside a function, a module that leads back to it
     (:func:`jzero_imports` with ``run``; a package's ``__init__`` counts as its own module, and
-    importing ``a.b`` is not counted as running ``a``)."""
+    importing ``a.b`` is not counted as running ``a``; an import under ``if TYPE_CHECKING:``
+    never runs)."""
     graph: dict[str, set[str]] = {}
-    for where, target in jzero_imports(root, run=True):
+    for where, target in jzero_imports(root, run=True, typing=False):
         module = _module_name(root.parent / where.split(":")[0], root)
         if target != module:
             graph.setdefault(module, set()).add(target)
@@ -406,6 +423,55 @@ def import_cycles(root: Path) -> list[str]:
 
 def test_no_import_cycle_between_jzero_modules():
     assert import_cycles(JZERO) == []
+
+
+def package_loops(root: Path) -> list[str]:
+    """``a <-> b <-> ...`` (sorted) for each set of ``root``'s top-level packages (``jzero.a``
+    stands for every module under ``jzero/a/``) that import each other round a circle through
+    imports that run, at import or inside a function (a ``TYPE_CHECKING`` import does not)."""
+
+    def top(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for where, target in jzero_imports(root, run=True, typing=False):
+        source = top(_module_name(root.parent / where.split(":")[0], root))
+        if top(target) != source:
+            graph.setdefault(source, set()).add(top(target))
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    reached = {p: reach(p) for p in graph}
+    loops = {tuple(sorted(q for q in reached[p] if p in reached.get(q, ()))) for p in reached}
+    return sorted(" <-> ".join(c) for c in loops if c)
+
+
+def test_no_import_loop_between_jzero_packages():
+    # The layers: choices and costs under the plan, the parallelisms' leaf rules under the plan
+    # and their step parts over it (the plan reaches them only as a type).
+    assert package_loops(JZERO) == []
+
+
+def test_the_package_loop_check_counts_imports_that_run(tmp_path):
+    pkg = tmp_path / "jzero"
+    for sub in ("a", "b", "c"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
+    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "a" / "x.py").write_text("from jzero.b.y import f\n")
+    (pkg / "b" / "y.py").write_text("def f():\n    from jzero.a import z\n")  # runs: a loop
+    (pkg / "a" / "z.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from jzero.c import w\n"
+    )
+    (pkg / "c" / "w.py").write_text("import jzero.a.x\n")  # a <- c only as a type: no loop
+    assert package_loops(pkg) == ["jzero.a <-> jzero.b"]
 
 
 def test_the_cycle_check_finds_a_circle_closed_inside_a_function_or_by_name(tmp_path):
@@ -492,13 +558,16 @@ def test_the_signature_check_finds_a_planted_nine_parameter_function(tmp_path):
     ]
 
 
-ABOVE_COSTS = ("jzero.engine", "jzero.demo", "jzero.memory", "jzero.config", "jzero.cli")
+ABOVE_COSTS = (
+    "jzero.engine", "jzero.demo", "jzero.memory", "jzero.config", "jzero.cli", "jzero.plan",
+    "jzero.parallel",
+)  # fmt: skip
 
 
 def costs_imports_above(root: Path) -> list[str]:
     """The imports that lift the cost model above what reads it: ``jzero.costs`` (the pure
-    formulas the estimate and the auto layout both call) importing the engine, the demo, the
-    memory planner, the config or the CLI."""
+    formulas the estimate, the auto layout and the plan's layout all call) importing the engine,
+    the demo, the memory planner, the config, the CLI, the plan or the parallelisms."""
     return _imports_into(root, "jzero.costs", ABOVE_COSTS)
 
 

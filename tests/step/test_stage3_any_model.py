@@ -21,7 +21,7 @@ from numerics import optax_loop
 import jzero
 from jzero.config import JzeroConfigWarning
 from jzero.hlo import collectives
-from jzero.plan import largest_gathered
+from jzero.parallel.zero import largest_gathered
 
 L, D, B = 8, 256, 16
 ITEM = 8  # bytes of a float64 element

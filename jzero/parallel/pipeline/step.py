@@ -20,7 +20,7 @@ Decisions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +30,10 @@ from jzero.parallel.pipeline.backward_split import split_backward
 from jzero.parallel.pipeline.layer_split import split_at_layers, stage_unit
 from jzero.parallel.pipeline.schedule import RunOptions, make_schedule, run, run_forward
 from jzero.parallel.zero import local_loss, reduce_grads
-from jzero.plan import Plan
 from jzero.rewrite import RematPolicy
+
+if TYPE_CHECKING:
+    from jzero.plan import Plan
 
 __all__ = ["pipelined_grads", "pipelined_loss", "scatters_each_micro_batch"]
 

@@ -50,15 +50,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
-from jzero.plan import Plan, largest_gathered, pad_to
+from jzero.parallel.zero.leaf_rule import largest_gathered, pad_to
 from jzero.rewrite import GatherOptions, Partition, RematPolicy, gather_at_use
+
+if TYPE_CHECKING:
+    from jzero.plan import Plan
 
 __all__ = [
     "local_loss",
