@@ -4,7 +4,8 @@ Run: ``python benchmarks/house.py [ROOT]`` (default: this checkout; any checkout
 older commit's ``git archive``, to compare). Prints:
 
 * modules, packages, lines, and the import edges between jzero's modules (imports inside
-  functions counted); import cycles between modules;
+  functions counted, those under ``if TYPE_CHECKING:`` not: they never run); import cycles
+  between modules, and loops between packages;
 * the largest files and functions (lines);
 * public functions and methods over 8 parameters (``self``/``cls``, ``*args``, ``**kwargs`` not
   counted);
@@ -43,13 +44,29 @@ def _resolve(name: str, mods: dict[str, Path]) -> str | None:
     return name or None
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ``id`` of each node under a top-level ``if TYPE_CHECKING:`` (never run)."""
+    return {
+        id(node)
+        for block in tree.body
+        if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+
+
 def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
-    """Edges module -> module, and each private name imported from another module."""
+    """Edges module -> module through imports that run (at import or inside a function; not
+    those under ``if TYPE_CHECKING:``), and each private name imported from another module."""
     edges: dict[str, set[str]] = defaultdict(set)
     private = []
     for name, path in mods.items():
         here = _package(name, path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skip = _type_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -180,6 +197,17 @@ def main() -> None:
     )
     found = cycles(edges)
     print(f"  import cycles: {len(found)}" + "".join(f"\n    {' <-> '.join(c)}" for c in found))
+    top = defaultdict(set)  # jzero.a stands for every module under jzero/a/
+    for a, targets in edges.items():
+        for b in targets:
+            pa, pb = (".".join(m.split(".")[:2]) for m in (a, b))
+            if pa != pb:
+                top[pa].add(pb)
+    loops = cycles(top)
+    print(
+        f"  loops between packages: {len(loops)}"
+        + "".join(f"\n    {' <-> '.join(c)}" for c in loops)
+    )
     print("  largest files:")
     for n in sorted(lines, key=lines.get, reverse=True)[:5]:
         print(f"    {lines[n]:>5}  {mods[n].relative_to(root)}")

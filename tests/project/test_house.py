@@ -10,6 +10,7 @@ another package needs is public API of its package. Imports inside functions cou
 """
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from repo import ROOT
@@ -395,17 +396,15 @@ def test_the_sibling_check_finds_a_private_name_imported_within_its_package(tmp_
     ]
 
 
-def import_cycles(root: Path) -> list[str]:
-    """``a <-> b <-> ...`` (sorted) for each set of ``root``'s modules that import each other
-    round a circle: each runs, at import or inside a function, a module that leads back to it
-    (:func:`jzero_imports` with ``run``; a package's ``__init__`` counts as its own module, and
-    importing ``a.b`` is not counted as running ``a``; an import under ``if TYPE_CHECKING:``
-    never runs)."""
+def _circles(root: Path, node: Callable[[str], str]) -> list[str]:
+    """``a <-> b <-> ...`` (sorted) for each set of ``node``s (of ``root``'s modules) that reach
+    each other round a circle through imports that run (:func:`jzero_imports` with ``run``, at
+    import or inside a function; an import under ``if TYPE_CHECKING:`` never runs)."""
     graph: dict[str, set[str]] = {}
     for where, target in jzero_imports(root, run=True, typing=False):
-        module = _module_name(root.parent / where.split(":")[0], root)
-        if target != module:
-            graph.setdefault(module, set()).add(target)
+        source = node(_module_name(root.parent / where.split(":")[0], root))
+        if node(target) != source:
+            graph.setdefault(source, set()).add(node(target))
 
     def reach(start: str) -> set[str]:
         seen, todo = set(), [start]
@@ -421,36 +420,20 @@ def import_cycles(root: Path) -> list[str]:
     return sorted(" <-> ".join(c) for c in circles if c)
 
 
+def import_cycles(root: Path) -> list[str]:
+    """The circles between ``root``'s modules (:func:`_circles`; a package's ``__init__``
+    counts as its own module, and importing ``a.b`` is not counted as running ``a``)."""
+    return _circles(root, lambda module: module)
+
+
 def test_no_import_cycle_between_jzero_modules():
     assert import_cycles(JZERO) == []
 
 
 def package_loops(root: Path) -> list[str]:
-    """``a <-> b <-> ...`` (sorted) for each set of ``root``'s top-level packages (``jzero.a``
-    stands for every module under ``jzero/a/``) that import each other round a circle through
-    imports that run, at import or inside a function (a ``TYPE_CHECKING`` import does not)."""
-
-    def top(module: str) -> str:
-        return ".".join(module.split(".")[:2])
-
-    graph: dict[str, set[str]] = {}
-    for where, target in jzero_imports(root, run=True, typing=False):
-        source = top(_module_name(root.parent / where.split(":")[0], root))
-        if top(target) != source:
-            graph.setdefault(source, set()).add(top(target))
-
-    def reach(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    reached = {p: reach(p) for p in graph}
-    loops = {tuple(sorted(q for q in reached[p] if p in reached.get(q, ()))) for p in reached}
-    return sorted(" <-> ".join(c) for c in loops if c)
+    """The circles between ``root``'s top-level packages (:func:`_circles`; ``jzero.a`` stands
+    for every module under ``jzero/a/``)."""
+    return _circles(root, lambda module: ".".join(module.split(".")[:2]))
 
 
 def test_no_import_loop_between_jzero_packages():
