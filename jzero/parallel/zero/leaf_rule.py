@@ -43,27 +43,21 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.choices.stages import StageSpec
-
-if TYPE_CHECKING:
-    from jzero.plan import Plan
 
 __all__ = [
     "LeafPlan",
     "axis_entry",
     "divisible_dim",
     "is_contiguous",
-    "largest_gathered",
     "pad_to",
     "padded_size",
     "shard_dim",
@@ -285,45 +279,6 @@ def _mergeable(shape: tuple[int, ...], num_shards: int, free: Sequence[bool]) ->
             return 1
         rest //= max(n, 1)
     return 1
-
-
-def largest_gathered(plan: Plan, in_bytes: bool = False) -> tuple[int, str]:
-    """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
-    time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
-    sharded at rest.
-
-    Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
-    its siblings: two or more leaves of one parent with the same leading dimension (> 1)
-    are taken for a layer stack, gathered one slice at a time.
-
-    Args:
-      plan: the plan.
-      in_bytes: count bytes of the compute dtype instead of elements.
-    """
-    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(plan.compute_params)]
-    parents: dict[str, set[int | None]] = {}
-    for leaf in plan.leaves:
-        lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
-        parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
-    siblings = Counter(leaf.path.rpartition(".")[0] for leaf in plan.leaves)
-    best, path = 0, ""
-    for leaf, dtype in zip(plan.leaves, dtypes, strict=True):
-        if leaf.param_dim is None:
-            continue
-        size = math.prod(leaf.shape)
-        if plan.layers_traced:  # from the traced loss: a scan gathers one slice at a time
-            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
-                size //= leaf.shape[leaf.layer_dim]
-        else:
-            parent = leaf.path.rpartition(".")[0]
-            leads = parents[parent]
-            if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
-                if leaf.shape[0] > 1:  # the trace moves it off the layer dimension
-                    size //= leaf.shape[0]
-        size *= dtype.itemsize if in_bytes else 1
-        if size > best:
-            best, path = size, leaf.path
-    return best, path
 
 
 def pad_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -49,21 +49,24 @@ Decisions:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import over_axes, quantized_psum_scatter, reduce_buckets
-from jzero.parallel.zero.leaf_rule import largest_gathered, pad_to
+from jzero.parallel.zero.leaf_rule import pad_to
 from jzero.rewrite import GatherOptions, Partition, RematPolicy, gather_at_use
 
 if TYPE_CHECKING:
     from jzero.plan import Plan
 
 __all__ = [
+    "largest_gathered",
     "local_loss",
     "reduce_grads",
     "scattered_leaves",
@@ -123,6 +126,45 @@ def local_loss(
             axes=[plan.leaf_axes(i) for i in range(len(plan.leaves))],
         )
     return loss_fn
+
+
+def largest_gathered(plan: Plan, in_bytes: bool = False) -> tuple[int, str]:
+    """The most stage 3 gathers at once, and the leaf: a scanned leaf one layer slice at a
+    time (its ``layer_dim``), any other sharded leaf whole; ``(0, "")`` when nothing is
+    sharded at rest.
+
+    Before the loss is traced (``layers_traced`` false) a stacked leaf is recognised by
+    its siblings: two or more leaves of one parent with the same leading dimension (> 1)
+    are taken for a layer stack, gathered one slice at a time.
+
+    Args:
+      plan: the plan.
+      in_bytes: count bytes of the compute dtype instead of elements.
+    """
+    dtypes = [np.dtype(x.dtype) for x in jax.tree.leaves(plan.compute_params)]
+    parents: dict[str, set[int | None]] = {}
+    for leaf in plan.leaves:
+        lead = leaf.shape[0] if len(leaf.shape) >= 2 else None
+        parents.setdefault(leaf.path.rpartition(".")[0], set()).add(lead)
+    siblings = Counter(leaf.path.rpartition(".")[0] for leaf in plan.leaves)
+    best, path = 0, ""
+    for leaf, dtype in zip(plan.leaves, dtypes, strict=True):
+        if leaf.param_dim is None:
+            continue
+        size = math.prod(leaf.shape)
+        if plan.layers_traced:  # from the traced loss: a scan gathers one slice at a time
+            if leaf.layer_dim is not None and leaf.param_dim != leaf.layer_dim:
+                size //= leaf.shape[leaf.layer_dim]
+        else:
+            parent = leaf.path.rpartition(".")[0]
+            leads = parents[parent]
+            if siblings[parent] >= 2 and len(leads) == 1 and None not in leads:
+                if leaf.shape[0] > 1:  # the trace moves it off the layer dimension
+                    size //= leaf.shape[0]
+        size *= dtype.itemsize if in_bytes else 1
+        if size > best:
+            best, path = size, leaf.path
+    return best, path
 
 
 def _prefetch(plan: Plan) -> int:
