@@ -114,7 +114,7 @@ def _quiet_failed_writes() -> None:
 
 # Orbax splits an array that several devices hold whole among them to write it (replica-parallel
 # saving), each device a slice: every slice of a new shape is a small program compiled on the spot,
-# about 40 on a first stage-3 save of a tiny GPT on 8 devices (2.7 s against 0.8 s without). The
+# 48 on a first stage-3 save of a tiny GPT on 8 devices (1.46 CPU-s against 0.44 without). The
 # leaves ZeRO leaves whole are the small ones (biases, norms, counters), where a slice saves no
 # time: arrays whose slices would be under 1 MiB are written whole by one device.
 MIN_REPLICA_SLICE_BYTES = 1 << 20

@@ -3,11 +3,11 @@
 Pure formulas over (model shape, layout, rates).
 
 Import direction: imports only the stage table and the pipeline's schedule tables
-(:mod:`jzero.choices`, so the formulas load without JAX), never the parallelisms, the engine, the
-demo, the
-memory planner, the config or the CLI (``tests/project/test_house.py`` checks it); read by
-:func:`jzero.memory.estimate` (``jzero estimate``) and by the auto layout's ranking
-(:mod:`jzero.engine.auto_layout`, ``jzero plan --auto``), so the two never count a byte apart.
+(:mod:`jzero.choices`, so the formulas load without JAX), never the plan, the parallelisms, the
+engine, the demo, the memory planner, the config or the CLI (``tests/project/test_house.py``
+checks it); read by :func:`jzero.memory.estimate` (``jzero estimate``) and by the auto layout's
+ranking (:mod:`jzero.engine.auto_layout`, ``jzero plan --auto``), so the two never count a byte
+apart.
 
 * :mod:`~jzero.costs.shapes`: the values: :class:`ModelShape` (with its
   :class:`Techniques`, how its layers keep activations), :class:`ParallelDims` (the mesh's

@@ -130,7 +130,7 @@ from jzero.memory._plot import plot_bars
 from jzero.memory._sequence import SequenceReport, sequence_report
 
 if TYPE_CHECKING:
-    from jzero.choices.pipeline import Schedule
+    from jzero.choices.schedules import Schedule
 
 __all__ = ["Estimate", "EstimateRow", "Offload", "estimate"]
 

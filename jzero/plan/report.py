@@ -1,5 +1,5 @@
 """What a :class:`~jzero.plan.Plan` costs and how it reads: bytes per device and the table
-:func:`describe` prints (stage 3's largest gather is the leaf rule's:
+:func:`describe` prints (stage 3's largest gather is ZeRO's step part's:
 :func:`jzero.parallel.zero.largest_gathered`).
 
 Decisions:

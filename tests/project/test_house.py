@@ -182,12 +182,19 @@ def test_the_memory_estimator_imports_no_engine_and_no_model():
     assert memory_imports_above(JZERO) == []
 
 
-def test_the_memory_check_finds_an_engine_or_a_model_imported(tmp_path):
+def planted(tmp_path: Path, subs: tuple[str, ...], init: str = '"""The package."""\n') -> Path:
+    """A planted ``jzero`` package under ``tmp_path`` for a check's companion test: the
+    subpackages ``subs``, each with a docstring ``__init__``, and the top ``__init__`` ``init``."""
     pkg = tmp_path / "jzero"
-    for sub in ("memory", "engine", "demo", "plan"):
+    for sub in subs:
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text('"""A package."""\n')
-    (pkg / "__init__.py").write_text('"""The package."""\n')
+    (pkg / "__init__.py").write_text(init)
+    return pkg
+
+
+def test_the_memory_check_finds_an_engine_or_a_model_imported(tmp_path):
+    pkg = planted(tmp_path, ("memory", "engine", "demo", "plan"))
     (pkg / "memory" / "a.py").write_text(
         "from jzero.plan import make_plan\n\n\ndef f():\n    from jzero.engine import initialize\n"
     )
@@ -205,11 +212,7 @@ def test_the_core_and_the_config_import_nothing_of_each_other():
 
 
 def test_the_import_check_finds_the_core_reading_the_config_and_back(tmp_path):
-    pkg = tmp_path / "jzero"
-    for sub in ("config", "plan", "step", "choices", "parallel", "engine"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
-    (pkg / "__init__.py").write_text('"""The package."""\n')
+    pkg = planted(tmp_path, ("config", "plan", "step", "choices", "parallel", "engine"))
     (pkg / "plan" / "a.py").write_text("from jzero.choices import stages\nimport jzero.config\n")
     (pkg / "step" / "b.py").write_text("def f():\n    from ..engine import settings\n")
     (pkg / "config" / "c.py").write_text(
@@ -230,11 +233,7 @@ def test_no_private_name_is_imported_from_another_package():
 
 
 def test_the_check_finds_a_private_import_from_another_package(tmp_path):
-    pkg = tmp_path / "jzero"
-    (pkg / "a").mkdir(parents=True)
-    (pkg / "b").mkdir()
-    for init in (pkg, pkg / "a", pkg / "b"):
-        (init / "__init__.py").write_text('"""A package."""\n')
+    pkg = planted(tmp_path, ("a", "b"), init='"""A package."""\n')
     (pkg / "a" / "x.py").write_text("def _hidden():\n    pass\n\n\ndef shown():\n    pass\n")
     (pkg / "a" / "y.py").write_text("from jzero.a.x import _hidden\nfrom .x import _hidden as h\n")
     (pkg / "b" / "z.py").write_text(
@@ -375,11 +374,7 @@ def test_no_module_imports_a_private_name_of_a_sibling_module():
 
 
 def test_the_sibling_check_finds_a_private_name_imported_within_its_package(tmp_path):
-    pkg = tmp_path / "jzero"
-    (pkg / "a").mkdir(parents=True)
-    (pkg / "b").mkdir()
-    for init in (pkg, pkg / "a", pkg / "b"):
-        (init / "__init__.py").write_text('"""A package."""\n')
+    pkg = planted(tmp_path, ("a", "b"), init='"""A package."""\n')
     (pkg / "a" / "_helpers.py").write_text("def shown():\n    pass\n")
     (pkg / "a" / "x.py").write_text("def _hidden():\n    pass\n\n\ndef shown():\n    pass\n")
     (pkg / "a" / "y.py").write_text(
@@ -443,11 +438,7 @@ def test_no_import_loop_between_jzero_packages():
 
 
 def test_the_package_loop_check_counts_imports_that_run(tmp_path):
-    pkg = tmp_path / "jzero"
-    for sub in ("a", "b", "c"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
-    (pkg / "__init__.py").write_text('"""The package."""\n')
+    pkg = planted(tmp_path, ("a", "b", "c"))
     (pkg / "a" / "x.py").write_text("from jzero.b.y import f\n")
     (pkg / "b" / "y.py").write_text("def f():\n    from jzero.a import z\n")  # runs: a loop
     (pkg / "a" / "z.py").write_text(
@@ -458,11 +449,7 @@ def test_the_package_loop_check_counts_imports_that_run(tmp_path):
 
 
 def test_the_cycle_check_finds_a_circle_closed_inside_a_function_or_by_name(tmp_path):
-    pkg = tmp_path / "jzero"
-    for sub in ("a", "b", "c"):
-        (pkg / sub).mkdir(parents=True)
-        (pkg / sub / "__init__.py").write_text('"""A package."""\n')
-    (pkg / "__init__.py").write_text('"""The package."""\n\nfrom jzero import a\n')
+    pkg = planted(tmp_path, ("a", "b", "c"), init='"""The package."""\n\nfrom jzero import a\n')
     (pkg / "a" / "x.py").write_text("from jzero.b import y\n")
     (pkg / "b" / "y.py").write_text(
         "import importlib\n\n\ndef f():\n    return importlib.import_module('jzero.a.x')\n"

@@ -40,9 +40,9 @@ Decisions:
   place of the residuals' buffer and read back by the pass's backward (or weight) pass. A
   residual that is one of the stage's parameters is not buffered (the pullback reads the
   parameter itself). The table gives each value the least place free when it is written
-  (:class:`Buffer`), so a buffer has as many places as values alive at once: ``M`` under
-  GPipe, ``P`` under 1F1B. That is the whole difference in activation memory between the two
-  schedules, and the compiled program's temporaries show it.
+  (:class:`jzero.choices.schedules.Buffer`), so a buffer has as many places as values alive at
+  once: ``M`` under GPipe, ``P`` under 1F1B. That is the whole difference in activation
+  memory between the two schedules, and the compiled program's temporaries show it.
 * **Only the transfers the schedule needs.** A forward pass's activations go to the next
   stage, a backward pass's input gradient to the previous one, and nothing else moves: each
   micro-batch crosses each stage boundary once forward and once back, ``2 M (P - 1)``
