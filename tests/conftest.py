@@ -8,6 +8,10 @@ two files or two processes compile identically is compiled once per run. The fol
 removed when the run ends. ``JZERO_TEST_COMPILE_CACHE=off`` runs without it, ``=DIR`` keeps it
 in DIR (and keeps DIR).
 
+Python's cyclic garbage collector runs rarely in the test processes, and not over what was
+imported before the tests (``tests/support/collector.py``: a tenth of a test file's CPU went
+to it).
+
 The layout: ``tests/<package>/`` holds the tests of ``jzero/<package>/``; ``tests/support/``
 the helpers they import (``toy``, ``numerics``, ``procs``, ...) and the scripts they start as
 child processes; ``tests/fixtures/`` data. Shared fixtures:
@@ -51,9 +55,12 @@ if _CACHE_VAR in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
+import collector  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from procs import Children  # noqa: E402
+
+collector.space_out()
 
 
 def pytest_configure(config):
@@ -68,6 +75,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "filterwarnings", "ignore:Error reading persistent compilation cache entry"
     )
+
+
+def pytest_collection_finish(session):
+    collector.freeze_imports()  # the test modules and what they imported
 
 
 def pytest_unconfigure(config):

@@ -31,6 +31,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import collector
 import jax
 from procs import device_env
 from repo import ROOT
@@ -129,6 +130,8 @@ def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     sys.path.insert(0, str(BENCHMARKS))
+    collector.space_out()
+    collector.freeze_imports()
     for name, script, args in runs:
         run(name, script, args, out)
 
