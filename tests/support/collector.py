@@ -1,5 +1,6 @@
-"""Python's cyclic garbage collector, spaced out for a process that traces and compiles many
-programs (a pytest worker, the benchmark smoke child).
+"""Python's cyclic garbage collector, spaced out for a test process that traces and compiles
+many programs: the pytest workers (``tests/conftest.py``), the benchmark smoke child
+(``bench_smoke.py``) and the two-process session's processes (``dist_session.py``).
 
 JAX's tracing makes many short-lived container objects, so the collector's default thresholds
 (a young collection every 700 allocations) run it thousands of times in one test file, and each
